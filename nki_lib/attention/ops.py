@@ -1,0 +1,243 @@
+"""``torch.ops.nki.flash_attention`` and its backward op: validation, fake, autograd, paths.
+
+Forward:  flash_attention(q, k, v, sinks=None, cu_seqlens=None, *, causal=False, scale=None,
+                          window_left=-1, window_right=-1, softcap=0.0) -> (out, lse)
+Backward: flash_attention_backward(dout, dlse, q, k, v, out, lse, sinks=None, cu_seqlens=None,
+                                   *, causal, scale, window_left, window_right, softcap)
+          -> (dq, dk, dv, dsinks)
+Semantics: api-contract §3. Shapes: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), lse (B, Hq, Sq).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nki_lib import registry
+from nki_lib.attention import reference
+from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
+from nki_lib.dispatch import dispatch
+from nki_lib.registry import OpSpec, Sample
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+
+
+# --------------------------------------------------------------------------- validation
+
+def _check_tensor(name, t, *, rank, dtypes=FLOAT_DTYPES):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+def validate(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_right, softcap):
+    """Shape/dtype/argument checks (no data access: safe under fake tensors)."""
+    _check_tensor("q", q, rank=4)
+    _check_tensor("k", k, rank=4)
+    _check_tensor("v", v, rank=4)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
+    b, hq, sq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[0] != b:
+        raise ValueError(f"k must have batch size {b} (from q), got {k.shape[0]}")
+    if k.shape[3] != d:
+        raise ValueError(f"k must have head dim {d} (from q), got {k.shape[3]}")
+    hkv = k.shape[1]
+    if hkv < 1 or hq % hkv != 0:
+        raise ValueError(f"the number of q heads ({hq}) must be a multiple of the number of k/v heads ({hkv})")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"q head dim D must be in [1, {MAX_HEAD_DIM}], got {d}")
+    if sq < 1 or k.shape[2] < 1:
+        raise ValueError(f"q and k sequence lengths must be >= 1, got Sq={sq}, Sk={k.shape[2]}")
+    for name, w in (("window_left", window_left), ("window_right", window_right)):
+        if not isinstance(w, int) or isinstance(w, bool):
+            raise TypeError(f"{name} must be an int, got {type(w).__name__}")
+        if w < -1:
+            raise ValueError(f"{name} must be -1 (unbounded) or >= 0, got {w}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise ValueError(f"scale must be None or a finite float, got {scale!r}")
+    if not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite float >= 0, got {softcap!r}")
+    if sinks is not None:
+        allowed = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+        _check_tensor("sinks", sinks, rank=1, dtypes=allowed)
+        if sinks.shape[0] != hq:
+            raise ValueError(f"sinks must have shape ({hq},) (one logit per q head), got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks must be on the device of q ({q.device}), got {sinks.device}")
+    if cu_seqlens is not None:
+        _check_tensor("cu_seqlens", cu_seqlens, rank=1, dtypes=(torch.int32,))
+        if b != 1:
+            raise ValueError(f"cu_seqlens requires batch size 1 (packed documents), got B={b}")
+        if sq != k.shape[2]:
+            raise ValueError(f"cu_seqlens requires Sq == Sk, got Sq={sq}, Sk={k.shape[2]}")
+        if cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must have N+1 >= 2 entries, got {cu_seqlens.shape[0]}")
+        if cu_seqlens.device != q.device:
+            raise ValueError(f"cu_seqlens must be on the device of q ({q.device}), got {cu_seqlens.device}")
+
+
+def validate_cu_seqlens_values(cu_seqlens, seqlen):
+    """Data checks of cu_seqlens (real tensors only)."""
+    values = cu_seqlens.to("cpu", torch.int64)
+    if int(values[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(values[0])}")
+    if bool((values[1:] < values[:-1]).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    if int(values[-1]) != seqlen:
+        raise ValueError(f"cu_seqlens must end at the sequence length {seqlen}, got {int(values[-1])}")
+
+
+def _lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+# --------------------------------------------------------------------------- forward op
+
+@torch.library.custom_op("nki::flash_attention", mutates_args=())
+def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       sinks: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, *,
+                       causal: bool = False, scale: float | None = None, window_left: int = -1,
+                       window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    flags = dict(causal=causal, scale=scale, window_left=window_left, window_right=window_right,
+                 softcap=softcap)
+    validate(q, k, v, sinks, cu_seqlens, **flags)
+    if cu_seqlens is not None:
+        validate_cu_seqlens_values(cu_seqlens, q.shape[2])
+    if q.shape[0] == 0:
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
+    resolved = dict(flags, scale=reference.resolve_scale(scale, q.shape[-1]))
+
+    def kernel():
+        from nki_lib.attention.kernels import fwd
+        return fwd.flash_fwd(q, k, v, sinks, cu_seqlens, **resolved)
+
+    out, lse = dispatch("flash_attention", (q, k, v, sinks), kernel=kernel,
+                        reference=lambda: reference.flash_attention(q, k, v, sinks, cu_seqlens, **flags))
+    return out.contiguous(), lse.contiguous()
+
+
+@flash_attention_op.register_fake
+def _(q, k, v, sinks=None, cu_seqlens=None, *, causal=False, scale=None, window_left=-1,
+      window_right=-1, softcap=0.0):
+    validate(q, k, v, sinks, cu_seqlens, causal=causal, scale=scale, window_left=window_left,
+             window_right=window_right, softcap=softcap)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
+
+
+# --------------------------------------------------------------------------- backward op
+
+@torch.library.custom_op("nki::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor,
+                                k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                lse: torch.Tensor, sinks: torch.Tensor | None = None,
+                                cu_seqlens: torch.Tensor | None = None, *, causal: bool = False,
+                                scale: float | None = None, window_left: int = -1,
+                                window_right: int = -1, softcap: float = 0.0
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    flags = dict(causal=causal, scale=scale, window_left=window_left, window_right=window_right,
+                 softcap=softcap)
+    if q.shape[0] == 0:
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                q.new_zeros(q.shape[1], dtype=_lse_dtype(q)))
+    resolved = dict(flags, scale=reference.resolve_scale(scale, q.shape[-1]))
+
+    def kernel():
+        from nki_lib.attention.kernels import bwd
+        return bwd.flash_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, **resolved)
+
+    grads = dispatch("flash_attention_backward", (dout, q, k, v, sinks), kernel=kernel,
+                     reference=lambda: reference.flash_attention_backward(
+                         dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, **flags))
+    return tuple(g.contiguous() for g in grads)
+
+
+@flash_attention_backward_op.register_fake
+def _(dout, dlse, q, k, v, out, lse, sinks=None, cu_seqlens=None, *, causal=False, scale=None,
+      window_left=-1, window_right=-1, softcap=0.0):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((q.shape[1],), dtype=_lse_dtype(q)))
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, sinks, cu_seqlens = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, sinks, cu_seqlens)
+    ctx.flags = dict(keyword_only_inputs)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, sinks, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.nki.flash_attention_backward(
+        zeros_if_none(dout, out), zeros_if_none(dlse, lse), q, k, v, out, lse, sinks, cu_seqlens,
+        **ctx.flags)
+    dsinks = None if sinks is None else dsinks.to(sinks.dtype)
+    return masked_grads(ctx.needs_input_grad, (dq, dk, dv, dsinks, None))
+
+
+flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
+forbid_double_backward(flash_attention_backward_op, "flash_attention")
+
+
+# --------------------------------------------------------------------------- registry entry
+
+def _make(shape_q, shape_kv, dtype, requires_grad, *, sinks=False, seed=0, **kwargs):
+    gen = torch.Generator().manual_seed(seed)
+    mk = lambda s: torch.randn(s, generator=gen, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)  # noqa: E731
+    args = [mk(shape_q), mk(shape_kv), mk(shape_kv)]
+    sinks_t = None
+    if sinks:
+        sink_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        sinks_t = torch.randn(shape_q[1], generator=gen).to(sink_dtype).requires_grad_(requires_grad)
+    cu = kwargs.pop("cu_seqlens", None)
+    if cu is not None:
+        cu = torch.tensor(cu, dtype=torch.int32)
+    label = f"q{tuple(shape_q)} kv{tuple(shape_kv)} {str(dtype).replace('torch.', '')}"
+    label += "".join(f" {k}={v}" for k, v in kwargs.items()) + (" sinks" if sinks else "")
+    label += " packed" if cu is not None else ""
+    return Sample((*args, sinks_t, cu), kwargs, label)
+
+
+def _samples(dtype, requires_grad):
+    return [
+        _make((1, 2, 17, 8), (1, 2, 17, 8), dtype, requires_grad),
+        _make((2, 4, 33, 16), (2, 2, 20, 16), dtype, requires_grad, causal=True),
+        _make((1, 2, 24, 8), (1, 1, 40, 8), dtype, requires_grad, sinks=True, window_left=5,
+              window_right=3, softcap=5.0, scale=0.3),
+        _make((1, 2, 30, 8), (1, 2, 30, 8), dtype, requires_grad, causal=True,
+              cu_seqlens=[0, 7, 7, 19, 30]),
+    ]
+
+
+def _report_samples():
+    bf16 = torch.bfloat16
+    return [
+        _make((1, 2, 512, 128), (1, 2, 512, 128), bf16, True, causal=True),
+        _make((1, 4, 384, 64), (1, 1, 640, 64), bf16, True, causal=True),
+        _make((1, 2, 300, 128), (1, 2, 300, 128), bf16, True, sinks=True, window_left=128,
+              window_right=0, softcap=30.0),
+        _make((1, 2, 256, 64), (1, 2, 256, 64), bf16, True, causal=True,
+              cu_seqlens=[0, 100, 130, 256]),
+        _make((1, 2, 200, 256), (1, 2, 136, 256), torch.float32, True),
+    ]
+
+
+SPEC = registry.register(OpSpec(
+    name="flash_attention",
+    naive=reference.naive,
+    samples=_samples,
+    report_samples=_report_samples,
+    backward_name="flash_attention_backward",
+))

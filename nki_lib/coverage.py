@@ -1,0 +1,88 @@
+"""The coverage ledger: which path served each op call, and why any call fell back.
+
+``nki_lib.coverage()`` returns a ``Coverage`` snapshot: ``{op: {path: PathStats}}`` where
+``PathStats`` has ``calls`` and ``fallbacks`` (reason -> count; a fallback is counted under the
+path that could not serve the call, and the call itself under ``reference``). It also counts the
+distinct kernel specializations per op (each distinct static shape/dtype/flag set is one device
+compilation). ``print(nki_lib.coverage())`` prints a table.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PathStats:
+    calls: int = 0
+    fallbacks: Counter = field(default_factory=Counter)
+
+
+class Coverage(dict):
+    """Snapshot of the ledger: ``{op: {path: PathStats}}`` plus ``specializations``."""
+
+    def __init__(self, data: dict, specializations: dict[str, int]):
+        super().__init__(data)
+        self.specializations = specializations
+
+    def __str__(self) -> str:
+        header = ("op", "path", "calls", "kernel specializations", "fallback reasons")
+        rows = [header]
+        for op in sorted(self):
+            for path in sorted(self[op]):
+                stats = self[op][path]
+                reasons = "; ".join(f"{r} (x{n})" for r, n in sorted(stats.fallbacks.items())) or "-"
+                spec = str(self.specializations.get(op, 0)) if path != "reference" else "-"
+                rows.append((op, path, str(stats.calls), spec, reasons))
+        if len(rows) == 1:
+            return "coverage: no nki op has been called"
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+class _Ledger:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._stats: dict[str, dict[str, PathStats]] = defaultdict(lambda: defaultdict(PathStats))
+            self._specializations: dict[str, set] = defaultdict(set)
+
+    def record_call(self, op: str, path: str) -> None:
+        with self._lock:
+            self._stats[op][path].calls += 1
+
+    def record_fallback(self, op: str, path: str, reason: str) -> None:
+        with self._lock:
+            self._stats[op][path].fallbacks[reason] += 1
+
+    def record_specialization(self, op: str, key: tuple) -> None:
+        with self._lock:
+            self._specializations[op].add(key)
+
+    def snapshot(self) -> Coverage:
+        with self._lock:
+            data = {
+                op: {p: PathStats(s.calls, Counter(s.fallbacks)) for p, s in paths.items()}
+                for op, paths in self._stats.items()
+            }
+            specs = {op: len(keys) for op, keys in self._specializations.items()}
+        return Coverage(data, specs)
+
+
+LEDGER = _Ledger()
+
+
+def coverage() -> Coverage:
+    """Per op and path: calls, fallback reasons with counts, and kernel specializations."""
+    return LEDGER.snapshot()
+
+
+def reset_coverage() -> None:
+    LEDGER.reset()

@@ -1,0 +1,71 @@
+"""The op registry: one declaration per op drives the contract tests, parity tests, the report
+and the benchmarks, so a new op gets them for free.
+
+Each family declares an :class:`OpSpec` next to its op (``<family>/ops.py``) and calls
+:func:`register`. ``naive`` is the plain, dense PyTorch formula with the op's signature; it
+computes in the dtype of its inputs and is differentiable by autograd. Called on float64 inputs it
+is the fp64 *oracle*; called on low-precision inputs it is the *baseline* ("plain PyTorch in the
+same low precision") of the parity rule in :mod:`nki_lib.numerics`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One call: positional tensor arguments and keyword arguments, with a readable label."""
+
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    label: str = ""
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> "Sample":
+        conv = lambda v: fn(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return Sample(tuple(conv(a) for a in self.args), {k: conv(v) for k, v in self.kwargs.items()}, self.label)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str                                         # torch.ops.nki.<name>
+    naive: Callable[..., Any]                         # dense plain-PyTorch formula (oracle / baseline)
+    samples: Callable[[torch.dtype, bool], list[Sample]]   # small cases: (dtype, requires_grad)
+    report_samples: Callable[[], list[Sample]]        # representative shapes for the main job
+    differentiable: bool = True
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+    backward_name: str | None = None                  # torch.ops.nki.<backward_name>, if any
+    cost: Callable[[Sample], Any] | None = None       # FLOP/byte/element formulas (nki_lib.bench.flops)
+
+    @property
+    def op(self):
+        return getattr(torch.ops.nki, self.name)
+
+    def float_inputs(self, sample: Sample) -> list[str]:
+        """Names (positional index as str) of floating tensor arguments that require grad."""
+        return [str(i) for i, a in enumerate(sample.args)
+                if isinstance(a, torch.Tensor) and a.is_floating_point() and a.requires_grad]
+
+
+_REGISTRY: dict[str, OpSpec] = {}
+
+
+def register(spec: OpSpec) -> OpSpec:
+    """Register (idempotently: re-registering the same name replaces the entry)."""
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def get(name: str) -> OpSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown op {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def all_specs() -> list[OpSpec]:
+    return [_REGISTRY[name] for name in sorted(_REGISTRY)]

@@ -1,0 +1,245 @@
+"""List scheduler over a simulator trace (``trainium-cost-model.md`` §7.4).
+
+Each physical core (one program of an LNC launch) has its own engines: ``tensor``, ``vector``,
+``scalar``, ``gpsimd``, ``sync`` and a pool of 16 DMA engines. Instructions are visited in
+program order. An instruction starts when
+
+* its engine is free (each compute engine runs its stream in program order), and
+* every instruction it depends on is complete. Dependencies are RAW, WAR and WAW overlaps of
+  buffer regions ``(buffer_id, partitions, byte_range)``; a producer is complete ``latency_ns``
+  after its service ends (PE result latency, DVE/ACT semaphore intercepts, DMA 1.3 us), and
+* (PSUM accesses) its PSUM bank is free: a bank holds one buffer at a time, and a buffer that
+  takes over a bank waits until every access to the previous buffer there has completed.
+
+A DMA occupies the ``E_used`` earliest-free DMA engines for its service time; with ``hwdge`` or
+``swdge`` its descriptor generation first occupies the triggering engine (in that engine's
+program order). ScalarE pays ``act_table_load_ns`` whenever it runs a table function other than
+the one loaded. TensorE throttling (§2.1): a PE instruction that starts after the PE has been
+idle long enough for utilisation to fall below the threshold starts a new ramp; until the ramp
+ends it runs at ``start_frac + (1 - start_frac) * t / ramp`` of full speed.
+
+``core_barrier`` joins the programs of an LNC2 launch: every program resumes at the latest
+arrival plus ``barrier_ns``; the barrier is a fence for all engines of its program.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .constants import HardwareParams
+from .costs import InstrCost, instruction_cost
+
+__all__ = ["ENGINES", "ProgramResult", "schedule_programs"]
+
+ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma", "sync")
+_BARRIERS = ("core_barrier", "barrier")
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    return a[0] < b[1] and b[0] < a[1] and a[2] < b[3] and b[2] < a[3]
+
+
+def _contains(outer: tuple, inner: tuple) -> bool:
+    return outer[0] <= inner[0] and inner[1] <= outer[1] and outer[2] <= inner[2] and inner[3] <= outer[3]
+
+
+def _region(access) -> tuple:
+    return (access.partitions[0], access.partitions[1], access.byte_range[0], access.byte_range[1])
+
+
+class _Regions:
+    """Last completion time of the writes and reads of every buffer region."""
+
+    def __init__(self) -> None:
+        self.writes: dict[int, dict[tuple, float]] = defaultdict(dict)
+        self.reads: dict[int, dict[tuple, float]] = defaultdict(dict)
+
+    def ready(self, entry) -> float:
+        t = 0.0
+        for acc in entry.reads:  # RAW
+            region = _region(acc)
+            for other, done in self.writes[acc.buffer_id].items():
+                if done > t and _overlap(region, other):
+                    t = done
+        for acc in entry.writes:  # WAW, WAR
+            region = _region(acc)
+            for table in (self.writes, self.reads):
+                for other, done in table[acc.buffer_id].items():
+                    if done > t and _overlap(region, other):
+                        t = done
+        return t
+
+    def commit(self, entry, done: float) -> None:
+        for acc in entry.reads:
+            table, region = self.reads[acc.buffer_id], _region(acc)
+            table[region] = max(table.get(region, 0.0), done)
+        for acc in entry.writes:
+            region = _region(acc)
+            for table in (self.writes, self.reads):
+                covered = [r for r in table[acc.buffer_id] if _contains(region, r)]
+                for r in covered:
+                    del table[acc.buffer_id][r]
+            self.writes[acc.buffer_id][region] = done
+
+
+class _PsumBanks:
+    """PSUM banks as resources: one buffer per bank at a time (banks from the byte address)."""
+
+    def __init__(self, hw: HardwareParams) -> None:
+        self.bank_bytes = hw.psum_bank_bytes
+        self.owner: dict[int, int] = {}
+        self.release: dict[int, float] = {}  # bank -> completion of the owner's last access
+
+    def _banks(self, acc) -> range:
+        return range(acc.byte_range[0] // self.bank_bytes, max(acc.byte_range[1] - 1, acc.byte_range[0])
+                     // self.bank_bytes + 1)
+
+    def ready(self, entry) -> float:
+        t = 0.0
+        for acc in (*entry.reads, *entry.writes):
+            if acc.memory == "psum":
+                for bank in self._banks(acc):
+                    if self.owner.get(bank, acc.buffer_id) != acc.buffer_id:
+                        t = max(t, self.release.get(bank, 0.0))
+        return t
+
+    def commit(self, entry, done: float) -> None:
+        for acc in (*entry.reads, *entry.writes):
+            if acc.memory == "psum":
+                for bank in self._banks(acc):
+                    if self.owner.get(bank) != acc.buffer_id:
+                        self.owner[bank] = acc.buffer_id
+                        self.release[bank] = done
+                    else:
+                        self.release[bank] = max(self.release[bank], done)
+
+
+@dataclass
+class ProgramResult:
+    """What the scheduler found for one program (physical core)."""
+
+    program_id: int
+    makespan_ns: float = 0.0
+    busy_ns: dict = field(default_factory=lambda: dict.fromkeys(ENGINES, 0.0))
+    instructions: dict = field(default_factory=lambda: dict.fromkeys(ENGINES, 0))
+    serial_ns: float = 0.0
+    act_table_loads: int = 0
+    throttle_ns: float = 0.0
+    unmodelled: dict = field(default_factory=dict)
+    timeline: list | None = None  # (index, engine, opcode, start_ns, end_ns, done_ns) when requested
+
+
+class _Program:
+    def __init__(self, hw: HardwareParams, program_id: int, keep_timeline: bool) -> None:
+        self.hw = hw
+        self.result = ProgramResult(program_id, timeline=[] if keep_timeline else None)
+        self.free = dict.fromkeys(ENGINES, 0.0)
+        self.dma_free = [0.0] * hw.dma_engines
+        self.regions = _Regions()
+        self.banks = _PsumBanks(hw)
+        self.fence = 0.0
+        self.table: str | None = None
+        self.pe_last_end: float | None = None
+        self.pe_ramp_start = 0.0
+        self.end = 0.0
+
+    def _pe_service(self, start: float, service: float) -> float:
+        """Stretch a PE service by the dI/dt throttle ramp (doc §2.1)."""
+        hw = self.hw
+        idle_limit = hw.pe_throttle_ramp_ns * (1.0 - hw.pe_throttle_util_threshold)
+        if self.pe_last_end is None or start - self.pe_last_end >= idle_limit:
+            self.pe_ramp_start = start
+        elapsed = start - self.pe_ramp_start
+        if elapsed >= hw.pe_throttle_ramp_ns:
+            return service
+        rate = hw.pe_throttle_start_frac + (1.0 - hw.pe_throttle_start_frac) * elapsed / hw.pe_throttle_ramp_ns
+        return service / rate
+
+    def arrive(self, entry, cost: InstrCost) -> float:
+        """Time the barrier ``entry`` would be reached on its engine."""
+        deps = max(self.regions.ready(entry), self.fence)
+        return max(deps, self.free[cost.engine])
+
+    def run(self, entry, cost: InstrCost, release: float | None = None) -> None:
+        res, hw = self.result, self.hw
+        ready = max(self.regions.ready(entry), self.banks.ready(entry), self.fence)
+        if not cost.modelled:
+            res.unmodelled[entry.opcode] = res.unmodelled.get(entry.opcode, 0) + 1
+        if cost.engine == "dma":
+            if cost.issue_engine is not None:
+                issue_start = max(ready, self.free[cost.issue_engine])
+                self.free[cost.issue_engine] = issue_start + cost.issue_ns
+                res.busy_ns[cost.issue_engine] += cost.issue_ns
+                ready = issue_start + cost.issue_ns
+            else:
+                ready += cost.issue_ns
+            self.dma_free.sort()
+            used = self.dma_free[:cost.dma_engines]
+            start = max(ready, used[-1])
+            end = start + cost.service_ns
+            self.dma_free[:cost.dma_engines] = [end] * cost.dma_engines
+            res.busy_ns["dma"] += cost.service_ns * cost.dma_engines / hw.dma_engines
+            serial = cost.issue_ns + cost.service_ns + cost.latency_ns
+        else:
+            start = max(ready, self.free[cost.engine])
+            service = cost.service_ns
+            if cost.table_func is not None and cost.table_func != self.table:
+                service += hw.act_table_load_ns
+                self.table = cost.table_func
+                res.act_table_loads += 1
+            if cost.engine == "tensor":
+                stretched = self._pe_service(start, service)
+                res.throttle_ns += stretched - service
+                service = stretched
+            if release is not None:  # a barrier: resume at the joint release time
+                start = max(start, release - cost.latency_ns - service)
+            end = start + service
+            self.free[cost.engine] = end
+            if cost.engine == "tensor":
+                self.pe_last_end = end
+            res.busy_ns[cost.engine] += service
+            serial = service + cost.latency_ns
+        done = end + cost.latency_ns
+        if release is not None:
+            done = max(done, release)
+            self.fence = max(self.fence, done)
+        self.regions.commit(entry, done)
+        self.banks.commit(entry, done)
+        res.instructions[cost.engine] += 1
+        res.serial_ns += serial
+        self.end = max(self.end, done)
+        if res.timeline is not None:
+            res.timeline.append((entry.index, cost.engine, entry.opcode, start, end, done))
+
+
+def schedule_programs(programs: dict[int, list], hw: HardwareParams, *, keep_timeline: bool = False
+                      ) -> list[ProgramResult]:
+    """Schedule each program's entries (in program order); barriers join all programs."""
+    states = {pid: _Program(hw, pid, keep_timeline) for pid in programs}
+    cursors = dict.fromkeys(programs, 0)
+    while True:
+        waiting = {}
+        for pid, entries in programs.items():
+            state, i = states[pid], cursors[pid]
+            while i < len(entries):
+                entry = entries[i]
+                cost = instruction_cost(entry, hw)
+                if entry.opcode in _BARRIERS and len(programs) > 1:
+                    waiting[pid] = (entry, cost)
+                    break
+                state.run(entry, cost)
+                i += 1
+            cursors[pid] = i
+        if not waiting:
+            break
+        arrivals = {pid: states[pid].arrive(e, c) + c.service_ns for pid, (e, c) in waiting.items()}
+        release = max(arrivals.values()) + hw.barrier_ns
+        for pid, (entry, cost) in waiting.items():
+            states[pid].run(entry, cost, release=release)
+            cursors[pid] += 1
+    results = []
+    for state in states.values():
+        state.result.makespan_ns = state.end
+        results.append(state.result)
+    return results

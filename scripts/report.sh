@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install nki-lib and run the main job: the kernel report (parity and estimated device performance).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -c "import torch" 2>/dev/null || pip install --quiet "torch==2.13.0"
+pip install --quiet -e .
+python -m nki_lib report "$@"

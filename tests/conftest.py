@@ -1,0 +1,31 @@
+"""Shared pytest setup: hypothesis profiles, a deterministic seed per test, backend isolation."""
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=12, deadline=None, derandomize=True, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", max_examples=40, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_isolate():
+    """Every test starts from the same RNG state, the auto backend and non-strict mode."""
+    import nki_lib
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    previous_backend, previous_strict = nki_lib.get_backend(), nki_lib.is_strict()
+    yield
+    nki_lib.set_backend(previous_backend)
+    nki_lib.set_strict(previous_strict)
