@@ -85,6 +85,10 @@ class InstrCost:
     modelled: bool = True
 
 
+def _ns(cycles: float, freq: float) -> float:
+    return cycles * 1e9 / freq
+
+
 def _free(shape) -> int:
     return int(math.prod(shape[1:])) if len(shape) > 1 else 1
 
@@ -239,20 +243,20 @@ def instruction_cost(entry, hw: HardwareParams) -> InstrCost:
         return _dma_cost(entry, hw)
     if engine == "tensor":
         cycles, known = _pe_cycles(entry, hw)
-        return InstrCost("tensor", cycles / hw.f_pe, hw.pe_result_latency_ns, modelled=known)
+        return InstrCost("tensor", _ns(cycles, hw.f_pe), hw.pe_result_latency_ns, modelled=known)
     if engine == "vector":
         cycles, known = _vector_cycles(entry, hw)
-        return InstrCost("vector", cycles / hw.f_dve, hw.dve_completion_ns, modelled=known)
+        return InstrCost("vector", _ns(cycles, hw.f_dve), hw.dve_completion_ns, modelled=known)
     if engine == "scalar":
         cycles, known = _scalar_cycles(entry, hw)
         func = _func_name(entry) if entry.opcode in _TABLE_OPCODES else None
         table = func if func and func not in hw.act_table_free_functions else None
-        return InstrCost("scalar", cycles / hw.f_act, hw.act_completion_ns, table_func=table, modelled=known)
+        return InstrCost("scalar", _ns(cycles, hw.f_act), hw.act_completion_ns, table_func=table, modelled=known)
     if engine == "gpsimd":
         cycles, known = _pool_cycles(entry, hw)
-        return InstrCost("gpsimd", cycles / hw.f_pool, hw.pool_completion_cycles / hw.f_pool, modelled=known)
+        return InstrCost("gpsimd", _ns(cycles, hw.f_pool), _ns(hw.pool_completion_cycles, hw.f_pool), modelled=known)
     if engine == "sync":
         if entry.opcode in ("core_barrier", "barrier"):
-            return InstrCost("sync", hw.sync_op_cycles / hw.f_act, hw.barrier_ns)
-        return InstrCost("sync", hw.sync_op_cycles / hw.f_act, 0.0, modelled=entry.opcode in _SYNC_OPS)
+            return InstrCost("sync", _ns(hw.sync_op_cycles, hw.f_act), hw.barrier_ns)
+        return InstrCost("sync", _ns(hw.sync_op_cycles, hw.f_act), 0.0, modelled=entry.opcode in _SYNC_OPS)
     raise ValueError(f"trace entry {entry.index} ({entry.opcode}): unknown engine {engine!r}")

@@ -8,8 +8,9 @@ program order. An instruction starts when
 * every instruction it depends on is complete. Dependencies are RAW, WAR and WAW overlaps of
   buffer regions ``(buffer_id, partitions, byte_range)``; a producer is complete ``latency_ns``
   after its service ends (PE result latency, DVE/ACT semaphore intercepts, DMA 1.3 us), and
-* (PSUM accesses) its PSUM bank is free: a bank holds one buffer at a time, and a buffer that
-  takes over a bank waits until every access to the previous buffer there has completed.
+* (PSUM accesses) its PSUM banks are free: a bank holds one buffer at a time, and a buffer that
+  takes over a bank waits until every access to the previous buffer there has completed
+  (see :class:`_PsumBanks` for how buffers are mapped to banks).
 
 A DMA occupies the ``E_used`` earliest-free DMA engines for its service time; with ``hwdge`` or
 ``swdge`` its descriptor generation first occupies the triggering engine (in that engine's
@@ -84,35 +85,55 @@ class _Regions:
 
 
 class _PsumBanks:
-    """PSUM banks as resources: one buffer per bank at a time (banks from the byte address)."""
+    """PSUM banks as resources: a pool of ``psum_banks`` banks of ``psum_bank_bytes``.
 
-    def __init__(self, hw: HardwareParams) -> None:
+    The trace gives PSUM byte ranges relative to each allocation (the simulator places
+    automatic allocations itself), so a buffer is mapped to banks when it is first accessed:
+    it takes ``ceil(bytes / bank_bytes)`` banks, preferring banks that are empty or whose owner
+    is dead (no later access in the trace), earliest released first, and waits until every
+    access to their previous owners has completed. A buffer accessed again after losing a bank
+    takes it back the same way.
+    """
+
+    def __init__(self, hw: HardwareParams, last_use: dict[int, int]) -> None:
         self.bank_bytes = hw.psum_bank_bytes
-        self.owner: dict[int, int] = {}
-        self.release: dict[int, float] = {}  # bank -> completion of the owner's last access
+        self.last_use = last_use  # buffer id -> position of its last access in program order
+        self.position = 0
+        self.owner: list[int | None] = [None] * hw.psum_banks
+        self.release = [0.0] * hw.psum_banks
+        self.banks_of: dict[int, list[int]] = {}
 
-    def _banks(self, acc) -> range:
-        return range(acc.byte_range[0] // self.bank_bytes, max(acc.byte_range[1] - 1, acc.byte_range[0])
-                     // self.bank_bytes + 1)
+    def _claim(self, acc) -> tuple[list[int], float]:
+        banks = self.banks_of.get(acc.buffer_id)
+        if banks is not None and all(self.owner[b] == acc.buffer_id for b in banks):
+            return banks, 0.0
+        need = min(len(self.owner), max(1, -(-acc.byte_range[1] // self.bank_bytes)))
+        def live(bank: int) -> bool:
+            owner = self.owner[bank]
+            return owner is not None and self.last_use.get(owner, -1) >= self.position
+
+        order = sorted(range(len(self.owner)), key=lambda b: (live(b), self.owner[b] is not None, self.release[b]))
+        banks = sorted(order[:need])
+        return banks, max(self.release[b] for b in banks)
 
     def ready(self, entry) -> float:
         t = 0.0
         for acc in (*entry.reads, *entry.writes):
             if acc.memory == "psum":
-                for bank in self._banks(acc):
-                    if self.owner.get(bank, acc.buffer_id) != acc.buffer_id:
-                        t = max(t, self.release.get(bank, 0.0))
+                t = max(t, self._claim(acc)[1])
         return t
 
     def commit(self, entry, done: float) -> None:
         for acc in (*entry.reads, *entry.writes):
             if acc.memory == "psum":
-                for bank in self._banks(acc):
-                    if self.owner.get(bank) != acc.buffer_id:
-                        self.owner[bank] = acc.buffer_id
-                        self.release[bank] = done
+                banks, _ = self._claim(acc)
+                for b in banks:
+                    if self.owner[b] != acc.buffer_id:
+                        self.owner[b] = acc.buffer_id
+                        self.release[b] = done
                     else:
-                        self.release[bank] = max(self.release[bank], done)
+                        self.release[b] = max(self.release[b], done)
+                self.banks_of[acc.buffer_id] = banks
 
 
 @dataclass
@@ -131,14 +152,17 @@ class ProgramResult:
 
 
 class _Program:
-    def __init__(self, hw: HardwareParams, program_id: int, keep_timeline: bool) -> None:
+    def __init__(self, hw: HardwareParams, program_id: int, keep_timeline: bool, entries: list) -> None:
         self.hw = hw
         self.result = ProgramResult(program_id, timeline=[] if keep_timeline else None)
         self.free = dict.fromkeys(ENGINES, 0.0)
         self.dma_free = [0.0] * hw.dma_engines
         self.regions = _Regions()
-        self.banks = _PsumBanks(hw)
+        last_use = {acc.buffer_id: pos for pos, entry in enumerate(entries)
+                    for acc in (*entry.reads, *entry.writes) if acc.memory == "psum"}
+        self.banks = _PsumBanks(hw, last_use)
         self.fence = 0.0
+        self.position = 0
         self.table: str | None = None
         self.pe_last_end: float | None = None
         self.pe_ramp_start = 0.0
@@ -163,6 +187,8 @@ class _Program:
 
     def run(self, entry, cost: InstrCost, release: float | None = None) -> None:
         res, hw = self.result, self.hw
+        self.banks.position = self.position
+        self.position += 1
         ready = max(self.regions.ready(entry), self.banks.ready(entry), self.fence)
         if not cost.modelled:
             res.unmodelled[entry.opcode] = res.unmodelled.get(entry.opcode, 0) + 1
@@ -216,7 +242,7 @@ class _Program:
 def schedule_programs(programs: dict[int, list], hw: HardwareParams, *, keep_timeline: bool = False
                       ) -> list[ProgramResult]:
     """Schedule each program's entries (in program order); barriers join all programs."""
-    states = {pid: _Program(hw, pid, keep_timeline) for pid in programs}
+    states = {pid: _Program(hw, pid, keep_timeline, entries) for pid, entries in programs.items()}
     cursors = dict.fromkeys(programs, 0)
     while True:
         waiting = {}

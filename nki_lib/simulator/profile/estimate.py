@@ -1,0 +1,139 @@
+"""``estimate(report_or_trace, target=...) -> Estimate``: device time of a simulated kernel.
+
+The estimate is the list schedule of :mod:`.schedule` over the recorded trace plus the fixed
+kernel launch cost, with per-engine busy time and utilisation, the critical engine, and two
+bounds (doc §7.4): the lower bound ``launch + max over engines of busy time`` (perfect
+overlap) and the upper bound ``launch + sum of all (service + latency)`` (fully serial).
+For an LNC2 launch each program is one physical core: busy times are the maximum over cores,
+rooflines use ``grid`` cores.
+
+Not modelled (limitations, doc §7.4): HBM bank conflicts, DMA queue QoS, instruction fetch,
+compiler re-ordering, SBUF spills, the innermost-stride (> 16 B) port penalty, PE row/column
+tiling concurrency and the trn3 background transpose.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .constants import params
+from .roofline import OpCost, Roofline, roofline
+from .schedule import ENGINES, schedule_programs
+
+__all__ = ["Estimate", "estimate"]
+
+
+@dataclass
+class Estimate:
+    """Estimated device time (ns) of one kernel launch on ``target``."""
+
+    kernel: str
+    target: str
+    grid: int
+    time_ns: float
+    makespan_ns: float
+    launch_ns: float
+    lower_bound_ns: float
+    upper_bound_ns: float
+    busy_ns: dict
+    instructions: dict
+    act_table_loads: int
+    throttle_ns: float
+    unmodelled: dict = field(default_factory=dict)
+    timeline: list | None = None
+
+    @property
+    def utilisation(self) -> dict:
+        """Busy time over the makespan, per engine (DMA: over all 16 DMA engines)."""
+        span = self.makespan_ns or 1.0
+        return {e: b / span for e, b in self.busy_ns.items()}
+
+    @property
+    def critical_engine(self) -> str:
+        """The engine with the most busy time."""
+        return max(self.busy_ns, key=self.busy_ns.get)
+
+    def roofline(self, cost: OpCost) -> Roofline:
+        return roofline(cost, self.target, self.grid)
+
+    def tflops(self, cost: OpCost) -> float:
+        """Useful TFLOP/s at the estimated time."""
+        return cost.flops / self.time_ns * 1e-3
+
+    def mfu(self, cost: OpCost) -> float:
+        """Useful FLOPs over TensorE peak (dtype ``cost.pe_dtype``, ``grid`` cores) times time."""
+        peak = params(self.target).pe_peak_flops(cost.pe_dtype) * self.grid
+        return cost.flops / (peak * self.time_ns * 1e-9)
+
+    def roofline_fraction(self, cost: OpCost) -> float:
+        """Classical roofline time ``max(FLOPs/peak, bytes/BW)`` over the estimated time."""
+        return self.roofline(cost).classical_ns / self.time_ns
+
+    def engine_roofline_fraction(self, cost: OpCost) -> float:
+        """Engine-aware roofline time (also ScalarE/VectorE element work) over the estimated time."""
+        return self.roofline(cost).engine_aware_ns / self.time_ns
+
+    def summary(self) -> str:
+        util = ", ".join(f"{e} {u:.0%}" for e, u in self.utilisation.items() if self.instructions.get(e))
+        text = (f"{self.kernel} on {self.target} (grid {self.grid}): {self.time_ns / 1e3:.2f} us "
+                f"[{self.lower_bound_ns / 1e3:.2f}, {self.upper_bound_ns / 1e3:.2f}], "
+                f"bound by {self.critical_engine}; utilisation {util}")
+        if self.unmodelled:
+            text += f"; generic cost for {dict(self.unmodelled)}"
+        return text
+
+
+def _split_programs(trace) -> dict[int, list]:
+    programs: dict[int, list] = defaultdict(list)
+    for entry in trace:
+        programs[entry.program_id].append(entry)
+    for entries in programs.values():
+        entries.sort(key=lambda e: e.index)
+    return dict(sorted(programs.items()))
+
+
+def estimate(report_or_trace, target: str | None = None, *, keep_timeline: bool = False) -> Estimate:
+    """Estimate the device time of a simulated kernel.
+
+    ``report_or_trace`` is a ``RunReport`` recorded with tracing on (``report.trace`` not None)
+    or a list of ``TraceEntry``. ``target`` defaults to the report's target (a bare trace needs
+    it). ``keep_timeline=True`` keeps ``(index, engine, opcode, start, end, done)`` per
+    instruction of program 0 in ``Estimate.timeline``.
+    """
+    trace = getattr(report_or_trace, "trace", report_or_trace)
+    if trace is None:
+        raise ValueError("report_or_trace: the RunReport has no trace; run the simulator with recording on")
+    if not isinstance(trace, (list, tuple)):
+        raise TypeError(f"report_or_trace must be a RunReport or a list of TraceEntry, got {type(trace).__name__}")
+    target = target or getattr(report_or_trace, "target", None)
+    if target is None:
+        raise ValueError("target: required when estimating a bare trace")
+    hw = params(target)
+    programs = _split_programs(trace)
+    results = schedule_programs(programs, hw, keep_timeline=keep_timeline) if programs else []
+    launch = hw.kernel_launch_ns
+    busy = {e: max((r.busy_ns[e] for r in results), default=0.0) for e in ENGINES}
+    counts = {e: sum(r.instructions[e] for r in results) for e in ENGINES}
+    unmodelled: dict = defaultdict(int)
+    for r in results:
+        for op, n in r.unmodelled.items():
+            unmodelled[op] += n
+    makespan = max((r.makespan_ns for r in results), default=0.0)
+    grid = getattr(report_or_trace, "grid", None) or max(len(programs), 1)
+    return Estimate(
+        kernel=getattr(report_or_trace, "kernel", "<trace>"),
+        target=target,
+        grid=grid,
+        time_ns=launch + makespan,
+        makespan_ns=makespan,
+        launch_ns=launch,
+        lower_bound_ns=launch + max(busy.values(), default=0.0),
+        upper_bound_ns=launch + sum(r.serial_ns for r in results),
+        busy_ns=busy,
+        instructions=counts,
+        act_table_loads=sum(r.act_table_loads for r in results),
+        throttle_ns=max((r.throttle_ns for r in results), default=0.0),
+        unmodelled=dict(unmodelled),
+        timeline=results[0].timeline if results else None,
+    )
