@@ -9,7 +9,7 @@ expected values are exact too (no tolerance needed).
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from nki_lib.simulator import isa as nisa
@@ -66,7 +66,6 @@ def test_nc_matmul_positional_form_and_fp32_accumulation_of_fractions(rng):
     np.testing.assert_array_equal(run_tiles(matmul, stationary, moving), _product(stationary, moving))
 
 
-@settings(max_examples=10, deadline=None, derandomize=True)
 @given(k=st.integers(1, 128), m=st.integers(1, 128), n=st.integers(1, 512), seed=st.integers(0, 2**16))
 def test_nc_matmul_any_legal_shape(k, m, n, seed):
     rng = np.random.default_rng(seed)

@@ -1,0 +1,152 @@
+"""RunReport and trace records (the simulator interface of issue 2): instruction counts,
+engines, opcodes, access records (buffer ids, memories, partitions, byte ranges, shapes, dtypes),
+element/byte counts, source lines, peak SBUF/PSUM use computed by hand, ``recording(False)``.
+"""
+
+import numpy as np
+
+from nki_lib.simulator import jit, last_run, recording, simulate
+from nki_lib.simulator import isa as nisa
+from nki_lib.simulator import language as nl
+from nki_lib.simulator.trace import Access, TraceEntry
+from sim_helpers import BF16, line_of
+
+HBM_ARG = {"hbm", "private_hbm"}
+
+
+def scale_and_cast(x):
+    out = nl.ndarray((64, 32), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    x_sb = nl.ndarray((64, 32), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x_sb, src=x)  # LINE dma_in
+    y_sb = nl.ndarray((64, 32), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=y_sb, data=x_sb, op0=nl.multiply, operand0=2.0)  # LINE scale
+    part_sb = nl.ndarray((32, 8), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=part_sb, op=nl.exp, data=x_sb[16:48, 8:16])  # LINE act
+    nisa.dma_copy(dst=out, src=y_sb)  # LINE dma_out
+    return out
+
+
+SCALE_AND_CAST = jit(scale_and_cast)
+
+
+def _source(marker):
+    basename, line = line_of(scale_and_cast, f"# LINE {marker}")
+    return f"{basename}:{line}"
+
+
+def _run_small():
+    x = np.linspace(-1, 1, 64 * 32, dtype=np.float32).reshape(64, 32)
+    out = simulate(SCALE_AND_CAST)(x)
+    np.testing.assert_array_equal(out, (2 * x).astype(BF16))
+    return last_run()
+
+
+def test_report_counts_and_engines():
+    report = _run_small()
+    assert report.kernel == "scale_and_cast"
+    assert report.target in ("trn2", "trn3")
+    assert report.grid == 1
+    assert report.instructions == 4
+    assert [e.opcode for e in report.trace] == ["dma_copy", "tensor_scalar", "activation", "dma_copy"]
+    assert [e.engine for e in report.trace] == ["dma", "vector", "scalar", "dma"]
+    assert [e.index for e in report.trace] == [0, 1, 2, 3]
+    assert all(isinstance(e, TraceEntry) and e.program_id == 0 for e in report.trace)
+    assert report.trace[2].attrs["func"] == "exp"
+
+
+def test_trace_access_records():
+    dma_in, scale, act, dma_out = _run_small().trace
+    (src,), (dst,) = dma_in.reads, dma_in.writes
+    assert isinstance(src, Access) and isinstance(dst, Access)
+    assert src.memory in HBM_ARG and src.partitions == (0, 1) and src.byte_range == (0, 64 * 32 * 4)
+    assert src.shape == (64, 32) and src.dtype == "float32"
+    assert dst.memory == "sbuf" and dst.partitions == (0, 64) and dst.byte_range == (0, 32 * 4)
+    assert dma_in.bytes == 64 * 32 * 4 and dma_in.elements == 64 * 32
+    assert dma_in.attrs["src_memory"] in HBM_ARG and dma_in.attrs["dst_memory"] == "sbuf"
+
+    assert scale.reads[0].buffer_id == dst.buffer_id  # x_sb written by the DMA, read by the scale
+    (y_w,) = scale.writes
+    assert y_w.buffer_id != dst.buffer_id
+    assert y_w.dtype == "bfloat16" and y_w.byte_range == (0, 32 * 2) and y_w.shape == (64, 32)
+    assert scale.shape == (64, 32) and scale.dtype == "bfloat16"
+    assert scale.elements == 64 * 32 and scale.bytes == 64 * 32 * 2
+
+    part_read = act.reads[0]
+    assert part_read.buffer_id == dst.buffer_id
+    assert part_read.partitions == (16, 48) and part_read.byte_range == (8 * 4, 16 * 4)
+    assert part_read.shape == (32, 8)
+
+    assert dma_out.reads[0].buffer_id == y_w.buffer_id
+    assert dma_out.writes[0].memory == "shared_hbm" and dma_out.bytes == 64 * 32 * 2
+
+
+def test_trace_source_lines():
+    trace = _run_small().trace
+    for entry, marker in zip(trace, ["dma_in", "scale", "act", "dma_out"]):
+        file_part, _, line_part = entry.source.rpartition(":")
+        expected_file, _, expected_line = _source(marker).rpartition(":")
+        assert file_part.endswith(expected_file) and line_part == expected_line, (entry.source, marker)
+
+
+def test_matmul_attrs():
+    @jit
+    def one_matmul(s, m):
+        s_sb = nl.ndarray((96, 40), dtype=nl.bfloat16, buffer=nl.sbuf)
+        m_sb = nl.ndarray((96, 300), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=s_sb, src=s)
+        nisa.dma_copy(dst=m_sb, src=m)
+        acc_psum = nl.ndarray((40, 300), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc_psum, stationary=s_sb, moving=m_sb)
+        nisa.nc_matmul(dst=acc_psum, stationary=s_sb, moving=m_sb)
+        out = nl.ndarray((40, 300), dtype=nl.float32, buffer=nl.shared_hbm)
+        out_sb = nl.ndarray((40, 300), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=out_sb, src=acc_psum)
+        nisa.dma_copy(dst=out, src=out_sb)
+        return out
+
+    simulate(one_matmul)(np.ones((96, 40), BF16), np.ones((96, 300), BF16))
+    first, second = [e for e in last_run().trace if e.opcode == "nc_matmul"]
+    for entry in (first, second):
+        assert entry.engine == "tensor" and entry.shape == (40, 300)
+        assert (entry.attrs["K"], entry.attrs["M"], entry.attrs["N"]) == (96, 40, 300)
+        assert entry.attrs["is_transpose"] is False
+        assert entry.writes[0].memory == "psum" and entry.writes[0].dtype == "float32"
+    assert not first.attrs["accumulate"] and second.attrs["accumulate"]
+
+
+@jit
+def fixed_allocations(x):
+    a_sb = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)    # 256 B / partition
+    b_sb = nl.ndarray((128, 64), dtype=nl.bfloat16, buffer=nl.sbuf)   # 128 B
+    c_sb = nl.ndarray((64, 32), dtype=nl.float32, buffer=nl.sbuf)     # 128 B
+    p0 = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum)     # one full bank
+    p1 = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum)     # one full bank
+    p2 = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.psum)     # 512 B in a third bank
+    for t in (a_sb, b_sb, c_sb, p0, p1, p2):
+        nisa.memset(dst=t, value=0.0)
+    out = nl.ndarray((64, 32), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=c_sb)
+    return out
+
+
+def test_peak_sbuf_and_psum_by_hand():
+    simulate(fixed_allocations)(np.zeros((1, 1), np.float32))
+    report = last_run()
+    assert report.peak_sbuf_bytes == 256 + 128 + 128
+    assert report.peak_psum_bytes == 2048 + 2048 + 512
+    assert report.peak_psum_banks == 3
+    assert report.instructions == 7
+
+
+def test_recording_off_keeps_counts_and_peaks():
+    simulate(fixed_allocations)(np.zeros((1, 1), np.float32))
+    on = last_run()
+    with recording(False):
+        simulate(fixed_allocations)(np.zeros((1, 1), np.float32))
+    off = last_run()
+    assert on.trace is not None and len(on.trace) == on.instructions
+    assert off.trace is None
+    assert (off.instructions, off.peak_sbuf_bytes, off.peak_psum_bytes, off.peak_psum_banks) == (
+        on.instructions, on.peak_sbuf_bytes, on.peak_psum_bytes, on.peak_psum_banks)
+    simulate(fixed_allocations)(np.zeros((1, 1), np.float32))
+    assert last_run().trace is not None  # recording is back on after the block
