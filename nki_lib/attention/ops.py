@@ -60,7 +60,7 @@ def validate(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_r
     if sq < 1 or k.shape[2] < 1:
         raise ValueError(f"q and k sequence lengths must be >= 1, got Sq={sq}, Sk={k.shape[2]}")
     for name, w in (("window_left", window_left), ("window_right", window_right)):
-        if not isinstance(w, int) or isinstance(w, bool):
+        if not isinstance(w, (int, torch.SymInt)) or isinstance(w, bool):
             raise TypeError(f"{name} must be an int, got {type(w).__name__}")
         if w < -1:
             raise ValueError(f"{name} must be -1 (unbounded) or >= 0, got {w}")
