@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Tolerance", "TOLERANCES", "Parity", "max_abs_error", "parity", "assert_parity", "tolerance"]
+__all__ = ["Tolerance", "TOLERANCES", "GRADCHECK", "Parity", "max_abs_error", "parity", "assert_parity", "tolerance"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,10 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
     ("grad", torch.float16): Tolerance(factor=3.0, floor_ulps=2.0),
     ("grad", torch.float64): Tolerance(factor=3.0, floor_ulps=1e4),
 }
+
+
+# torch.autograd.gradcheck in float64 (finite differences vs the analytical backward).
+GRADCHECK = {"atol": 1e-6, "rtol": 1e-5}
 
 
 def tolerance(kind: str, dtype: torch.dtype) -> Tolerance:

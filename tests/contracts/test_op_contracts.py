@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nki_lib
 from nki_lib import registry
+from nki_lib.numerics import GRADCHECK
 from nki_lib.numerics.oppar import op_parity
 
 SPECS = registry.all_specs()
@@ -152,7 +153,7 @@ def test_gradcheck_reference_float64(spec):
                 return tuple(torch.where(torch.isfinite(o), o, torch.zeros_like(o))
                              for o in outs if o.is_floating_point())
 
-            assert torch.autograd.gradcheck(fn, tuple(leaves), atol=1e-6, rtol=1e-5, fast_mode=True), sample.label
+            assert torch.autograd.gradcheck(fn, tuple(leaves), fast_mode=True, **GRADCHECK), sample.label
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
