@@ -44,6 +44,10 @@ class Estimate:
     timeline: list | None = None
 
     @property
+    def time_us(self) -> float:
+        return self.time_ns * 1e-3
+
+    @property
     def utilisation(self) -> dict:
         """Busy time over the makespan, per engine (DMA: over all 16 DMA engines)."""
         span = self.makespan_ns or 1.0

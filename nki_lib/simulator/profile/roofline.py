@@ -74,6 +74,18 @@ class OpCost:
     executed_flops: float | None = None
     label: str = ""
 
+    def __add__(self, other: "OpCost") -> "OpCost":
+        """Work of two calls in sequence (e.g. forward + backward); TensorE dtypes must agree."""
+        if self.pe_dtype != other.pe_dtype:
+            raise ValueError(f"cannot add costs with pe_dtype {self.pe_dtype!r} and {other.pe_dtype!r}")
+        executed = None
+        if self.executed_flops is not None or other.executed_flops is not None:
+            executed = (self.executed_flops if self.executed_flops is not None else self.flops) + \
+                (other.executed_flops if other.executed_flops is not None else other.flops)
+        label = " + ".join(x for x in (self.label, other.label) if x)
+        return OpCost(self.flops + other.flops, self.hbm_bytes + other.hbm_bytes, self.pe_dtype,
+                      self.work + other.work, executed, label)
+
     @property
     def min_scalar_elems(self) -> float:
         return sum(w.elems for w in self.work if w.engines == ("scalar",))
