@@ -73,8 +73,19 @@ def current_path() -> str | None:
 
 def dispatch(op: str, tensors: Iterable[torch.Tensor | None], *, kernel: Callable[[], T],
              reference: Callable[[], T]) -> T:
-    """Serve one call of ``op`` on the requested path, falling back to ``reference`` visibly."""
+    """Serve one call of ``op`` on the requested path, falling back to ``reference`` visibly.
+
+    Autocast is disabled inside: an op computes in the dtypes it was given (an autocast region
+    around the call must not change the reference's internal math, nor differ between eager and
+    compiled code).
+    """
     tensors = [t for t in tensors if t is not None]
+    device_type = tensors[0].device.type if tensors else "cpu"
+    with torch.autocast(device_type=device_type, enabled=False):
+        return _dispatch(op, tensors, kernel, reference)
+
+
+def _dispatch(op, tensors, kernel, reference):
     path = backend.requested_path(tensors)
     if path != "reference":
         reason = None

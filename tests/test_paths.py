@@ -118,3 +118,12 @@ def test_kernel_import_module_selects_simulator_without_real_nki():
 
     assert not _nki.USING_REAL_NKI
     assert _nki.nki is simulator and _nki.nl is simulator.language and _nki.nisa is simulator.isa
+
+
+def test_autocast_does_not_change_the_reference_math():
+    q, k, v = _qkv()
+    out, lse = torch.ops.nki.flash_attention(q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ac, lse_ac = torch.ops.nki.flash_attention(q, k, v)
+    assert out_ac.dtype == torch.float32
+    assert torch.equal(out_ac, out) and torch.equal(lse_ac, lse)
