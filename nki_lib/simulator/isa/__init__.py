@@ -1,0 +1,24 @@
+"""``nki.isa`` for the simulator: every instruction of nki-api.md §1 plus the enums."""
+
+from __future__ import annotations
+
+from . import constants
+from ._common import NkiInstruction
+from .constants import (dge_mode, dma_engine, engine, gpsimd_engine, matmul_perf_mode, nc_version, oob_mode,
+                        reduce_cmd, scalar_engine, sync_engine, tensor_engine, unknown_engine, vector_engine)
+from .dma import dma_compute, dma_copy, dma_transpose
+from .gpsimd import affine_select, iota, local_gather, nonzero_with_count, tensor_partition_reduce
+from .scalar import activation, activation_reduce
+from .sync import (core_barrier, get_nc_sub_version, get_nc_version, register_alloc, register_load, register_move,
+                   register_store, sendrecv)
+from .tensor_engine import nc_matmul, nc_matmul_mx, nc_transpose, quantize_mx
+from .vector import (max8, memset, nc_find_index8, nc_stream_shuffle, range_select, reciprocal,
+                     scalar_tensor_tensor, tensor_copy, tensor_copy_predicated, tensor_reduce, tensor_scalar,
+                     tensor_scalar_reduce, tensor_tensor)
+from ..errors import NKIRuleError as NkiValidationError
+from ..tensor import VirtualRegister
+
+import importlib.util as _ilu
+
+if _ilu.find_spec(__name__ + ".extra") is not None:  # rarely used instructions, maintained separately
+    from .extra import *  # noqa: F401,F403

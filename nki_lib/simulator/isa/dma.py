@@ -1,0 +1,139 @@
+"""DMA instructions: dma_copy, dma_transpose, dma_compute (nki-api.md §8.1, §8.10, §8.24).
+
+DMA moves data between HBM and SBUF (and HBM->HBM, SBUF->SBUF), never PSUM. Both operands are
+flattened in row-major view order; only the element counts must match. Differing dtypes convert
+through fp32 (not allowed with ``dge_mode.hwdge``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import cast_to, is_packed, to_f32
+from ..memory import ONCHIP
+from ..tensor import NkiTensor
+from ._common import INSTRUCTION, as_op, begin
+from .constants import dge_mode as _dge_mode
+from .constants import oob_mode as _oob_mode
+
+__all__ = ["dma_copy", "dma_transpose", "dma_compute"]
+
+_DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+
+
+def _dma_operand(c, t, operand, allow_onchip=True):
+    if not isinstance(t, NkiTensor):
+        c.fail(operand, f"expected an NkiTensor, got {type(t).__name__}")
+    kind = t._st.kind
+    c.check(kind != "psum", operand, "DMA may not access PSUM (copy PSUM to SBUF with tensor_copy first)")
+    if kind in ONCHIP:
+        c.check(allow_onchip, operand, "must be in HBM")
+        c.check(t._shape[0] <= c.spec.pmax, operand,
+                f"partition dimension {t._shape[0]} exceeds maximum {c.spec.pmax}")
+
+
+def _modes(c, oob_mode, dge_mode):
+    c.check(isinstance(oob_mode, _oob_mode), "oob_mode", f"must be a nisa.oob_mode member, got {oob_mode!r}")
+    c.check(isinstance(dge_mode, _dge_mode), "dge_mode", f"must be a nisa.dge_mode member, got {dge_mode!r}")
+    return oob_mode == _oob_mode.skip
+
+
+def _convert(c, vals, src_dt, dst_dt, operand="src"):
+    if src_dt == dst_dt:
+        return vals
+    c.check(not is_packed(src_dt) and not is_packed(dst_dt), operand,
+            f"cannot convert between {src_dt} and {dst_dt} (packed types move as raw bits; use .view())")
+    return cast_to(to_f32(vals, src_dt), dst_dt)
+
+
+def _attrs(src, dst, **extra):
+    attrs = {"src_memory": src._st.kind, "dst_memory": dst._st.kind,
+             "contiguous_bytes": min(src._contig_bytes(), dst._contig_bytes()), "queue": "dma"}
+    attrs.update(extra)
+    return attrs
+
+
+def dma_copy(dst, src, priority=None, oob_mode=_oob_mode.error, dge_mode=_dge_mode.unknown,
+             engine=None, name=None):
+    """``dst = src`` over the row-major flattening of both views."""
+    c = begin("dma_copy")
+    _dma_operand(c, dst, "dst")
+    _dma_operand(c, src, "src")
+    skip = _modes(c, oob_mode, dge_mode)
+    c.check(src.size == dst.size, "dst", f"element count {dst.size} differs from src's {src.size}")
+    if dge_mode == _dge_mode.hwdge:
+        c.check(src._dtype == dst._dtype, "dst", "dge_mode.hwdge requires identical src and dst dtypes")
+        c.check(src._dyn is None or src._dyn[0] != "vector", "src", "vector_offset indirection requires swdge")
+        c.check(dst._dyn is None or dst._dyn[0] != "vector", "dst", "vector_offset indirection requires swdge")
+    vals, rows = src._gather(c.opcode, "src", skip)
+    if vals is None:                      # whole transfer skipped (scalar offset out of bounds)
+        c.record("dma", (src,), (dst,), dst._shape, dst._dtype, 0, 0, _attrs(src, dst, skipped=True))
+        return INSTRUCTION
+    out = _convert(c, np.asarray(vals), src._dtype, dst._dtype)
+    if rows is not None and not rows.all():
+        keep = np.broadcast_to(rows.reshape((-1,) + (1,) * (out.ndim - 1)), out.shape).reshape(-1)
+        current_vals, _ = dst._gather(c.opcode, "dst", skip)
+        merged = np.array(current_vals).reshape(-1)
+        merged[keep] = out.reshape(-1)[keep]
+        out = merged
+    dst._scatter(out, c.opcode, "dst", skip=skip)
+    c.record("dma", (src,), (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
+             _attrs(src, dst, dge_mode=dge_mode.name, oob_mode=oob_mode.name))
+    return INSTRUCTION
+
+
+def dma_transpose(dst, src, axes=None, priority=None, dge_mode=_dge_mode.unknown, oob_mode=_oob_mode.error,
+                  name=None):
+    """DMA-engine transpose: ``dst = src.transpose(axes)`` (dst in SBUF)."""
+    c = begin("dma_transpose")
+    _dma_operand(c, dst, "dst")
+    _dma_operand(c, src, "src")
+    c.check(dst._st.kind == "sbuf", "dst", "dma_transpose writes SBUF")
+    skip = _modes(c, oob_mode, dge_mode)
+    c.check(src._dtype == dst._dtype, "dst", f"dtype {dst._dtype} differs from src's {src._dtype}")
+    rank = len(src._shape)
+    c.check(rank in _DMA_TRANSPOSE_AXES, "src", f"dma_transpose supports 2-, 3- and 4-d sources, got {rank}-d")
+    default = _DMA_TRANSPOSE_AXES[rank]
+    axes = default if axes is None else tuple(int(a) for a in axes)
+    c.check(axes == default, "axes", f"only the permutation {default} is supported for {rank}-d sources")
+    want = tuple(src._shape[a] for a in axes)
+    c.check(tuple(dst._shape) == want, "dst", f"shape {dst._shape} must equal the permuted src shape {want}")
+    if dge_mode == _dge_mode.hwdge or src._dyn is not None:
+        c.check(src._dtype.itemsize == 2, "src", "the hwdge / indirect dma_transpose paths need 2-byte dtypes")
+    vals, rows = src._gather(c.opcode, "src", skip)
+    if vals is None:
+        c.record("dma", (src,), (dst,), dst._shape, dst._dtype, 0, 0, _attrs(src, dst, skipped=True))
+        return INSTRUCTION
+    out = np.transpose(np.asarray(vals), axes)
+    dst._scatter(np.ascontiguousarray(out), c.opcode, "dst")
+    c.record("dma", (src,), (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
+             _attrs(src, dst, axes=axes, dge_mode=dge_mode.name))
+    return INSTRUCTION
+
+
+def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=_oob_mode.error, name=None):
+    """DMA elementwise reduction ``dst = sum_i srcs[i] * scales[i]`` in fp32 (reduce_op add only)."""
+    c = begin("dma_compute")
+    _dma_operand(c, dst, "dst")
+    c.check(isinstance(srcs, (list, tuple)) and 1 <= len(srcs) <= 16, "srcs", "srcs must be a list of 1..16 tensors")
+    op = as_op(c, reduce_op, "reduce_op")
+    c.check(op.name == "add", "reduce_op", "dma_compute supports only nl.add")
+    if scales is not None:
+        c.check(len(scales) == len(srcs), "scales", "one scale per source")
+        c.check(all(float(s) == 1.0 for s in scales), "scales", "all scales must be 1.0")
+    c.check(unique_indices is True, "unique_indices", "must be True")
+    skip = _modes(c, oob_mode, _dge_mode.unknown)
+    total = None
+    for i, src in enumerate(srcs):
+        _dma_operand(c, src, f"srcs[{i}]")
+        c.check(src.size == dst.size, f"srcs[{i}]", f"element count {src.size} differs from dst's {dst.size}")
+        vals, _ = src._gather(c.opcode, f"srcs[{i}]", skip)
+        if vals is None:
+            continue
+        f = to_f32(np.asarray(vals), src._dtype).reshape(-1)
+        total = f if total is None else total + f
+    if total is not None:
+        dst._scatter(cast_to(total, dst._dtype), c.opcode, "dst", skip=skip)
+    c.record("dma", tuple(srcs), (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
+             _attrs(srcs[0], dst, num_srcs=len(srcs)))
+    return INSTRUCTION

@@ -1,0 +1,615 @@
+"""``NkiTensor``: a view (dtype, element offset, [stride, count] pattern) onto one ``Storage``.
+
+Element ``(i0, ..., ik)`` of a view is flat storage element ``offset + sum(strides[d] * i_d)`` in
+units of the view's dtype. On-chip views: dim 0 is the partition dim and its stride equals the
+storage's elements per partition; the free dims must stay inside one partition. Views are
+validated when built (static) or when an instruction executes (dynamic ``scalar_offset`` /
+``vector_offset``). Indexing follows nki-api.md §4.2, ``.ap()`` §4.4 (not composable; explicit
+``offset`` is absolute from the storage start, ``None`` inherits the view's offset).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from .dtypes import NkiDType, as_dtype, is_int
+from .errors import NKIRuleError, kernel_source
+from .memory import ONCHIP, Storage
+from .trace import Access
+
+__all__ = ["NkiTensor", "MemoryRegion", "VirtualRegister", "dynamic_value"]
+
+
+class MemoryRegion(str, Enum):
+    """``nl.sbuf`` / ``nl.psum`` / ``nl.private_hbm`` (= ``nl.hbm``) / ``nl.shared_hbm``."""
+
+    sbuf = "sbuf"
+    psum = "psum"
+    private_hbm = "private_hbm"
+    shared_hbm = "shared_hbm"
+
+    def __str__(self) -> str:
+        return self.value
+
+    hbm = "private_hbm"  # alias (Enum makes it the same member)
+
+
+_KIND_TO_REGION = {"sbuf": MemoryRegion.sbuf, "psum": MemoryRegion.psum, "hbm": MemoryRegion.private_hbm,
+                   "private_hbm": MemoryRegion.private_hbm, "shared_hbm": MemoryRegion.shared_hbm}
+
+
+class VirtualRegister:
+    """A 32-bit engine register; ``frozen`` for dynamic-loop induction variables."""
+
+    __slots__ = ("value", "frozen")
+
+    def __init__(self, value=None, frozen=False):
+        self.value = None if value is None else int(value)
+        self.frozen = frozen
+
+    def __bool__(self):
+        if self.value is None:
+            raise ValueError("read of an uninitialised VirtualRegister")
+        return self.value != 0
+
+    def __repr__(self) -> str:
+        return f"VirtualRegister({self.value})"
+
+
+def _fail(op, operand, rule):
+    raise NKIRuleError(op, operand, rule, kernel_source(3))
+
+
+def dynamic_value(src, op="ap", operand="scalar_offset") -> int:
+    """Runtime integer of a register or a one-element integer tensor."""
+    if isinstance(src, VirtualRegister):
+        if src.value is None:
+            _fail(op, operand, "register read before it was written")
+        return src.value
+    if isinstance(src, NkiTensor):
+        vals, _ = src._gather()
+        return int(vals.reshape(-1)[0])
+    return int(src)
+
+
+class NkiTensor:
+    """A tensor view. Shape, strides, offset and dtype are compile-time metadata."""
+
+    __slots__ = ("_st", "_dtype", "_offset", "_shape", "_strides", "_dyn", "_npv", "_acc", "_name")
+
+    def __init__(self, storage: Storage, dtype: NkiDType, offset: int, shape, strides, dyn=None,
+                 name=None, op="view"):
+        self._st = storage
+        self._dtype = dtype
+        self._offset = int(offset)
+        self._shape = tuple(int(c) for c in shape)
+        self._strides = tuple(int(s) for s in strides)
+        self._dyn = dyn
+        self._npv = None
+        self._acc = None
+        self._name = storage.name if name is None else name
+        for c in self._shape:
+            if c < 1:
+                _fail(op, self._name, f"view dims must be positive, got shape {self._shape}")
+        if storage.kind in ONCHIP:
+            if len(self._shape) < 2:
+                _fail(op, self._name, "on-chip tensors need a partition dim and at least one free dim")
+            fd = storage.partition_elems(dtype)
+            if self._shape[0] > 1 and self._strides[0] != fd:
+                _fail(op, self._name, f"partition stride must equal the elements per partition ({fd}), "
+                                      f"got {self._strides[0]}")
+        if dyn is None:
+            self._check_bounds(self._offset, op)
+
+    # ----------------------------------------------------------------- metadata
+    @property
+    def shape(self):
+        return self._shape
+
+    @property
+    def strides(self):
+        return self._strides
+
+    @property
+    def offset(self):
+        return self._offset
+
+    @property
+    def dtype(self):
+        return self._dtype
+
+    @property
+    def buffer(self):
+        return _KIND_TO_REGION[self._st.kind]
+
+    @property
+    def name(self):
+        return self._name
+
+    @property
+    def ndim(self):
+        return len(self._shape)
+
+    @property
+    def size(self):
+        return int(np.prod(self._shape, dtype=np.int64))
+
+    @property
+    def itemsize(self):
+        return self._dtype.itemsize
+
+    def __len__(self):
+        return self._shape[0]
+
+    def __repr__(self):
+        return f"NkiTensor(name={self._name!r}, shape={self._shape}, dtype={self._dtype}, buffer={self._st.kind})"
+
+    # tensor values are not available to Python on hardware (nki-api.md §2.5)
+    def _no_value(self, *_):
+        raise TypeError(f"tensor {self._name!r}: tensor contents are not available to Python code in a "
+                        "kernel (runtime values only exist on the device)")
+
+    __bool__ = __int__ = __float__ = __index__ = __array__ = __iter__ = _no_value
+
+    # ----------------------------------------------------------------- geometry helpers
+    @property
+    def _onchip(self):
+        return self._st.kind in ONCHIP
+
+    def _extent(self, offset):
+        lo = hi = 0
+        start = 1 if self._onchip else 0
+        for s, c in zip(self._strides[start:], self._shape[start:]):
+            span = s * (c - 1)
+            if span < 0:
+                lo += span
+            else:
+                hi += span
+        return lo, hi
+
+    def _check_bounds(self, offset, op, operand=None):
+        st = self._st
+        lo, hi = self._extent(offset)
+        if self._onchip:
+            fd = st.partition_elems(self._dtype)
+            p0, f0 = divmod(offset, fd) if offset >= 0 else (-1, 0)
+            if p0 < 0 or f0 + lo < 0 or f0 + hi >= fd:
+                _fail(op, operand or self._name, f"access pattern leaves the partition "
+                                                 f"(free range [{f0 + lo}, {f0 + hi}] of {fd} elements)")
+            if p0 + self._shape[0] > st.nparts:
+                _fail(op, operand or self._name, f"partitions [{p0}, {p0 + self._shape[0]}) exceed the "
+                                                 f"allocation's {st.nparts}")
+        else:
+            n = st.elements(self._dtype)
+            if offset + lo < 0 or offset + hi >= n:
+                _fail(op, operand or self._name, f"access pattern out of bounds (elements "
+                                                 f"[{offset + lo}, {offset + hi}] of {n})")
+
+    def _strided(self, offset):
+        typed = self._st.typed(self._dtype)
+        isz = self._dtype.itemsize
+        base = typed[offset:] if offset else typed
+        return as_strided(base, shape=self._shape, strides=tuple(s * isz for s in self._strides),
+                          writeable=True)
+
+    def _np(self):
+        """Static NumPy view of this tensor (cached)."""
+        view = self._npv
+        if view is None:
+            view = self._npv = self._strided(self._offset)
+        return view
+
+    def _resolve(self, op, operand, skip):
+        """(kind, payload, row_mask): 'view' -> ndarray view; 'index' -> flat element index array."""
+        kind = self._dyn[0]
+        if kind == "scalar":
+            _, src, mult, limit = self._dyn
+            value = dynamic_value(src, op, operand)
+            off = self._offset + value * mult
+            ok = 0 <= value < limit
+            if ok:
+                try:
+                    self._check_bounds(off, op, operand)
+                except NKIRuleError:
+                    ok = False
+            if not ok:
+                if skip:
+                    return "skip", None, None
+                _fail(op, operand, f"dynamic offset {value} out of bounds (oob_mode.error)")
+            return "view", self._strided(off), None
+        _, idx_t, mult, limit = self._dyn
+        idx_vals, _ = idx_t._gather()
+        idx = np.asarray(idx_vals).T.reshape(-1)[: self._shape[0]].astype(np.int64)
+        rows = self._shape[0]
+        grids = np.ix_(*[np.arange(c, dtype=np.int64) * s for s, c in zip(self._strides[1:], self._shape[1:])]) \
+            if len(self._shape) > 1 else ()
+        flat = (self._offset + idx * mult).reshape((rows,) + (1,) * (len(self._shape) - 1))
+        for g in grids:
+            flat = flat + g[np.newaxis]
+        n = self._st.elements(self._dtype)
+        axes = tuple(range(1, flat.ndim))
+        bad = (idx < 0) | (idx >= limit)
+        if axes:
+            bad |= ((flat < 0) | (flat >= n)).any(axis=axes)
+        else:
+            bad |= (flat < 0) | (flat >= n)
+        if bad.any():
+            if not skip:
+                _fail(op, operand, f"vector_offset index out of bounds (rows {np.nonzero(bad)[0][:8].tolist()}, "
+                                   "oob_mode.error)")
+            flat = np.where(bad.reshape((rows,) + (1,) * (flat.ndim - 1)), 0, flat)
+            return "index", flat, ~bad
+        return "index", flat, None
+
+    def _gather(self, op="read", operand="src", skip=False):
+        """(values with the view's shape, valid-row mask or None). Values may alias storage."""
+        if self._dyn is None:
+            return self._np(), None
+        kind, payload, mask = self._resolve(op, operand, skip)
+        if kind == "skip":
+            return None, np.zeros(self._shape[0], dtype=bool)
+        if kind == "view":
+            return payload, None
+        return self._st.typed(self._dtype)[payload], mask
+
+    def _scatter(self, values, op="write", operand="dst", mask=None, matmul=False, skip=False):
+        """Write ``values`` (already of this view's dtype, reshapeable to its shape)."""
+        for s, c in zip(self._strides, self._shape):
+            if s == 0 and c > 1:
+                _fail(op, operand, "a destination may not have stride-0 (broadcast) dims")
+        values = np.asarray(values).reshape(self._shape)
+        if self._dyn is None:
+            target = self._np()
+            target[...] = values
+            if self._st.mm_mask is not None:
+                self._mask_view(self._offset)[...] = 1 if matmul else 0
+            return
+        kind, payload, dmask = self._resolve(op, operand, skip)
+        if kind == "skip":
+            return
+        if kind == "view":
+            payload[...] = values
+            return
+        rows = np.ones(self._shape[0], dtype=bool) if dmask is None else dmask
+        if mask is not None:
+            rows &= mask
+        self._st.typed(self._dtype)[payload[rows]] = values[rows]
+
+    def _mask_view(self, offset):
+        isz = self._dtype.itemsize
+        base = self._st.mm_mask[offset * isz:]
+        return as_strided(base, shape=self._shape, strides=tuple(s * isz for s in self._strides),
+                          writeable=True)
+
+    def _access(self) -> Access:
+        acc = self._acc
+        if acc is not None:
+            return acc
+        st = self._st
+        isz = self._dtype.itemsize
+        lo, hi = self._extent(self._offset)
+        if self._onchip:
+            fd = st.partition_elems(self._dtype)
+            p0, f0 = divmod(self._offset, fd)
+            parts = (st.pstart + p0, st.pstart + p0 + self._shape[0])
+            brange = (st.bstart + (f0 + lo) * isz, st.bstart + (f0 + hi + 1) * isz)
+        else:
+            parts = (0, 1)
+            brange = ((self._offset + lo) * isz, (self._offset + hi + 1) * isz)
+        acc = Access(st.id, st.kind, parts, brange, self._shape, str(self._dtype))
+        if self._dyn is None:
+            self._acc = acc
+        return acc
+
+    def _contig_bytes(self) -> int:
+        """Bytes of the smallest contiguous run of this view (innermost compact dims)."""
+        run = 1
+        expected = 1
+        start = 1 if self._onchip else 0
+        for s, c in zip(reversed(self._strides[start:]), reversed(self._shape[start:])):
+            if c == 1:
+                continue
+            if s != expected:
+                break
+            run *= c
+            expected *= c
+        return run * self._dtype.itemsize
+
+    def _derive(self, offset, shape, strides, op, dtype=None, dyn=None):
+        return NkiTensor(self._st, dtype or self._dtype, offset, shape, strides, dyn, self._name, op)
+
+    def _static(self, op):
+        if self._dyn is not None:
+            _fail(op, self._name, "indirect (dynamic) views cannot be re-viewed")
+
+    # ----------------------------------------------------------------- indexing
+    def __getitem__(self, key):
+        self._static("getitem")
+        if not isinstance(key, tuple):
+            key = (key,)
+        if any(k is Ellipsis for k in key):
+            i = next(i for i, k in enumerate(key) if k is Ellipsis)
+            fill = len(self._shape) - (len(key) - 1)
+            key = key[:i] + (slice(None),) * fill + key[i + 1:]
+        if len(key) > len(self._shape):
+            _fail("getitem", self._name, f"too many indices ({len(key)}) for a {len(self._shape)}-d tensor")
+        key = key + (slice(None),) * (len(self._shape) - len(key))
+        offset = self._offset
+        shape, strides = [], []
+        onchip = self._onchip
+        for dim, (k, c, s) in enumerate(zip(key, self._shape, self._strides)):
+            if isinstance(k, (bool, np.bool_)):
+                _fail("getitem", self._name, "boolean indices are not supported")
+            if isinstance(k, (int, np.integer)):
+                k = int(k)
+                if k < 0:
+                    k += c
+                if not 0 <= k < c:
+                    _fail("getitem", self._name, f"index {k} out of range for dim {dim} of size {c}")
+                offset += k * s
+                if onchip and dim == 0:
+                    shape.append(1)
+                    strides.append(s)
+                continue
+            if isinstance(k, slice):
+                start, stop, step = k.start, k.stop, k.step
+                step = 1 if step is None else int(step)
+                if step < 1:
+                    _fail("getitem", self._name, f"slice step must be >= 1, got {step}")
+                start = 0 if start is None else int(start)
+                stop = c if stop is None else int(stop)
+                if start < 0:
+                    start += c
+                if stop < 0:
+                    stop += c
+                if not (0 <= start < stop <= c):
+                    _fail("getitem", self._name, f"slice [{start}:{stop}] out of range for dim {dim} of size {c}")
+                offset += start * s
+                shape.append(len(range(start, stop, step)))
+                strides.append(s * step)
+                continue
+            if isinstance(k, (NkiTensor, VirtualRegister)):
+                _fail("getitem", self._name, "runtime values cannot index a tensor; use .ap(scalar_offset=...)")
+            _fail("getitem", self._name, f"unsupported index {k!r}")
+        if onchip and len(shape) < 2:
+            shape.append(1)
+            strides.append(1)
+        if not shape:
+            shape, strides = [1], [1]
+        return self._derive(offset, shape, strides, "getitem")
+
+    def __setitem__(self, key, value):
+        from . import isa  # local: isa imports this module
+
+        dst = self[key]
+        if not isinstance(value, NkiTensor):
+            isa.memset(dst, value)
+        elif dst._onchip and value._onchip:
+            isa.tensor_copy(dst, value)
+        else:
+            isa.dma_copy(dst, value)
+
+    # ----------------------------------------------------------------- view methods
+    def get_pattern(self):
+        return [[s, c] for s, c in zip(self._strides, self._shape)]
+
+    def is_indirect(self) -> bool:
+        return self._dyn is not None
+
+    def is_contiguous(self) -> bool:
+        start = 1 if self._onchip else 0
+        expected = 1
+        for s, c in zip(reversed(self._strides[start:]), reversed(self._shape[start:])):
+            if c != 1 and s != expected:
+                return False
+            expected *= c
+        return True
+
+    def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
+        op = "ap"
+        new_dt = self._dtype if dtype is None else as_dtype(dtype, "dtype")
+        if self._dyn is not None:
+            _fail(op, self._name, "indirect views cannot be re-indirected")
+        if not isinstance(pattern, (list, tuple)) or not pattern:
+            _fail(op, "pattern", "pattern must be a non-empty list of [stride, count] pairs")
+        strides, shape = [], []
+        for pair in pattern:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                _fail(op, "pattern", f"each pattern entry must be [stride, count], got {pair!r}")
+            s, c = pair
+            if not isinstance(s, (int, np.integer)) or not isinstance(c, (int, np.integer)):
+                _fail(op, "pattern", f"strides and counts must be compile-time ints, got {pair!r}")
+            strides.append(int(s))
+            shape.append(int(c))
+        if offset is None:
+            byte_off = self._offset * self._dtype.itemsize
+            if byte_off % new_dt.itemsize:
+                _fail(op, "offset", "inherited offset is not a whole number of the new dtype's elements")
+            off = byte_off // new_dt.itemsize
+        elif isinstance(offset, (int, np.integer)):
+            off = int(offset)
+        else:
+            _fail(op, "offset", "offset must be a compile-time int; use scalar_offset for runtime values")
+        if scalar_offset is not None and vector_offset is not None:
+            _fail(op, "vector_offset", "at most one of scalar_offset and vector_offset")
+        dyn = None
+        if scalar_offset is not None or vector_offset is not None:
+            if not 0 <= indirect_dim < len(self._shape):
+                _fail(op, "indirect_dim", f"indirect_dim {indirect_dim} out of range")
+            mult_bytes = self._strides[indirect_dim] * self._dtype.itemsize
+            if mult_bytes % new_dt.itemsize:
+                _fail(op, "indirect_dim", "indirect stride is not a whole number of the new dtype's elements")
+            mult = mult_bytes // new_dt.itemsize
+            limit = self._shape[indirect_dim]
+            if scalar_offset is not None:
+                if isinstance(scalar_offset, NkiTensor):
+                    if scalar_offset.size != 1 or not is_int(scalar_offset.dtype):
+                        _fail(op, "scalar_offset", "scalar_offset tensor must hold one integer element")
+                elif not isinstance(scalar_offset, VirtualRegister):
+                    _fail(op, "scalar_offset", "scalar_offset must be a (1, 1) SBUF int tensor or a VirtualRegister")
+                dyn = ("scalar", scalar_offset, mult, limit)
+            else:
+                if indirect_dim != 0:
+                    _fail(op, "indirect_dim", "vector_offset requires indirect_dim=0")
+                if self._onchip:
+                    _fail(op, "vector_offset", "vector_offset indirection is only allowed on HBM tensors")
+                if not isinstance(vector_offset, NkiTensor) or vector_offset.buffer != MemoryRegion.sbuf:
+                    _fail(op, "vector_offset", "vector_offset must be an SBUF tensor")
+                if vector_offset.dtype not in ("int32", "uint32"):
+                    _fail(op, "vector_offset", f"vector_offset must be int32/uint32, got {vector_offset.dtype}")
+                if vector_offset.size < shape[0]:
+                    _fail(op, "vector_offset", f"vector_offset holds {vector_offset.size} indices, pattern "
+                                               f"needs {shape[0]}")
+                dyn = ("vector", vector_offset, mult, limit)
+        return NkiTensor(self._st, new_dt, off, shape, strides, dyn, self._name, op)
+
+    def view(self, dtype):
+        op = "view"
+        self._static(op)
+        new_dt = as_dtype(dtype, "dtype")
+        old, new = self._dtype.itemsize, new_dt.itemsize
+        if old == new:
+            return self._derive(self._offset, self._shape, self._strides, op, new_dt)
+        if self._strides[-1] != 1 and self._shape[-1] != 1:
+            _fail(op, self._name, "view(dtype) needs a contiguous last dim")
+        shape, strides = list(self._shape), list(self._strides)
+        if new > old:
+            r = new // old
+            if new % old or shape[-1] % r or self._offset % r or any(s % r for s in strides[:-1]):
+                _fail(op, self._name, f"cannot view {self._dtype} as {new_dt}: last dim, strides and offset "
+                                      f"must be divisible by {r}")
+            shape[-1] //= r
+            strides = [s // r for s in strides[:-1]] + [1]
+            offset = self._offset // r
+        else:
+            r = old // new
+            shape[-1] *= r
+            strides = [s * r for s in strides[:-1]] + [1]
+            offset = self._offset * r
+        return self._derive(offset, shape, strides, op, new_dt)
+
+    reinterpret_cast = view
+
+    def reshape(self, shape):
+        op = "reshape"
+        self._static(op)
+        shape = list(shape) if isinstance(shape, (list, tuple)) else [shape]
+        shape = [int(c) for c in shape]
+        if shape.count(-1) > 1:
+            _fail(op, self._name, "at most one -1 in a reshape")
+        if -1 in shape:
+            known = int(np.prod([c for c in shape if c != -1], dtype=np.int64))
+            shape[shape.index(-1)] = self.size // max(known, 1)
+        if int(np.prod(shape, dtype=np.int64)) != self.size:
+            _fail(op, self._name, f"cannot reshape {self._shape} to {tuple(shape)}: element counts differ")
+        if self._onchip:
+            if shape[0] != self._shape[0]:
+                _fail(op, self._name, "on-chip reshape must keep the partition dim")
+            if not self.is_contiguous():
+                _fail(op, self._name, "reshape needs contiguous free dims")
+            strides = [self._strides[0]] + _compact(shape[1:])
+        else:
+            if not self.is_contiguous():
+                _fail(op, self._name, "reshape needs a contiguous view")
+            strides = _compact(shape)
+        return self._derive(self._offset, shape, strides, op)
+
+    def slice(self, dim, start, end, step=1):
+        if not 0 <= start < end <= self._shape[dim]:
+            _fail("slice", self._name, f"slice [{start}:{end}] out of range for dim {dim} of size {self._shape[dim]}")
+        key = [slice(None)] * len(self._shape)
+        key[dim] = slice(start, end, step)
+        return self[tuple(key)]
+
+    def select(self, dim, index):
+        if isinstance(index, (NkiTensor, VirtualRegister)):
+            return self._select_dynamic(dim, index)
+        pattern = self.get_pattern()
+        shape = [c for i, (s, c) in enumerate(pattern) if i != dim]
+        strides = [s for i, (s, c) in enumerate(pattern) if i != dim]
+        if not 0 <= index < self._shape[dim]:
+            _fail("select", self._name, f"index {index} out of range for dim {dim}")
+        offset = self._offset + index * self._strides[dim]
+        if self._onchip and dim == 0:
+            _fail("select", self._name, "cannot select on the partition dim of an on-chip tensor")
+        if self._onchip and len(shape) < 2:
+            shape, strides = shape + [1], strides + [1]
+        return self._derive(offset, shape, strides, "select")
+
+    def _select_dynamic(self, dim, index):
+        pattern = [p for i, p in enumerate(self.get_pattern()) if i != dim]
+        if self._onchip and len(pattern) < 2:
+            pattern.append([1, 1])
+        mult = self._strides[dim]
+        return NkiTensor(self._st, self._dtype, self._offset, [c for _, c in pattern], [s for s, _ in pattern],
+                         ("scalar", index, mult, self._shape[dim]), self._name, "select")
+
+    def permute(self, dims):
+        dims = [int(d) for d in dims]
+        if sorted(dims) != list(range(len(self._shape))):
+            _fail("permute", self._name, f"dims {dims} is not a permutation")
+        if self._onchip and dims[0] != 0:
+            _fail("permute", self._name, "on-chip permute must keep the partition dim first")
+        return self._derive(self._offset, [self._shape[d] for d in dims], [self._strides[d] for d in dims], "permute")
+
+    def broadcast(self, dim, size):
+        if self._shape[dim] != 1:
+            _fail("broadcast", self._name, f"dim {dim} must have size 1 to broadcast")
+        if self._onchip and dim == 0:
+            _fail("broadcast", self._name, "cannot broadcast the partition dim of an on-chip tensor")
+        shape, strides = list(self._shape), list(self._strides)
+        shape[dim], strides[dim] = int(size), 0
+        return self._derive(self._offset, shape, strides, "broadcast")
+
+    def expand_dim(self, dim):
+        if self._onchip and dim == 0:
+            _fail("expand_dim", self._name, "cannot insert a dim before the partition dim")
+        shape, strides = list(self._shape), list(self._strides)
+        shape.insert(dim, 1)
+        strides.insert(dim, 1)
+        return self._derive(self._offset, shape, strides, "expand_dim")
+
+    def squeeze_dim(self, dim):
+        if self._shape[dim] != 1:
+            _fail("squeeze_dim", self._name, f"dim {dim} has size {self._shape[dim]}, not 1")
+        if self._onchip and (dim == 0 or len(self._shape) <= 2):
+            _fail("squeeze_dim", self._name, "on-chip tensors keep the partition dim and one free dim")
+        shape, strides = list(self._shape), list(self._strides)
+        del shape[dim], strides[dim]
+        return self._derive(self._offset, shape, strides, "squeeze_dim")
+
+    def reshape_dim(self, dim, shape):
+        shape = [int(c) for c in shape]
+        if -1 in shape:
+            known = int(np.prod([c for c in shape if c != -1]))
+            shape[shape.index(-1)] = self._shape[dim] // known
+        if int(np.prod(shape)) != self._shape[dim]:
+            _fail("reshape_dim", self._name, f"cannot split dim {dim} of size {self._shape[dim]} into {shape}")
+        if self._onchip and dim == 0 and len(shape) > 1:
+            _fail("reshape_dim", self._name, "cannot split the partition dim of an on-chip tensor")
+        s = self._strides[dim]
+        new_strides = [s * int(np.prod(shape[i + 1:])) for i in range(len(shape))]
+        return self._derive(self._offset, list(self._shape[:dim]) + shape + list(self._shape[dim + 1:]),
+                            list(self._strides[:dim]) + new_strides + list(self._strides[dim + 1:]), "reshape_dim")
+
+    def flatten_dims(self, start_dim, end_dim):
+        if self._onchip and start_dim == 0:
+            _fail("flatten_dims", self._name, "cannot merge the partition dim of an on-chip tensor")
+        for d in range(start_dim, end_dim):
+            if self._strides[d] != self._strides[d + 1] * self._shape[d + 1]:
+                _fail("flatten_dims", self._name, f"dims {start_dim}..{end_dim} are not contiguous")
+        count = int(np.prod(self._shape[start_dim:end_dim + 1]))
+        return self._derive(self._offset, list(self._shape[:start_dim]) + [count] + list(self._shape[end_dim + 1:]),
+                            list(self._strides[:start_dim]) + [self._strides[end_dim]] + list(self._strides[end_dim + 1:]),
+                            "flatten_dims")
+
+
+def _compact(shape):
+    strides, acc = [], 1
+    for c in reversed(shape):
+        strides.append(acc)
+        acc *= c
+    return list(reversed(strides))
