@@ -105,3 +105,9 @@ def test_more_instructions_are_never_cheaper(ops, target):
         if prev is not None:
             assert est.time_ns >= prev
         prev = est.time_ns
+
+
+def test_trn3_moves_large_rows_faster():
+    t = Trace()
+    e = t.dma(hbm(new_id(), (128, 8192)), onchip(new_id(), "sbuf", (128, 8192)))
+    assert _cost(e, "trn3") < _cost(e, "trn2")

@@ -20,7 +20,8 @@ idle long enough for utilisation to fall below the threshold starts a new ramp; 
 ends it runs at ``start_frac + (1 - start_frac) * t / ramp`` of full speed.
 
 ``core_barrier`` joins the programs of an LNC2 launch: every program resumes at the latest
-arrival plus ``barrier_ns``; the barrier is a fence for all engines of its program.
+arrival plus ``barrier_ns``; the barrier is a fence for all engines of its program. Under LNC1
+it is a no-op costing one sync-engine slot.
 """
 
 from __future__ import annotations
@@ -251,9 +252,11 @@ def schedule_programs(programs: dict[int, list], hw: HardwareParams, *, keep_tim
             while i < len(entries):
                 entry = entries[i]
                 cost = instruction_cost(entry, hw)
-                if entry.opcode in _BARRIERS and len(programs) > 1:
-                    waiting[pid] = (entry, cost)
-                    break
+                if entry.opcode in _BARRIERS:
+                    if len(programs) > 1:
+                        waiting[pid] = (entry, cost)
+                        break
+                    cost = InstrCost(cost.engine, cost.service_ns, 0.0)  # LNC1: a no-op barrier
                 state.run(entry, cost)
                 i += 1
             cursors[pid] = i
