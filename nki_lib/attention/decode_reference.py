@@ -1,0 +1,73 @@
+"""PyTorch reference and dense oracle for ``nki::decode_attention`` (api-contract §3).
+
+Shapes: B batch, Hq query heads, Hkv kv heads, Sq new tokens per sequence, D head dim,
+Smax contiguous-cache capacity, NB physical blocks, bs block size, MB block-table columns,
+L_b = ``cache_seqlens[b]`` valid positions of sequence b.
+
+* ``dense_kv(k_cache, v_cache, block_table, b, length)``: the first ``length`` cached positions
+  of sequence b as dense ``[Hkv, length, D]`` tensors, gathered through the block table
+  (logical position p lives in block ``block_table[b, p // bs]`` at row ``p % bs``).
+* ``decode_attention``: the reference path. For each sequence it gathers its valid keys and runs
+  ``reference.flash_attention(causal=True, window_left=...)`` on that dense problem: with
+  ``Sk = L_b`` the bottom-right alignment puts query t at position ``L_b - Sq + t``, which is
+  exactly the decode rule, so decode *is* flash attention on the equivalent dense problem.
+* ``naive``: the same decomposition with ``reference.naive`` (dense softmax in the inputs' dtype),
+  the fp64 oracle and low-precision baseline of the parity tests.
+
+Only positions ``< L_b`` are ever read, so garbage (even NaN) in unused cache slots or unused
+block-table entries never reaches the result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nki_lib.attention import reference
+
+
+def dense_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None,
+             b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions ``[0, length)`` of sequence ``b``: two ``[Hkv, length, D]``."""
+    if block_table is None:
+        return k_cache[b, :, :length], v_cache[b, :, :length]
+    block_size = k_cache.shape[2]
+    n_blocks = -(-length // block_size)
+    blocks = block_table[b, :n_blocks].to(torch.long)
+
+    def gather(cache):
+        hkv, d = cache.shape[1], cache.shape[3]
+        # [n_blocks, Hkv, bs, D] -> [Hkv, n_blocks * bs, D] -> first `length` positions
+        return cache[blocks].permute(1, 0, 2, 3).reshape(hkv, n_blocks * block_size, d)[:, :length]
+
+    return gather(k_cache), gather(v_cache)
+
+
+def _per_sequence(attention, q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale,
+                  window_left, softcap):
+    lengths = [int(x) for x in cache_seqlens.tolist()]
+    outs, lses = [], []
+    for b, length in enumerate(lengths):
+        k_b, v_b = dense_kv(k_cache, v_cache, block_table, b, length)
+        out_b, lse_b = attention(q[b:b + 1], k_b[None], v_b[None], sinks, None, causal=True,
+                                 scale=scale, window_left=window_left, window_right=-1,
+                                 softcap=softcap)
+        outs.append(out_b)
+        lses.append(lse_b)
+    if not outs:
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=lse_dtype)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None, *,
+                     scale=None, window_left=-1, softcap=0.0):
+    """Returns ``(out [B,Hq,Sq,D] in q's dtype, lse [B,Hq,Sq] float32)`` (float64 for float64)."""
+    return _per_sequence(reference.flash_attention, q, k_cache, v_cache, cache_seqlens, block_table,
+                         sinks, scale=scale, window_left=window_left, softcap=softcap)
+
+
+def naive(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None, *, scale=None,
+          window_left=-1, softcap=0.0):
+    """Dense decode attention in the inputs' dtype (fp64 oracle / low-precision baseline)."""
+    return _per_sequence(reference.naive, q, k_cache, v_cache, cache_seqlens, block_table, sinks,
+                         scale=scale, window_left=window_left, softcap=softcap)
