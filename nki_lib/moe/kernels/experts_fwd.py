@@ -1,0 +1,259 @@
+"""Fused MoE expert MLP forward over a block plan (NKI kernel + launcher).
+
+Algorithm (one kernel launch, api-contract §4 ``moe_experts``):
+for each block b of the plan (static loop over NB, blocks in order):
+  expert e = block_expert[b] is runtime data: ``register_load`` puts it in a register and a
+  dynamic loop with trip count ``valid[b] = (e >= 0)`` (computed on VectorE) runs the block body
+  once, or not at all for unused blocks (no DMA, no matmul for them).
+  1. per slot tile (<= 128 slots): load the slots' token ids and assignment ids, gather the token
+     rows of x with an indirect DMA (``vector_offset``; padding slots hold -1, are skipped and keep
+     the zero fill), gather the routing weights the same way, PE-transpose the rows into
+     xT (H on partitions, slots on the free axis).
+  2. per I tile (128): stream the expert's gate and up weight tiles (H x 128, selected with
+     ``scalar_offset`` = the expert register), gT/uT = W^T-tile x xT into fp32 PSUM (contraction
+     over H tiles), hT = act(gT) * uT on ScalarE/VectorE -> SBUF (I on partitions, slots free).
+  3. per H chunk (512): stream w_down^T tiles (128 x 512), y = h x W_down^T into fp32 PSUM
+     (contraction over I tiles), evict with the routing weight as per-partition scale, and write
+     the rows to the fp32 scratch y_slots[a] (indirect DMA scatter, one row per assignment:
+     no read-modify-write, no race, each row written exactly once).
+finally y[t] = sum_j y_slots[t * k + j] in the fixed order j = 0..k-1 (fp32), cast to x's dtype.
+
+Loop structure: blocks (static) > guard (dynamic, 0/1 trips) > {slot tiles; I tiles > H tiles >
+slot chunks; H chunks > I tiles > slot tiles}; then token tiles > H chunks > j.
+
+Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k
+assignments, NB blocks, B block size (slots per block). Kernel inputs (HBM): x (T, H),
+topk_w (N, 1) fp32, block_expert (NB,) int32, slot_token (NB*B,) int32 (a // k or -1),
+slot_assignment (NB*B,) int32 (a or -1), w_gate_up_t (E, H, 2I) (= w_gate_up transposed),
+w_down_t (E, I, H) (= w_down transposed). Output y (T, H) in x's dtype.
+
+Limits: x and weights bf16/fp16/fp32 (one dtype); B <= 512 (one slot tile per PSUM bank, at
+most 4 slot tiles in flight); SBUF per partition ~ (ceil(H/128) + ceil(I/128)) * B * itemsize +
+H * itemsize + weight tiles (see :func:`sbuf_bytes`) must fit ``nl.tile_size.total_available_sbuf_size``;
+every assignment appears exactly once in the plan (validated by the op).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nki_lib._nki import nki, nisa, nl
+from nki_lib.dispatch import Unsupported, call_kernel
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are live at once
+
+
+def act_fn(activation):
+    """The ScalarE function of the gate activation (exact PyTorch definitions)."""
+    return {"silu": nl.silu, "gelu": nl.gelu, "gelu_tanh": nl.gelu_apprx_tanh}[activation]
+
+
+def tiles(n, size):
+    """[(start, size)] covering range(n) in tiles of at most ``size``."""
+    return [(s, min(size, n - s)) for s in range(0, n, size)]
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+def load_ids(slot_ids, s0, ps):
+    """(ps, 1) int32 tile of slot_ids[s0 : s0 + ps] (token or assignment ids, -1 = padding)."""
+    ids_sb = nl.ndarray((ps, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids_sb, src=slot_ids[s0:s0 + ps])
+    return ids_sb
+
+
+def gather_rows(src, ids_sb, ps):
+    """(ps, C) tile of rows src[ids] (src (R, C) in HBM); rows with id -1 stay zero."""
+    cols = src.shape[1]
+    rows_sb = nl.ndarray((ps, cols), dtype=src.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=rows_sb, value=0.0)
+    nisa.dma_copy(dst=rows_sb,
+                  src=src.ap([[cols, ps], [1, cols]], offset=0, vector_offset=ids_sb, indirect_dim=0),
+                  oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
+    return rows_sb
+
+
+def scatter_rows(dst, ids_sb, rows_sb, col0):
+    """dst[ids, col0 : col0 + n] = rows (dst (R, C) in HBM); rows with id -1 are not written."""
+    ps, n = rows_sb.shape
+    cols = dst.shape[1]
+    nisa.dma_copy(dst=dst.ap([[cols, ps], [1, n]], offset=col0, vector_offset=ids_sb, indirect_dim=0),
+                  src=rows_sb, oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
+
+
+def transpose_rows(dst_t, rows_sb, col0):
+    """rows (ps, C) -> dst_t[:, c_tile, col0 : col0 + ps] (C on partitions, tiled by 128)."""
+    ps, cols = rows_sb.shape
+    for ct, (c0, cs) in enumerate(tiles(cols, nl.tile_size.pmax)):
+        tr_psum = nl.ndarray((cs, ps), dtype=rows_sb.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=tr_psum, data=rows_sb[:, c0:c0 + cs])
+        nisa.tensor_copy(dst=dst_t[:cs, ct, col0:col0 + ps], src=tr_psum)
+
+
+def block_flags(block_expert):
+    """(expert ids, valid flags): two (1, NB) int32 SBUF tiles, valid = (expert >= 0)."""
+    n_blocks = block_expert.shape[0]
+    expert_sb = nl.ndarray((1, n_blocks), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=expert_sb, src=block_expert)
+    valid_sb = nl.ndarray((1, n_blocks), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=valid_sb, data=expert_sb, op0=nl.greater_equal, operand0=0)
+    return expert_sb, valid_sb
+
+
+def block_registers(expert_sb, valid_sb, b):
+    """Registers (expert id, trip count 0/1) of block b."""
+    expert_reg = nisa.register_alloc()
+    nisa.register_load(expert_reg, expert_sb[0:1, b:b + 1])
+    trips_reg = nisa.register_alloc()
+    nisa.register_load(trips_reg, valid_sb[0:1, b:b + 1])
+    return expert_reg, trips_reg
+
+
+def load_block_inputs(x, topk_w, slot_token, slot_assignment, s_base, block):
+    """Per slot tile: assignment ids, routing weights (ps, 1) fp32, token rows; and xT (P, HT, B)."""
+    pmax = nl.tile_size.pmax
+    hidden = x.shape[1]
+    x_t = nl.ndarray((pmax, len(tiles(hidden, pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
+    slot_tiles = []
+    for s0, ps in tiles(block, pmax):
+        tok_sb = load_ids(slot_token, s_base + s0, ps)
+        asg_sb = load_ids(slot_assignment, s_base + s0, ps)
+        x_rows = gather_rows(x, tok_sb, ps)
+        transpose_rows(x_t, x_rows, s0)
+        slot_tiles.append((s0, ps, tok_sb, asg_sb, gather_rows(topk_w, asg_sb, ps), x_rows))
+    return slot_tiles, x_t
+
+
+def load_expert_cols(w_t, expert_reg, row_tiles, col0, ncols):
+    """(P, RT, ncols) tile of w_t[e, rows, col0 : col0 + ncols] (w_t (E, R, C) in HBM)."""
+    cols = w_t.shape[2]
+    w_sb = nl.ndarray((nl.tile_size.pmax, len(row_tiles), ncols), dtype=w_t.dtype, buffer=nl.sbuf)
+    for rt, (r0, rs) in enumerate(row_tiles):
+        nisa.dma_copy(dst=w_sb[:rs, rt, :],
+                      src=w_t.ap([[cols, rs], [1, ncols]], offset=r0 * cols + col0,
+                                 scalar_offset=expert_reg, indirect_dim=0))
+    return w_sb
+
+
+def reduce_assignments(src_slots, dst, top_k):
+    """dst[t] = sum_j src_slots[t * k + j] (fp32, j ascending), cast to dst's dtype."""
+    t_len, hidden = dst.shape
+    for t0, tp in tiles(t_len, nl.tile_size.pmax):
+        for h0, hn in tiles(hidden, nl.tile_size.gemm_moving_fmax):
+            parts_sb = nl.ndarray((tp, top_k, hn), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=parts_sb, src=src_slots.ap([[top_k * hidden, tp], [hidden, top_k], [1, hn]],
+                                                         offset=t0 * top_k * hidden + h0))
+            out_sb = nl.ndarray((tp, hn), dtype=dst.dtype, buffer=nl.sbuf)
+            if top_k == 1:
+                nisa.tensor_copy(dst=out_sb, src=parts_sb[:, 0, :])
+            else:
+                acc_sb = nl.ndarray((tp, hn), dtype=nl.float32, buffer=nl.sbuf)
+                for j in range(1, top_k):
+                    nisa.tensor_tensor(dst=out_sb if j == top_k - 1 else acc_sb,
+                                       data1=parts_sb[:, 0, :] if j == 1 else acc_sb,
+                                       data2=parts_sb[:, j, :], op=nl.add)
+            nisa.dma_copy(dst=dst[t0:t0 + tp, h0:h0 + hn], src=out_sb)
+
+
+# --------------------------------------------------------------------------- kernel
+
+def _gate_up(x_t, w_gate_up_t, expert_reg, h_tiles, block, activation, h_t):
+    """hT[:, it, :] = act(W_gate x) * (W_up x) per I tile (I on partitions, slots free)."""
+    inter = w_gate_up_t.shape[2] // 2
+    for it, (i0, isz) in enumerate(tiles(inter, nl.tile_size.pmax)):
+        wg_sb = load_expert_cols(w_gate_up_t, expert_reg, h_tiles, i0, isz)
+        wu_sb = load_expert_cols(w_gate_up_t, expert_reg, h_tiles, inter + i0, isz)
+        for n0, nn in tiles(block, nl.tile_size.gemm_moving_fmax):
+            g_psum = nl.ndarray((isz, nn), dtype=nl.float32, buffer=nl.psum)
+            u_psum = nl.ndarray((isz, nn), dtype=nl.float32, buffer=nl.psum)
+            for ht, (h0, hs) in enumerate(h_tiles):
+                nisa.nc_matmul(dst=g_psum, stationary=wg_sb[:hs, ht, :], moving=x_t[:hs, ht, n0:n0 + nn],
+                               accumulate=ht > 0)
+                nisa.nc_matmul(dst=u_psum, stationary=wu_sb[:hs, ht, :], moving=x_t[:hs, ht, n0:n0 + nn],
+                               accumulate=ht > 0)
+            act_sb = nl.ndarray((isz, nn), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=act_sb, op=act_fn(activation), data=g_psum)
+            nisa.tensor_tensor(dst=h_t[:isz, it, n0:n0 + nn], data1=act_sb, data2=u_psum, op=nl.multiply)
+
+
+def _down(h_t, w_down_t, expert_reg, i_tiles, slot_tiles, y_slots):
+    """y_slots[a] = w_a * (h @ W_down^T) per H chunk (contraction over I tiles in PSUM)."""
+    hidden = w_down_t.shape[2]
+    for h0, hn in tiles(hidden, nl.tile_size.gemm_moving_fmax):
+        y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
+        for it, (i0, isz) in enumerate(i_tiles):
+            wd_sb = load_expert_cols(w_down_t, expert_reg, [(i0, isz)], h0, hn)
+            for (s0, ps, *_), y_psum in zip(slot_tiles, y_psums):
+                nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps], moving=wd_sb[:isz, 0, :],
+                               accumulate=it > 0)
+        for (s0, ps, _, asg_sb, w_col, _), y_psum in zip(slot_tiles, y_psums):
+            y_sb = nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=y_sb, op=nl.copy, data=y_psum, scale=w_col)
+            scatter_rows(y_slots, asg_sb, y_sb, h0)
+
+
+@nki.jit
+def moe_experts_fwd(x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up_t, w_down_t,
+                    activation, top_k):
+    t_len, hidden = x.shape
+    n_blocks = block_expert.shape[0]
+    block = slot_token.shape[0] // n_blocks
+    inter = w_down_t.shape[1]
+    pmax = nl.tile_size.pmax
+    h_tiles, i_tiles = tiles(hidden, pmax), tiles(inter, pmax)
+    y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
+    y_slots = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.private_hbm)
+    expert_sb, valid_sb = block_flags(block_expert)
+    for b in nl.affine_range(n_blocks):
+        expert_reg, trips_reg = block_registers(expert_sb, valid_sb, b)
+        for _ in nl.dynamic_range(0, trips_reg):
+            slot_tiles, x_t = load_block_inputs(x, topk_w, slot_token, slot_assignment, b * block, block)
+            h_t = nl.ndarray((pmax, len(i_tiles), block), dtype=x.dtype, buffer=nl.sbuf)
+            _gate_up(x_t, w_gate_up_t, expert_reg, h_tiles, block, activation, h_t)
+            _down(h_t, w_down_t, expert_reg, i_tiles, slot_tiles, y_slots)
+    reduce_assignments(y_slots, y, top_k)
+    return y
+
+
+# --------------------------------------------------------------------------- launcher
+
+def sbuf_bytes(hidden, inter, block, itemsize):
+    """Peak SBUF bytes per partition of one block of the forward kernel (upper bound)."""
+    pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    ht, it = -(-hidden // pmax), -(-inter // pmax)
+    resident = (ht + it) * block * itemsize                   # xT, hT
+    per_slot_tile = hidden * itemsize + 3 * 4                 # x rows, ids, routing weight
+    streamed = 2 * ht * pmax * itemsize + fmax * itemsize     # gate/up tiles, one down tile
+    scratch = fmax * 4 * 2 + -(-block // pmax) * fmax * 4     # act, y eviction, reduce tiles
+    return resident + -(-block // pmax) * per_slot_tile + streamed + scratch
+
+
+def check_supported(x, block_size, inter, *, sbuf_fn):
+    """Raise Unsupported (before launching) for what the kernels cannot serve."""
+    if x.dtype not in KERNEL_DTYPES:
+        raise Unsupported(f"dtype {x.dtype} (kernel serves {[str(d) for d in KERNEL_DTYPES]})")
+    max_block = MAX_PSUM_SLOT_TILES * nl.tile_size.pmax
+    if block_size > max_block:
+        raise Unsupported(f"block_size {block_size} > {max_block}")
+    need = sbuf_fn(x.shape[1], inter, block_size, x.element_size())
+    if need > nl.tile_size.total_available_sbuf_size:
+        raise Unsupported(f"SBUF: {need} bytes per partition needed for H={x.shape[1]}, I={inter}, "
+                          f"block_size={block_size}, > {nl.tile_size.total_available_sbuf_size}")
+
+
+def slot_tokens(slot_assignment, top_k):
+    """Index metadata: the token id a // k of each slot, -1 for padding."""
+    return torch.where(slot_assignment >= 0, torch.div(slot_assignment, top_k, rounding_mode="floor"),
+                       torch.full_like(slot_assignment, -1)).to(torch.int32).contiguous()
+
+
+def run(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
+    """Launch the forward kernel; layout glue only (weights transposed to contraction-major)."""
+    block_size = slot_assignment.shape[0] // block_expert.shape[0]
+    check_supported(x, block_size, w_down.shape[2], sbuf_fn=sbuf_bytes)
+    top_k = topk_weights.shape[1]
+    return call_kernel(moe_experts_fwd, x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
+                       block_expert.contiguous(), slot_tokens(slot_assignment, top_k),
+                       slot_assignment.contiguous(), w_gate_up.transpose(1, 2).contiguous(),
+                       w_down.transpose(1, 2).contiguous(), activation, top_k)
