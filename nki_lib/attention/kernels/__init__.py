@@ -1,0 +1,1 @@
+"""NKI kernels of the attention ops: ``fwd`` (forward), ``bwd`` (backward), ``tiles`` (shared planning and mask helpers)."""

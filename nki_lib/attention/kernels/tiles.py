@@ -1,0 +1,163 @@
+"""Tile planning and in-kernel mask helpers shared by the flash-attention kernels (fwd and bwd).
+
+Two kinds of helpers live here:
+
+* **Compile-time planning** (plain Python on ints, evaluated while the kernel is traced):
+  how a length splits into tiles (:func:`spans`), the query/key/head-dim tilings, which key tiles
+  a query tile must visit and which of those need a mask (:func:`plan_row`, from
+  ``masks.tile_is_visible`` / ``masks.tile_is_full``), and how many query heads of a GQA group
+  fit in one pass (:func:`heads_per_pass`).
+* **In-kernel mask helpers** (emit NKI instructions): every mask of api-contract §3 -- causal,
+  sliding window, and the ``cu_seqlens`` document mask -- restricts the keys of query ``i`` to
+  one interval ``[lo_i, hi_i]`` (inclusive, absolute key indices). :func:`row_bounds` builds the
+  two bound columns ``(rows, 1)`` float32 for a query tile (iota on GpSimd for the causal/window
+  diagonal, ``max``/``min`` with the per-position document bounds loaded from HBM);
+  :func:`mask_scores` applies them to a score tile with one VectorE ``range_select`` that also
+  returns the row max. Masked scores become ``MASK_FILL`` (the most negative finite float32,
+  which ``range_select`` requires), so ``exp(MASK_FILL - m)`` is exactly 0 for any running max
+  ``m >= STAT_INIT``.
+
+Conventions (both kernels): queries on partitions, keys on the free axis; key indices are
+float32 inside the kernel, so sequence lengths must stay below ``MAX_INDEX`` (2**24).
+Dimension legend: Sq/Sk query/key lengths, D head dim, qn/kn rows/keys of one tile.
+"""
+
+from __future__ import annotations
+
+from nki_lib._nki import nisa, nl
+from nki_lib.attention import masks
+
+__all__ = ["MASK_FILL", "STAT_INIT", "MAX_INDEX", "MaskSpec", "spans", "query_tiles", "key_tiles",
+           "key_tile_width", "key_blocks", "head_dim_chunks", "plan_row", "heads_per_pass",
+           "row_bounds", "mask_scores"]
+
+MASK_FILL = -3.4028234663852886e38  # most negative finite float32 (range_select's only fill value)
+STAT_INIT = MASK_FILL / 2           # initial running max: finite, above MASK_FILL by ~1.7e38
+MAX_INDEX = 1 << 24                 # float32 represents every integer index below this
+
+
+class MaskSpec(nl.NKIObject):
+    """The static part of the mask (compile time), with windows normalised: a window side that
+    cannot exclude any key (``window_left >= Sk - 1``, ``window_right >= Sq - 1``) becomes -1."""
+
+    def __init__(self, sq: int, sk: int, causal: bool, window_left: int, window_right: int,
+                 has_docs: bool):
+        self.sq = sq
+        self.sk = sk
+        self.causal = causal
+        self.window_left = -1 if window_left >= sk - 1 else window_left
+        self.window_right = -1 if window_right >= sq - 1 else window_right
+        self.has_docs = has_docs
+
+    @property
+    def offset(self) -> int:
+        """Bottom-right alignment: query i is aligned with key ``i + offset``."""
+        return self.sk - self.sq
+
+    def _flags(self) -> dict:
+        return dict(sq=self.sq, sk=self.sk, causal=self.causal, window_left=self.window_left,
+                    window_right=self.window_right)
+
+    def tile_visible(self, q0: int, qn: int, k0: int, kn: int) -> bool:
+        return masks.tile_is_visible(q0, q0 + qn, k0, k0 + kn, **self._flags())
+
+    def tile_full(self, q0: int, qn: int, k0: int, kn: int) -> bool:
+        """No key of the tile is masked for any query (document masks make every tile partial)."""
+        return not self.has_docs and masks.tile_is_full(q0, q0 + qn, k0, k0 + kn, **self._flags())
+
+
+def spans(length: int, width: int) -> tuple:
+    """``((start, size), ...)`` covering ``[0, length)`` with sizes ``width`` (the last may be
+    shorter): partial tiles at the end are handled in the kernel, never padded in HBM."""
+    return tuple((start, min(width, length - start)) for start in range(0, length, width))
+
+
+def key_tile_width() -> int:
+    """Keys per score tile: the matmul moving free size and one fp32 PSUM bank (both 512)."""
+    return min(nl.tile_size.gemm_moving_fmax, nl.tile_size.psum_fmax)
+
+
+def query_tiles(sq: int) -> tuple:
+    return spans(sq, nl.tile_size.pmax)
+
+
+def key_tiles(sk: int) -> tuple:
+    return spans(sk, key_tile_width())
+
+
+def key_blocks(kn: int) -> tuple:
+    """128-key blocks of a key tile (the contraction tiles of P @ V)."""
+    return spans(kn, nl.tile_size.pmax)
+
+
+def head_dim_chunks(d: int) -> tuple:
+    """Partition-sized chunks of the head dim (contraction tiles of Q @ K^T; D <= 256 gives 2)."""
+    return spans(d, nl.tile_size.pmax)
+
+
+def plan_row(mask: MaskSpec, q0: int, qn: int) -> tuple:
+    """The key tiles query rows ``[q0, q0 + qn)`` must visit: ``((k0, kn, masked), ...)``.
+
+    Tiles that no query of the row can see are skipped whole; ``masked`` is False for tiles that
+    every query sees entirely (no mask instruction is emitted for them)."""
+    plan = []
+    for k0, kn in key_tiles(mask.sk):
+        if mask.tile_visible(q0, qn, k0, kn):
+            plan.append((k0, kn, not mask.tile_full(q0, qn, k0, kn)))
+    return tuple(plan)
+
+
+def heads_per_pass(group: int, per_head_bytes: int, budget_bytes: int) -> int:
+    """How many query heads of a GQA group share one pass over K/V, so that their resident state
+    (``per_head_bytes`` per partition each) stays within ``budget_bytes``."""
+    return max(1, min(group, budget_bytes // max(1, per_head_bytes)))
+
+
+# --------------------------------------------------------------------------- in-kernel helpers
+
+def _diagonal_column(rows: int, first: int):
+    """``(rows, 1)`` float32 column with value ``first + p`` on partition p (GpSimd iota)."""
+    col_sb = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.iota(dst=col_sb, pattern=[[1, 1]], offset=first, channel_multiplier=1)
+    return col_sb
+
+
+def _constant_column(rows: int, value: float):
+    col_sb = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=col_sb, value=float(value))
+    return col_sb
+
+
+def row_bounds(mask: MaskSpec, q0: int, qn: int, doc_lo=None, doc_hi=None):
+    """Visible-key interval of each query row of the tile ``[q0, q0 + qn)``.
+
+    Returns ``(lo_sb, hi_sb)``, each ``(qn, 1)`` float32: query ``q0 + p`` may see key j iff
+    ``lo_sb[p] <= j <= hi_sb[p]``. ``doc_lo``/``doc_hi`` are HBM float32 vectors (S,) with the
+    first and last position of each position's document (``cu_seqlens``), or None.
+    """
+    diag = q0 + mask.offset
+    if mask.window_left >= 0:
+        lo_sb = _diagonal_column(qn, diag - mask.window_left)
+    else:
+        lo_sb = _constant_column(qn, 0.0)
+    hi_shifts = ([0] if mask.causal else []) + ([mask.window_right] if mask.window_right >= 0 else [])
+    if hi_shifts:
+        hi_sb = _diagonal_column(qn, diag + min(hi_shifts))
+    else:
+        hi_sb = _constant_column(qn, mask.sk - 1)
+    if mask.has_docs:
+        for bound_sb, doc, op in ((lo_sb, doc_lo, nl.maximum), (hi_sb, doc_hi, nl.minimum)):
+            doc_sb = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=doc_sb, src=doc[q0:q0 + qn])
+            nisa.tensor_tensor(dst=bound_sb, data1=bound_sb, data2=doc_sb, op=op)
+    return lo_sb, hi_sb
+
+
+def mask_scores(scores_sb, lo_sb, hi_sb, k0: int, rowmax_sb):
+    """In place: scores of keys outside ``[lo, hi]`` become ``MASK_FILL``; ``rowmax_sb`` (rows, 1)
+    receives the row max of the masked tile. ``scores_sb`` (rows, kn) float32 holds the keys
+    ``k0 .. k0 + kn - 1``. One VectorE ``range_select``."""
+    nisa.range_select(dst=scores_sb, on_true_tile=scores_sb, comp_op0=nl.greater_equal,
+                      comp_op1=nl.less_equal, bound0=lo_sb, bound1=hi_sb,
+                      reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=rowmax_sb,
+                      reduce_op=nl.maximum, range_start=k0, on_false_value=MASK_FILL)
