@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from .dtypes import as_dtype, from_numpy
-from .errors import NKIRuleError
+from .errors import NKIRuleError, kernel_source
 from .memory import Storage
 from .state import Program, Run, current_or_none, set_current
 from .target import TARGETS, get_target, set_running_target
@@ -170,7 +170,7 @@ class _Args:
         try:
             dt = from_numpy(arr.dtype)
         except TypeError as exc:
-            raise TypeError(f"argument {name!r}: {exc}; cast to float32/bfloat16 first") from None
+            raise NKIRuleError("simulate", name, f"{exc}; cast to float32/bfloat16 first", kernel_source(4)) from None
         contiguous = np.ascontiguousarray(arr)
         if torch_original is not None:
             self.writeback.append((torch_original, contiguous))

@@ -59,6 +59,9 @@ class VirtualRegister:
         return f"VirtualRegister({self.value})"
 
 
+_UINT = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
+
+
 def _fail(op, operand, rule):
     raise NKIRuleError(op, operand, rule, kernel_source(3))
 
@@ -90,7 +93,7 @@ class NkiTensor:
         self._dyn = dyn
         self._npv = None
         self._acc = None
-        self._name = storage.name if name is None else name
+        self._name = (storage.name if name is None else name) or f"{storage.kind}_tensor"
         for c in self._shape:
             if c < 1:
                 _fail(op, self._name, f"view dims must be positive, got shape {self._shape}")
@@ -192,8 +195,9 @@ class NkiTensor:
         typed = self._st.typed(self._dtype)
         isz = self._dtype.itemsize
         base = typed[offset:] if offset else typed
-        return as_strided(base, shape=self._shape, strides=tuple(s * isz for s in self._strides),
-                          writeable=True)
+        raw = base.view(_UINT[isz])          # as_strided loses ml_dtypes dtypes: stride raw ints, then view
+        return as_strided(raw, shape=self._shape, strides=tuple(s * isz for s in self._strides),
+                          writeable=True).view(typed.dtype)
 
     def _np(self):
         """Static NumPy view of this tensor (cached)."""

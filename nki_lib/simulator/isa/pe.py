@@ -33,15 +33,15 @@ def _check_inputs(c, stationary, moving):
     c.check(not {"float8_e4m3", "float8_e4m3fn"} <= pair, "moving", "float8_e4m3 and float8_e4m3fn cannot be mixed")
 
 
-def _psum_dst(c, dst, n):
+def _psum_dst(c, dst, n, transpose):
     pf = onchip(c, dst, "dst", sbuf=False, why=" (nc_matmul writes PSUM)")
     allowed = ("float32", "bfloat16") if c.spec.gen >= 4 else ("float32",)
-    c.check(dst._dtype in allowed, "dst", f"matmul PSUM result must be {' or '.join(allowed)} on {c.spec.name}, "
-                                          f"got {dst._dtype}")
+    c.check(transpose or dst._dtype in allowed, "dst",
+            f"matmul PSUM result must be {' or '.join(allowed)} on {c.spec.name}, got {dst._dtype}")
     acc = dst._access()
     bank = c.spec.psum_bank_bytes
     first, last = acc.byte_range[0] // bank, (acc.byte_range[1] - 1) // bank
-    nmax = c.spec.matmul_fp32_nmax if dst._dtype == "float32" else c.spec.matmul_bf16_nmax
+    nmax = c.spec.matmul_fp32_nmax if transpose or dst._dtype == "float32" else c.spec.matmul_bf16_nmax
     c.check(n <= nmax, "moving", f"moving free size {n} exceeds {nmax} on {c.spec.name}")
     if c.spec.gen < 4:
         c.check(first == last, "dst", f"matmul result spans PSUM banks {first}..{last}; it must fit one 2 KiB bank")
@@ -89,7 +89,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     _check_inputs(c, stationary, moving)
     c.check(m <= c.spec.gemm_stationary_fmax, "stationary",
             f"stationary free size {m} exceeds gemm_stationary_fmax {c.spec.gemm_stationary_fmax}")
-    dpf = _psum_dst(c, dst, n)
+    dpf = _psum_dst(c, dst, n, bool(is_transpose))
     c.check(dpf == (m, n), "dst", f"dst must be ({m}, {n}) (M partitions x N elements), got {dst._shape}")
     _tiling(c, tile_position, tile_size, k, m, dst)
     if is_transpose:
