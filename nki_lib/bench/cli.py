@@ -1,0 +1,86 @@
+"""``nki-lib bench``: estimated Trainium performance of every kernel on real model shapes.
+
+Usage::
+
+    nki-lib bench [--sweep default|full|smoke] [--ops OP ...] [--models NAME ...]
+                  [--targets trn2,trn3] [--out DIR] [--no-steady] [--no-cpu] [--no-plot] [--limit N]
+
+Writes ``DIR/bench.jsonl`` (schema in benchmarks/README.md), ``DIR/bench.txt`` (the table),
+``DIR/roofline_<family>.png`` and ``DIR/command.txt``; prints the table, with a progress bar on
+stderr while it runs. Exit status 1 if a case errored (a missing kernel is not an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from nki_lib.bench.shapes import MODELS, SWEEPS
+
+    p = argparse.ArgumentParser(prog="nki-lib bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sweep", default="default", choices=sorted(SWEEPS), help="which case list to run")
+    p.add_argument("--ops", nargs="*", default=None, help="only these ops (registry names)")
+    p.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS) + ["tiny"], help="only these models")
+    p.add_argument("--modes", nargs="*", default=None, choices=("prefill", "train", "decode"))
+    p.add_argument("--targets", default="trn2,trn3", help="comma-separated: trn2, trn3")
+    p.add_argument("--out", default=None, help="output directory (default: no files)")
+    p.add_argument("--no-steady", action="store_true", help="skip the second (steady-state) simulator call")
+    p.add_argument("--no-cpu", action="store_true", help="skip the CPU reference / baseline timings")
+    p.add_argument("--no-plot", action="store_true", help="skip the roofline PNGs")
+    p.add_argument("--limit", type=int, default=None, help="run only the first N cases")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import torch
+
+    import nki_lib  # noqa: F401 - registers the ops
+    from nki_lib.bench.harness import run_case
+    from nki_lib.bench.output import Progress, plot_rooflines, table, write_jsonl
+    from nki_lib.bench.shapes import sweep
+
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    for t in targets:
+        if t not in ("trn2", "trn3"):
+            raise SystemExit(f"--targets: unknown target {t!r} (trn2, trn3)")
+    cases = [c for c in sweep(args.sweep)
+             if (args.ops is None or c.op in args.ops) and (args.models is None or c.model in args.models)
+             and (args.modes is None or c.mode in args.modes)]
+    if args.limit is not None:
+        cases = cases[:args.limit]
+    progress = Progress(len(cases))
+    results = []
+    for case in cases:
+        progress.step(case.label)
+        results.append(run_case(case, targets, steady=not args.no_steady, cpu_paths=not args.no_cpu))
+    progress.close()
+    text = table(results)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        command = "nki-lib bench " + " ".join(argv if argv is not None else sys.argv[1:])
+        header = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  "sweep": args.sweep, "targets": list(targets), "torch": torch.__version__,
+                  "python": platform.python_version(), "machine": platform.machine(),
+                  "nki_lib": getattr(nki_lib, "__version__", "?")}
+        write_jsonl(os.path.join(args.out, "bench.jsonl"), results, header)
+        with open(os.path.join(args.out, "bench.txt"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, "command.txt"), "w") as f:
+            f.write(command + "\n")
+        if not args.no_plot:
+            for path in plot_rooflines(results, args.out):
+                print(f"wrote {path}")
+    return 1 if any(r.status.startswith("error") for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

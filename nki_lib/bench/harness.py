@@ -1,0 +1,254 @@
+"""Run one benchmark case: simulate the op's kernels, estimate trn2/trn3 device time, time the CPU paths.
+
+For a :class:`~nki_lib.bench.shapes.Case` the harness
+
+1. plans the simulation (:func:`plan`): the real shape, or, where simulating it would take too
+   long on this CPU, a representative part of it with an explicit extrapolation rule that is
+   written into the result (``extrapolation``) and marked in the table. Rules:
+
+   * attention (flash and decode): the (batch x kv-head) groups are independent; one group
+     (``Hq / Hkv`` query heads sharing one kv head, real sequence lengths and head dim) is
+     simulated and ``time = launch + groups x simulated makespan``;
+   * ``moe_experts``: experts are independent blocks of work; ``E' = min(E, 8)`` experts are
+     simulated with the real tokens per expert (``T' = T * E' / E``, balanced routing) and
+     ``time = launch + (blocks(T, E) / blocks(T', E')) x simulated makespan``;
+   * everything else is simulated at the real shape;
+
+2. calls ``torch.ops.nki.<op>`` (and its backward for ``train``) on the simulator path in
+   strict mode, once per target; the first trn2 call is the "first call" (kernel trace and
+   build, the analogue of device compilation), a second trn2 call is the steady state; the
+   ``RunReport`` of every kernel launched (``nki_lib.dispatch.collect_runs``) is estimated with
+   :func:`nki_lib.simulator.profile.estimate` for its target;
+3. times, on the same (simulated) shape, the op's reference path and the natural PyTorch
+   baseline (:func:`nki_lib.bench.inputs.baseline`), first call and steady state;
+4. computes TFLOP/s, MFU and both roofline fractions from the op's minimum-work formula
+   (:mod:`nki_lib.bench.flops`) at the real shape.
+
+A case whose op is not registered, or whose call falls back to the reference (no kernel yet),
+is reported with that status and no device estimate: nothing is filled in.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from nki_lib.bench import flops
+from nki_lib.bench.inputs import baseline, make_call
+from nki_lib.bench.shapes import Case
+
+__all__ = ["SimPlan", "plan", "run_case", "CaseResult"]
+
+MOE_SIM_EXPERTS = 8  # experts simulated for a moe_experts case (the rest is extrapolated)
+
+
+@dataclass(frozen=True)
+class SimPlan:
+    dims: dict                 # dimensions actually simulated
+    scale: float               # simulated makespan multiplier to the real shape
+    extrapolation: str | None  # how the real-shape figure is obtained (None: simulated as is)
+
+
+def plan(case: Case) -> SimPlan:
+    d = dict(case.dims)
+    if case.op in ("flash_attention", "decode_attention"):
+        groups = d["B"] * d["Hkv"]
+        if groups == 1:
+            return SimPlan(d, 1.0, None)
+        sim = {**d, "B": 1, "Hkv": 1, "Hq": d["Hq"] // d["Hkv"]}
+        return SimPlan(sim, float(groups), f"simulated 1 of {groups} independent (batch x kv-head) groups "
+                                           f"({sim['Hq']} query heads, real sequence lengths); "
+                                           f"time = launch + {groups} x simulated makespan")
+    if case.op == "moe_experts" and d["E"] > MOE_SIM_EXPERTS:
+        e_sim = MOE_SIM_EXPERTS
+        t_sim = max(1, round(d["T"] * e_sim / d["E"]))
+        k_sim = min(d["k"], e_sim)
+        sim = {**d, "T": t_sim, "E": e_sim, "k": k_sim}
+        real_blocks = flops._expert_blocks(d["T"], d["E"], d["k"], d["block_size"])
+        sim_blocks = flops._expert_blocks(t_sim, e_sim, k_sim, d["block_size"])
+        scale = real_blocks / sim_blocks
+        return SimPlan(sim, scale, f"simulated {e_sim} of {d['E']} experts with the real tokens per expert "
+                                   f"(T'={t_sim}, balanced routing, {sim_blocks} blocks); time = launch + "
+                                   f"{scale:.4g} x simulated makespan ({real_blocks} blocks)")
+    return SimPlan(d, 1.0, None)
+
+
+def op_cost(case: Case) -> flops.OpCost:
+    """Minimum work of the case at its real shape (forward, or forward + backward for ``train``)."""
+    d, dt = case.dims, case.dtype
+    if case.op == "flash_attention":
+        args = (d["B"], d["Hq"], d["Hkv"], d["Sq"], d["Sk"], d["D"])
+        kw = dict(dtype=dt, causal=d.get("causal", False), window_left=d.get("window_left", -1))
+        cost = flops.flash_attention_fwd(*args, **kw)
+        return cost + flops.flash_attention_bwd(*args, **kw) if case.mode == "train" else cost
+    if case.op == "decode_attention":
+        return flops.decode_attention(d["B"], d["Hq"], d["Hkv"], d["Sq"], [d["L"]] * d["B"], d["D"], dtype=dt)
+    if case.op == "moe_router":
+        return flops.moe_router(d["T"], d["H"], d["E"], d["k"], dtype=dt)
+    if case.op == "moe_experts":
+        args = (d["T"], d["H"], d["I"], d["E"], d["k"])
+        cost = flops.moe_experts_fwd(*args, block_size=d["block_size"], dtype=dt)
+        return cost + flops.moe_experts_bwd(*args, block_size=d["block_size"], dtype=dt) if case.mode == "train" \
+            else cost
+    raise ValueError(f"case: no cost formula for op {case.op!r}")
+
+
+@dataclass
+class CaseResult:
+    """One output row (see benchmarks/README.md for the schema)."""
+
+    label: str
+    op: str
+    mode: str
+    model: str
+    family: str
+    dims: dict
+    dtype: str
+    status: str = "ok"                 # "ok" | "fallback: <reason>" | "not registered" | "error: <msg>"
+    sim_dims: dict = field(default_factory=dict)
+    extrapolation: str | None = None
+    kernels: list = field(default_factory=list)
+    specializations: int = 0
+    instructions: int = 0
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    executed_flops: float | None = None
+    estimates: dict = field(default_factory=dict)   # target -> figures
+    cpu_s: dict = field(default_factory=dict)        # wall times on this CPU
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _call(op: str, args: tuple, kwargs: dict, mode: str):
+    out = getattr(torch.ops.nki, op)(*args, **kwargs)
+    if mode == "train":
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        grad = torch.ones_like(first)
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        torch.autograd.grad(first, leaves, grad, allow_unused=True)
+    return out
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _summarise(estimates: list, scale: float, cost: flops.OpCost, target: str) -> dict:
+    """Figures of the launches of one op call, the makespans scaled to the real shape."""
+    launch = sum(e.launch_ns for e in estimates)
+    span = sum(e.makespan_ns for e in estimates) * scale
+    time_ns = launch + span
+    busy = {eng: scale * sum(e.busy_ns[eng] for e in estimates) for eng in estimates[0].busy_ns}
+    grid = max(e.grid for e in estimates)
+    from nki_lib.simulator.profile import params, roofline
+
+    roof = roofline(cost, target, grid)
+    peak = params(target).pe_peak_flops(cost.pe_dtype) * grid
+    return {
+        "time_us": time_ns * 1e-3,
+        "lower_bound_us": (launch + scale * sum(e.lower_bound_ns - e.launch_ns for e in estimates)) * 1e-3,
+        "upper_bound_us": (launch + scale * sum(e.upper_bound_ns - e.launch_ns for e in estimates)) * 1e-3,
+        "launches": len(estimates),
+        "grid": grid,
+        "busy_us": {k: v * 1e-3 for k, v in busy.items()},
+        "utilisation": {k: (v / span if span else 0.0) for k, v in busy.items()},
+        "bound_engine": max(busy, key=busy.get),
+        "tflops": cost.flops / time_ns * 1e-3,
+        "mfu": cost.flops / (peak * time_ns * 1e-9),
+        "roofline_fraction": roof.classical_ns / time_ns,
+        "engine_roofline_fraction": roof.engine_aware_ns / time_ns,
+        "roofline_bound": roof.bound,
+        "roofline_us": {"pe": roof.pe_ns * 1e-3, "hbm": roof.hbm_ns * 1e-3, "act_dve": roof.element_ns * 1e-3},
+        "act_table_loads": sum(e.act_table_loads for e in estimates),
+        "unmodelled": {k: v for e in estimates for k, v in e.unmodelled.items()},
+    }
+
+
+def _simulate(case: Case, args, kwargs, target: str):
+    """One strict simulator call on ``target``: (wall seconds, runs, coverage snapshot)."""
+    import nki_lib
+    from nki_lib.dispatch import collect_runs
+    from nki_lib.simulator import get_target, set_target
+
+    previous = get_target()
+    set_target(target)
+    nki_lib.reset_coverage()
+    try:
+        with nki_lib.use_backend("simulator"), nki_lib.strict(True), collect_runs() as runs:
+            wall = _timed(lambda: _call(case.op, args, kwargs, case.mode))
+    finally:
+        set_target(previous)
+    return wall, list(runs), nki_lib.coverage()
+
+
+def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_paths: bool = True) -> CaseResult:
+    """Benchmark one case (see the module docstring)."""
+    import nki_lib
+    from nki_lib import registry
+    from nki_lib.dispatch import NKIFallbackError
+    from nki_lib.simulator.profile import estimate
+
+    sim = plan(case)
+    cost = op_cost(case)
+    res = CaseResult(case.label, case.op, case.mode, case.model, case.family, dict(case.dims), case.dtype,
+                     sim_dims=sim.dims, extrapolation=sim.extrapolation, flops=cost.flops,
+                     hbm_bytes=cost.hbm_bytes, executed_flops=cost.executed_flops)
+    try:
+        registry.get(case.op)
+    except ValueError:
+        res.status = "not registered"
+        return res
+    dtype = getattr(torch, case.dtype)
+    train = case.mode == "train"
+    try:
+        args, kwargs = make_call(case.op, sim.dims, dtype, requires_grad=train)
+        for i, target in enumerate(targets):
+            try:
+                wall, runs, cov = _simulate(case, args, kwargs, target)
+            except NKIFallbackError as exc:
+                res.status = f"fallback: {exc}"
+                break
+            if i == 0:
+                res.cpu_s["simulator_first"] = wall
+                res.specializations = sum(cov.specializations.values())
+                if steady:
+                    wall, runs, _ = _simulate(case, args, kwargs, target)
+                    res.cpu_s["simulator_steady"] = wall
+                res.kernels = sorted({r.kernel for _, r in runs if r is not None})
+                res.instructions = sum(r.instructions for _, r in runs if r is not None)
+                res.cpu_s["simulator_instr_per_s"] = res.instructions / wall if wall else 0.0
+            reports = [r for _, r in runs if r is not None]
+            if not reports or any(r.trace is None for r in reports):
+                res.status = "no trace recorded"
+                break
+            res.estimates[target] = _summarise([estimate(r, target) for r in reports], sim.scale, cost, target)
+        if cpu_paths:
+            with nki_lib.use_backend("reference"):
+                res.cpu_s["reference_first"] = _timed(lambda: _call(case.op, args, kwargs, case.mode))
+                res.cpu_s["reference_steady"] = _timed(lambda: _call(case.op, args, kwargs, case.mode))
+            base = lambda: _baseline(case, args, kwargs)  # noqa: E731
+            res.cpu_s["baseline_first"] = _timed(base)
+            res.cpu_s["baseline_steady"] = _timed(base)
+    except Exception as exc:  # one failing case is a result row, not the end of the sweep
+        res.status = f"error: {type(exc).__name__}: {exc}"
+    return res
+
+
+def _baseline(case: Case, args, kwargs):
+    out = baseline(case.op, args, kwargs)
+    if case.mode == "train":
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        torch.autograd.grad(first, leaves, torch.ones_like(first), allow_unused=True)
+    return out
+
+
+def geometric_mean(values) -> float:
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")

@@ -1,0 +1,120 @@
+"""Inputs for a benchmark call and the natural PyTorch baseline of each op.
+
+``make_call(op, dims, dtype, requires_grad)`` returns ``(args, kwargs)`` for
+``torch.ops.nki.<op>`` (api-contract signatures) built from a fixed seed. Routing for
+``moe_experts`` is balanced (assignment ``a`` goes to expert ``a mod E``) so the executed work
+matches ``flops.moe_experts_fwd``. ``baseline(op, args, kwargs)`` runs what a PyTorch user would
+write instead: SDPA for attention, ``x @ W.T`` + softmax/sigmoid + ``topk`` for the router, and a
+per-expert loop for the experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["make_call", "baseline", "SEED"]
+
+SEED = 0
+
+
+def _rand(gen, *shape, dtype, requires_grad=False, scale=1.0):
+    t = (torch.randn(*shape, generator=gen) * scale).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def _plan(topk_ids: torch.Tensor, num_experts: int, block_size: int):
+    """api-contract §4 moe_plan, through the registered op (reference path: it is metadata)."""
+    import nki_lib
+
+    with nki_lib.use_backend("reference"):
+        return torch.ops.nki.moe_plan(topk_ids, num_experts=num_experts, block_size=block_size)
+
+
+def make_call(op: str, dims: dict, dtype: torch.dtype, requires_grad: bool = False) -> tuple[tuple, dict]:
+    gen = torch.Generator().manual_seed(SEED)
+    rg = requires_grad
+    if op == "flash_attention":
+        b, hq, hkv, sq, sk, d = (dims[k] for k in ("B", "Hq", "Hkv", "Sq", "Sk", "D"))
+        q = _rand(gen, b, hq, sq, d, dtype=dtype, requires_grad=rg)
+        k = _rand(gen, b, hkv, sk, d, dtype=dtype, requires_grad=rg)
+        v = _rand(gen, b, hkv, sk, d, dtype=dtype, requires_grad=rg)
+        sinks = _rand(gen, hq, dtype=torch.float32, requires_grad=rg) if dims.get("sinks") else None
+        kwargs = {"causal": bool(dims.get("causal", False)), "window_left": int(dims.get("window_left", -1))}
+        return (q, k, v, sinks, None), kwargs
+    if op == "decode_attention":
+        b, hq, hkv, sq, length, d = (dims[k] for k in ("B", "Hq", "Hkv", "Sq", "L", "D"))
+        q = _rand(gen, b, hq, sq, d, dtype=dtype)
+        k_cache = _rand(gen, b, hkv, length, d, dtype=dtype)
+        v_cache = _rand(gen, b, hkv, length, d, dtype=dtype)
+        seqlens = torch.full((b,), length, dtype=torch.int32)
+        return (q, k_cache, v_cache, seqlens, None, None), {}
+    if op == "moe_router":
+        t, h, e, k = (dims[x] for x in ("T", "H", "E", "k"))
+        x = _rand(gen, t, h, dtype=dtype, requires_grad=rg)
+        w = _rand(gen, e, h, dtype=dtype, requires_grad=rg, scale=h ** -0.5)
+        kwargs = {"top_k": k, "score_func": dims.get("score_func", "softmax"),
+                  "num_groups": dims.get("num_groups", 1), "topk_groups": dims.get("topk_groups", 1)}
+        return (x, w, None), kwargs
+    if op == "moe_experts":
+        t, h, i, e, k, bs = (dims[x] for x in ("T", "H", "I", "E", "k", "block_size"))
+        x = _rand(gen, t, h, dtype=dtype, requires_grad=rg)
+        topk_ids = (torch.arange(t * k, dtype=torch.int32) % e).reshape(t, k)
+        weights = torch.softmax(torch.randn(t, k, generator=gen), -1).requires_grad_(rg)
+        block_expert, slots, _ = _plan(topk_ids, e, bs)
+        w_gate_up = _rand(gen, e, 2 * i, h, dtype=dtype, requires_grad=rg, scale=h ** -0.5)
+        w_down = _rand(gen, e, h, i, dtype=dtype, requires_grad=rg, scale=i ** -0.5)
+        return (x, weights, block_expert, slots, w_gate_up, w_down), {"activation": "silu"}
+    raise ValueError(f"op: no benchmark inputs for {op!r}")
+
+
+def _window_mask(sq: int, sk: int, causal: bool, window_left: int) -> torch.Tensor | None:
+    if window_left < 0:
+        return None
+    i = torch.arange(sq)[:, None] + (sk - sq)
+    j = torch.arange(sk)[None, :]
+    mask = j >= i - window_left
+    if causal:
+        mask &= j <= i
+    return mask
+
+
+def baseline(op: str, args: tuple, kwargs: dict):
+    """The natural PyTorch implementation of ``op`` on the same inputs (sinks are not modelled)."""
+    if op == "flash_attention":
+        q, k, v = args[:3]
+        causal, wl = kwargs["causal"], kwargs["window_left"]
+        mask = _window_mask(q.shape[2], k.shape[2], causal, wl)
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    if op == "decode_attention":
+        q, k_cache, v_cache = args[:3]
+        sq, length = q.shape[2], k_cache.shape[2]
+        i = torch.arange(sq)[:, None] + (length - sq)
+        mask = torch.arange(length)[None, :] <= i
+        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+    if op == "moe_router":
+        x, w = args[:2]
+        logits = x.float() @ w.float().T
+        scores = torch.softmax(logits, -1) if kwargs["score_func"] == "softmax" else torch.sigmoid(logits)
+        weights, ids = torch.topk(scores, kwargs["top_k"], dim=-1)
+        return logits, weights / weights.sum(-1, keepdim=True), ids
+    if op == "moe_experts":
+        x, weights, block_expert, slots, w_gate_up, w_down = args
+        t, k = weights.shape
+        inter = w_gate_up.shape[1] // 2
+        slots_2d = slots.reshape(block_expert.shape[0], -1)
+        y = torch.zeros(t, x.shape[1], dtype=torch.float32)
+        for expert in range(w_gate_up.shape[0]):  # the per-expert loop
+            a = slots_2d[block_expert == expert].flatten()
+            a = a[a >= 0].long()
+            if a.numel() == 0:
+                continue
+            tok, j = a // k, a % k
+            xe = x[tok]
+            gate, up = xe @ w_gate_up[expert, :inter].T, xe @ w_gate_up[expert, inter:].T
+            out = (F.silu(gate) * up) @ w_down[expert].T
+            y = y.index_add(0, tok, weights[tok, j, None] * out.float())
+        return y.to(x.dtype)
+    raise ValueError(f"op: no baseline for {op!r}")

@@ -1,0 +1,139 @@
+"""Benchmark output: a progress bar, a readable table, JSON lines and roofline plots."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from nki_lib.bench.harness import CaseResult
+
+__all__ = ["Progress", "table", "write_jsonl", "plot_rooflines", "SCHEMA"]
+
+SCHEMA = "nki-lib-bench/1"
+
+
+class Progress:
+    """``[#####-----] 3/10 label`` on stderr, redrawn in place."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, stream=None) -> None:
+        self.total, self.done = total, 0
+        self.stream = stream or sys.stderr
+
+    def step(self, label: str) -> None:
+        filled = self.WIDTH * self.done // max(self.total, 1)
+        bar = "#" * filled + "-" * (self.WIDTH - filled)
+        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {label[:70]:<70}")
+        self.stream.flush()
+        self.done += 1
+
+    def close(self) -> None:
+        self.stream.write(f"\r[{'#' * self.WIDTH}] {self.total}/{self.total} done{' ' * 70}\n")
+        self.stream.flush()
+
+
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+COLUMNS = (("case", 58), ("status", 8), ("trn2 us", 10), ("trn3 us", 10), ("TFLOP/s", 8), ("MFU", 6),
+           ("roof", 6), ("eng-roof", 8), ("bound", 7), ("ref ms", 8), ("torch ms", 8), ("sim s", 7),
+           ("kinstr/s", 8))
+
+
+def table(results: list[CaseResult]) -> str:
+    """The readable table. Figures are trn2 unless the column says trn3; ``*`` = extrapolated."""
+    lines = ["  ".join(f"{name:<{w}}" if i == 0 else f"{name:>{w}}" for i, (name, w) in enumerate(COLUMNS))]
+    lines.append("-" * len(lines[0]))
+    for r in results:
+        t2, t3 = r.estimates.get("trn2", {}), r.estimates.get("trn3", {})
+        status = "ok" if r.status == "ok" else r.status.split(":")[0]
+        label = ("* " if r.extrapolation else "  ") + r.label
+        cells = [
+            label[:58], status,
+            _fmt(t2.get("time_us"), ".1f"), _fmt(t3.get("time_us"), ".1f"),
+            _fmt(t2.get("tflops"), ".1f"), _fmt(t2.get("mfu"), ".0%"),
+            _fmt(t2.get("roofline_fraction"), ".0%"), _fmt(t2.get("engine_roofline_fraction"), ".0%"),
+            t2.get("bound_engine", "-"),
+            _fmt(_ms(r.cpu_s.get("reference_steady")), ".1f"), _fmt(_ms(r.cpu_s.get("baseline_steady")), ".1f"),
+            _fmt(r.cpu_s.get("simulator_steady", r.cpu_s.get("simulator_first")), ".1f"),
+            _fmt(_k(r.cpu_s.get("simulator_instr_per_s")), ".1f"),
+        ]
+        lines.append("  ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, (_, w)) in
+                               enumerate(zip(cells, COLUMNS))))
+    notes = [r for r in results if r.status != "ok"]
+    if notes:
+        lines.append("")
+        lines.append("cases without a device estimate:")
+        lines += [f"  {r.label}: {r.status}" for r in notes]
+    extrapolated = [r for r in results if r.extrapolation and r.status == "ok"]
+    if extrapolated:
+        lines.append("")
+        lines.append("* extrapolated (the real shape was not simulated in full):")
+        lines += [f"  {r.label}: {r.extrapolation}" for r in extrapolated]
+    lines.append("")
+    lines.append("trn2/trn3 us: estimated device time (cost model, nki_lib.simulator.profile); TFLOP/s, MFU, "
+                 "roof (classical roofline fraction), eng-roof (engine-aware roofline fraction) and bound "
+                 "(critical engine) are trn2. ref/torch ms: this CPU, steady state, our reference path vs the "
+                 "natural PyTorch baseline on the simulated shape; sim s: simulator wall time.")
+    return "\n".join(lines)
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1e3
+
+
+def _k(rate):
+    return None if rate is None else rate * 1e-3
+
+
+def write_jsonl(path, results: list[CaseResult], header: dict) -> None:
+    """First line: ``{"schema": ..., **header}``; then one line per case."""
+    with open(path, "w") as f:
+        f.write(json.dumps({"schema": SCHEMA, **header}) + "\n")
+        for r in results:
+            f.write(json.dumps(r.to_json(), default=str) + "\n")
+
+
+def plot_rooflines(results: list[CaseResult], out_dir) -> list[str]:
+    """One PNG per kernel family: achieved TFLOP/s vs arithmetic intensity under both targets' roofs."""
+    import matplotlib  # noqa: PLC0415 - optional dependency (the `bench` extra)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    from nki_lib.simulator.profile import params  # noqa: PLC0415
+
+    written = []
+    for family in sorted({r.family for r in results}):
+        rows = [r for r in results if r.family == family and r.estimates and r.hbm_bytes]
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(8, 5.5))
+        intensities = [r.flops / r.hbm_bytes for r in rows if r.flops]
+        lo, hi = min(intensities + [1.0]) / 2, max(intensities + [1e3]) * 2
+        for target, style in (("trn2", "-"), ("trn3", "--")):
+            hw = params(target)
+            peak = hw.pe_peak_flops("bfloat16") * 1e-12
+            bw = hw.dma_bandwidth() * 1e-3  # TB/s
+            xs = [lo * (hi / lo) ** (i / 99) for i in range(100)]
+            ax.plot(xs, [min(peak, x * bw) for x in xs], style, color="gray", label=f"{target} roof (1 core, bf16)")
+        for target, marker in (("trn2", "o"), ("trn3", "^")):
+            for r in rows:
+                est = r.estimates.get(target)
+                if est and r.flops:
+                    ax.scatter(r.flops / r.hbm_bytes, est["tflops"] / est["grid"], marker=marker,
+                               label=f"{target} {r.model} {r.mode}", alpha=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("arithmetic intensity (FLOP / HBM byte)")
+        ax.set_ylabel("estimated TFLOP/s per core")
+        ax.set_title(f"{family}: estimated performance vs roofline (cost model)")
+        ax.legend(fontsize=6, ncol=2)
+        path = f"{out_dir}/roofline_{family}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
