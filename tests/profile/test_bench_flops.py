@@ -1,0 +1,90 @@
+"""Minimum-work formulas and the model-shape registry of ``nki-lib bench``."""
+
+import math
+
+import pytest
+
+from nki_lib.bench import flops
+from nki_lib.bench.harness import op_cost, plan
+from nki_lib.bench.shapes import MODELS, Case, sweep
+
+
+def _brute_visible(sq, sk, causal, wl, wr):
+    off = sk - sq
+    return sum(1 for i in range(sq) for j in range(sk)
+               if (not causal or j <= i + off) and (wl < 0 or j >= i + off - wl) and (wr < 0 or j <= i + off + wr))
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (7, 7), (5, 12), (12, 5), (33, 64)])
+@pytest.mark.parametrize("causal,wl,wr", [(False, -1, -1), (True, -1, -1), (True, 3, -1), (False, 2, 4)])
+def test_visible_pairs_match_the_mask(sq, sk, causal, wl, wr):
+    assert flops.visible_pairs(sq, sk, causal=causal, window_left=wl, window_right=wr) == \
+        _brute_visible(sq, sk, causal, wl, wr)
+
+
+def test_visible_pairs_packed_documents():
+    assert flops.visible_pairs(10, 10, causal=True, cu_seqlens=[0, 4, 4, 10]) == 4 * 5 // 2 + 6 * 7 // 2
+
+
+def test_flash_attention_formulas():
+    b, hq, hkv, s, d = 2, 8, 2, 256, 128
+    full = flops.flash_attention_fwd(b, hq, hkv, s, s, d)
+    assert full.flops == 4 * b * hq * s * s * d
+    assert full.hbm_bytes == 2 * (2 * b * hq * s * d + 2 * b * hkv * s * d) + 4 * b * hq * s
+    causal = flops.flash_attention_fwd(b, hq, hkv, s, s, d, causal=True)
+    assert causal.flops == 4 * b * hq * (s * (s + 1) // 2) * d
+    bwd = flops.flash_attention_bwd(b, hq, hkv, s, s, d, causal=True)
+    assert bwd.flops == 2.5 * causal.flops
+    exp = [w for w in causal.work if w.kind == "exp"]
+    assert exp[0].elems == b * hq * s * (s + 1) // 2
+    assert flops.flash_attention_fwd(1, 1, 1, 8, 8, 4, dtype="float32").pe_dtype == "float32"
+
+
+def test_decode_and_moe_formulas():
+    dec = flops.decode_attention(2, 8, 2, 1, [100, 300], 64)
+    assert dec.flops == 4 * 8 * 64 * 400
+    assert dec.hbm_bytes >= 2 * 2 * 2 * 64 * 400  # the cache is read once
+    win = flops.decode_attention(1, 8, 2, 1, [1000], 64, window_left=127)
+    assert win.flops == 4 * 8 * 64 * 128
+    moe = flops.moe_experts_fwd(1024, 512, 256, 8, 2, block_size=128)
+    assert moe.flops == 6 * 1024 * 2 * 512 * 256
+    assert moe.executed_flops == moe.flops  # 256 assignments per expert = 2 full blocks
+    padded = flops.moe_experts_fwd(100, 512, 256, 8, 2, block_size=128)
+    assert padded.executed_flops == 6 * 8 * 128 * 512 * 256 > padded.flops
+    assert flops.moe_experts_bwd(1024, 512, 256, 8, 2).flops == 2 * moe.flops
+    assert flops.moe_router(64, 32, 8, 2).flops == 2 * 64 * 32 * 8
+    with pytest.raises(ValueError, match="seqlens"):
+        flops.decode_attention(2, 8, 2, 1, [100], 64)
+    with pytest.raises(ValueError, match="dtype"):
+        flops.dtype_bytes("float64")
+
+
+def test_model_registry():
+    assert set(MODELS) == {"llama3-8b", "llama3-70b", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b"}
+    for m in MODELS.values():
+        assert m.heads % m.kv_heads == 0 and m.source
+        assert m.is_moe == (m.experts > 0) and (not m.is_moe or 1 <= m.top_k <= m.experts)
+    assert MODELS["qwen3-30b-a3b"].experts == 128 and MODELS["qwen3-30b-a3b"].top_k == 8
+    for name in ("default", "full", "smoke"):
+        cases = sweep(name)
+        assert cases and len({c.label for c in cases}) == len(cases)
+    with pytest.raises(ValueError, match="sweep"):
+        sweep("nope")
+
+
+def test_extrapolation_plans_are_explicit():
+    attn = Case("flash_attention", "prefill", "m", dict(B=2, Hq=32, Hkv=8, Sq=512, Sk=512, D=128, causal=True))
+    p = plan(attn)
+    assert p.scale == 16 and p.dims["Hq"] == 4 and p.dims["Hkv"] == 1 and "16" in p.extrapolation
+    assert plan(Case("flash_attention", "prefill", "m", dict(B=1, Hq=4, Hkv=1, Sq=64, Sk=64, D=64))).extrapolation \
+        is None
+    moe = Case("moe_experts", "prefill", "m", dict(T=1024, H=256, I=128, E=64, k=4, block_size=128))
+    p = plan(moe)
+    assert p.dims["E"] == 8 and p.dims["T"] == 128
+    # tokens per expert are kept: 1024*4/64 == 128*4/8
+    assert p.dims["T"] * p.dims["k"] / p.dims["E"] == 1024 * 4 / 64
+    assert p.scale == pytest.approx(64 / 8)
+    train = Case("flash_attention", "train", "m", dict(B=1, Hq=2, Hkv=1, Sq=64, Sk=64, D=64, causal=True))
+    assert op_cost(train).flops == pytest.approx(3.5 * flops.flash_attention_fwd(1, 2, 1, 64, 64, 64,
+                                                                                 causal=True).flops)
+    assert math.isfinite(op_cost(moe).flops)
