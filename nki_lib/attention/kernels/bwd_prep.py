@@ -1,0 +1,140 @@
+"""Phase 0 of the flash-attention backward kernel: per-row statistics, Q^T / dO^T, dsinks.
+
+Called from ``bwd.flash_bwd_kernel`` (plain NKI helper functions, inlined at trace time).
+
+Per (head h, batch b, query tile t of R <= pmax rows):
+
+* ``delta = rowsum(dO * O) - dlse``                      VectorE (multiply, reduce, subtract)
+* ``neg_lse = -lse``, and 0 where ``lse = -inf``         VectorE (rows with no visible key and no
+  sink: their probabilities are masked to 0 anyway; the bias must stay finite)
+* ``lo``, ``hi``: the visible-key interval of the row (causal, window and document masks, from
+  ``tiles.row_bounds``; only when some mask is active)
+* Q^T and dO^T tiles (D on partitions) by TensorE transposes, stored to HBM scratch so the main
+  loop loads them with plain DMAs for every K/V block.
+* ``dsinks[h] = -sum_{b,i} exp(sink_h - lse_i) * delta_i``: per-partition partial sums on
+  VectorE, one ones-vector matmul for the cross-partition sum.
+
+Scratch layouts (private HBM):
+  stats_hbm (B, Hq, pmax, NT, NSTAT) fp32: [b, h, p, t, s] = statistic s of row t * pmax + p
+             (rows past Sq hold 0), so the main loop reads all tiles of a head in one DMA.
+  qT_hbm, doT_hbm (B, Hq, D, Sq) in the input dtype.
+
+Dimension legend: B batch, Hq query heads, Sq query length, D head dim, NT = ceil(Sq / pmax),
+R rows of the current query tile, NSTAT statistics per row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nki_lib._nki import nl, nisa
+from nki_lib.attention.kernels import tiles
+
+FP32_MAX = float(np.finfo(np.float32).max)
+
+# statistic channels of stats_hbm
+NEG_LSE = 0
+DELTA = 1
+LO = 2
+HI = 3
+
+
+def num_stats(masked):
+    return HI + 1 if masked else DELTA + 1
+
+
+def _store_transposed(dst_hbm, src_sb, rows, head_dim):
+    """dst_hbm (D, R) <- transpose of src_sb[:R, :D], chunk by chunk through PSUM."""
+    pmax = nl.tile_size.pmax
+    for d0, dc in tiles.head_dim_chunks(head_dim):
+        t_psum = nl.ndarray((pmax, pmax), dtype=src_sb.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=t_psum[:dc, :rows], data=src_sb[:rows, d0:d0 + dc], engine=nisa.engine.tensor)
+        t_sb = nl.ndarray((pmax, pmax), dtype=src_sb.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=t_sb[:dc, :rows], src=t_psum[:dc, :rows], engine=nisa.engine.scalar)
+        nisa.dma_copy(dst=dst_hbm[d0:d0 + dc, :], src=t_sb[:dc, :rows])
+
+
+def _row_stats(stat_sb, o_sb, do_sb, lse_sb, dlse_sb, zero_col, rows, head_dim):
+    """stat_sb[:R, NEG_LSE] and stat_sb[:R, DELTA] from one query tile."""
+    prod_sb = nl.ndarray(o_sb.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=prod_sb[:rows, :head_dim], data1=do_sb[:rows, :head_dim],
+                       data2=o_sb[:rows, :head_dim], op=nl.multiply)
+    rowsum_sb = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=rowsum_sb, op=nl.add, data=prod_sb[:rows, :head_dim], axis=1)
+    nisa.tensor_tensor(dst=stat_sb[:rows, DELTA], data1=rowsum_sb, data2=dlse_sb[:rows, :], op=nl.subtract)
+    nisa.tensor_scalar(dst=stat_sb[:rows, NEG_LSE], data=lse_sb[:rows, :], op0=nl.multiply, operand0=-1.0)
+    empty_row = nl.ndarray((rows, 1), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=empty_row, data=lse_sb[:rows, :], op0=nl.less, operand0=-FP32_MAX)
+    nisa.tensor_copy_predicated(dst=stat_sb[:rows, NEG_LSE], src=zero_col[:rows, :], predicate=empty_row)
+
+
+def _dsink_partial(acc_sb, lse_sb, stat_sb, sink_sb, rows):
+    """acc_sb[:R] += exp(sink - lse) * delta  (ScalarE exp, VectorE fused multiply-add)."""
+    p_sink = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=p_sink, op=nl.exp, data=lse_sb[:rows, :], scale=-1.0, bias=sink_sb[:rows, :])
+    nisa.scalar_tensor_tensor(dst=acc_sb[:rows, :], data=p_sink, op0=nl.multiply,
+                              operand0=stat_sb[:rows, DELTA], op1=nl.add, operand1=acc_sb[:rows, :])
+
+
+def _store_dsink(dsinks, h, acc_sb, ones_sb):
+    """dsinks[h] = -sum over partitions of acc_sb (ones-vector matmul on TensorE)."""
+    total_psum = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=total_psum, stationary=acc_sb, moving=ones_sb, accumulate=False)
+    total_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=total_sb, op=nl.copy, data=total_psum, scale=-1.0)
+    nisa.dma_copy(dst=dsinks[h:h + 1], src=total_sb)
+
+
+def prepare(dout, dlse, q, out, lse, sinks, doc_lo, doc_hi, mask, dsinks, stats_hbm, qT_hbm, doT_hbm):
+    """Fill stats_hbm, qT_hbm, doT_hbm and dsinks (zeros without sinks); see the module docstring."""
+    batch, num_heads, seqlen_q, head_dim = q.shape
+    pmax = nl.tile_size.pmax
+    num_q_tiles = (seqlen_q + pmax - 1) // pmax
+    nstat = stats_hbm.shape[-1]
+
+    zero_col = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=zero_col, value=0.0)
+    ones_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones_sb, value=1.0)
+    if sinks is None:
+        zeros_sb = nl.ndarray((1, num_heads), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=zeros_sb, value=0.0)
+        nisa.dma_copy(dst=dsinks, src=zeros_sb)
+
+    for h in nl.sequential_range(num_heads):
+        if sinks is not None:
+            sink_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=sink_sb, src=sinks.ap([[0, pmax], [1, 1]], offset=h))
+            acc_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.memset(dst=acc_sb, value=0.0)
+        for b in nl.sequential_range(batch):
+            for t in nl.sequential_range(num_q_tiles):
+                q0 = t * pmax
+                rows = min(pmax, seqlen_q - q0)
+                o_sb = nl.ndarray((pmax, head_dim), dtype=out.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=o_sb[:rows, :], src=out[b, h, q0:q0 + rows, :])
+                do_sb = nl.ndarray((pmax, head_dim), dtype=dout.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=do_sb[:rows, :], src=dout[b, h, q0:q0 + rows, :])
+                q_sb = nl.ndarray((pmax, head_dim), dtype=q.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=q_sb[:rows, :], src=q[b, h, q0:q0 + rows, :])
+                lse_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=lse_sb[:rows, :], src=lse[b, h, q0:q0 + rows])
+                dlse_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=dlse_sb[:rows, :], src=dlse[b, h, q0:q0 + rows])
+
+                stat_sb = nl.ndarray((pmax, nstat), dtype=nl.float32, buffer=nl.sbuf)
+                if rows < pmax:
+                    nisa.memset(dst=stat_sb, value=0.0)
+                _row_stats(stat_sb, o_sb, do_sb, lse_sb, dlse_sb, zero_col, rows, head_dim)
+                if nstat > LO:
+                    lo_sb, hi_sb = tiles.row_bounds(mask, q0, rows, doc_lo, doc_hi)
+                    nisa.tensor_copy(dst=stat_sb[:rows, LO], src=lo_sb, engine=nisa.engine.vector)
+                    nisa.tensor_copy(dst=stat_sb[:rows, HI], src=hi_sb, engine=nisa.engine.vector)
+                nisa.dma_copy(dst=stats_hbm[b, h, :, t, :], src=stat_sb)
+                if sinks is not None:
+                    _dsink_partial(acc_sb, lse_sb, stat_sb, sink_sb, rows)
+
+                _store_transposed(qT_hbm[b, h, :, q0:q0 + rows], q_sb, rows, head_dim)
+                _store_transposed(doT_hbm[b, h, :, q0:q0 + rows], do_sb, rows, head_dim)
+        if sinks is not None:
+            _store_dsink(dsinks, h, acc_sb, ones_sb)
