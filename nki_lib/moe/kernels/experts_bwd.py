@@ -1,0 +1,289 @@
+"""Fused MoE expert MLP backward over a block plan (NKI kernel + launcher).
+
+Per assignment a = (t, j) on expert e, with g/u the gate/up projections of x_t, h = act(g) * u,
+w_a = topk_weights[t, j] and dy_t the output gradient (reference_experts.moe_experts_backward):
+  dhy = dy_t @ W_down[e]             d topk_weights[a] = <dhy, h> (= <dy_t, h @ W_down[e]^T>)
+  dh = w_a * dhy                     dg = dh * u * act'(g),  du = dh * act(g)
+  dx_t += dg @ W_gate[e] + du @ W_up[e]
+  dW_gate[e] += dg^T x_t,  dW_up[e] += du^T x_t,  dW_down[e] += (w_a dy_t)^T h
+h is recomputed from x (the op saves only its inputs): one extra gate/up projection per block,
+no activation memory.
+
+Algorithm (one launch): zero the fp32 weight-gradient accumulators; for each block b (static
+loop, guarded by a dynamic loop of 0/1 trips as in the forward):
+  1. per slot tile (<= 128): gather x and dy rows (indirect DMA, padding slots skipped -> zero),
+     routing weights; do = w_a * dy rows; PE-transpose x and dy into xT / dyT (H on partitions).
+  2. per I chunk (<= 512): stream W_gate^T/W_up^T/W_down columns (H on partitions, selected by the
+     expert register); per slot tile g, u, dhy (slots on partitions, I chunk free) in fp32 PSUM
+     (contraction over H tiles), then on ScalarE/VectorE: act, act' (silu_dx / gelu_dx; the tanh
+     GELU derivative is composed from tanh and vector ops), h, the partial d topk_weights, dg, du;
+     PE-transpose dg/du into dgT/duT (I on partitions). Weight gradients of the chunk: contraction
+     over the block's slots in PSUM (dW_down = do^T h, dW_gate = dg^T x, dW_up = du^T x), then a
+     read-modify-write of the expert's fp32 accumulator rows in HBM (blocks in order).
+  3. dx rows = dgT^T W_gate + duT^T W_up per H chunk (contraction over I tiles in PSUM), written to
+     the fp32 scratch dx_slots[a]; d topk_weights[a] written directly (one row per assignment).
+finally dx[t] = sum_j dx_slots[t * k + j] (fp32, fixed order) and the weight accumulators are cast
+to the weights' dtype by DMA.
+
+Loop structure: zero-fill > blocks (static) > guard (dynamic) > {slot tiles; I chunks > (slot
+tiles > H tiles) + weight-grad tiles; H chunks > I tiles > slot tiles}; then reductions.
+
+Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k, NB
+blocks, B block size. Kernel inputs (HBM): dy, x (T, H); topk_w (N, 1) fp32; block_expert (NB,),
+slot_token, slot_assignment (NB*B,) int32; w_gate_up_t (E, H, 2I); w_gate_up (E, 2I, H);
+w_down (E, H, I). Outputs: dx (T, H), dtopk (N, 1) fp32, dw_gate_up (E, 2I, H), dw_down (E, H, I).
+
+Limits: as the forward (bf16/fp16/fp32, B <= 512) with the SBUF bound of :func:`sbuf_bytes`
+(x, dy, do rows and xT, dyT, dgT, duT of one block are resident); every assignment appears exactly
+once in the plan (validated by the op).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nki_lib._nki import nki, nisa, nl
+from nki_lib.dispatch import call_kernel
+from nki_lib.moe.kernels.experts_fwd import (
+    act_fn, block_flags, block_registers, check_supported, gather_rows, load_block_inputs,
+    load_expert_cols, reduce_assignments, scatter_rows, slot_tokens, tiles, transpose_rows)
+from nki_lib.moe.reference_experts import _GELU_TANH_A, _GELU_TANH_C
+
+ACT_GRAD_FN = {"silu": "silu_dx", "gelu": "gelu_dx"}   # ScalarE derivative functions
+
+
+# --------------------------------------------------------------------------- elementwise pieces
+
+def _gelu_tanh_grad(dst, g_psum, shape):
+    """dst = d/dg [0.5 g (1 + tanh(c (g + a g^3)))], composed from ScalarE tanh and VectorE ops:
+    0.5 (1 + t) + 0.5 g (1 - t^2) c (1 + 3 a g^2), t = tanh(c (g + a g^3))."""
+    g2_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=g2_sb, op=nl.square, data=g_psum)
+    inner_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=inner_sb, data=g2_sb, op0=nl.multiply, operand0=_GELU_TANH_A, op1=nl.add,
+                       operand1=1.0)
+    nisa.tensor_tensor(dst=inner_sb, data1=inner_sb, data2=g_psum, op=nl.multiply)
+    t_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=t_sb, op=nl.tanh, data=inner_sb, scale=_GELU_TANH_C)
+    sech2_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)                # 1 - t^2
+    nisa.tensor_tensor(dst=sech2_sb, data1=t_sb, data2=t_sb, op=nl.multiply)
+    nisa.tensor_scalar(dst=sech2_sb, data=sech2_sb, op0=nl.multiply, operand0=-1.0, op1=nl.add,
+                       operand1=1.0)
+    nisa.tensor_scalar(dst=g2_sb, data=g2_sb, op0=nl.multiply, operand0=3.0 * _GELU_TANH_A * 0.5 * _GELU_TANH_C,
+                       op1=nl.add, operand1=0.5 * _GELU_TANH_C)                    # 0.5 c (1 + 3 a g^2)
+    nisa.tensor_tensor(dst=g2_sb, data1=g2_sb, data2=sech2_sb, op=nl.multiply)
+    nisa.tensor_tensor(dst=g2_sb, data1=g2_sb, data2=g_psum, op=nl.multiply)
+    nisa.tensor_scalar(dst=t_sb, data=t_sb, op0=nl.multiply, operand0=0.5, op1=nl.add, operand1=0.5)
+    nisa.tensor_tensor(dst=dst, data1=g2_sb, data2=t_sb, op=nl.add)
+
+
+def _act_grad(dst, g_psum, activation, shape):
+    if activation == "gelu_tanh":
+        _gelu_tanh_grad(dst, g_psum, shape)
+    else:
+        nisa.activation(dst=dst, op=getattr(nl, ACT_GRAD_FN[activation]), data=g_psum)
+
+
+def _mlp_grads(g_psum, u_psum, dhy_psum, w_col, activation, dtype, dw_acc, first):
+    """From g, u, dhy (ps, n) fp32: h and dg, du (in ``dtype``); adds <dhy, h> into dw_acc (ps, 1)."""
+    shape = g_psum.shape
+    act_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=act_sb, op=act_fn(activation), data=g_psum)
+    h_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=h_sb, data1=act_sb, data2=u_psum, op=nl.multiply)
+    prod_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=prod_sb, data1=h_sb, data2=dhy_psum, op=nl.multiply)
+    part_sb = dw_acc if first else nl.ndarray((shape[0], 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=part_sb, op=nl.add, data=prod_sb, axis=1)
+    if not first:
+        nisa.tensor_tensor(dst=dw_acc, data1=dw_acc, data2=part_sb, op=nl.add)
+    dh_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=dh_sb, data=dhy_psum, op0=nl.multiply, operand0=w_col)
+    du_sb = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=du_sb, data1=dh_sb, data2=act_sb, op=nl.multiply)
+    dact_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    _act_grad(dact_sb, g_psum, activation, shape)
+    nisa.tensor_tensor(dst=dh_sb, data1=dh_sb, data2=u_psum, op=nl.multiply)
+    dg_sb = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=dg_sb, data1=dh_sb, data2=dact_sb, op=nl.multiply)
+    hx_sb = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=hx_sb, src=h_sb)
+    return hx_sb, dg_sb, du_sb
+
+
+# --------------------------------------------------------------------------- accumulators
+
+def zero_fill(acc):
+    """acc (E, R, C) fp32 in HBM = 0."""
+    experts, rows, cols = acc.shape
+    pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    zero_sb = nl.ndarray((pmax, min(cols, fmax)), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=zero_sb, value=0.0)
+    for r0, rs in tiles(experts * rows, pmax):
+        for c0, cn in tiles(cols, fmax):
+            nisa.dma_copy(dst=acc.ap([[cols, rs], [1, cn]], offset=r0 * cols + c0), src=zero_sb[:rs, :cn])
+
+
+def accumulate_rows(acc, expert_reg, r0, c0, part_psum):
+    """acc[e, r0 : r0 + rs, c0 : c0 + cn] += part (fp32 read-modify-write in HBM)."""
+    rs, cn = part_psum.shape
+    cols = acc.shape[2]
+    acc_view = acc.ap([[cols, rs], [1, cn]], offset=r0 * cols + c0, scalar_offset=expert_reg, indirect_dim=0)
+    old_sb = nl.ndarray((rs, cn), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=old_sb, src=acc_view)
+    nisa.tensor_tensor(dst=old_sb, data1=old_sb, data2=part_psum, op=nl.add)
+    nisa.dma_copy(dst=acc_view, src=old_sb)
+
+
+def cast_out(acc, out):
+    """out (E, R, C) = acc (fp32), one DMA (with dtype conversion) per expert."""
+    for e in nl.affine_range(acc.shape[0]):
+        nisa.dma_copy(dst=out[e], src=acc[e])
+
+
+# --------------------------------------------------------------------------- block phases
+
+def _load_grad_rows(dy, slot_tiles, block):
+    """Per slot tile: dy rows scaled by the routing weight (do); and dyT (P, HT, B)."""
+    pmax = nl.tile_size.pmax
+    hidden = dy.shape[1]
+    dy_t = nl.ndarray((pmax, len(tiles(hidden, pmax)), block), dtype=dy.dtype, buffer=nl.sbuf)
+    do_rows = []
+    for s0, ps, tok_sb, _, w_col, _ in slot_tiles:
+        dy_rows = gather_rows(dy, tok_sb, ps)
+        transpose_rows(dy_t, dy_rows, s0)
+        do_sb = nl.ndarray((ps, hidden), dtype=dy.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=do_sb, data=dy_rows, op0=nl.multiply, operand0=w_col)
+        do_rows.append(do_sb)
+    return do_rows, dy_t
+
+
+def _chunk_weight_grads(slot_tiles, do_rows, chunk, acc_gu, acc_d, expert_reg, c0, inter):
+    """dW_down[:, chunk] += do^T h; dW_gate/up[chunk, :] += dg^T x / du^T x (over the slots)."""
+    pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    hidden = acc_d.shape[1]
+    cn = chunk[0][0].shape[1]
+    for h0, hs in tiles(hidden, pmax):
+        part_psum = nl.ndarray((hs, cn), dtype=nl.float32, buffer=nl.psum)
+        for st, (do_sb, (hx_sb, _, _)) in enumerate(zip(do_rows, chunk)):
+            nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=hx_sb, accumulate=st > 0)
+        accumulate_rows(acc_d, expert_reg, h0, c0, part_psum)
+    for which, row0 in ((1, c0), (2, inter + c0)):
+        for i0, isz in tiles(cn, pmax):
+            for h0, hn in tiles(hidden, fmax):
+                part_psum = nl.ndarray((isz, hn), dtype=nl.float32, buffer=nl.psum)
+                for st, ((*_, x_rows), grads) in enumerate(zip(slot_tiles, chunk)):
+                    nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
+                                   moving=x_rows[:, h0:h0 + hn], accumulate=st > 0)
+                accumulate_rows(acc_gu, expert_reg, row0 + i0, h0, part_psum)
+
+
+def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots):
+    """dx_slots[a] = dg @ W_gate + du @ W_up per H chunk (contraction over I tiles in PSUM)."""
+    inter = w_gate_up.shape[1] // 2
+    hidden = w_gate_up.shape[2]
+    i_tiles = tiles(inter, nl.tile_size.pmax)
+    for h0, hn in tiles(hidden, nl.tile_size.gemm_moving_fmax):
+        dx_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
+        for it, (i0, isz) in enumerate(i_tiles):
+            for grad_t, row0 in ((dg_t, i0), (du_t, inter + i0)):
+                w_sb = load_expert_cols(w_gate_up, expert_reg, [(row0, isz)], h0, hn)
+                for (s0, ps, *_), dx_psum in zip(slot_tiles, dx_psums):
+                    nisa.nc_matmul(dst=dx_psum, stationary=grad_t[:isz, it, s0:s0 + ps], moving=w_sb[:isz, 0, :],
+                                   accumulate=it > 0 or row0 != i0)
+        for (s0, ps, _, asg_sb, _, _), dx_psum in zip(slot_tiles, dx_psums):
+            dx_sb = nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=dx_sb, src=dx_psum)
+            scatter_rows(dx_slots, asg_sb, dx_sb, h0)
+
+
+def _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up_t, w_gate_up, w_down, expert_reg,
+               s_base, block, activation, acc_gu, acc_d, dx_slots, dtopk):
+    pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    hidden = x.shape[1]
+    inter = w_down.shape[2]
+    h_tiles = tiles(hidden, pmax)
+    slot_tiles, x_t = load_block_inputs(x, topk_w, slot_token, slot_assignment, s_base, block)
+    do_rows, dy_t = _load_grad_rows(dy, slot_tiles, block)
+    n_it = len(tiles(inter, pmax))
+    dg_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
+    du_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
+    dw_accs = [nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
+    for ci, (c0, cn) in enumerate(tiles(inter, fmax)):
+        wg_sb = load_expert_cols(w_gate_up_t, expert_reg, h_tiles, c0, cn)
+        wu_sb = load_expert_cols(w_gate_up_t, expert_reg, h_tiles, inter + c0, cn)
+        wd_sb = load_expert_cols(w_down, expert_reg, h_tiles, c0, cn)
+        chunk = []
+        for (s0, ps, _, _, w_col, _), dw_acc in zip(slot_tiles, dw_accs):
+            g_psum = nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum)
+            u_psum = nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum)
+            dhy_psum = nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum)
+            for ht, (h0, hs) in enumerate(h_tiles):
+                for dst, src_t, w_sb in ((g_psum, x_t, wg_sb), (u_psum, x_t, wu_sb), (dhy_psum, dy_t, wd_sb)):
+                    nisa.nc_matmul(dst=dst, stationary=src_t[:hs, ht, s0:s0 + ps], moving=w_sb[:hs, ht, :],
+                                   accumulate=ht > 0)
+            grads = _mlp_grads(g_psum, u_psum, dhy_psum, w_col, activation, x.dtype, dw_acc, ci == 0)
+            del g_psum, u_psum, dhy_psum
+            it0 = c0 // pmax
+            n_sub = len(tiles(cn, pmax))
+            transpose_rows(dg_t[:, it0:it0 + n_sub, :], grads[1], s0)
+            transpose_rows(du_t[:, it0:it0 + n_sub, :], grads[2], s0)
+            chunk.append(grads)
+        del wg_sb, wu_sb, wd_sb
+        _chunk_weight_grads(slot_tiles, do_rows, chunk, acc_gu, acc_d, expert_reg, c0, inter)
+    _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots)
+    for (_, _, _, asg_sb, _, _), dw_acc in zip(slot_tiles, dw_accs):
+        scatter_rows(dtopk, asg_sb, dw_acc, 0)
+
+
+# --------------------------------------------------------------------------- kernel
+
+@nki.jit
+def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up_t, w_gate_up,
+                    w_down, activation, top_k):
+    n_blocks = block_expert.shape[0]
+    block = slot_token.shape[0] // n_blocks
+    dx = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    dtopk = nl.ndarray(topk_w.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+    dw_gate_up = nl.ndarray(w_gate_up.shape, dtype=w_gate_up.dtype, buffer=nl.shared_hbm)
+    dw_down = nl.ndarray(w_down.shape, dtype=w_down.dtype, buffer=nl.shared_hbm)
+    dx_slots = nl.ndarray((topk_w.shape[0], x.shape[1]), dtype=nl.float32, buffer=nl.private_hbm)
+    acc_gu = nl.ndarray(w_gate_up.shape, dtype=nl.float32, buffer=nl.private_hbm)
+    acc_d = nl.ndarray(w_down.shape, dtype=nl.float32, buffer=nl.private_hbm)
+    zero_fill(acc_gu)
+    zero_fill(acc_d)
+    expert_sb, valid_sb = block_flags(block_expert)
+    for b in nl.sequential_range(n_blocks):      # weight-gradient accumulation: blocks in order
+        expert_reg, trips_reg = block_registers(expert_sb, valid_sb, b)
+        for _ in nl.dynamic_range(0, trips_reg):
+            _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up_t, w_gate_up, w_down,
+                       expert_reg, b * block, block, activation, acc_gu, acc_d, dx_slots, dtopk)
+    reduce_assignments(dx_slots, dx, top_k)
+    cast_out(acc_gu, dw_gate_up)
+    cast_out(acc_d, dw_down)
+    return dx, dtopk, dw_gate_up, dw_down
+
+
+# --------------------------------------------------------------------------- launcher
+
+def sbuf_bytes(hidden, inter, block, itemsize):
+    """Peak SBUF bytes per partition of one block of the backward kernel (upper bound)."""
+    pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
+    resident = (2 * ht + 2 * it) * block * itemsize + st * (3 * hidden * itemsize + 4 * 4)
+    streamed = 3 * ht * fmax * itemsize + 2 * fmax * itemsize         # W^T columns, natural rows
+    chunk = st * 3 * fmax * itemsize + 8 * fmax * 4                   # h, dg, du per slot tile; fp32 temps
+    return resident + streamed + chunk
+
+
+def run(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
+    """Launch the backward kernel; layout glue only (a transposed copy of w_gate_up)."""
+    block_size = slot_assignment.shape[0] // block_expert.shape[0]
+    check_supported(x, block_size, w_down.shape[2], sbuf_fn=sbuf_bytes)
+    top_k = topk_weights.shape[1]
+    dx, dtopk, dw_gate_up, dw_down = call_kernel(
+        moe_experts_bwd, dy.contiguous(), x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
+        block_expert.contiguous(), slot_tokens(slot_assignment, top_k), slot_assignment.contiguous(),
+        w_gate_up.transpose(1, 2).contiguous(), w_gate_up.contiguous(), w_down.contiguous(),
+        activation, top_k)
+    return dx, dtopk.reshape(topk_weights.shape), dw_gate_up, dw_down
