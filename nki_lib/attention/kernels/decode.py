@@ -1,0 +1,275 @@
+"""Decode-attention NKI kernel: a few new tokens per sequence over a contiguous or paged KV cache.
+
+Algorithm (flash-decoding). For every (sequence b, kv head hk) the ``R = G * Sq`` query rows of the
+GQA group (all query heads of hk and all new tokens, row ``r = g * Sq + t``) sit on the partitions
+and share every K/V byte read. The sequence's valid key range is cut into ``n_split`` contiguous
+splits; each split streams its chunks of ``C = 128 * m`` keys through a *device loop* whose bounds
+are runtime registers, keeping the online-softmax state (negated running max ``neg_m``, sum ``l``,
+unnormalised output ``acc``, all fp32) in SBUF::
+
+    s     = scale * q @ k^T          (softcap: softcap * tanh(s / softcap)); keys outside [lo, hi]
+                                     of the row -> MASK_FILL (range_select, which also gives rowmax)
+    m_new = max(m, rowmax(s));  alpha = exp(m - m_new);  p = exp(s - m_new)  (row sum fused)
+    l     = alpha * l + rowsum(p);   acc = alpha * acc + p @ v
+
+The splits are merged exactly through their maxima and sums, together with the sink (a virtual key
+with logit ``sinks[h]`` and no value)::
+
+    M = max(m_1..m_S, sink);  w_s = exp(m_s - M);  L = sum_s w_s l_s + exp(sink - M)
+    out = (sum_s w_s acc_s) / L;  lse = M + log(L)
+
+Every row sees at least its own position, so ``L >= 1`` (no empty rows in decode).
+
+Dataflow of one chunk (keys ``[c0, c0 + C)`` of the split; ``u`` keys per gathered unit)::
+
+    unit ids (C/u, 1) int32   <- DMA of unit_table[b, col .. col + C/u)   (col = loop register)
+    K, V chunk (128, m*D)     <- one indirect DMA each (vector_offset = unit ids, oob_mode.skip):
+                                 unit i lands on keys [i*u, (i+1)*u) and key k on partition k // m,
+                                 slot k % m, so each partition receives m*D contiguous elements
+    K^T (dc, C) PSUM          <- m TensorE transposes per head-dim chunk, evicted in key order
+    S (rn, C) PSUM            =  sum over head-dim chunks of matmul(q^T (dc, rn), K^T (dc, C))
+    P^T (128, m*rn)           <- m TensorE transposes of the strided key sets {p*m + j}
+    O (rn, D) PSUM            =  sum over j of matmul(P^T_j (128, rn), V[:, j] (128, D))
+
+Only needed units are read: the launcher replaces the ids of units that hold no key of
+``[max(0, L_b - Sq - window_left), L_b)`` by an out-of-range sentinel, and the indirect DMA skips
+those rows (``oob_mode.skip``; their SBUF rows keep finite stale data that the mask removes). The
+device loops visit only the chunks of that range, so work and traffic follow ``L_b``, not the
+capacity. Row bounds ``[lo, hi]`` (key indices relative to the chunk start) come from the launcher
+per split and move by ``-C`` each iteration.
+
+Loop structure::
+
+    for b, hk (static):                          load q^T (dc, rn) per row tile and head-dim chunk
+      for split s (static):                      registers start/stop <- split_bounds[b, s]
+        for col in device_range(start, stop, C/u):   one chunk (above), all row tiles
+      merge splits + sink, store out (rn, D) and lse (rn, 1) per row tile
+
+Shapes (HBM): q (B, Hq, Sq, D); k_units/v_units (N_units, row_stride) -- the cache viewed as rows
+of gatherable units (paged: one block of all kv heads per row, head hk at ``hk * head_offset``;
+contiguous: ``u`` keys of one head per row); unit_table (B, n_cols) int32 unit ids of kv head 0;
+split_bounds (B, S, 2) int32 [start, stop) in unit columns; row_bounds (B, S, R, 2) float32
+(lo, hi) relative to the split's first key; sink_rows (Hkv, R) float32 or None.
+Outputs: out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32.
+Dimension legend: B batch, Hq/Hkv heads, G = Hq/Hkv, Sq new tokens, D head dim, R = G*Sq rows,
+rn rows of a row tile (<= 128), dc head-dim chunk (<= 128), m keys per partition (<= 4),
+C = 128*m keys per chunk, u keys per unit, S splits.
+
+Limits: bf16/fp16/fp32; D <= 256; R any (row tiles of 128); positions < 2**24 (float32 bounds);
+unit size u a power of two <= C. Cache slots between L_b and the end of the last needed unit are
+read and masked, so they must hold finite values (0 * NaN in P @ V would leak).
+"""
+
+from __future__ import annotations
+
+from nki_lib._nki import nisa, nki, nl
+from nki_lib.attention.kernels.tiles import STAT_INIT, mask_scores
+
+__all__ = ["decode_kernel"]
+
+
+def _spans(length, width):
+    return tuple((start, min(width, length - start)) for start in range(0, length, width))
+
+
+class _SplitState(nl.NKIObject):
+    """Online-softmax state of one split over one row tile (fp32 SBUF)."""
+    neg_m: object    # (rn, 1) negated running max
+    l: object        # (rn, 1) running sum  # noqa: E741
+    acc: object      # (rn, D) unnormalised output
+    bounds: object   # (rn, 2) (lo, hi) key bounds relative to the current chunk start
+
+
+def _load_q_t(q, row0, rn, d_spans, dtype):
+    """q^T chunks (dc, rn) of rows ``row0 .. row0 + rn`` of the flattened (B*Hq*Sq, D) queries."""
+    d = q.shape[3]
+    q_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=q_sb, src=q.ap([[d, rn], [1, d]], offset=row0 * d))
+    q_t = []
+    for d0, dn in d_spans:
+        q_t_psum = nl.ndarray((dn, rn), dtype=dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=q_t_psum, data=q_sb[:, d0:d0 + dn])
+        q_t_sb = nl.ndarray((dn, rn), dtype=dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=q_t_sb, src=q_t_psum)
+        q_t.append(q_t_sb)
+    return q_t
+
+
+def _init_state(row_bounds, b, s, r0, rn, d):
+    state = _SplitState(neg_m=nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf),
+                        l=nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf),
+                        acc=nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.sbuf),
+                        bounds=nl.ndarray((rn, 2), dtype=nl.float32, buffer=nl.sbuf))
+    nisa.memset(dst=state.neg_m, value=-STAT_INIT)
+    nisa.memset(dst=state.l, value=0.0)
+    nisa.memset(dst=state.acc, value=0.0)
+    nisa.dma_copy(dst=state.bounds, src=row_bounds[b, s, r0:r0 + rn, :])
+    return state
+
+
+def _gather_chunk(cache_units, idx_sb, head_offset, unit_elems, chunk_sb):
+    """One indirect DMA: units ``idx_sb`` of the cache (this kv head) -> chunk_sb (128, m*D)."""
+    n_units = idx_sb.shape[0]
+    row_stride = cache_units.shape[1]
+    src = cache_units.ap([[row_stride, n_units], [1, unit_elems]], offset=head_offset,
+                         vector_offset=idx_sb, indirect_dim=0)
+    nisa.dma_copy(dst=chunk_sb, src=src, oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
+
+
+def _keys_transposed(k_chunk, d_spans, m, dtype):
+    """K^T chunks (dc, C) in key order (column k = key k of the chunk) from k_chunk (128, m*D)."""
+    pmax = nl.tile_size.pmax
+    d = k_chunk.shape[1] // m
+    k_t = []
+    for d0, dn in d_spans:
+        k_t_psum = nl.ndarray((dn, m * pmax), dtype=dtype, buffer=nl.psum)
+        for j in range(m):                      # keys {p*m + j}: slot j of every partition
+            nisa.nc_transpose(dst=k_t_psum[:, j * pmax:(j + 1) * pmax],
+                              data=k_chunk[:, j * d + d0:j * d + d0 + dn])
+        k_t_sb = nl.ndarray((dn, m * pmax), dtype=dtype, buffer=nl.sbuf)
+        in_key_order = k_t_sb.reshape((dn, pmax, m)).permute((0, 2, 1))   # [d, j, p] = key p*m + j
+        nisa.tensor_copy(dst=in_key_order, src=k_t_psum.reshape((dn, m, pmax)))
+        k_t.append(k_t_sb)
+    return k_t
+
+
+def _chunk_step(state, q_t, k_t, v_chunk, m, scale, softcap, dtype):
+    """Fold one chunk of C keys into ``state`` for one row tile."""
+    pmax = nl.tile_size.pmax
+    rn, d = state.acc.shape
+    width = m * pmax
+    s_psum = nl.ndarray((rn, width), dtype=nl.float32, buffer=nl.psum)
+    for i in range(len(q_t)):
+        nisa.nc_matmul(dst=s_psum, stationary=q_t[i], moving=k_t[i], accumulate=(i > 0))
+    s_sb = nl.ndarray((rn, width), dtype=nl.float32, buffer=nl.sbuf)
+    if softcap > 0:
+        nisa.activation(dst=s_sb, op=nl.tanh, data=s_psum, scale=scale / softcap)
+        nisa.tensor_scalar(dst=s_sb, data=s_sb, op0=nl.multiply, operand0=softcap)
+    else:
+        nisa.activation(dst=s_sb, op=nl.copy, data=s_psum, scale=scale)
+    rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    mask_scores(s_sb, state.bounds[:, 0:1], state.bounds[:, 1:2], 0, rowmax)
+    neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
+                       op1=nl.minimum, operand1=state.neg_m)
+    p_sb = nl.ndarray((rn, width), dtype=dtype, buffer=nl.sbuf)
+    rowsum = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=p_sb, op=nl.exp, data=s_sb, bias=neg_m_new, reduce_op=nl.add,
+                    reduce_res=rowsum, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    alpha = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, bias=neg_m_new, scale=-1.0)
+    nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=alpha,
+                              op1=nl.add, operand1=rowsum)
+    nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
+    p_t_psum = nl.ndarray((pmax, m * rn), dtype=dtype, buffer=nl.psum)
+    for j in range(m):                          # P columns of keys {p*m + j}, matching V slot j
+        nisa.nc_transpose(dst=p_t_psum[:, j * rn:(j + 1) * rn], data=p_sb[:, j::m])
+    p_t_sb = nl.ndarray((pmax, m * rn), dtype=dtype, buffer=nl.sbuf)
+    nisa.activation(dst=p_t_sb, op=nl.copy, data=p_t_psum)
+    o_psum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.psum)
+    for j in range(m):
+        nisa.nc_matmul(dst=o_psum, stationary=p_t_sb[:, j * rn:(j + 1) * rn],
+                       moving=v_chunk[:, j * d:(j + 1) * d], accumulate=(j > 0))
+    nisa.scalar_tensor_tensor(dst=state.acc, data=state.acc, op0=nl.multiply, operand0=alpha,
+                              op1=nl.add, operand1=o_psum)
+    nisa.tensor_scalar(dst=state.bounds, data=state.bounds, op0=nl.add, operand0=-float(width))
+
+
+def _merge_and_store(states, sink_rows, hk, r0, out, lse, row0, dtype):
+    """Merge the split states of one row tile (and the sink), store out rows and lse."""
+    rn, d = states[0].acc.shape
+    neg_big = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)     # -M
+    nisa.tensor_copy(dst=neg_big, src=states[0].neg_m)
+    for st in states[1:]:
+        nisa.tensor_tensor(dst=neg_big, data1=neg_big, data2=st.neg_m, op=nl.minimum)
+    sink_sb = None
+    if sink_rows is not None:
+        r_total = sink_rows.shape[1]
+        sink_sb = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sink_sb, src=sink_rows.ap([[1, rn], [1, 1]], offset=hk * r_total + r0))
+        nisa.tensor_scalar(dst=neg_big, data=sink_sb, op0=nl.multiply, operand0=-1.0,
+                           op1=nl.minimum, operand1=neg_big)
+    total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    o_sum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.sbuf)
+    for i, st in enumerate(states):
+        weight = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)  # exp(m_s - M)
+        nisa.activation(dst=weight, op=nl.exp, data=st.neg_m, bias=neg_big, scale=-1.0)
+        if i == 0:
+            nisa.tensor_scalar(dst=total, data=st.l, op0=nl.multiply, operand0=weight)
+            nisa.tensor_scalar(dst=o_sum, data=st.acc, op0=nl.multiply, operand0=weight)
+        else:
+            nisa.scalar_tensor_tensor(dst=total, data=st.l, op0=nl.multiply, operand0=weight,
+                                      op1=nl.add, operand1=total)
+            nisa.scalar_tensor_tensor(dst=o_sum, data=st.acc, op0=nl.multiply, operand0=weight,
+                                      op1=nl.add, operand1=o_sum)
+    if sink_sb is not None:
+        sink_term = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sink_term, op=nl.exp, data=sink_sb, bias=neg_big)
+        nisa.tensor_tensor(dst=total, data1=total, data2=sink_term, op=nl.add)
+    inv_total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=inv_total, data=total)
+    out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out_sb, data=o_sum, op0=nl.multiply, operand0=inv_total)
+    nisa.dma_copy(dst=out.ap([[d, rn], [1, d]], offset=row0 * d), src=out_sb)
+    lse_sb = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=lse_sb, op=nl.log, data=total)
+    nisa.tensor_tensor(dst=lse_sb, data1=lse_sb, data2=neg_big, op=nl.subtract)
+    nisa.dma_copy(dst=lse.ap([[1, rn], [1, 1]], offset=row0), src=lse_sb)
+
+
+@nki.jit
+def decode_kernel(q, k_units, v_units, unit_table, split_bounds, row_bounds, sink_rows,
+                  n_kv_heads, head_offset, unit_keys, keys_per_partition, scale, softcap):
+    """Decode attention; see the module docstring for shapes and the algorithm."""
+    pmax = nl.tile_size.pmax
+    batch, n_q_heads, sq, d = q.shape
+    group = n_q_heads // n_kv_heads
+    rows = group * sq
+    n_split = split_bounds.shape[1]
+    m = keys_per_partition
+    units_per_chunk = m * pmax // unit_keys
+    unit_elems = unit_keys * d
+    n_cols = unit_table.shape[1]
+    dtype = q.dtype
+    row_spans = _spans(rows, pmax)
+    d_spans = _spans(d, pmax)
+    out = nl.ndarray((batch, n_q_heads, sq, d), dtype=dtype, buffer=nl.shared_hbm)
+    lse = nl.ndarray((batch, n_q_heads, sq), dtype=nl.float32, buffer=nl.shared_hbm)
+
+    chunk_bufs = []                  # one K/V buffer pair per split, zeroed once (skipped rows)
+    for _ in range(n_split):
+        pair = (nl.ndarray((pmax, m * d), dtype=k_units.dtype, buffer=nl.sbuf),
+                nl.ndarray((pmax, m * d), dtype=v_units.dtype, buffer=nl.sbuf))
+        for buf in pair:
+            nisa.memset(dst=buf, value=0.0)
+        chunk_bufs.append(pair)
+
+    for b in range(batch):
+        for hk in range(n_kv_heads):
+            row_base = (b * n_q_heads + hk * group) * sq
+            q_t = [_load_q_t(q, row_base + r0, rn, d_spans, dtype) for r0, rn in row_spans]
+            states = []
+            for s in range(n_split):
+                split_states = [_init_state(row_bounds, b, s, r0, rn, d) for r0, rn in row_spans]
+                bounds_sb = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=bounds_sb, src=split_bounds[b, s])
+                start = nisa.register_alloc()
+                stop = nisa.register_alloc()
+                nisa.register_load(start, bounds_sb[0:1, 0:1])
+                nisa.register_load(stop, bounds_sb[0:1, 1:2])
+                k_chunk, v_chunk = chunk_bufs[s]
+                for col in nl.dynamic_range(start, stop, units_per_chunk):
+                    idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=idx_sb, src=unit_table.ap([[1, units_per_chunk], [1, 1]],
+                                                                offset=b * n_cols,
+                                                                scalar_offset=col, indirect_dim=1))
+                    _gather_chunk(k_units, idx_sb, hk * head_offset, unit_elems, k_chunk)
+                    _gather_chunk(v_units, idx_sb, hk * head_offset, unit_elems, v_chunk)
+                    k_t = _keys_transposed(k_chunk, d_spans, m, k_units.dtype)
+                    for t in range(len(row_spans)):
+                        _chunk_step(split_states[t], q_t[t], k_t, v_chunk, m, scale, softcap, dtype)
+                states.append(split_states)
+            for t, (r0, rn) in enumerate(row_spans):
+                _merge_and_store([st[t] for st in states], sink_rows, hk, r0, out, lse,
+                                 row_base + r0, dtype)
+    return out, lse

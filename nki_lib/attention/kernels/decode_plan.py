@@ -1,0 +1,123 @@
+"""Launcher of the decode-attention kernel: what it can serve, the split plan, and the metadata.
+
+Host work here is layout glue and small index metadata only (no attention math):
+
+* the cache viewed as rows of gatherable *units* (a reshape, no copy for contiguous caches):
+  paged -> one block of all kv heads per row (unit = block, ``u = block_size``); contiguous ->
+  ``u = gcd(Smax, C_max)`` keys of one head per row;
+* ``unit_table`` (B, n_cols) int32: unit ids of kv head 0 per logical unit column (the block table
+  itself when paged), padded to whole chunks, with every unit that holds no key of the needed
+  range ``[max(0, L_b - Sq - window_left), L_b)`` replaced by an out-of-range sentinel (the
+  kernel's indirect DMA skips it);
+* ``split_bounds`` (B, S, 2) int32: each split's [start, stop) in unit columns, chunk aligned;
+* ``row_bounds`` (B, S, R, 2) float32: per query row the visible key interval [lo, hi]
+  (position ``L_b - Sq + t`` and the window) relative to the split's first key;
+* ``sink_rows`` (Hkv, R) float32: the sink logit of each query row (an expand of ``sinks``).
+
+All of it is computed with tensor ops from ``cache_seqlens`` (no host synchronisation).
+Dimension legend as in ``kernels/decode.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nki_lib._nki import nl
+from nki_lib.attention.kernels.decode import decode_kernel
+from nki_lib.attention.kernels.tiles import MAX_INDEX
+from nki_lib.attention.reference import resolve_scale
+from nki_lib.dispatch import Unsupported, call_kernel
+
+__all__ = ["decode_fwd", "plan_splits", "KERNEL_DTYPES"]
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+STREAMS_PER_CORE = 16       # independent (sequence, kv head, split) streams wanted: one per DMA engine
+MIN_CHUNKS_PER_SPLIT = 4    # below this the merge and per-split setup outweigh the parallelism
+
+
+def max_keys_per_partition() -> int:
+    """Keys per partition of a chunk: the chunk's fp32 score row must fit one PSUM bank."""
+    return nl.tile_size.psum_bank_fmax // nl.tile_size.pmax
+
+
+def plan_splits(batch: int, n_kv_heads: int, max_chunks: int) -> int:
+    """Number of splits of each sequence: enough streams to occupy the core, never tiny splits."""
+    wanted = -(-STREAMS_PER_CORE // (batch * n_kv_heads))
+    return max(1, min(wanted, max_chunks // MIN_CHUNKS_PER_SPLIT))
+
+
+def _unit_view(cache, block_table, unit_keys):
+    """(cache rows of units, head offset in elements, unit ids of kv head 0 per column, #rows)."""
+    cache = cache.contiguous()
+    if block_table is not None:
+        nb, hkv, bs, d = cache.shape
+        return cache.reshape(nb, hkv * bs * d), bs * d, block_table.to(torch.int32), nb
+    b, hkv, smax, d = cache.shape
+    per_head = smax // unit_keys
+    rows = cache.reshape(b * hkv * per_head, unit_keys * d)
+    table = (torch.arange(b, dtype=torch.int32, device=cache.device)[:, None] * (hkv * per_head)
+             + torch.arange(per_head, dtype=torch.int32, device=cache.device)[None, :])
+    return rows, per_head * unit_keys * d, table, b * hkv * per_head
+
+
+def decode_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, window_left,
+               softcap, num_splits=None):
+    """Run ``decode_kernel``; raises ``Unsupported`` (before launching) for what it cannot serve."""
+    if q.dtype not in KERNEL_DTYPES:
+        raise Unsupported(f"dtype {q.dtype}")
+    b, hq, sq, d = q.shape
+    hkv = k_cache.shape[1]
+    pmax = nl.tile_size.pmax
+    m_max = max_keys_per_partition()
+    chunk_max = m_max * pmax
+    paged = block_table is not None
+    cap = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+    if cap + chunk_max >= MAX_INDEX:
+        raise Unsupported(f"cache capacity {cap}: key positions must stay below {MAX_INDEX} (float32 bounds)")
+    if paged:
+        unit_keys = k_cache.shape[2]
+        if unit_keys & (unit_keys - 1) or unit_keys > chunk_max:
+            raise Unsupported(f"block_size {unit_keys}: the kernel gathers whole blocks, which must be a "
+                              f"power of two <= {chunk_max}")
+    else:
+        unit_keys = math.gcd(k_cache.shape[2], chunk_max)
+    m = min(m_max, unit_keys)
+    chunk = m * pmax
+    units_per_chunk = chunk // unit_keys
+
+    k_units, head_offset, table, n_rows = _unit_view(k_cache, block_table, unit_keys)
+    v_units, _, _, _ = _unit_view(v_cache, block_table, unit_keys)
+    dev = q.device
+    lengths = cache_seqlens.to(torch.int64)
+    first = (lengths - sq - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(lengths)
+
+    n_cols = table.shape[1]
+    n_cols_pad = -(-n_cols // units_per_chunk) * units_per_chunk
+    cols = torch.arange(n_cols_pad, device=dev)
+    needed = ((cols[None, :] * unit_keys < lengths[:, None])
+              & ((cols[None, :] + 1) * unit_keys > first[:, None]) & (cols[None, :] < n_cols))
+    padded = torch.nn.functional.pad(table, (0, n_cols_pad - n_cols))
+    unit_table = torch.where(needed, padded, torch.full_like(padded, n_rows)).to(torch.int32)
+
+    n_split = num_splits or plan_splits(b, hkv, -(-cap // chunk))
+    c0 = first // chunk
+    n_chunks = (lengths + chunk - 1) // chunk - c0
+    s_idx = torch.arange(n_split + 1, device=dev)
+    edges = c0[:, None] + (s_idx[None, :] * n_chunks[:, None]) // n_split          # (B, S+1) chunks
+    split_bounds = torch.stack([edges[:, :-1], edges[:, 1:]], dim=-1) * units_per_chunk
+    rows = hq // hkv * sq
+    t = torch.arange(rows, device=dev) % sq
+    pos = (lengths[:, None] - sq + t[None, :]).to(torch.float32)                      # (B, R)
+    hi = pos[:, None, :] - (edges[:, :-1] * chunk).to(torch.float32)[:, :, None]      # (B, S, R)
+    lo = hi - window_left if window_left >= 0 else torch.full_like(hi, -float(MAX_INDEX))
+    row_bounds = torch.stack([lo, hi], dim=-1).contiguous()
+    sink_rows = None
+    if sinks is not None:
+        sink_rows = sinks.to(torch.float32).reshape(hkv, hq // hkv, 1).expand(hkv, hq // hkv, sq)
+        sink_rows = sink_rows.reshape(hkv, rows).contiguous()
+
+    return call_kernel(decode_kernel, q.contiguous(), k_units, v_units, unit_table,
+                       split_bounds.to(torch.int32).contiguous(), row_bounds, sink_rows,
+                       hkv, head_offset, unit_keys, m, resolve_scale(scale, d), float(softcap))
