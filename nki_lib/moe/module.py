@@ -117,6 +117,12 @@ class MoE(nn.Module):
         self.expert_bias += rate * torch.sign(load.mean() - load)
         self._load.zero_()
 
+    def __getstate__(self):
+        """Copies and pickles drop the last router statistics (non-leaf tensors of a past graph)."""
+        state = self.__dict__.copy()
+        state.update(last_logits=None, last_topk_ids=None, last_tokens_per_expert=None)
+        return state
+
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, "
