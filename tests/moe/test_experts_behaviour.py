@@ -1,0 +1,158 @@
+"""moe_experts behaviour: bitwise determinism, free idle blocks, empty inputs, NaN propagation,
+visible fallbacks, and bad inputs raising errors that name the argument (api-contract §4, §5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nki_lib
+import nki_lib.moe  # noqa: F401  (registers the ops)
+from nki_lib.dispatch import NKIFallbackError, collect_runs
+from nki_lib.moe import experts_ops, reference_experts
+
+
+def sample(t=9, h=24, inter=16, e=4, k=2, block=4, dtype=torch.bfloat16, activation="silu", **kw):
+    return experts_ops.make_sample(t, h, inter, e, k, block, dtype, True, activation=activation, **kw)
+
+
+def run_with_grads(s, path="simulator"):
+    """y and the four gradients (of sum(y * r) for a fixed r) on ``path`` (strict)."""
+    args = [a.detach().clone().requires_grad_(a.requires_grad) if a.is_floating_point() else a
+            for a in s.args]
+    with nki_lib.use_backend(path), nki_lib.strict(True):
+        y = torch.ops.nki.moe_experts(*args, **s.kwargs)
+        weight = torch.linspace(-1, 1, y.numel(), dtype=torch.float32).reshape(y.shape).to(y.dtype)
+        grads = torch.autograd.grad((y * weight).sum(), [args[i] for i in (0, 1, 4, 5)])
+    return (y.detach(), *grads)
+
+
+def with_idle_blocks(s, extra):
+    x, tw, block_expert, slots, wgu, wd = s.args
+    block = slots.numel() // block_expert.numel()
+    block_expert = torch.cat([block_expert, torch.full((extra,), -1, dtype=torch.int32)])
+    slots = torch.cat([slots, torch.full((extra * block,), -1, dtype=torch.int32)])
+    return type(s)((x, tw, block_expert, slots, wgu, wd), s.kwargs, s.label + f" +{extra} idle")
+
+
+# --------------------------------------------------------------------------- determinism, cost
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_bitwise_deterministic_forward_and_backward(activation):
+    s = sample(t=14, k=3, e=5, activation=activation, seed=4)
+    first, second = run_with_grads(s), run_with_grads(s)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def _engine_counts(s):
+    with collect_runs() as runs:
+        run_with_grads(s)
+    counts = []
+    for _, report in runs:
+        by_engine = {}
+        for entry in report.trace:
+            if entry.engine != "sync":
+                by_engine[entry.engine] = by_engine.get(entry.engine, 0) + 1
+        counts.append(by_engine)
+    return counts
+
+
+def test_idle_blocks_cost_no_dma_or_compute():
+    """Blocks with expert -1 are skipped by the dynamic guard: the same DMA and engine work."""
+    s = sample(t=6, e=3, k=2, block=4)
+    base, padded = _engine_counts(s), _engine_counts(with_idle_blocks(s, 5))
+    assert len(base) == 2 and base == padded
+
+
+def test_idle_blocks_do_not_change_results():
+    s = sample(t=6, e=3, k=2, block=4)
+    for a, b in zip(run_with_grads(s), run_with_grads(with_idle_blocks(s, 3))):
+        assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- empty, NaN
+
+@pytest.mark.parametrize("experts", [1, 3])
+def test_empty_batch(experts):
+    s = sample(t=0, e=experts, k=1, dtype=torch.float32)
+    y, dx, dtw, dwgu, dwd = run_with_grads(s)
+    assert y.shape == (0, 24) and dx.shape == (0, 24) and dtw.shape == (0, 1)
+    assert not dwgu.any() and not dwd.any()
+
+
+def test_nan_propagates_like_the_reference():
+    s = sample(t=8, dtype=torch.float32)
+    x = s.args[0].detach().clone()
+    x[3, 5] = float("nan")
+    args = (x, *s.args[1:])
+    with nki_lib.use_backend("simulator"), nki_lib.strict(True):
+        y = torch.ops.nki.moe_experts(*args, **s.kwargs)
+    ref = reference_experts.moe_experts(*[a.detach() for a in args], **s.kwargs)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.isnan(y[3]).all()
+    assert torch.isfinite(y[torch.arange(8) != 3]).all()
+
+
+# --------------------------------------------------------------------------- fallbacks
+
+def test_oversized_block_falls_back_visibly():
+    s = sample(t=4, block=4 * 128 + 8)
+    nki_lib.reset_coverage()
+    with nki_lib.use_backend("simulator"):
+        torch.ops.nki.moe_experts(*s.args, **s.kwargs)
+    reasons = nki_lib.coverage()["moe_experts"]["simulator"].fallbacks
+    assert any("block_size" in r for r in reasons)
+    with nki_lib.use_backend("simulator"), nki_lib.strict(True), pytest.raises(NKIFallbackError, match="block_size"):
+        torch.ops.nki.moe_experts(*s.args, **s.kwargs)
+
+
+def test_float64_falls_back_to_the_reference():
+    s = sample(dtype=torch.float64)
+    with nki_lib.use_backend("simulator"), nki_lib.strict(True), pytest.raises(NKIFallbackError, match="float64"):
+        torch.ops.nki.moe_experts(*s.args, **s.kwargs)
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+def _replace(s, index=None, value=None, **kwargs):
+    args = list(a.detach() if isinstance(a, torch.Tensor) else a for a in s.args)
+    if index is not None:
+        args[index] = value(args[index])
+    return args, dict(s.kwargs, **kwargs)
+
+
+def _set(t, pos, value):
+    t = t.clone()
+    t[pos] = value
+    return t
+
+
+BAD = [
+    ("x rank", dict(index=0, value=lambda t: t[None]), ValueError, "x"),
+    ("x dtype", dict(index=0, value=lambda t: t.to(torch.int32)), TypeError, "x"),
+    ("topk_weights dtype", dict(index=1, value=lambda t: t.to(torch.bfloat16)), TypeError, "topk_weights"),
+    ("topk_weights rows", dict(index=1, value=lambda t: t[1:]), ValueError, "topk_weights"),
+    ("block_expert dtype", dict(index=2, value=lambda t: t.long()), TypeError, "block_expert"),
+    ("slot_assignment length", dict(index=3, value=lambda t: t[1:]), ValueError, "slot_assignment"),
+    ("w_gate_up dtype", dict(index=4, value=lambda t: t.float()), TypeError, "w_gate_up"),
+    ("w_gate_up hidden", dict(index=4, value=lambda t: t[:, :, 1:]), ValueError, "w_gate_up"),
+    ("w_gate_up odd rows", dict(index=4, value=lambda t: t[:, 1:]), ValueError, "w_gate_up"),
+    ("w_down shape", dict(index=5, value=lambda t: t[:, :, 1:]), ValueError, "w_down"),
+    ("w_down experts", dict(index=5, value=lambda t: t[1:]), ValueError, "w_down"),
+    ("expert out of range", dict(index=2, value=lambda t: _set(t, 0, 4)), ValueError, "block_expert"),
+    ("assignment out of range", dict(index=3, value=lambda t: _set(t, 0, 18)), ValueError, "slot_assignment"),
+    ("assignment twice", dict(index=3, value=lambda t: _set(t, t.tolist().index(1), 0)), ValueError,
+     "slot_assignment"),
+    ("assignment in an idle block", dict(index=3, value=lambda t: _set(_set(t, t == 0, -1), -1, 0)), ValueError,
+     "block_expert is -1"),
+    ("activation unknown", dict(activation="relu"), ValueError, "activation"),
+]
+
+
+@pytest.mark.parametrize("change,error,name", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_inputs_name_the_argument(change, error, name):
+    s = sample(t=9, k=2, e=4, block=4)        # 18 assignments; the last block is idle
+    assert int(s.args[2][-1]) == -1
+    args, kwargs = _replace(s, **change)
+    with pytest.raises(error, match=name):
+        torch.ops.nki.moe_experts(*args, **kwargs)
