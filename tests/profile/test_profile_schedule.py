@@ -198,3 +198,21 @@ def test_bad_arguments():
         estimate(NoTrace())
     with pytest.raises(TypeError, match="report_or_trace"):
         estimate(42, "trn2")
+
+
+def test_psum_accumulation_group_runs_back_to_back():
+    """K-tiled matmuls accumulating into one PSUM tile wait only for TensorE's in-order pipeline."""
+    t = Trace()
+    acc = new_id()
+    for _ in range(4):
+        t.matmul(onchip(new_id(), "sbuf", (128, 128)), onchip(new_id(), "sbuf", (128, 512)),
+                 onchip(acc, "psum", (128, 512), "float32"))
+    evict = t.vector("tensor_copy", [onchip(acc, "psum", (128, 512), "float32")],
+                     onchip(new_id(), "sbuf", (128, 512), "float32"))
+    est = estimate(t.entries, "trn2", keep_timeline=True)
+    rows = est.timeline
+    for prev, nxt in zip(rows[:3], rows[1:4]):
+        assert nxt[3] == pytest.approx(prev[4])  # starts when the previous matmul's service ends
+    # the eviction (another engine) waits for the PE result latency of the last matmul
+    assert rows[4][3] == pytest.approx(rows[3][4] + HW.pe_result_latency_ns)
+    assert evict.opcode == "tensor_copy"

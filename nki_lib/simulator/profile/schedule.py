@@ -7,7 +7,8 @@ program order. An instruction starts when
 * its engine is free (each compute engine runs its stream in program order), and
 * every instruction it depends on is complete. Dependencies are RAW, WAR and WAW overlaps of
   buffer regions ``(buffer_id, partitions, byte_range)``; a producer is complete ``latency_ns``
-  after its service ends (PE result latency, DVE/ACT semaphore intercepts, DMA 1.3 us), and
+  after its service ends (PE result latency, DVE/ACT semaphore intercepts, DMA 1.3 us), except
+  that TensorE runs its own dependent instructions (PSUM accumulation groups) back to back, and
 * (PSUM accesses) its PSUM banks are free: a bank holds one buffer at a time, and a buffer that
   takes over a bank waits until every access to the previous buffer there has completed
   (see :class:`_PsumBanks` for how buffers are mapped to banks).
@@ -51,38 +52,45 @@ def _region(access) -> tuple:
 
 
 class _Regions:
-    """Last completion time of the writes and reads of every buffer region."""
+    """Completion times of the last writes and reads of every buffer region.
+
+    Each record is ``(done, in_order, engine)``: ``done`` is when another engine may use the
+    result; ``in_order`` is when a later instruction of the *same* engine may: TensorE runs
+    dependent matmuls (PSUM accumulation groups) back to back in its in-order pipeline, so for
+    it ``in_order`` is the end of service; other engines pay their completion latency.
+    """
 
     def __init__(self) -> None:
-        self.writes: dict[int, dict[tuple, float]] = defaultdict(dict)
-        self.reads: dict[int, dict[tuple, float]] = defaultdict(dict)
+        self.writes: dict[int, dict[tuple, tuple]] = defaultdict(dict)
+        self.reads: dict[int, dict[tuple, tuple]] = defaultdict(dict)
 
-    def ready(self, entry) -> float:
+    def ready(self, entry, engine: str) -> float:
         t = 0.0
-        for acc in entry.reads:  # RAW
+        tables = [(acc, (self.writes,)) for acc in entry.reads]                 # RAW
+        tables += [(acc, (self.writes, self.reads)) for acc in entry.writes]    # WAW, WAR
+        for acc, kinds in tables:
             region = _region(acc)
-            for other, done in self.writes[acc.buffer_id].items():
-                if done > t and _overlap(region, other):
-                    t = done
-        for acc in entry.writes:  # WAW, WAR
-            region = _region(acc)
-            for table in (self.writes, self.reads):
-                for other, done in table[acc.buffer_id].items():
-                    if done > t and _overlap(region, other):
-                        t = done
+            for table in kinds:
+                for other, (done, in_order, producer) in table[acc.buffer_id].items():
+                    when = in_order if producer == engine else done
+                    if when > t and _overlap(region, other):
+                        t = when
         return t
 
-    def commit(self, entry, done: float) -> None:
+    def commit(self, entry, done: float, end: float, engine: str) -> None:
+        in_order = end if engine == "tensor" else done
         for acc in entry.reads:
             table, region = self.reads[acc.buffer_id], _region(acc)
-            table[region] = max(table.get(region, 0.0), done)
+            old = table.get(region)
+            if old is None or old[0] <= done:
+                table[region] = (done, in_order, engine)
         for acc in entry.writes:
             region = _region(acc)
             for table in (self.writes, self.reads):
                 covered = [r for r in table[acc.buffer_id] if _contains(region, r)]
                 for r in covered:
                     del table[acc.buffer_id][r]
-            self.writes[acc.buffer_id][region] = done
+            self.writes[acc.buffer_id][region] = (done, in_order, engine)
 
 
 class _PsumBanks:
@@ -183,14 +191,14 @@ class _Program:
 
     def arrive(self, entry, cost: InstrCost) -> float:
         """Time the barrier ``entry`` would be reached on its engine."""
-        deps = max(self.regions.ready(entry), self.fence)
+        deps = max(self.regions.ready(entry, cost.engine), self.fence)
         return max(deps, self.free[cost.engine])
 
     def run(self, entry, cost: InstrCost, release: float | None = None) -> None:
         res, hw = self.result, self.hw
         self.banks.position = self.position
         self.position += 1
-        ready = max(self.regions.ready(entry), self.banks.ready(entry), self.fence)
+        ready = max(self.regions.ready(entry, cost.engine), self.banks.ready(entry), self.fence)
         if not cost.modelled:
             res.unmodelled[entry.opcode] = res.unmodelled.get(entry.opcode, 0) + 1
         if cost.engine == "dma":
@@ -231,7 +239,7 @@ class _Program:
         if release is not None:
             done = max(done, release)
             self.fence = max(self.fence, done)
-        self.regions.commit(entry, done)
+        self.regions.commit(entry, done, end, cost.engine)
         self.banks.commit(entry, done)
         res.instructions[cost.engine] += 1
         res.serial_ns += serial
