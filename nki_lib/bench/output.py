@@ -72,6 +72,14 @@ def table(results: list[CaseResult]) -> str:
         lines.append("")
         lines.append("* extrapolated (the real shape was not simulated in full):")
         lines += [f"  {r.label}: {r.extrapolation}" for r in extrapolated]
+    specs: dict = {}
+    for r in results:
+        if r.status == "ok":
+            specs[r.op] = specs.get(r.op, 0) + r.specializations
+    if specs:
+        lines.append("")
+        lines.append("kernel specializations (distinct static shapes = device compilations) per op over this sweep: "
+                     + ", ".join(f"{op} {n}" for op, n in sorted(specs.items())))
     lines.append("")
     lines.append("trn2/trn3 us: estimated device time (cost model, nki_lib.simulator.profile); TFLOP/s, MFU, "
                  "roof (classical roofline fraction), eng-roof (engine-aware roofline fraction) and bound "
