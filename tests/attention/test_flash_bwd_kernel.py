@@ -1,0 +1,169 @@
+"""The flash-attention backward NKI kernel on the simulator (strict mode, no fallback).
+
+Gradient parity runs the registered op forward and backward on the simulator through
+``op_parity`` (q, k, v, sinks gradients, with the loss using both ``out`` and ``lse``), judged
+against the fp64 oracle with the tolerances of ``nki_lib.numerics``. Plus bitwise determinism,
+the ``Unsupported`` fallback reasons of the launcher, and the Sq = Sk = 16384 capacity case.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import nki_lib
+from nki_lib import registry, simulator
+from nki_lib.attention import reference
+from nki_lib.attention.kernels import bwd
+from nki_lib.dispatch import Unsupported, collect_runs
+from nki_lib.numerics import parity
+from nki_lib.numerics.oppar import op_parity
+from nki_lib.registry import Sample
+
+SPEC = registry.get("flash_attention")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_sample(b, hq, hkv, sq, sk, d, dtype, *, causal=False, window=(-1, -1), softcap=0.0,
+                sinks=False, cu_seqlens=None, scale=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(dtype).requires_grad_(True)  # noqa: E731
+    sinks_t = torch.randn(hq, generator=gen).requires_grad_(True) if sinks else None
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32)
+    kwargs = dict(causal=causal, scale=scale, window_left=window[0], window_right=window[1], softcap=softcap)
+    label = f"b{b} hq{hq} hkv{hkv} sq{sq} sk{sk} d{d} {dtype} {kwargs} sinks={sinks} cu={cu_seqlens}"
+    return Sample((rand(b, hq, sq, d), rand(b, hkv, sk, d), rand(b, hkv, sk, d), sinks_t, cu), kwargs, label)
+
+
+@st.composite
+def problems(draw):
+    b = draw(st.integers(1, 2))
+    hkv = draw(st.integers(1, 2))
+    hq = hkv * draw(st.sampled_from([1, 2, 3]))
+    sq = draw(st.integers(1, 200))
+    sk = draw(st.integers(1, 200))
+    packed = b == 1 and draw(st.booleans())
+    cu = None
+    if packed:
+        sk = sq
+        cuts = sorted(draw(st.lists(st.integers(0, sq), max_size=3)))
+        cu = [0, *cuts, sq]
+    window = draw(st.sampled_from([(-1, -1), (-1, 0), (16, -1), (7, 5), (0, 0)]))
+    return dict(b=b, hq=hq, hkv=hkv, sq=sq, sk=sk, d=draw(st.sampled_from([1, 8, 32, 64, 128, 160])),
+                dtype=draw(st.sampled_from(sorted(DTYPES))), causal=draw(st.booleans()), window=window,
+                softcap=draw(st.sampled_from([0.0, 0.0, 5.0])), sinks=draw(st.booleans()), cu_seqlens=cu)
+
+
+def _check(problem):
+    problem = dict(problem, dtype=DTYPES[problem["dtype"]])
+    result = op_parity(SPEC, make_sample(**problem))
+    assert result.ok, str(result)
+    assert len([c for c in result.checks if c.name.startswith("grad")]) == 3 + problem.get("sinks", False)
+
+
+EDGE = dict(b=1, hq=2, hkv=2, d=16, dtype="fp32", causal=False, window=(-1, -1), softcap=0.0, sinks=False,
+            cu_seqlens=None)
+
+
+@given(problems())
+@example(dict(EDGE, sq=130, sk=300, causal=True))                               # Sq != Sk, partial tiles
+@example(dict(EDGE, sq=150, sk=40, causal=True, dtype="bf16"))                   # rows with no visible key
+@example(dict(EDGE, sq=60, sk=20, window=(0, 0), sinks=True))                    # no key, but a sink
+@example(dict(EDGE, sq=33, sk=33, d=1))                                          # D = 1
+@example(dict(EDGE, sq=70, sk=90, d=256, dtype="bf16", causal=True))             # D = 256: two chunks
+@example(dict(EDGE, hq=4, hkv=1, sq=129, sk=129, dtype="bf16", window=(40, 8)))  # MQA, window
+@example(dict(EDGE, hq=2, hkv=1, sq=160, sk=1100, d=32))                         # three key tiles: dQ chain
+@example(dict(EDGE, sq=150, sk=150, causal=True, cu_seqlens=[0, 3, 3, 129, 150], dtype="fp16",
+              softcap=5.0, sinks=True))                                          # documents, empty one
+def test_gradient_parity(problem):
+    _check(problem)
+
+
+def _backward(sample):
+    q, k, v, sinks, cu = (t.detach() if isinstance(t, torch.Tensor) else t for t in sample.args)
+    out, lse = reference.flash_attention(q, k, v, sinks, cu, **sample.kwargs)
+    gen = torch.Generator().manual_seed(1)
+    dout = torch.randn(out.shape, generator=gen).to(out.dtype)
+    dlse = torch.where(torch.isfinite(lse), torch.randn(lse.shape, generator=gen), 0.0)
+    args = (dout, dlse, q, k, v, out, lse, sinks, cu)
+    with nki_lib.use_backend("simulator"), nki_lib.strict(True):
+        return torch.ops.nki.flash_attention_backward(*args, **sample.kwargs), args
+
+
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def test_bitwise_deterministic():
+    sample = make_sample(1, 4, 2, 150, 700, 32, torch.bfloat16, causal=True, window=(300, -1), sinks=True)
+    first, _ = _backward(sample)
+    second, _ = _backward(sample)
+    for a, b in zip(first, second):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+def _naive_grads(args, flags, dtype, wrt):
+    """Plain PyTorch (``naive``) gradients in ``dtype`` of sum(out * dout) + sum(lse * dlse)."""
+    dout, dlse, q, k, v, _, _, sinks, cu = args
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+    if sinks is not None:
+        sink_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        leaves.append(sinks.detach().to(sink_dtype).requires_grad_(True))
+    out, lse = reference.naive(*leaves[:3], leaves[3] if sinks is not None else None, cu, **flags)
+    loss = (out * dout.to(out.dtype)).sum() + torch.where(torch.isfinite(lse), lse * dlse.to(lse.dtype), 0).sum()
+    return torch.autograd.grad(loss, [leaves[i] for i in wrt])
+
+
+def test_kernel_alone_against_fp64_backward():
+    """The backward kernel fed the reference forward's (out, lse), against the fp64 reference
+    backward of the same inputs; the yardstick is plain bf16 PyTorch (naive fwd + autograd)."""
+    sample = make_sample(1, 3, 1, 200, 260, 64, torch.bfloat16, causal=True, softcap=30.0, sinks=True)
+    grads, args = _backward(sample)
+    upcast = tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    oracle = reference.flash_attention_backward(*upcast, **sample.kwargs)
+    baseline = _naive_grads(args, sample.kwargs, torch.bfloat16, wrt=range(4))
+    for name, g, o, base in zip(("dq", "dk", "dv", "dsinks"), grads, oracle, baseline):
+        assert g.shape == o.shape and g.dtype == base.dtype, name
+        result = parity(g, o, base, kind="grad", dtype=torch.bfloat16, name=name)
+        assert result.ok, str(result)
+
+
+def test_unsupported_before_launch():
+    q = torch.randn(1, 1, 8, 4)
+    stats = torch.zeros(1, 1, 8)
+    with pytest.raises(Unsupported, match="scale <= 0"):
+        bwd.flash_bwd(q, stats, q, q, q, q, stats, None, None, causal=True, scale=-0.5, window_left=-1,
+                      window_right=-1, softcap=0.0)
+
+
+# SBUF bytes per partition the backward may use at any length (bwd.py docstring: ~12 KiB plus
+# the per-query-tile statistics of one head).
+SBUF_BUDGET_BYTES = 16 * 1024
+
+
+@pytest.mark.slow
+def test_capacity_16384_causal():
+    """Sq = Sk = 16384, D = 128 fits SBUF/PSUM (the simulator checks every allocation); the
+    last query tile's dq matches the fp64 oracle. Only those rows get the true forward (out,
+    lse) -- cut out with the same bottom-right alignment -- the others get finite stand-ins."""
+    s, d, rows = 16384, 128, 128
+    flags = dict(causal=True, scale=None, window_left=-1, window_right=-1, softcap=0.0)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, out, dout = (torch.randn(1, 1, s, d, generator=gen).to(torch.bfloat16) for _ in range(5))
+    lse = torch.full((1, 1, s), float(math.log(s)))
+    dlse = torch.zeros_like(lse)
+    out[:, :, -rows:], lse[:, :, -rows:] = reference.flash_attention(q[:, :, -rows:], k, v, **flags)
+    with simulator.recording(False), collect_runs() as runs, nki_lib.use_backend("simulator"), nki_lib.strict(True):
+        dq, dk, dv, _ = torch.ops.nki.flash_attention_backward(dout, dlse, q, k, v, out, lse, **flags)
+    report = runs[-1][1]
+    assert report.peak_psum_banks <= nki_lib.simulator.tile_size.psum_num_banks
+    assert report.peak_sbuf_bytes <= SBUF_BUDGET_BYTES
+    assert all(bool(torch.isfinite(t.float()).all()) for t in (dq, dk, dv))
+
+    tail = (dout[:, :, -rows:], dlse[:, :, -rows:], q[:, :, -rows:], k, v, None, None, None, None)
+    oracle, = _naive_grads(tail, flags, torch.float64, wrt=[0])
+    baseline, = _naive_grads(tail, flags, torch.bfloat16, wrt=[0])
+    result = parity(dq[:, :, -rows:], oracle, baseline, kind="grad", dtype=torch.bfloat16, name="dq[-128:]")
+    assert result.ok, str(result)
