@@ -1,10 +1,15 @@
 """Simulator speed: wall time of a tiled bf16 matmul of 2048 x 2048 x 2048 on the CPU simulator.
 
-Issue 2 asks for under 10 s on the project machine. Run: ``python benchmarks/sim_speed.py``
-(``--size N`` for other cubes, ``--repeat R`` for the best of R runs). Prints one line per
-configuration (trace recording on and off) with seconds, executed instructions and the
-simulated matmul throughput, and checks the result against NumPy so a fast wrong answer cannot
-pass unnoticed.
+Issue 2 asks for under 10 s on the project machine. Run from the repository root (package
+installed, or ``PYTHONPATH=.``): ``python benchmarks/sim_speed.py`` (``--size N`` for other cubes,
+``--repeat R`` for the best of R runs). Prints one line per configuration (trace recording on and
+off) with seconds, executed instructions, the simulated matmul throughput and the BLAS thread
+setting, and judges the result against an fp64 oracle with ``nki_lib.numerics.parity`` (the
+baseline is NumPy's fp32 product rounded to bf16), so a fast wrong answer cannot pass unnoticed.
+
+Note: the tile matmuls are small (at most 128 x 128 x 512); on a loaded machine a multi-threaded
+OpenBLAS spends most of its time waiting for threads (measured here: 62 ms per tile with the
+default threads vs 1.3 ms with ``OPENBLAS_NUM_THREADS=1``), so compare both settings.
 
 Kernel (dimension legend: M, N output rows/columns, K contraction; tile sizes from
 ``nl.tile_size``): for each N tile of gemm_moving_fmax columns the moving tiles of all K blocks
@@ -13,10 +18,14 @@ PSUM tile (auto accumulate), which is evicted to SBUF as bf16 by the Scalar engi
 """
 
 import argparse
+import os
 import time
 
 import ml_dtypes
 import numpy as np
+import torch
+
+from nki_lib.numerics import parity
 
 from nki_lib.simulator import jit, last_run, recording, simulate
 from nki_lib.simulator import isa as nisa
@@ -67,18 +76,19 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     a_t = rng.standard_normal((size, size)).astype(ml_dtypes.bfloat16)
     b = rng.standard_normal((size, size)).astype(ml_dtypes.bfloat16)
-    expected = (a_t.astype(np.float32).T @ b.astype(np.float32)).astype(ml_dtypes.bfloat16)
+    oracle = torch.from_numpy(a_t.astype(np.float64).T @ b.astype(np.float64))
+    baseline = torch.from_numpy((a_t.astype(np.float32).T @ b.astype(np.float32)).astype(ml_dtypes.bfloat16)
+                                .astype(np.float32))
     flops = 2.0 * size ** 3
+    threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
     for record in (True, False):
         with recording(record):
             seconds, out = _time(lambda: simulate(matmul_bf16)(a_t, b), args.repeat)
         report = last_run()
-        # fp32 accumulation order may differ from NumPy's: allow one bf16 rounding step
-        close = np.allclose(out.astype(np.float32), expected.astype(np.float32),
-                            rtol=2 * float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps), atol=0)
-        print(f"matmul bf16 {size}^3 trace={'on' if record else 'off'}: {seconds:.2f} s, "
-              f"{report.instructions} instructions, {flops / seconds / 1e9:.1f} GFLOP/s simulated, "
-              f"result {'matches' if close else 'DIFFERS FROM'} NumPy")
+        check = parity(torch.from_numpy(out.astype(np.float32)), oracle, baseline, kind="output",
+                       dtype=torch.bfloat16, name="parity")
+        print(f"matmul bf16 {size}^3 trace={'on' if record else 'off'} blas_threads={threads}: {seconds:.2f} s, "
+              f"{report.instructions} instructions, {flops / seconds / 1e9:.1f} GFLOP/s simulated; {check}")
 
 
 if __name__ == "__main__":
