@@ -1,12 +1,17 @@
 """Shared pytest setup: hypothesis profiles, a deterministic seed per test, backend isolation."""
 
 import os
-import random
 
-import numpy as np
-import pytest
-import torch
-from hypothesis import HealthCheck, settings
+# Before NumPy loads: the simulator's tile-sized products gain nothing from BLAS threads, and on a
+# 2-core machine the threads thrash (x70 slower nc_matmul measured under load).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci", max_examples=12, deadline=None, derandomize=True, print_blob=True,
