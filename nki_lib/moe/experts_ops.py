@@ -112,13 +112,14 @@ def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: to
                          num_experts=w_gate_up.shape[0])
     if _empty(x, topk_weights, w_down):
         return torch.zeros_like(x)
-    args = (x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down)
+    # contiguous inputs: the same bits reach every path whatever the caller's strides
+    args = tuple(t.contiguous() for t in (x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down))
 
     def kernel():
         from nki_lib.moe.kernels import experts_fwd
         return experts_fwd.run(*args, activation=activation)
 
-    y = dispatch("moe_experts", (x, topk_weights, w_gate_up, w_down), kernel=kernel,
+    y = dispatch("moe_experts", args[:2] + args[4:], kernel=kernel,
                  reference=lambda: reference.moe_experts(*args, activation=activation))
     return y.contiguous()
 
@@ -142,13 +143,13 @@ def moe_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: tor
     if _empty(x, topk_weights, w_down):
         return (torch.zeros_like(x), torch.zeros_like(topk_weights), torch.zeros_like(w_gate_up),
                 torch.zeros_like(w_down))
-    args = (dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down)
+    args = tuple(t.contiguous() for t in (dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down))
 
     def kernel():
         from nki_lib.moe.kernels import experts_bwd
         return experts_bwd.run(*args, activation=activation)
 
-    grads = dispatch("moe_experts_backward", (dy, x, topk_weights, w_gate_up, w_down), kernel=kernel,
+    grads = dispatch("moe_experts_backward", args[:3] + args[5:], kernel=kernel,
                      reference=lambda: reference.moe_experts_backward(*args, activation=activation))
     return tuple(g.contiguous() for g in grads)
 
