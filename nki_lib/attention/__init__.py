@@ -22,3 +22,21 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                                              window_left=window[0], window_right=window[1],
                                              softcap=softcap)
     return (out, lse) if return_lse else out
+
+
+from nki_lib.attention import decode as _decode  # noqa: E402,F401  (registers torch.ops.nki.decode_attention)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None, scale: float | None = None,
+                     window_left: int = -1, softcap: float = 0.0, return_lse: bool = False):
+    """Attention of new tokens q (B, Hq, Sq, D) over a KV cache that already holds them.
+
+    Contiguous cache: k_cache/v_cache (B, Hkv, Smax, D). Paged cache: (num_blocks, Hkv,
+    block_size, D) with ``block_table`` int32 (B, max_blocks). ``cache_seqlens`` int32 (B,) are the
+    valid lengths; see api-contract §3. Inference only. Returns ``out`` or ``(out, lse)``.
+    """
+    out, lse = torch.ops.nki.decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
+                                              scale=scale, window_left=window_left, softcap=softcap)
+    return (out, lse) if return_lse else out
