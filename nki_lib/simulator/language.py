@@ -118,7 +118,7 @@ def ndarray(shape, dtype, buffer=None, name="", address=None):
 
 def _placement(address, shape, bpp, kind, spec, label, dt):
     if not (isinstance(address, (tuple, list)) and len(address) == 2
-            and all(isinstance(a, (int, np.integer)) for a in address)):
+            and builtins.all(isinstance(a, (int, np.integer)) for a in address)):
         _fail(label, "address must be (partition_offset, byte_offset) ints")
     p_off, b_off = int(address[0]), int(address[1])
     if p_off < 0 or p_off + shape[0] > spec.pmax:
@@ -126,8 +126,9 @@ def _placement(address, shape, bpp, kind, spec, label, dt):
     cap = spec.sbuf_usable_bytes if kind == "sbuf" else spec.psum_partition_bytes
     if b_off < 0 or b_off + bpp > cap:
         _fail(label, f"bytes [{b_off}, {b_off + bpp}) leave the {kind.upper()} partition size {cap}")
-    if b_off % min(dt.itemsize, 4):
-        _fail(label, f"byte offset {b_off} is not aligned to {min(dt.itemsize, 4)}")
+    align = builtins.min(dt.itemsize, 4)  # nl.min (wrappers) shadows the builtin in this module
+    if b_off % align:
+        _fail(label, f"byte offset {b_off} is not aligned to {align}")
     if kind == "psum" and b_off % spec.psum_bank_bytes:
         _fail(label, f"PSUM placements must start at a 2 KiB bank boundary, got byte {b_off}")
     return p_off, b_off
