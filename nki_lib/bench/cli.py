@@ -38,11 +38,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_FAMILIES = ("nki_lib.attention.decode", "nki_lib.moe")
+
+
+def _import_families() -> None:
+    """Register every op family that exists, also before ``import nki_lib`` imports it."""
+    import importlib
+
+    for name in _FAMILIES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a family that exists but fails to import is an error
+                raise
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
     import nki_lib  # noqa: F401 - registers the ops
+    _import_families()
     from nki_lib.bench.harness import run_case
     from nki_lib.bench.output import Progress, plot_rooflines, table, write_jsonl
     from nki_lib.bench.shapes import sweep

@@ -9,8 +9,9 @@ For a :class:`~nki_lib.bench.shapes.Case` the harness
    * attention (flash and decode): the (batch x kv-head) groups are independent; one group
      (``Hq / Hkv`` query heads sharing one kv head, real sequence lengths and head dim) is
      simulated and ``time = launch + groups x simulated makespan``;
-   * ``moe_experts``: experts are independent blocks of work; ``E' = min(E, 8)`` experts are
-     simulated with the real tokens per expert (``T' = T * E' / E``, balanced routing) and
+   * ``moe_experts``: experts are independent blocks of work; ``E' = 2`` experts are
+     simulated with the real tokens per expert (``k' = min(k, E')``, ``T' = T k E' / (E k')``,
+     balanced routing) and
      ``time = launch + (blocks(T, E) / blocks(T', E')) x simulated makespan``;
    * everything else is simulated at the real shape;
 
@@ -42,7 +43,7 @@ from nki_lib.bench.shapes import Case
 
 __all__ = ["SimPlan", "plan", "run_case", "CaseResult"]
 
-MOE_SIM_EXPERTS = 8  # experts simulated for a moe_experts case (the rest is extrapolated)
+MOE_SIM_EXPERTS = 2  # experts simulated for a moe_experts case (the rest is extrapolated)
 
 
 @dataclass(frozen=True)
@@ -64,14 +65,14 @@ def plan(case: Case) -> SimPlan:
                                            f"time = launch + {groups} x simulated makespan")
     if case.op == "moe_experts" and d["E"] > MOE_SIM_EXPERTS:
         e_sim = MOE_SIM_EXPERTS
-        t_sim = max(1, round(d["T"] * e_sim / d["E"]))
         k_sim = min(d["k"], e_sim)
+        t_sim = max(1, round(d["T"] * d["k"] * e_sim / (d["E"] * k_sim)))  # same tokens per expert
         sim = {**d, "T": t_sim, "E": e_sim, "k": k_sim}
         real_blocks = flops._expert_blocks(d["T"], d["E"], d["k"], d["block_size"])
         sim_blocks = flops._expert_blocks(t_sim, e_sim, k_sim, d["block_size"])
         scale = real_blocks / sim_blocks
         return SimPlan(sim, scale, f"simulated {e_sim} of {d['E']} experts with the real tokens per expert "
-                                   f"(T'={t_sim}, balanced routing, {sim_blocks} blocks); time = launch + "
+                                   f"(T'={t_sim}, k'={k_sim}, balanced routing, {sim_blocks} blocks); time = launch + "
                                    f"{scale:.4g} x simulated makespan ({real_blocks} blocks)")
     return SimPlan(d, 1.0, None)
 
