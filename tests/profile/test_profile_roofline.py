@@ -6,7 +6,7 @@ from nki_lib.simulator.profile import TARGETS, ElementWork, OpCost, estimate, pa
 from nki_lib.simulator.profile.roofline import element_time_ns
 from profile_tracegen import Trace, new_id, onchip
 
-LANES = 128
+LANES = params("trn2").lanes
 
 
 def test_every_constant_has_a_source_and_confidence():

@@ -66,6 +66,9 @@ _TRN2: dict[str, Param] = {
     "pe_throttle_util_threshold": Param(0.5, "fraction", f"{DOC} §2.1 limit re-engages below 50% "
                                         "utilisation over a ~3 us window", "H"),
     # ---- VectorE / ScalarE / GpSimd streaming (§2.2-§2.4, §7.1, §7.2)
+    "lanes": Param(128, "lanes", f"{DOC} §1.2 128 partitions / compute lanes per engine", "H"),
+    "dve_reduce_16bit_speedup": Param(2, "x", f"{DOC} §2.2 tensor_reduce N/2 for bf16 in and out with "
+                                      "add or max (ISA doc v2.26)", "M"),
     "min_ii_cycles": Param(64, "engine cycles", f"{DOC} §2 MIN_II ~64 cycles (nki.api.shared.rst)", "H"),
     "dve_width_16bit_sbuf": Param(4, "elem/lane/cycle", f"{DOC} §2.2 NC-v3 perf mode 4x for tensor_copy/"
                                   "tensor_scalar, SBUF->SBUF, BF16/FP16, contiguous (trainium2_arch.rst)", "H"),
@@ -186,7 +189,7 @@ class HardwareParams:
 
     # ---- derived peaks (doc §7.6), per physical core
     def pe_peak_flops(self, dtype: str = "bfloat16") -> float:
-        """Dense TensorE peak in FLOP/s: 2 * MACs/cycle(dtype) * f_pe."""
+        """Dense TensorE peak in FLOP/s: 2 FLOPs per MAC * MACs/cycle(dtype) * f_pe."""
         macs = self.pe_macs_per_cycle
         key = dtype if dtype in macs else ("float8" if dtype.startswith("float8") else None)
         if key is None:

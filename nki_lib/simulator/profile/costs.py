@@ -164,7 +164,7 @@ def _vector_cycles(entry, hw: HardwareParams) -> tuple[float, bool]:
     if op == "tensor_reduce":
         fast = all(a.dtype in ("bfloat16",) for a in (*entry.reads, *entry.writes))
         cheap = fast and _func_name(entry) in ("add", "max", "maximum")
-        return max(ii, n / 2 if cheap else n), True
+        return max(ii, n / hw.dve_reduce_16bit_speedup if cheap else n), True
     if op == "reciprocal":
         return max(ii, hw.dve_reciprocal_factor * n), True
     if op == "scalar_tensor_tensor":

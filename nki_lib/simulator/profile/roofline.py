@@ -102,8 +102,7 @@ def _rates(hw: HardwareParams, kind: str) -> tuple[float, float]:
     dve = {"exp": hw.dve_exponential_width or 0, "psum_fp32": hw.dve_width_psum_fp32,
            "psum_16bit": hw.dve_width_16bit_other, "sbuf_16bit": hw.dve_width_16bit_sbuf,
            "sbuf_fp32": hw.dve_width_fp32}[kind]
-    lanes = 128
-    return lanes * act * hw.f_act * 1e-9, lanes * dve * hw.f_dve * 1e-9
+    return hw.lanes * act * hw.f_act * 1e-9, hw.lanes * dve * hw.f_dve * 1e-9
 
 
 def element_time_ns(work: tuple[ElementWork, ...], hw: HardwareParams, cores: int = 1) -> float:
