@@ -86,7 +86,7 @@ def validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, w
     for name, t in (("cache_seqlens", cache_seqlens), ("block_table", block_table)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
-    if not isinstance(window_left, int) or isinstance(window_left, bool):
+    if not isinstance(window_left, (int, torch.SymInt)) or isinstance(window_left, bool):
         raise TypeError(f"window_left must be an int, got {type(window_left).__name__}")
     if window_left < -1:
         raise ValueError(f"window_left must be -1 (unbounded) or >= 0, got {window_left}")
