@@ -66,6 +66,9 @@ def _fail(op, operand, rule):
     raise NKIRuleError(op, operand, rule, kernel_source(3))
 
 
+_MAX_AP_DIMS = 5
+
+
 def dynamic_value(src, op="ap", operand="scalar_offset") -> int:
     """Runtime integer of a register or a one-element integer tensor."""
     if isinstance(src, VirtualRegister):
@@ -428,6 +431,9 @@ class NkiTensor:
                 _fail(op, "pattern", f"strides and counts must be compile-time ints, got {pair!r}")
             strides.append(int(s))
             shape.append(int(c))
+        if len(shape) > _MAX_AP_DIMS:  # hardware access patterns: partition + at most 4 free dims (§3.5)
+            _fail(op, "pattern", f"{len(shape)} dims exceed the hardware limit of {_MAX_AP_DIMS} "
+                                 "(partition + 4 free dims)")
         if offset is None:
             byte_off = self._offset * self._dtype.itemsize
             if byte_off % new_dt.itemsize:
