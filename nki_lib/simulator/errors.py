@@ -10,13 +10,20 @@ __all__ = ["NKIRuleError", "kernel_source"]
 _SIM_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+_INSIDE: dict = {}   # code object -> True when it belongs to the simulator
+
+
 def kernel_source(depth: int = 1) -> str:
     """``"file.py:LINE"`` of the innermost stack frame outside ``nki_lib/simulator``."""
     frame = sys._getframe(depth)
+    inside = _INSIDE
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_SIM_DIR):
-            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+        code = frame.f_code
+        flag = inside.get(code)
+        if flag is None:
+            flag = inside[code] = code.co_filename.startswith(_SIM_DIR)
+        if not flag:
+            return f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>:0"
 

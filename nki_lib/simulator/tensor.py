@@ -10,6 +10,7 @@ validated when built (static) or when an instruction executes (dynamic ``scalar_
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 
 import numpy as np
@@ -84,7 +85,7 @@ def dynamic_value(src, op="ap", operand="scalar_offset") -> int:
 class NkiTensor:
     """A tensor view. Shape, strides, offset and dtype are compile-time metadata."""
 
-    __slots__ = ("_st", "_dtype", "_offset", "_shape", "_strides", "_dyn", "_npv", "_acc", "_name")
+    __slots__ = ("_st", "_dtype", "_offset", "_shape", "_strides", "_dyn", "_npv", "_acc", "_name", "_size")
 
     def __init__(self, storage: Storage, dtype: NkiDType, offset: int, shape, strides, dyn=None,
                  name=None, op="view"):
@@ -97,6 +98,7 @@ class NkiTensor:
         self._npv = None
         self._acc = None
         self._name = (storage.name if name is None else name) or f"{storage.kind}_tensor"
+        self._size = math.prod(self._shape)
         for c in self._shape:
             if c < 1:
                 _fail(op, self._name, f"view dims must be positive, got shape {self._shape}")
@@ -141,7 +143,7 @@ class NkiTensor:
 
     @property
     def size(self):
-        return int(np.prod(self._shape, dtype=np.int64))
+        return self._size
 
     @property
     def itemsize(self):

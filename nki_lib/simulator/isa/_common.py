@@ -51,21 +51,25 @@ def onchip(c: Program, t, operand: str, sbuf=True, psum=True, why="") -> tuple[i
         c.fail(operand, f"expected an NkiTensor tile, got {type(t).__name__}")
     kind = t._st.kind
     if kind == "sbuf":
-        c.check(sbuf, operand, f"operand may not be in SBUF{why}")
+        if not sbuf:
+            c.fail(operand, f"operand may not be in SBUF{why}")
     elif kind == "psum":
-        c.check(psum, operand, f"operand may not be in PSUM{why}")
+        if not psum:
+            c.fail(operand, f"operand may not be in PSUM{why}")
     else:
         c.fail(operand, f"compute engines cannot access HBM ({kind}); dma_copy it to SBUF first")
-    shape = t._shape
-    p = shape[0]
-    c.check(p <= c.spec.pmax, operand, f"partition dimension {p} exceeds maximum {c.spec.pmax}")
-    return p, t.size // p
+    p = t._shape[0]
+    if p > c.spec.pmax:
+        c.fail(operand, f"partition dimension {p} exceeds maximum {c.spec.pmax}")
+    return p, t._size // p
 
 
 def same_pf(c: Program, ref: tuple, t, operand: str, sbuf=True, psum=True, why="") -> tuple[int, int]:
     pf = onchip(c, t, operand, sbuf, psum, why)
-    c.check(pf[0] == ref[0], operand, f"partition count {pf[0]} differs from {ref[0]}")
-    c.check(pf[1] == ref[1], operand, f"{pf[1]} elements per partition, expected {ref[1]}")
+    if pf[0] != ref[0]:
+        c.fail(operand, f"partition count {pf[0]} differs from {ref[0]}")
+    if pf[1] != ref[1]:
+        c.fail(operand, f"{pf[1]} elements per partition, expected {ref[1]}")
     return pf
 
 
