@@ -150,3 +150,29 @@ def test_recording_off_keeps_counts_and_peaks():
         on.instructions, on.peak_sbuf_bytes, on.peak_psum_bytes, on.peak_psum_banks)
     simulate(fixed_allocations)(np.zeros((1, 1), np.float32))
     assert last_run().trace is not None  # recording is back on after the block
+
+
+def _half_copy(x):
+    pid = nl.program_id(axis=0)
+    rows = x.shape[0] // nl.num_programs(axes=0)
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    t_sb = nl.ndarray((rows, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t_sb, src=x[nl.ds(pid * rows, rows), :])
+    nisa.dma_copy(dst=out[nl.ds(pid * rows, rows), :], src=t_sb)
+    return out
+
+
+def test_lnc2_report_sums_instructions_and_takes_the_peak_per_program():
+    x = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    kernel = jit(_half_copy)
+    np.testing.assert_array_equal(simulate(kernel)(x), x)
+    one = last_run()
+    np.testing.assert_array_equal(simulate(kernel[2])(x), x)
+    two = last_run()
+    assert (one.grid, two.grid) == (1, 2)
+    assert one.instructions == 2 and two.instructions == 4
+    assert one.peak_sbuf_bytes == two.peak_sbuf_bytes == 8 * 4       # per partition, max over programs
+    per_program = {pid: [e.index for e in two.trace if e.program_id == pid] for pid in (0, 1)}
+    assert per_program == {0: [0, 1], 1: [0, 1]}
+    written = {e.writes[0].byte_range for e in two.trace if e.writes[0].memory == "shared_hbm"}
+    assert written == {(0, 32 * 8 * 4), (32 * 8 * 4, 64 * 8 * 4)}
