@@ -63,9 +63,18 @@ read and masked, so they must hold finite values (0 * NaN in P @ V would leak).
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.attention.kernels.tiles import STAT_INIT, mask_scores
+from nki_lib.attention.kernels.tiles import STAT_INIT
 
-__all__ = ["decode_kernel"]
+__all__ = ["decode_kernel", "block_slots"]
+
+CHUNK_BUFFER_BUDGET = 96 * 1024   # SBUF bytes per partition for K/V chunk buffers; streams (one per
+                                  # (b, hk, split)) rotate over the pairs that fit, so consecutive
+                                  # streams load and compute concurrently
+
+
+def block_slots() -> int:
+    """Key slots per score block: a block's fp32 score row (128 keys per slot) fills one PSUM bank."""
+    return nl.tile_size.psum_bank_fmax // nl.tile_size.pmax
 
 
 def _spans(length, width):
@@ -77,7 +86,7 @@ class _SplitState(nl.NKIObject):
     neg_m: object    # (rn, 1) negated running max
     l: object        # (rn, 1) running sum  # noqa: E741
     acc: object      # (rn, D) unnormalised output
-    bounds: object   # (rn, 2) (lo, hi) key bounds relative to the current chunk start
+    bounds: object   # (rn, M, 2) per slot c: ((lo - c) / M, (hi - c) / M), lo/hi relative to the chunk
 
 
 def _load_q_t(q, row0, rn, d_spans, dtype):
@@ -95,20 +104,33 @@ def _load_q_t(q, row0, rn, d_spans, dtype):
     return q_t
 
 
-def _init_state(row_bounds, b, s, r0, rn, d):
+def _slot_offsets(m):
+    """(128, M, 2) float32 constant: -c / M for slot c (both bound columns)."""
+    pmax = nl.tile_size.pmax
+    offsets = nl.ndarray((pmax, m, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.iota(dst=offsets, pattern=[[-1, m], [0, 2]], offset=0, channel_multiplier=0)
+    nisa.tensor_scalar(dst=offsets, data=offsets, op0=nl.multiply, operand0=1.0 / m)
+    return offsets
+
+
+def _init_state(row_bounds, b, s, r0, rn, d, m, slot_offsets):
     state = _SplitState(neg_m=nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf),
                         l=nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf),
                         acc=nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.sbuf),
-                        bounds=nl.ndarray((rn, 2), dtype=nl.float32, buffer=nl.sbuf))
+                        bounds=nl.ndarray((rn, m, 2), dtype=nl.float32, buffer=nl.sbuf))
     nisa.memset(dst=state.neg_m, value=-STAT_INIT)
     nisa.memset(dst=state.l, value=0.0)
     nisa.memset(dst=state.acc, value=0.0)
-    nisa.dma_copy(dst=state.bounds, src=row_bounds[b, s, r0:r0 + rn, :])
+    bounds_sb = nl.ndarray((rn, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=bounds_sb, src=row_bounds[b, s, r0:r0 + rn, :])
+    per_slot = bounds_sb.expand_dim(1).broadcast(1, m)                     # (rn, M, 2), stride 0
+    nisa.scalar_tensor_tensor(dst=state.bounds, data=per_slot, op0=nl.multiply, operand0=1.0 / m,
+                              op1=nl.add, operand1=slot_offsets[0:rn])
     return state
 
 
 def _gather_chunk(cache_units, idx_sb, head_offset, unit_elems, chunk_sb):
-    """One indirect DMA: units ``idx_sb`` of the cache (this kv head) -> chunk_sb (128, m*D)."""
+    """One indirect DMA: units ``idx_sb`` of the cache (this kv head) -> chunk_sb (128, M*D)."""
     n_units = idx_sb.shape[0]
     row_stride = cache_units.shape[1]
     src = cache_units.ap([[row_stride, n_units], [1, unit_elems]], offset=head_offset,
@@ -116,63 +138,112 @@ def _gather_chunk(cache_units, idx_sb, head_offset, unit_elems, chunk_sb):
     nisa.dma_copy(dst=chunk_sb, src=src, oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
 
 
-def _keys_transposed(k_chunk, d_spans, m, dtype):
-    """K^T chunks (dc, C) in key order (column k = key k of the chunk) from k_chunk (128, m*D)."""
+def _block_keys_transposed(k_chunk, block, d_spans, m, dtype):
+    """K^T chunks (dc, 128 * n) of one score block (slots c0 .. c0 + n): column j*128 + p is key
+    p*M + c0 + j of the chunk."""
     pmax = nl.tile_size.pmax
+    slots = tuple(range(block[0], block[0] + block[1]))
     d = k_chunk.shape[1] // m
     k_t = []
     for d0, dn in d_spans:
-        k_t_psum = nl.ndarray((dn, m * pmax), dtype=dtype, buffer=nl.psum)
-        for j in range(m):                      # keys {p*m + j}: slot j of every partition
+        k_t_psum = nl.ndarray((dn, len(slots) * pmax), dtype=dtype, buffer=nl.psum)
+        for j, c in enumerate(slots):
             nisa.nc_transpose(dst=k_t_psum[:, j * pmax:(j + 1) * pmax],
-                              data=k_chunk[:, j * d + d0:j * d + d0 + dn])
-        k_t_sb = nl.ndarray((dn, m * pmax), dtype=dtype, buffer=nl.sbuf)
-        in_key_order = k_t_sb.reshape((dn, pmax, m)).permute((0, 2, 1))   # [d, j, p] = key p*m + j
-        nisa.tensor_copy(dst=in_key_order, src=k_t_psum.reshape((dn, m, pmax)))
+                              data=k_chunk[:, c * d + d0:c * d + d0 + dn])
+        k_t_sb = nl.ndarray((dn, len(slots) * pmax), dtype=dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=k_t_sb, src=k_t_psum)
         k_t.append(k_t_sb)
     return k_t
 
 
-def _chunk_step(state, q_t, k_t, v_chunk, m, scale, softcap, dtype):
-    """Fold one chunk of C keys into ``state`` for one row tile."""
-    pmax = nl.tile_size.pmax
-    rn, d = state.acc.shape
-    width = m * pmax
+def _block_scores(s_sb, col0, q_t, k_t, scale, softcap):
+    """Scores of one block into ``s_sb[:, col0 : col0 + width]`` (scale and softcap applied)."""
+    rn = s_sb.shape[0]
+    width = k_t[0].shape[1]
     s_psum = nl.ndarray((rn, width), dtype=nl.float32, buffer=nl.psum)
     for i in range(len(q_t)):
         nisa.nc_matmul(dst=s_psum, stationary=q_t[i], moving=k_t[i], accumulate=(i > 0))
-    s_sb = nl.ndarray((rn, width), dtype=nl.float32, buffer=nl.sbuf)
+    s_blk = s_sb[:, col0:col0 + width]
     if softcap > 0:
-        nisa.activation(dst=s_sb, op=nl.tanh, data=s_psum, scale=scale / softcap)
-        nisa.tensor_scalar(dst=s_sb, data=s_sb, op0=nl.multiply, operand0=softcap)
+        nisa.activation(dst=s_blk, op=nl.tanh, data=s_psum, scale=scale / softcap)
+        nisa.tensor_scalar(dst=s_blk, data=s_blk, op0=nl.multiply, operand0=softcap)
     else:
-        nisa.activation(dst=s_sb, op=nl.copy, data=s_psum, scale=scale)
+        nisa.activation(dst=s_blk, op=nl.copy, data=s_psum, scale=scale)
+
+
+def _mask_rowmax(state, s_sb, rowmax):
+    """Scores of keys outside [lo, hi] -> MASK_FILL and ``rowmax`` = row max, one VectorE
+    range_select per slot (column p of slot c is key p*M + c: visible iff
+    (lo - c)/M <= p <= (hi - c)/M); the slots chain through the Vector accumulator."""
+    pmax = nl.tile_size.pmax
+    m = state.bounds.shape[1]
+    for c in range(m):
+        cmd = nisa.reduce_cmd.reset_reduce if c == 0 else nisa.reduce_cmd.reduce
+        cols = s_sb[:, c * pmax:(c + 1) * pmax]
+        nisa.range_select(dst=cols, on_true_tile=cols, comp_op0=nl.greater_equal, comp_op1=nl.less_equal,
+                          bound0=state.bounds[:, c, 0:1], bound1=state.bounds[:, c, 1:2],
+                          reduce_cmd=cmd, reduce_res=rowmax if c == m - 1 else None,
+                          reduce_op=nl.maximum, range_start=0)
+
+
+def _block_probs_transposed(p_sb, block, dtype):
+    """P^T (128, n*rn) of one block of slots: column group j = slot c0 + j (keys {p*M + c})."""
+    pmax = nl.tile_size.pmax
+    rn = p_sb.shape[0]
+    c0, n = block
+    p_t_psum = nl.ndarray((pmax, n * rn), dtype=dtype, buffer=nl.psum)
+    for j in range(n):
+        c = c0 + j
+        nisa.nc_transpose(dst=p_t_psum[:, j * rn:(j + 1) * rn], data=p_sb[:, c * pmax:(c + 1) * pmax])
+    p_t_sb = nl.ndarray((pmax, n * rn), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=p_t_sb, src=p_t_psum)
+    return p_t_sb
+
+
+def _chunk_softmax_pv(state, s_sb, v_chunk, dtype):
+    """Fold the scores ``s_sb`` (rn, 128*M) of one chunk (masked here) into ``state``. Program
+    order is software-pipelined per block: exp of block i+1 (ACT) and its P^T transposes (PE,
+    evicted by DVE) are issued before the P @ V matmuls of block i."""
+    pmax = nl.tile_size.pmax
+    rn, d = state.acc.shape
+    m = state.bounds.shape[1]
+    blocks = _spans(m, block_slots())
     rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    mask_scores(s_sb, state.bounds[:, 0:1], state.bounds[:, 1:2], 0, rowmax)
+    _mask_rowmax(state, s_sb, rowmax)
     neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
                        op1=nl.minimum, operand1=state.neg_m)
-    p_sb = nl.ndarray((rn, width), dtype=dtype, buffer=nl.sbuf)
+    p_sb = nl.ndarray((rn, m * pmax), dtype=dtype, buffer=nl.sbuf)
+    block_sums = nl.ndarray((rn, len(blocks)), dtype=nl.float32, buffer=nl.sbuf)
+
+    def exp_block(i):
+        c0, n = blocks[i]
+        cols = slice(c0 * pmax, (c0 + n) * pmax)
+        nisa.activation(dst=p_sb[:, cols], op=nl.exp, data=s_sb[:, cols], bias=neg_m_new,
+                        reduce_op=nl.add, reduce_res=block_sums[:, i:i + 1],
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        return _block_probs_transposed(p_sb, blocks[i], dtype)
+
+    o_psum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.psum)
+    p_t_next = exp_block(0)
+    for i, (c0, n) in enumerate(blocks):
+        p_t_sb = p_t_next
+        if i + 1 < len(blocks):
+            p_t_next = exp_block(i + 1)
+        for j in range(n):
+            c = c0 + j
+            nisa.nc_matmul(dst=o_psum, stationary=p_t_sb[:, j * rn:(j + 1) * rn],
+                           moving=v_chunk[:, c * d:(c + 1) * d], accumulate=(c > 0))
     rowsum = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=p_sb, op=nl.exp, data=s_sb, bias=neg_m_new, reduce_op=nl.add,
-                    reduce_res=rowsum, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    nisa.tensor_reduce(dst=rowsum, op=nl.add, data=block_sums, axis=1)
     alpha = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, bias=neg_m_new, scale=-1.0)
     nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=alpha,
                               op1=nl.add, operand1=rowsum)
     nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
-    p_t_psum = nl.ndarray((pmax, m * rn), dtype=dtype, buffer=nl.psum)
-    for j in range(m):                          # P columns of keys {p*m + j}, matching V slot j
-        nisa.nc_transpose(dst=p_t_psum[:, j * rn:(j + 1) * rn], data=p_sb[:, j::m])
-    p_t_sb = nl.ndarray((pmax, m * rn), dtype=dtype, buffer=nl.sbuf)
-    nisa.activation(dst=p_t_sb, op=nl.copy, data=p_t_psum)
-    o_psum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.psum)
-    for j in range(m):
-        nisa.nc_matmul(dst=o_psum, stationary=p_t_sb[:, j * rn:(j + 1) * rn],
-                       moving=v_chunk[:, j * d:(j + 1) * d], accumulate=(j > 0))
     nisa.scalar_tensor_tensor(dst=state.acc, data=state.acc, op0=nl.multiply, operand0=alpha,
                               op1=nl.add, operand1=o_psum)
-    nisa.tensor_scalar(dst=state.bounds, data=state.bounds, op0=nl.add, operand0=-float(width))
+    nisa.tensor_scalar(dst=state.bounds, data=state.bounds, op0=nl.add, operand0=-float(pmax))
 
 
 def _merge_and_store(states, sink_rows, hk, r0, out, lse, row0, dtype):
@@ -233,11 +304,15 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, row_bounds, sin
     dtype = q.dtype
     row_spans = _spans(rows, pmax)
     d_spans = _spans(d, pmax)
+    blocks = _spans(m, block_slots())
     out = nl.ndarray((batch, n_q_heads, sq, d), dtype=dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((batch, n_q_heads, sq), dtype=nl.float32, buffer=nl.shared_hbm)
 
-    chunk_bufs = []                  # one K/V buffer pair per split, zeroed once (skipped rows)
-    for _ in range(n_split):
+    slot_offsets = _slot_offsets(m)
+    pair_bytes = m * d * (k_units.itemsize + v_units.itemsize)
+    n_pairs = max(1, min(batch * n_kv_heads * n_split, CHUNK_BUFFER_BUDGET // pair_bytes))
+    chunk_bufs = []                  # K/V buffer pairs, zeroed once (rows skipped by a gather stay finite)
+    for _ in range(n_pairs):
         pair = (nl.ndarray((pmax, m * d), dtype=k_units.dtype, buffer=nl.sbuf),
                 nl.ndarray((pmax, m * d), dtype=v_units.dtype, buffer=nl.sbuf))
         for buf in pair:
@@ -250,14 +325,16 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, row_bounds, sin
             q_t = [_load_q_t(q, row_base + r0, rn, d_spans, dtype) for r0, rn in row_spans]
             states = []
             for s in range(n_split):
-                split_states = [_init_state(row_bounds, b, s, r0, rn, d) for r0, rn in row_spans]
+                split_states = [_init_state(row_bounds, b, s, r0, rn, d, m, slot_offsets)
+                                for r0, rn in row_spans]
                 bounds_sb = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)
                 nisa.dma_copy(dst=bounds_sb, src=split_bounds[b, s])
                 start = nisa.register_alloc()
                 stop = nisa.register_alloc()
                 nisa.register_load(start, bounds_sb[0:1, 0:1])
                 nisa.register_load(stop, bounds_sb[0:1, 1:2])
-                k_chunk, v_chunk = chunk_bufs[s]
+                stream = (b * n_kv_heads + hk) * n_split + s
+                k_chunk, v_chunk = chunk_bufs[stream % n_pairs]
                 for col in nl.dynamic_range(start, stop, units_per_chunk):
                     idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
                     nisa.dma_copy(dst=idx_sb, src=unit_table.ap([[1, units_per_chunk], [1, 1]],
@@ -265,9 +342,18 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, row_bounds, sin
                                                                 scalar_offset=col, indirect_dim=1))
                     _gather_chunk(k_units, idx_sb, hk * head_offset, unit_elems, k_chunk)
                     _gather_chunk(v_units, idx_sb, hk * head_offset, unit_elems, v_chunk)
-                    k_t = _keys_transposed(k_chunk, d_spans, m, k_units.dtype)
+                    s_sb = [nl.ndarray((rn, m * pmax), dtype=nl.float32, buffer=nl.sbuf)
+                            for _, rn in row_spans]
+                    k_t_next = _block_keys_transposed(k_chunk, blocks[0], d_spans, m, k_units.dtype)
+                    for i, (c0, n) in enumerate(blocks):
+                        k_t = k_t_next
+                        if i + 1 < len(blocks):     # software pipeline: next transposes first
+                            k_t_next = _block_keys_transposed(k_chunk, blocks[i + 1], d_spans, m,
+                                                              k_units.dtype)
+                        for t in range(len(row_spans)):
+                            _block_scores(s_sb[t], c0 * pmax, q_t[t], k_t, scale, softcap)
                     for t in range(len(row_spans)):
-                        _chunk_step(split_states[t], q_t[t], k_t, v_chunk, m, scale, softcap, dtype)
+                        _chunk_softmax_pv(split_states[t], s_sb[t], v_chunk, dtype)
                 states.append(split_states)
             for t, (r0, rn) in enumerate(row_spans):
                 _merge_and_store([st[t] for st in states], sink_rows, hk, r0, out, lse,

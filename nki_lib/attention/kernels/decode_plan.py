@@ -4,7 +4,7 @@ Host work here is layout glue and small index metadata only (no attention math):
 
 * the cache viewed as rows of gatherable *units* (a reshape, no copy for contiguous caches):
   paged -> one block of all kv heads per row (unit = block, ``u = block_size``); contiguous ->
-  ``u = gcd(Smax, C_max)`` keys of one head per row;
+  ``u = gcd(Smax, C, 128)`` keys of one head per row;
 * ``unit_table`` (B, n_cols) int32: unit ids of kv head 0 per logical unit column (the block table
   itself when paged), padded to whole chunks, with every unit that holds no key of the needed
   range ``[max(0, L_b - Sq - window_left), L_b)`` replaced by an out-of-range sentinel (the
@@ -34,12 +34,25 @@ __all__ = ["decode_fwd", "plan_splits", "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STREAMS_PER_CORE = 16       # independent (sequence, kv head, split) streams wanted: one per DMA engine
-MIN_CHUNKS_PER_SPLIT = 4    # below this the merge and per-split setup outweigh the parallelism
+MIN_CHUNKS_PER_SPLIT = 1    # a split streams at least one whole chunk
+CHUNK_BUFFER_BYTES = 16384  # per partition for one K or V chunk (4 buffers = 64 KiB of SBUF); long
+                            # rows make each gather descriptor move >= 2 KiB (cost model §7.3)
+CONTIGUOUS_UNIT_KEYS = 128   # gather granularity of a contiguous cache: reads stop within 127 keys
+                            # of L_b; one unit = one 32 KiB descriptor run at D=128 bf16
+MIN_CHUNKS = 1              # chunks over the capacity, at least (bounds masked-away compute)
 
 
-def max_keys_per_partition() -> int:
-    """Keys per partition of a chunk: the chunk's fp32 score row must fit one PSUM bank."""
-    return nl.tile_size.psum_bank_fmax // nl.tile_size.pmax
+def keys_per_partition(capacity: int, d: int, itemsize: int) -> int:
+    """Chunk depth M (keys per partition; a chunk holds 128*M keys): the largest power of two whose
+    K (or V) chunk fits ``CHUNK_BUFFER_BYTES`` per partition, with at least ``MIN_CHUNKS`` chunks
+    over the capacity (a chunk is computed whole, so a deep chunk wastes compute on short caches)."""
+    by_bytes = CHUNK_BUFFER_BYTES // (d * itemsize)
+    by_capacity = capacity // (nl.tile_size.pmax * MIN_CHUNKS)
+    return _floor_pow2(max(1, min(by_bytes, by_capacity)))
+
+
+def _floor_pow2(x: int) -> int:
+    return 1 << (int(x).bit_length() - 1)
 
 
 def plan_splits(batch: int, n_kv_heads: int, max_chunks: int) -> int:
@@ -70,22 +83,24 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale,
     b, hq, sq, d = q.shape
     hkv = k_cache.shape[1]
     pmax = nl.tile_size.pmax
-    m_max = max_keys_per_partition()
-    chunk_max = m_max * pmax
     paged = block_table is not None
     cap = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
-    if cap + chunk_max >= MAX_INDEX:
-        raise Unsupported(f"cache capacity {cap}: key positions must stay below {MAX_INDEX} (float32 bounds)")
+    m = keys_per_partition(cap, d, q.element_size())
     if paged:
         unit_keys = k_cache.shape[2]
-        if unit_keys & (unit_keys - 1) or unit_keys > chunk_max:
-            raise Unsupported(f"block_size {unit_keys}: the kernel gathers whole blocks, which must be a "
-                              f"power of two <= {chunk_max}")
+        if unit_keys & (unit_keys - 1):
+            raise Unsupported(f"block_size {unit_keys}: the kernel gathers whole blocks of a power-of-two size")
+        m = max(1, min(m, unit_keys), unit_keys // pmax)     # 128*M/bs units per chunk, <= 128
+        if m * d * q.element_size() > CHUNK_BUFFER_BYTES:
+            raise Unsupported(f"block_size {unit_keys} with D={d}: a whole block per chunk exceeds the "
+                              f"{CHUNK_BUFFER_BYTES} B chunk buffer")
     else:
-        unit_keys = math.gcd(k_cache.shape[2], chunk_max)
-    m = min(m_max, unit_keys)
+        unit_keys = math.gcd(k_cache.shape[2], m * pmax, CONTIGUOUS_UNIT_KEYS)
+        m = min(m, unit_keys)
     chunk = m * pmax
     units_per_chunk = chunk // unit_keys
+    if cap + chunk >= MAX_INDEX:
+        raise Unsupported(f"cache capacity {cap}: key positions must stay below {MAX_INDEX} (float32 bounds)")
 
     k_units, head_offset, table, n_rows = _unit_view(k_cache, block_table, unit_keys)
     v_units, _, _, _ = _unit_view(v_cache, block_table, unit_keys)
