@@ -30,8 +30,8 @@ tiles > H tiles) + weight-grad tiles; H chunks > I tiles > slot tiles}; then red
 
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k, NB
 blocks, B block size. Kernel inputs (HBM): dy, x (T, H); topk_w (N, 1) fp32; block_expert (NB,),
-slot_token, slot_assignment (NB*B,) int32; w_gate_up_t (E, H, 2I); w_gate_up (E, 2I, H);
-w_down (E, H, I). Outputs: dx (T, H), dtopk (N, 1) fp32, dw_gate_up (E, 2I, H), dw_down (E, H, I).
+slot_token, slot_assignment (NB*B,) int32; w_gate_up (E, 2I, H); w_down (E, H, I) (nn.Linear
+layouts as given; W_gate^T/W_up^T tiles are transposed on chip as in the forward). Outputs: dx (T, H), dtopk (N, 1) fp32, dw_gate_up (E, 2I, H), dw_down (E, H, I).
 
 Limits: as the forward (bf16/fp16/fp32, B <= 512) with the SBUF bound of :func:`sbuf_bytes`
 (x, dy, do rows and xT, dyT, dgT, duT of one block are resident); every assignment appears exactly
@@ -46,7 +46,7 @@ from nki_lib._nki import nki, nisa, nl
 from nki_lib.dispatch import call_kernel
 from nki_lib.moe.kernels.experts_fwd import (
     act_fn, block_flags, block_registers, check_supported, gather_rows, load_block_inputs,
-    load_expert_cols, reduce_assignments, scatter_rows, slot_tokens, tiles, transpose_rows)
+    load_expert_cols, load_expert_t, reduce_assignments, scatter_rows, slot_tokens, tiles, transpose_rows)
 from nki_lib.moe.reference_experts import _GELU_TANH_A, _GELU_TANH_C
 
 ACT_GRAD_FN = {"silu": "silu_dx", "gelu": "gelu_dx"}   # ScalarE derivative functions
@@ -197,7 +197,7 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots):
             scatter_rows(dx_slots, asg_sb, dx_sb, h0)
 
 
-def _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up_t, w_gate_up, w_down, expert_reg,
+def _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up, w_down, expert_reg,
                s_base, block, activation, acc_gu, acc_d, dx_slots, dtopk):
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     hidden = x.shape[1]
@@ -210,8 +210,8 @@ def _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up_t, w_gate_u
     du_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     dw_accs = [nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for ci, (c0, cn) in enumerate(tiles(inter, fmax)):
-        wg_sb = load_expert_cols(w_gate_up_t, expert_reg, h_tiles, c0, cn)
-        wu_sb = load_expert_cols(w_gate_up_t, expert_reg, h_tiles, inter + c0, cn)
+        wg_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, c0, cn)
+        wu_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, inter + c0, cn)
         wd_sb = load_expert_cols(w_down, expert_reg, h_tiles, c0, cn)
         chunk = []
         for (s0, ps, _, _, w_col, _), dw_acc in zip(slot_tiles, dw_accs):
@@ -239,7 +239,7 @@ def _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up_t, w_gate_u
 # --------------------------------------------------------------------------- kernel
 
 @nki.jit
-def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up_t, w_gate_up,
+def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up,
                     w_down, activation, top_k):
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
@@ -256,7 +256,7 @@ def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_
     for b in nl.sequential_range(n_blocks):      # weight-gradient accumulation: blocks in order
         expert_reg, trips_reg = block_registers(expert_sb, valid_sb, b)
         for _ in nl.dynamic_range(0, trips_reg):
-            _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up_t, w_gate_up, w_down,
+            _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up, w_down,
                        expert_reg, b * block, block, activation, acc_gu, acc_d, dx_slots, dtopk)
     reduce_assignments(dx_slots, dx, top_k)
     cast_out(acc_gu, dw_gate_up)
@@ -277,13 +277,13 @@ def sbuf_bytes(hidden, inter, block, itemsize):
 
 
 def run(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
-    """Launch the backward kernel; layout glue only (a transposed copy of w_gate_up)."""
+    """Launch the backward kernel (host side: index metadata and views only)."""
     block_size = slot_assignment.shape[0] // block_expert.shape[0]
     check_supported(x, block_size, w_down.shape[2], sbuf_fn=sbuf_bytes)
     top_k = topk_weights.shape[1]
     dx, dtopk, dw_gate_up, dw_down = call_kernel(
         moe_experts_bwd, dy.contiguous(), x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
         block_expert.contiguous(), slot_tokens(slot_assignment, top_k), slot_assignment.contiguous(),
-        w_gate_up.transpose(1, 2).contiguous(), w_gate_up.contiguous(), w_down.contiguous(),
+        w_gate_up.contiguous(), w_down.contiguous(),
         activation, top_k)
     return dx, dtopk.reshape(topk_weights.shape), dw_gate_up, dw_down

@@ -9,10 +9,13 @@ for each block b of the plan (static loop over NB, blocks in order):
      rows of x with an indirect DMA (``vector_offset``; padding slots hold -1, are skipped and keep
      the zero fill), gather the routing weights the same way, PE-transpose the rows into
      xT (H on partitions, slots on the free axis).
-  2. per I tile (128): stream the expert's gate and up weight tiles (H x 128, selected with
-     ``scalar_offset`` = the expert register), gT/uT = W^T-tile x xT into fp32 PSUM (contraction
-     over H tiles), hT = act(gT) * uT on ScalarE/VectorE -> SBUF (I on partitions, slots free).
-  3. per H chunk (512): stream w_down^T tiles (128 x 512), y = h x W_down^T into fp32 PSUM
+  2. per I tile (128): stream the expert's gate and up weight tiles (selected with
+     ``scalar_offset`` = the expert register) transposed on chip to H on partitions (DMA
+     transpose for bf16/fp16, TensorE transpose for fp32; the weights stay in their nn.Linear
+     layout in HBM), gT/uT = W^T-tile x xT into fp32 PSUM (contraction over H tiles),
+     hT = act(gT) * uT on ScalarE/VectorE -> SBUF (I on partitions, slots free).
+  3. per H chunk (512): stream W_down^T tiles (128 x 512, transposed on chip likewise),
+     y = h x W_down^T into fp32 PSUM
      (contraction over I tiles), evict with the routing weight as per-partition scale, and write
      the rows to the fp32 scratch y_slots[a] (indirect DMA scatter, one row per assignment:
      no read-modify-write, no race, each row written exactly once).
@@ -24,8 +27,8 @@ slot chunks; H chunks > I tiles > slot tiles}; then token tiles > H chunks > j.
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k
 assignments, NB blocks, B block size (slots per block). Kernel inputs (HBM): x (T, H),
 topk_w (N, 1) fp32, block_expert (NB,) int32, slot_token (NB*B,) int32 (a // k or -1),
-slot_assignment (NB*B,) int32 (a or -1), w_gate_up_t (E, H, 2I) (= w_gate_up transposed),
-w_down_t (E, I, H) (= w_down transposed). Output y (T, H) in x's dtype.
+slot_assignment (NB*B,) int32 (a or -1), w_gate_up (E, 2I, H), w_down (E, H, I) (nn.Linear
+layouts, as the op receives them). Output y (T, H) in x's dtype.
 
 Limits: x and weights bf16/fp16/fp32 (one dtype); B <= 512 (one slot tile per PSUM bank, at
 most 4 slot tiles in flight); SBUF per partition ~ (ceil(H/128) + ceil(I/128)) * B * itemsize +
@@ -125,15 +128,40 @@ def load_block_inputs(x, topk_w, slot_token, slot_assignment, s_base, block):
     return slot_tiles, x_t
 
 
-def load_expert_cols(w_t, expert_reg, row_tiles, col0, ncols):
-    """(P, RT, ncols) tile of w_t[e, rows, col0 : col0 + ncols] (w_t (E, R, C) in HBM)."""
-    cols = w_t.shape[2]
-    w_sb = nl.ndarray((nl.tile_size.pmax, len(row_tiles), ncols), dtype=w_t.dtype, buffer=nl.sbuf)
+def load_expert_cols(w, expert_reg, row_tiles, col0, ncols):
+    """(P, RT, ncols) tile of w[e, rows, col0 : col0 + ncols] (w (E, R, C) in HBM, natural layout)."""
+    cols = w.shape[2]
+    w_sb = nl.ndarray((nl.tile_size.pmax, len(row_tiles), ncols), dtype=w.dtype, buffer=nl.sbuf)
     for rt, (r0, rs) in enumerate(row_tiles):
         nisa.dma_copy(dst=w_sb[:rs, rt, :],
-                      src=w_t.ap([[cols, rs], [1, ncols]], offset=r0 * cols + col0,
-                                 scalar_offset=expert_reg, indirect_dim=0))
+                      src=w.ap([[cols, rs], [1, ncols]], offset=r0 * cols + col0,
+                               scalar_offset=expert_reg, indirect_dim=0))
     return w_sb
+
+
+def load_expert_t(w, expert_reg, col_tiles, row0, nrows):
+    """(P, CT, nrows) tile of w[e, row0 : row0 + nrows, cols]^T: the contraction dim (w's
+    contiguous last dim, tiled by 128) on partitions. w (E, R, C) natural layout in HBM.
+
+    2-byte dtypes: DMA transpose straight from HBM. fp32: natural DMA + TensorE transpose
+    (transpose mode is bit-exact) + PSUM eviction, per 128 x 128 block."""
+    pmax = nl.tile_size.pmax
+    cols = w.shape[2]
+    w_t = nl.ndarray((pmax, len(col_tiles), nrows), dtype=w.dtype, buffer=nl.sbuf)
+    for ct, (c0, cs) in enumerate(col_tiles):
+        if w.dtype in (nl.bfloat16, nl.float16):
+            nisa.dma_transpose(dst=w_t[:cs, ct, :],
+                               src=w.ap([[cols, nrows], [1, cs]], offset=row0 * cols + c0,
+                                        scalar_offset=expert_reg, indirect_dim=0))
+            continue
+        for r0, rs in tiles(nrows, pmax):
+            nat_sb = nl.ndarray((rs, cs), dtype=w.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=nat_sb, src=w.ap([[cols, rs], [1, cs]], offset=(row0 + r0) * cols + c0,
+                                               scalar_offset=expert_reg, indirect_dim=0))
+            tr_psum = nl.ndarray((cs, rs), dtype=w.dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=tr_psum, data=nat_sb)
+            nisa.tensor_copy(dst=w_t[:cs, ct, r0:r0 + rs], src=tr_psum)
+    return w_t
 
 
 def reduce_assignments(src_slots, dst, top_k):
@@ -158,12 +186,12 @@ def reduce_assignments(src_slots, dst, top_k):
 
 # --------------------------------------------------------------------------- kernel
 
-def _gate_up(x_t, w_gate_up_t, expert_reg, h_tiles, block, activation, h_t):
+def _gate_up(x_t, w_gate_up, expert_reg, h_tiles, block, activation, h_t):
     """hT[:, it, :] = act(W_gate x) * (W_up x) per I tile (I on partitions, slots free)."""
-    inter = w_gate_up_t.shape[2] // 2
+    inter = w_gate_up.shape[1] // 2
     for it, (i0, isz) in enumerate(tiles(inter, nl.tile_size.pmax)):
-        wg_sb = load_expert_cols(w_gate_up_t, expert_reg, h_tiles, i0, isz)
-        wu_sb = load_expert_cols(w_gate_up_t, expert_reg, h_tiles, inter + i0, isz)
+        wg_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, i0, isz)
+        wu_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, inter + i0, isz)
         for n0, nn in tiles(block, nl.tile_size.gemm_moving_fmax):
             g_psum = nl.ndarray((isz, nn), dtype=nl.float32, buffer=nl.psum)
             u_psum = nl.ndarray((isz, nn), dtype=nl.float32, buffer=nl.psum)
@@ -177,13 +205,13 @@ def _gate_up(x_t, w_gate_up_t, expert_reg, h_tiles, block, activation, h_t):
             nisa.tensor_tensor(dst=h_t[:isz, it, n0:n0 + nn], data1=act_sb, data2=u_psum, op=nl.multiply)
 
 
-def _down(h_t, w_down_t, expert_reg, i_tiles, slot_tiles, y_slots):
+def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots):
     """y_slots[a] = w_a * (h @ W_down^T) per H chunk (contraction over I tiles in PSUM)."""
-    hidden = w_down_t.shape[2]
+    hidden = w_down.shape[1]
     for h0, hn in tiles(hidden, nl.tile_size.gemm_moving_fmax):
         y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
         for it, (i0, isz) in enumerate(i_tiles):
-            wd_sb = load_expert_cols(w_down_t, expert_reg, [(i0, isz)], h0, hn)
+            wd_sb = load_expert_t(w_down, expert_reg, [(i0, isz)], h0, hn)
             for (s0, ps, *_), y_psum in zip(slot_tiles, y_psums):
                 nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps], moving=wd_sb[:isz, 0, :],
                                accumulate=it > 0)
@@ -194,12 +222,12 @@ def _down(h_t, w_down_t, expert_reg, i_tiles, slot_tiles, y_slots):
 
 
 @nki.jit
-def moe_experts_fwd(x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up_t, w_down_t,
+def moe_experts_fwd(x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up, w_down,
                     activation, top_k):
     t_len, hidden = x.shape
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
-    inter = w_down_t.shape[1]
+    inter = w_down.shape[2]
     pmax = nl.tile_size.pmax
     h_tiles, i_tiles = tiles(hidden, pmax), tiles(inter, pmax)
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
@@ -210,8 +238,8 @@ def moe_experts_fwd(x, topk_w, block_expert, slot_token, slot_assignment, w_gate
         for _ in nl.dynamic_range(0, trips_reg):
             slot_tiles, x_t = load_block_inputs(x, topk_w, slot_token, slot_assignment, b * block, block)
             h_t = nl.ndarray((pmax, len(i_tiles), block), dtype=x.dtype, buffer=nl.sbuf)
-            _gate_up(x_t, w_gate_up_t, expert_reg, h_tiles, block, activation, h_t)
-            _down(h_t, w_down_t, expert_reg, i_tiles, slot_tiles, y_slots)
+            _gate_up(x_t, w_gate_up, expert_reg, h_tiles, block, activation, h_t)
+            _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots)
     reduce_assignments(y_slots, y, top_k)
     return y
 
@@ -249,11 +277,11 @@ def slot_tokens(slot_assignment, top_k):
 
 
 def run(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
-    """Launch the forward kernel; layout glue only (weights transposed to contraction-major)."""
+    """Launch the forward kernel (host side: index metadata and views only)."""
     block_size = slot_assignment.shape[0] // block_expert.shape[0]
     check_supported(x, block_size, w_down.shape[2], sbuf_fn=sbuf_bytes)
     top_k = topk_weights.shape[1]
     return call_kernel(moe_experts_fwd, x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
                        block_expert.contiguous(), slot_tokens(slot_assignment, top_k),
-                       slot_assignment.contiguous(), w_gate_up.transpose(1, 2).contiguous(),
-                       w_down.transpose(1, 2).contiguous(), activation, top_k)
+                       slot_assignment.contiguous(), w_gate_up.contiguous(), w_down.contiguous(),
+                       activation, top_k)
