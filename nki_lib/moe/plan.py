@@ -32,7 +32,7 @@ def validate(topk_ids, *, num_experts, block_size):
     if topk_ids.dtype not in ID_DTYPES:
         raise TypeError(f"topk_ids must have dtype in {[str(d) for d in ID_DTYPES]}, got {topk_ids.dtype}")
     for name, value in (("num_experts", num_experts), ("block_size", block_size)):
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")

@@ -34,7 +34,7 @@ def _check_tensor(name, t, *, rank, dtypes=FLOAT_DTYPES):
 
 
 def _check_int(name, value, *, low, high=None):
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < low or (high is not None and value > high):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
