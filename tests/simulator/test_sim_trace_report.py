@@ -176,3 +176,26 @@ def test_lnc2_report_sums_instructions_and_takes_the_peak_per_program():
     assert per_program == {0: [0, 1], 1: [0, 1]}
     written = {e.writes[0].byte_range for e in two.trace if e.writes[0].memory == "shared_hbm"}
     assert written == {(0, 32 * 8 * 4), (32 * 8 * 4, 64 * 8 * 4)}
+
+
+def _strided_reads(x):
+    out = nl.ndarray((32, 8), dtype=x.dtype, buffer=nl.shared_hbm)
+    t_sb = nl.ndarray((32, 8), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t_sb, src=x[16:48, 8:16])
+    wide_sb = nl.ndarray((32, 40), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=wide_sb, value=0.0)
+    nisa.tensor_copy(dst=wide_sb[:, 4:36:4], src=t_sb)
+    nisa.dma_copy(dst=out, src=wide_sb[:, 4:36:4])
+    return out
+
+
+def test_access_byte_ranges_and_dma_chunks_of_strided_views():
+    x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    np.testing.assert_array_equal(simulate(jit(_strided_reads))(x), x[16:48, 8:16])
+    dma_in, _, copy, dma_out = last_run().trace
+    src = dma_in.reads[0]
+    assert src.byte_range == ((16 * 32 + 8) * 4, (47 * 32 + 16) * 4) and src.shape == (32, 8)
+    assert dma_in.attrs["contiguous_bytes"] == 8 * 4
+    strided = copy.writes[0]
+    assert strided.partitions == (0, 32) and strided.byte_range == (4 * 4, (32 + 1) * 4)
+    assert dma_out.attrs["contiguous_bytes"] == 4  # every 4th fp32 element: 4-byte chunks
