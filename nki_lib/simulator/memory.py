@@ -36,7 +36,7 @@ class Storage:
     """One allocation: a byte buffer plus placement metadata."""
 
     __slots__ = ("id", "kind", "nbytes", "bpp", "nparts", "buf", "mm_mask", "name", "pstart",
-                 "bstart", "alloc_dtype", "alloc_shape", "_typed", "__weakref__")
+                 "bstart", "manual", "alloc_dtype", "alloc_shape", "_typed", "__weakref__")
 
     def __init__(self, sid, kind, alloc_dtype: NkiDType, alloc_shape, name="", buf=None, address=None):
         self.id = sid
@@ -53,6 +53,7 @@ class Storage:
             self.nparts = 1
             self.bpp = count * itemsize
         self.nbytes = count * itemsize
+        self.manual = address is not None
         self.pstart, self.bstart = (0, 0) if address is None else address
         self._typed = {}
         if buf is None:
@@ -115,7 +116,7 @@ class MemoryTracker:
         bank = self.spec.psum_bank_bytes
         with self.lock:
             if storage.kind == "sbuf":
-                manual = storage.bstart or storage.pstart
+                manual = storage.manual
                 if manual:
                     self.sbuf_manual[storage.id] = storage.bstart + storage.bpp
                 else:
@@ -128,7 +129,7 @@ class MemoryTracker:
                 self.peak_sbuf = max(self.peak_sbuf, used)
                 weakref.finalize(storage, self._free_sbuf, storage.id, storage.bpp, manual)
             elif storage.kind == "psum":
-                manual = storage.bstart or storage.pstart
+                manual = storage.manual
                 nbanks = -(-storage.bpp // bank)
                 if manual:
                     first = storage.bstart // bank
