@@ -1,4 +1,5 @@
-"""Simulator speed: wall time of a tiled bf16 matmul of 2048 x 2048 x 2048 on the CPU simulator.
+"""Simulator speed: wall time of a tiled bf16 matmul of 2048 x 2048 x 2048 on the CPU simulator,
+and the per-instruction cost of a chain of dependent elementwise instructions.
 
 Issue 2 asks for under 10 s on the project machine. Run from the repository root (package
 installed, or ``PYTHONPATH=.``): ``python benchmarks/sim_speed.py`` (``--size N`` for other cubes,
@@ -57,6 +58,20 @@ def matmul_bf16(a_t, b):
     return out
 
 
+@jit
+def elementwise_chain(x, steps):
+    """``steps`` dependent tensor_tensor adds on one (P, F) SBUF tile: per-instruction overhead."""
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    x_sb = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x_sb, src=x)
+    acc_sb = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=acc_sb, value=0.0)
+    for _ in range(steps):
+        nisa.tensor_tensor(dst=acc_sb, data1=acc_sb, data2=x_sb, op=nl.add)
+    nisa.dma_copy(dst=out, src=acc_sb)
+    return out
+
+
 def _time(fn, repeat):
     best = float("inf")
     result = None
@@ -71,6 +86,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=2048, help="M = N = K (multiple of 512)")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5000, help="instructions of the elementwise chain")
     args = parser.parse_args(argv)
     size = args.size
     rng = np.random.default_rng(0)
@@ -89,6 +105,14 @@ def main(argv=None):
                        dtype=torch.bfloat16, name="parity")
         print(f"matmul bf16 {size}^3 trace={'on' if record else 'off'} blas_threads={threads}: {seconds:.2f} s, "
               f"{report.instructions} instructions, {flops / seconds / 1e9:.1f} GFLOP/s simulated; {check}")
+    tile = np.ones((nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax), dtype=np.float32)
+    for record in (True, False):
+        with recording(record):
+            seconds, out = _time(lambda: simulate(elementwise_chain)(tile, args.steps), args.repeat)
+        exact = bool((out == args.steps).all())
+        print(f"elementwise chain {tile.shape} x {args.steps} trace={'on' if record else 'off'}: {seconds:.2f} s, "
+              f"{1e6 * seconds / last_run().instructions:.0f} us per instruction, "
+              f"result {'exact' if exact else 'WRONG'}")
 
 
 if __name__ == "__main__":
