@@ -68,6 +68,11 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_SBUF_SHARE = 4   # per-head resident state may use 1/4 of SBUF; the rest streams K/V/S/P
 _FP32_BYTES = 4
 _HALF_BYTES = 2        # bfloat16 / float16
+PREFETCH_STEPS = 2     # K/V (and group) loads are issued this many steps ahead of their use
+LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
+                       # ScalarE table switch to log and back per batch, 8 B/partition each
+KEY_SECTION_TILES = 4  # consecutive visible key tiles whose K^T one DMA loads (bf16: 4 KiB per
+                       # partition row, past the ~2.4 KiB where a DMA row reaches bandwidth)
 
 
 # --------------------------------------------------------------------------- kernel helpers
@@ -89,27 +94,42 @@ def _load_q(q_t, b, h, q0, qn, chunks):
     return q_tiles
 
 
-def _load_kv(k_t, v, b, hk, k0, kn, chunks):
-    """k^T tiles (dc, kn) per head-dim chunk and V as (128, blocks, D): v_sb[p, j] = key k0+128j+p."""
-    _, hkv, _, sk = k_t.shape
-    d = v.shape[3]
-    pmax = nl.tile_size.pmax
+def _load_k_section(k_t, b, hk, s0, slen, chunks):
+    """k^T tiles (dc, slen) per head-dim chunk for the keys [s0, s0 + slen) of a key section."""
     k_tiles = []
     for c0, dc in chunks:
-        k_sb = nl.ndarray((dc, kn), dtype=k_t.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=k_sb, src=k_t[b, hk, c0:c0 + dc, k0:k0 + kn])
+        k_sb = nl.ndarray((dc, slen), dtype=k_t.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=k_sb, src=k_t[b, hk, c0:c0 + dc, s0:s0 + slen])
         k_tiles.append(k_sb)
+    return k_tiles
+
+
+def _load_v(v, b, hk, k0, kn):
+    """V of the keys [k0, k0 + kn) as (128, blocks, D) in the interleaved layout of
+    :func:`_block_keys` (one contiguous HBM run of ``n_full * D`` elements per partition)."""
+    _, hkv, sk, d = v.shape
+    pmax = nl.tile_size.pmax
     blocks = key_blocks(kn)
     v_sb = nl.ndarray((pmax, len(blocks), d), dtype=v.dtype, buffer=nl.sbuf)
     n_full = kn // pmax
     if n_full > 0:
         first = ((b * hkv + hk) * sk + k0) * d
         nisa.dma_copy(dst=v_sb[:, 0:n_full, :],
-                      src=v.ap(pattern=[[d, pmax], [pmax * d, n_full], [1, d]], offset=first))
+                      src=v.ap(pattern=[[n_full * d, pmax], [d, n_full], [1, d]], offset=first))
     if n_full < len(blocks):
         j0, bn = blocks[n_full]
         nisa.dma_copy(dst=v_sb[0:bn, n_full, :], src=v[b, hk, k0 + j0:k0 + j0 + bn, :])
-    return k_tiles, v_sb
+    return v_sb
+
+
+def _block_keys(p_sb, j, n_full):
+    """Columns of P (qn, kn) that block j of V holds on its partitions. The n_full full blocks
+    interleave: partition p of block j is key ``n_full * p + j`` (so each partition's V rows are
+    one contiguous HBM run); the remainder block holds the last ``kn % 128`` keys in order."""
+    pmax = nl.tile_size.pmax
+    if j < n_full:
+        return p_sb[:, j:n_full * pmax:n_full]
+    return p_sb[:, n_full * pmax:p_sb.shape[1]]
 
 
 def _init_state(sinks, h, qn, d, has_sinks):
@@ -129,11 +149,18 @@ def _init_state(sinks, h, qn, d, has_sinks):
     return _RowState(neg_m=neg_m, l=l_sb, acc=acc)
 
 
-def _scores(q_tiles, k_tiles, qn, kn, scale, softcap, bounds, k0, masked):
-    """Final scores (qn, kn) fp32 in SBUF (scaled, capped, masked) and their row max (qn, 1)."""
+def _qk(q_tiles, k_tiles, qn, kn):
+    """Raw scores (qn, kn) fp32 PSUM = q @ k^T, accumulated over the head-dim chunks [PE]."""
     s_psum = nl.ndarray((qn, kn), dtype=nl.float32, buffer=nl.psum)
     for c in range(len(q_tiles)):
         nisa.nc_matmul(dst=s_psum, stationary=q_tiles[c], moving=k_tiles[c], accumulate=c > 0)
+    return s_psum
+
+
+def _evict_scores(s_psum, scale, softcap, bounds, k0, masked):
+    """Final scores (qn, kn) fp32 in SBUF (scaled, capped, masked on partial tiles only) and
+    their row max (qn, 1). Unmasked: one VectorE tensor_scalar_reduce (evict + scale + max)."""
+    qn, kn = s_psum.shape
     s_sb = nl.ndarray((qn, kn), dtype=nl.float32, buffer=nl.sbuf)
     rowmax = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     if softcap > 0:
@@ -172,14 +199,16 @@ def _softmax_step(state, s_sb, rowmax, p_dtype):
 
 
 def _p_times_v(p_sb, v_sb):
-    """O (qn, D) fp32 PSUM = P @ V, contracting 128-key blocks of P^T (TensorE transposes)."""
+    """O (qn, D) fp32 PSUM = P @ V, contracting 128-key blocks of P^T (TensorE transposes of the
+    block's key columns, :func:`_block_keys`; ScalarE evicts them)."""
     qn, kn = p_sb.shape
     pmax = nl.tile_size.pmax
     blocks = key_blocks(kn)
     n_full = kn // pmax
     pt_psum = nl.ndarray((pmax, len(blocks), qn), dtype=p_sb.dtype, buffer=nl.psum)
-    for j, (j0, bn) in enumerate(blocks):
-        nisa.nc_transpose(dst=pt_psum[0:bn, j, :], data=p_sb[:, j0:j0 + bn], engine=nisa.engine.tensor)
+    for j, (_, bn) in enumerate(blocks):
+        nisa.nc_transpose(dst=pt_psum[0:bn, j, :], data=_block_keys(p_sb, j, n_full),
+                          engine=nisa.engine.tensor)
     pt_sb = nl.ndarray((pmax, len(blocks), qn), dtype=p_sb.dtype, buffer=nl.sbuf)
     if n_full > 0:
         nisa.activation(dst=pt_sb[:, 0:n_full, :], op=nl.copy, data=pt_psum[:, 0:n_full, :])
@@ -193,9 +222,8 @@ def _p_times_v(p_sb, v_sb):
     return o_psum
 
 
-def _finalize(state, out, lse, b, h, q0):
-    """out = acc / l and lse = m + log(l) of one head's query tile; rows with l = 0 get
-    out = 0 (acc is 0 there) and lse = -inf."""
+def _store_out(state, out, b, h, q0):
+    """out = acc / max(l, 1) (rows with l = 0 have acc = 0 and get 0); frees acc."""
     qn, d = state.acc.shape
     l_safe = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=l_safe, data=state.l, op0=nl.maximum, operand0=1.0)
@@ -204,18 +232,162 @@ def _finalize(state, out, lse, b, h, q0):
     out_sb = nl.ndarray((qn, d), dtype=out.dtype, buffer=nl.sbuf)
     nisa.activation(dst=out_sb, op=nl.copy, data=state.acc, scale=recip)
     nisa.dma_copy(dst=out[b, h, q0:q0 + qn, :], src=out_sb)
-    lse_sb = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=lse_sb, op=nl.log, data=l_safe)
-    nisa.tensor_tensor(dst=lse_sb, data1=lse_sb, data2=state.neg_m, op=nl.subtract)
-    empty = nl.ndarray((qn, 1), dtype=nl.uint8, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=empty, data=state.l, op0=nl.equal, operand0=0.0)
-    neg_inf = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    state.acc = None
+
+
+def _store_lse_batch(pending, lse):
+    """lse = log(max(l, 1)) + m for a batch of (state, b, h, q0); rows with l = 0 get -inf.
+
+    The statistics are gathered as columns of one (128, n) tile so that the ScalarE log runs
+    once per batch, then transposed on TensorE so that each (head, query tile) is stored as one
+    contiguous row (a single-partition DMA) instead of qn 4-byte pieces."""
+    pmax = nl.tile_size.pmax
+    n = len(pending)
+    l_all = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
+    neg_m_all = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=l_all, value=0.0)
+    nisa.memset(dst=neg_m_all, value=0.0)
+    for i in range(n):
+        state = pending[i][0]
+        qn = state.l.shape[0]
+        nisa.tensor_copy(dst=l_all[0:qn, i:i + 1], src=state.l)
+        nisa.tensor_copy(dst=neg_m_all[0:qn, i:i + 1], src=state.neg_m)
+    l_safe = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=l_safe, data=l_all, op0=nl.maximum, operand0=1.0)
+    lse_all = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=lse_all, op=nl.log, data=l_safe)
+    nisa.tensor_tensor(dst=lse_all, data1=lse_all, data2=neg_m_all, op=nl.subtract)
+    empty = nl.ndarray((pmax, n), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=empty, data=l_all, op0=nl.equal, operand0=0.0)
+    neg_inf = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=neg_inf, value=float("-inf"))
-    nisa.tensor_copy_predicated(dst=lse_sb, src=neg_inf, predicate=empty)
-    nisa.dma_copy(dst=lse[b, h, q0:q0 + qn], src=lse_sb)
+    nisa.tensor_copy_predicated(dst=lse_all, src=neg_inf, predicate=empty)
+    lse_t_psum = nl.ndarray((n, pmax), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=lse_t_psum, data=lse_all, engine=nisa.engine.tensor)
+    lse_t = nl.ndarray((n, pmax), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=lse_t, src=lse_t_psum)
+    for i in range(n):
+        state, b, h, q0 = pending[i]
+        qn = state.l.shape[0]
+        nisa.dma_copy(dst=lse[b, h, q0:q0 + qn], src=lse_t[i:i + 1, 0:qn])
 
 
-# --------------------------------------------------------------------------- kernel
+# --------------------------------------------------------------------------- schedule
+
+class _Ctx(nl.NKIObject):
+    """Kernel-wide inputs, outputs and compile-time flags, passed to the step helpers."""
+
+
+class _Group(nl.NKIObject):
+    """One query tile [q0, q0 + qn) of one pass over (part of) the GQA group of kv head hk: the
+    query heads it serves, its key-tile plan, and once opened its resident tiles."""
+
+
+def _plan_groups(mask, n_batch, n_kv_heads, group, n_pass):
+    groups = []
+    for b in range(n_batch):
+        for hk in range(n_kv_heads):
+            for q0, qn in query_tiles(mask.sq):
+                plan = plan_row(mask, q0, qn)
+                for g0 in range(0, group, n_pass):
+                    heads = tuple(hk * group + g for g in range(g0, min(group, g0 + n_pass)))
+                    groups.append(_Group(b=b, hk=hk, q0=q0, qn=qn, heads=heads, plan=plan,
+                                         sections=_key_sections(plan), q_tiles=None,
+                                         states=None, bounds=None, kv=None, k_sections=None))
+    return groups
+
+
+def _key_sections(plan):
+    """Key sections of a plan: runs of up to KEY_SECTION_TILES consecutive tiles (adjacent keys)
+    whose K^T is loaded by one DMA. Returns ``((first tile, last tile), ...)``."""
+    sections = []
+    for ti in range(len(plan)):
+        if len(sections) > 0:
+            first, last = sections[-1]
+            adjacent = plan[last][0] + plan[last][1] == plan[ti][0]
+            if adjacent and ti - first < KEY_SECTION_TILES:
+                sections[-1] = (first, ti)
+                continue
+        sections.append((ti, ti))
+    return tuple(sections)
+
+
+def _plan_steps(groups):
+    """Program order of the work: ``(group, key tile, head)`` per step; a group with no visible
+    key tile gets one step ``(group, -1, -1)`` (it only initialises and stores)."""
+    steps = []
+    for gi, grp in enumerate(groups):
+        if len(grp.plan) == 0:
+            steps.append((gi, -1, -1))
+        for ti in range(len(grp.plan)):
+            for hi in range(len(grp.heads)):
+                steps.append((gi, ti, hi))
+    return tuple(steps)
+
+
+def _prefetch(ctx, groups, steps, s):
+    """Issue the loads step s needs (group open: q^T, state init, bounds; its K/V tile), once."""
+    if s >= len(steps):
+        return
+    gi, ti, _ = steps[s]
+    grp = groups[gi]
+    if grp.states is None:
+        grp.q_tiles = [_load_q(ctx.q_t, grp.b, h, grp.q0, grp.qn, ctx.chunks) for h in grp.heads]
+        grp.states = [_init_state(ctx.sinks, h, grp.qn, ctx.d, ctx.has_sinks) for h in grp.heads]
+        grp.kv = [None] * len(grp.plan)
+        grp.k_sections = [None] * len(grp.sections)
+        if any(masked for _, _, masked in grp.plan):
+            grp.bounds = row_bounds(ctx.mask, grp.q0, grp.qn, ctx.doc_lo, ctx.doc_hi)
+    if ti >= 0 and grp.kv[ti] is None:
+        k0, kn, _ = grp.plan[ti]
+        si = next(i for i, (first, last) in enumerate(grp.sections) if first <= ti <= last)
+        first, last = grp.sections[si]
+        s0 = grp.plan[first][0]
+        if grp.k_sections[si] is None:
+            slen = grp.plan[last][0] + grp.plan[last][1] - s0
+            grp.k_sections[si] = _load_k_section(ctx.k_t, grp.b, grp.hk, s0, slen, ctx.chunks)
+        k_views = [k_sb[:, k0 - s0:k0 - s0 + kn] for k_sb in grp.k_sections[si]]
+        if ti == last:
+            grp.k_sections[si] = None
+        grp.kv[ti] = (k_views, _load_v(ctx.v, grp.b, grp.hk, k0, kn))
+
+
+def _stage_qk(groups, steps, s):
+    """Stage A1 of step s: raw scores in PSUM (None past the end or for a group without keys)."""
+    if s >= len(steps) or steps[s][1] < 0:
+        return None
+    gi, ti, hi = steps[s]
+    grp = groups[gi]
+    return _qk(grp.q_tiles[hi], grp.kv[ti][0], grp.qn, grp.plan[ti][1])
+
+
+def _stage_scores(groups, steps, s, s_psum, scale, softcap):
+    """Stage A2 of step s: final scores in SBUF and their row max."""
+    if s_psum is None:
+        return None
+    gi, ti, _ = steps[s]
+    grp = groups[gi]
+    k0, _, masked = grp.plan[ti]
+    return _evict_scores(s_psum, scale, softcap, grp.bounds, k0, masked)
+
+
+def _stage_pv(grp, ti, hi, p_sb, alpha):
+    """Stage B2: acc = alpha * acc + P @ V; drops the K/V tile after the group's last head."""
+    o_psum = _p_times_v(p_sb, grp.kv[ti][1])
+    acc = grp.states[hi].acc
+    nisa.scalar_tensor_tensor(dst=acc, data=acc, op0=nl.multiply, operand0=alpha, op1=nl.add,
+                              operand1=o_psum)
+    if hi == len(grp.heads) - 1:
+        grp.kv[ti] = None
+
+
+def _close_group(grp, out, pending_lse):
+    """Store the group's outputs now; queue its lse (computed in batches, see LSE_BATCH)."""
+    for i in range(len(grp.heads)):
+        _store_out(grp.states[i], out, grp.b, grp.heads[i], grp.q0)
+        pending_lse.append((grp.states[i], grp.b, grp.heads[i], grp.q0))
+    grp.q_tiles, grp.states, grp.bounds, grp.kv, grp.k_sections = None, None, None, None, None
+
 
 @nki.jit
 def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale, window_left,
@@ -223,45 +395,44 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
     """(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32); see the module docstring."""
     n_batch, n_q_heads, d, sq = q_t.shape
     n_kv_heads, sk = k_t.shape[1], k_t.shape[3]
-    group = n_q_heads // n_kv_heads
     out = nl.ndarray((n_batch, n_q_heads, sq, d), dtype=q_t.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((n_batch, n_q_heads, sq), dtype=nl.float32, buffer=nl.shared_hbm)
-
     mask = MaskSpec(sq=sq, sk=sk, causal=causal, window_left=window_left,
                     window_right=window_right, has_docs=has_docs)
     chunks = head_dim_chunks(d)
-    pmax = nl.tile_size.pmax
     q_bytes = _FP32_BYTES if q_t.dtype == nl.float32 else _HALF_BYTES
-    state_bytes = len(chunks) * pmax * q_bytes + (d + 2) * _FP32_BYTES
+    state_bytes = len(chunks) * nl.tile_size.pmax * q_bytes + (d + 2) * _FP32_BYTES
+    group = n_q_heads // n_kv_heads
     n_pass = heads_per_pass(group, state_bytes,
                             nl.tile_size.total_available_sbuf_size // STATE_SBUF_SHARE)
-    doc_lo = doc[0] if has_docs else None
-    doc_hi = doc[1] if has_docs else None
+    ctx = _Ctx(q_t=q_t, k_t=k_t, v=v, sinks=sinks, has_sinks=has_sinks, d=d, chunks=chunks,
+               mask=mask, doc_lo=doc[0] if has_docs else None, doc_hi=doc[1] if has_docs else None)
+    groups = _plan_groups(mask, n_batch, n_kv_heads, group, n_pass)
+    steps = _plan_steps(groups)
 
-    for b in nl.affine_range(n_batch):
-        for hk in nl.affine_range(n_kv_heads):
-            for q0, qn in query_tiles(sq):
-                plan = plan_row(mask, q0, qn)
-                bounds = None
-                if any(masked for _, _, masked in plan):
-                    bounds = row_bounds(mask, q0, qn, doc_lo, doc_hi)
-                for g0 in range(0, group, n_pass):
-                    heads = tuple(hk * group + g for g in range(g0, min(group, g0 + n_pass)))
-                    q_tiles = [_load_q(q_t, b, h, q0, qn, chunks) for h in heads]
-                    states = [_init_state(sinks, h, qn, d, has_sinks) for h in heads]
-                    for t in nl.sequential_range(len(plan)):
-                        k0, kn, masked = plan[t]
-                        k_tiles, v_sb = _load_kv(k_t, v, b, hk, k0, kn, chunks)
-                        for i in range(len(heads)):
-                            s_sb, rowmax = _scores(q_tiles[i], k_tiles, qn, kn, scale, softcap,
-                                                   bounds, k0, masked)
-                            p_sb, alpha = _softmax_step(states[i], s_sb, rowmax, v.dtype)
-                            o_psum = _p_times_v(p_sb, v_sb)
-                            acc = states[i].acc
-                            nisa.scalar_tensor_tensor(dst=acc, data=acc, op0=nl.multiply,
-                                                      operand0=alpha, op1=nl.add, operand1=o_psum)
-                    for i in range(len(heads)):
-                        _finalize(states[i], out, lse, b, heads[i], q0)
+    # Software pipeline over the steps (each engine runs its stream in program order): the loads
+    # of step s + PREFETCH_STEPS and the scores of step s + 1 are issued before the softmax and
+    # P @ V of step s, so a group's output stores come after the next steps' loads.
+    for s in range(PREFETCH_STEPS):
+        _prefetch(ctx, groups, steps, s)
+    scores_next = _stage_scores(groups, steps, 0, _stage_qk(groups, steps, 0), scale, softcap)
+    pending_lse = []
+    for s in nl.sequential_range(len(steps)):
+        _prefetch(ctx, groups, steps, s + PREFETCH_STEPS)
+        scores = scores_next
+        gi, ti, hi = steps[s]
+        grp = groups[gi]
+        s_psum_next = _stage_qk(groups, steps, s + 1)
+        if scores is not None:
+            p_sb, alpha = _softmax_step(grp.states[hi], scores[0], scores[1], v.dtype)
+        scores_next = _stage_scores(groups, steps, s + 1, s_psum_next, scale, softcap)
+        if scores is not None:
+            _stage_pv(grp, ti, hi, p_sb, alpha)
+        if ti == len(grp.plan) - 1 and (ti < 0 or hi == len(grp.heads) - 1):
+            _close_group(grp, out, pending_lse)
+        if len(pending_lse) >= LSE_BATCH or (s == len(steps) - 1 and len(pending_lse) > 0):
+            _store_lse_batch(pending_lse, lse)
+            pending_lse = []
     return out, lse
 
 
