@@ -308,3 +308,68 @@ def test_tile_shapes_roundtrip_and_add(p, f, start, dtype):
     out = run_tiles(shifted_double, x)
     expected = (x[:, start:].astype(np.float32) * 2).astype(dtype)
     np.testing.assert_array_equal(bits(out), bits(expected))
+
+
+@st.composite
+def _onchip_patterns(draw):
+    """(alloc (P, F), pattern, offset) of an in-bounds on-chip .ap() with 1-3 free dims."""
+    p_alloc = draw(st.integers(1, 128))
+    f_alloc = draw(st.integers(1, 300))
+    p0 = draw(st.integers(0, p_alloc - 1))
+    parts = draw(st.integers(1, p_alloc - p0))
+    f0 = draw(st.integers(0, f_alloc - 1))
+    free = []
+    room = f_alloc - 1 - f0                      # largest free displacement still in the row
+    for _ in range(draw(st.integers(1, 3))):
+        count = draw(st.integers(1, 6))
+        stride = draw(st.integers(0, room // (count - 1))) if count > 1 else draw(st.integers(0, 3))
+        room -= stride * (count - 1)
+        free.append([stride, count])
+    return (p_alloc, f_alloc), [[f_alloc, parts]] + free, p0 * f_alloc + f0
+
+
+@given(case=_onchip_patterns())
+def test_onchip_ap_matches_the_flat_storage_model(case):
+    (p_alloc, f_alloc), pattern, offset = case
+    storage = np.arange(p_alloc * f_alloc, dtype=np.float32).reshape(p_alloc, f_alloc)
+    shape = tuple(count for _, count in pattern)
+
+    def read_pattern(s_sb):
+        out_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=out_sb, src=s_sb.ap(pattern, offset=offset))
+        return out_sb
+
+    grids = np.meshgrid(*[np.arange(c) for c in shape], indexing="ij")
+    index = offset + sum(stride * g for (stride, _), g in zip(pattern, grids))
+    np.testing.assert_array_equal(run_tiles(read_pattern, storage), storage.reshape(-1)[index])
+
+
+@st.composite
+def _hbm_patterns(draw):
+    """(HBM length, pattern, offset) of an in-bounds HBM .ap() with 1-4 dims."""
+    length = draw(st.integers(1, 2000))
+    offset = draw(st.integers(0, length - 1))
+    room = length - 1 - offset
+    pattern = []
+    for _ in range(draw(st.integers(1, 4))):
+        count = draw(st.integers(1, 8))
+        stride = draw(st.integers(0, room // (count - 1))) if count > 1 else draw(st.integers(0, 5))
+        room -= stride * (count - 1)
+        pattern.append([stride, count])
+    return length, pattern, offset
+
+
+@given(case=_hbm_patterns())
+def test_hbm_ap_matches_the_flat_storage_model(case):
+    length, pattern, offset = case
+    storage = np.arange(length, dtype=np.float32)
+    count = int(np.prod([c for _, c in pattern]))
+
+    def read_pattern(x_hbm):
+        out_sb = nl.ndarray((1, count), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=out_sb, src=x_hbm.ap(pattern, offset=offset))
+        return out_sb
+
+    grids = np.meshgrid(*[np.arange(c) for _, c in pattern], indexing="ij")
+    index = offset + sum(stride * g for (stride, _), g in zip(pattern, grids))
+    np.testing.assert_array_equal(_hbm_kernel(read_pattern)(storage), storage[index].reshape(1, count))
