@@ -74,7 +74,8 @@ EDGE = dict(b=1, hq=2, hkv=2, d=16, dtype="fp32", causal=False, window=(-1, -1),
 @example(dict(EDGE, sq=33, sk=33, d=1))                                          # D = 1
 @example(dict(EDGE, sq=70, sk=90, d=256, dtype="bf16", causal=True))             # D = 256: two chunks
 @example(dict(EDGE, hq=4, hkv=1, sq=129, sk=129, dtype="bf16", window=(40, 8)))  # MQA, window
-@example(dict(EDGE, hq=2, hkv=1, sq=160, sk=1100, d=32))                         # three key tiles: dQ chain
+@example(dict(EDGE, hq=2, hkv=1, sq=700, sk=1500, d=32, window=(300, 200)))   # dQ chain over 3 key tiles,
+                                                                               # 2 query groups, partial tile
 @example(dict(EDGE, sq=150, sk=150, causal=True, cu_seqlens=[0, 3, 3, 129, 150], dtype="fp16",
               softcap=5.0, sinks=True))                                          # documents, empty one
 def test_gradient_parity(problem):

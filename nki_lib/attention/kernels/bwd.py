@@ -10,10 +10,9 @@ Math (``reference.flash_attention_backward``), per query row i and key j, with s
 
 Loop structure (KV-outer, FlashAttention-2 backward):
 
-    phase 0 (bwd_prep): per (h, b, query tile): delta, -lse, mask bounds -> stats scratch;
-                        Q^T, dO^T -> HBM scratch; dsinks
+    phase 0 (bwd_prep): per (h, b, query tile): delta, -lse, mask bounds -> stats scratch; dsinks
     for b, kv head hk, key tile j (<= 512 keys: one fp32 PSUM bank of scores):
-        load K (keys on partitions) and K^T, V^T (head dim on partitions, TensorE transposes)
+        load K (keys on partitions), K^T and V^T (head dim on partitions)
         dK, dV accumulators for the key tile stay in PSUM (fp32)
         for each query head h of hk's GQA group, for each query tile i (128 rows) that sees j:
             S = Q K^T, dP = dO V^T                    TensorE -> PSUM fp32
@@ -33,12 +32,14 @@ Deterministic: one fixed accumulation order everywhere, no atomics. Whole-tile s
 masks follow ``tiles.plan_row`` / ``tiles.row_bounds`` exactly like the forward; 128-key blocks
 that no query of the tile sees are also skipped for the dV/dK/dQ matmuls.
 
-Working set (per partition; D <= 128, 16-bit inputs): SBUF ~ 12 KiB + 24 B per query tile of
-stats, independent of the sequence lengths otherwise; PSUM 6 banks (dK, dV, S, dP, dS^T, dQ),
+Working set (per partition; D <= 128, 16-bit inputs): SBUF about 8 KiB plus 16 B of statistics
+per query tile (10 KiB at Sq = 16384), otherwise independent of the sequence lengths; PSUM 6 banks (dK, dV, S, dP, dS^T, dQ),
 8 banks for D in (128, 256].
 
-Shapes: q, out, dout (B, Hq, Sq, D); k, v (B, Hkv, Sk, D); lse, dlse (B, Hq, Sq) fp32;
-sinks (Hq,) fp32; doc_lo, doc_hi (Sq,) fp32 first/last position of each position's document.
+Shapes (HBM; the launcher prepares the transposed copies, layout glue): q, out, dout
+(B, Hq, Sq, D); q_t, dout_t (B, Hq, D, Sq); k (B, Hkv, Sk, D); k_t, v_t (B, Hkv, D, Sk);
+lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32; doc (2, Sq) fp32 first/last position of each
+position's document (cu_seqlens). Scratch: dq_acc (B, Hq, Sq, D) fp32, stats (bwd_prep).
 Dimension legend: B batch, Hq/Hkv query/kv heads (G = Hq // Hkv), Sq/Sk lengths, D head dim,
 qn/kn rows/keys of the current tile, NT query tiles.
 Limits: D <= 256 (two contraction chunks); bf16/fp16/fp32; Sq, Sk < 2**24; with masks and no
@@ -50,7 +51,6 @@ from __future__ import annotations
 import torch
 
 from nki_lib._nki import nki, nisa, nl
-from nki_lib.attention import masks
 from nki_lib.attention.kernels import bwd_prep, tiles
 from nki_lib.attention.kernels.bwd_prep import DELTA, HI, LO, NEG_LSE
 from nki_lib.dispatch import Unsupported, call_kernel
@@ -78,31 +78,21 @@ def _acc_stride(head_dim: int) -> int:
 
 # --------------------------------------------------------------------------- K/V tile
 
-def _transposed(x_sb, blocks, head_dim):
-    """``(pmax, nchunks, kn)``: x^T with the head dim on partitions, per 128-key block through one
-    PSUM bank per head-dim chunk (TensorE transposes, ScalarE eviction)."""
+def _load_kv(k, k_t, v_t, b, hk, k0, kn, head_dim):
+    """K as ``(pmax, nblocks, D)`` (keys on partitions, one 128-key block per middle index) for
+    dQ; K^T and V^T as ``(pmax, nchunks, kn)`` (head dim on partitions) for S and dP."""
     pmax = nl.tile_size.pmax
+    blocks = tiles.key_blocks(kn)
     chunks = tiles.head_dim_chunks(head_dim)
-    kn = blocks[-1][0] + blocks[-1][1]
-    xT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=x_sb.dtype, buffer=nl.sbuf)
-    for ch, (d0, dc) in enumerate(chunks):
-        t_psum = nl.ndarray((pmax, kn), dtype=x_sb.dtype, buffer=nl.psum)
-        for c, (s0, sn) in enumerate(blocks):
-            nisa.nc_transpose(dst=t_psum[:dc, s0:s0 + sn], data=x_sb[:sn, c, d0:d0 + dc],
-                              engine=nisa.engine.tensor)
-        nisa.tensor_copy(dst=xT_sb[:dc, ch, :], src=t_psum[:dc, :], engine=nisa.engine.scalar)
-    return xT_sb
-
-
-def _load_kv(k, v, b, hk, k0, blocks, head_dim):
-    """K as ``(pmax, nblocks, D)`` (keys on partitions), K^T and V^T as ``(pmax, nchunks, kn)``."""
-    pmax = nl.tile_size.pmax
     k_sb = nl.ndarray((pmax, len(blocks), head_dim), dtype=k.dtype, buffer=nl.sbuf)
-    v_sb = nl.ndarray((pmax, len(blocks), head_dim), dtype=v.dtype, buffer=nl.sbuf)
     for c, (s0, sn) in enumerate(blocks):
         nisa.dma_copy(dst=k_sb[:sn, c, :], src=k[b, hk, k0 + s0:k0 + s0 + sn, :])
-        nisa.dma_copy(dst=v_sb[:sn, c, :], src=v[b, hk, k0 + s0:k0 + s0 + sn, :])
-    return k_sb, _transposed(k_sb, blocks, head_dim), _transposed(v_sb, blocks, head_dim)
+    kT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=k_t.dtype, buffer=nl.sbuf)
+    vT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=v_t.dtype, buffer=nl.sbuf)
+    for ch, (d0, dc) in enumerate(chunks):
+        nisa.dma_copy(dst=kT_sb[:dc, ch, :], src=k_t[b, hk, d0:d0 + dc, k0:k0 + kn])
+        nisa.dma_copy(dst=vT_sb[:dc, ch, :], src=v_t[b, hk, d0:d0 + dc, k0:k0 + kn])
+    return k_sb, kT_sb, vT_sb
 
 
 def _store_kv_grads(dk, dv, b, hk, k0, blocks, dk_psum, dv_psum, started, cfg):
@@ -171,59 +161,36 @@ def _dscores(dp_psum, p_sb, tsq_sb, stat, qn, kn, mm_dtype):
     return ds_sb
 
 
-def _update_dq(dq, dq_acc, b, h, q0, qn, dq_psum, first, last, cfg):
-    """Accumulate scale * dQ_part into the fp32 scratch; the last visit writes dq (output dtype)."""
-    pmax = nl.tile_size.pmax
-    d = cfg.head_dim
-    res_sb = nl.ndarray((pmax, d), dtype=dq.dtype if last else nl.float32, buffer=nl.sbuf)
-    if first:
-        nisa.activation(dst=res_sb[:qn, :], op=nl.copy, data=dq_psum[:qn, :], scale=cfg.scale)
-    else:
-        acc_sb = nl.ndarray((pmax, d), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=acc_sb[:qn, :], src=dq_acc[b, h, q0:q0 + qn, :])
-        nisa.scalar_tensor_tensor(dst=res_sb[:qn, :], data=dq_psum[:qn, :], op0=nl.multiply,
-                                  operand0=cfg.scale, op1=nl.add, operand1=acc_sb[:qn, :])
-    target = dq if last else dq_acc
-    nisa.dma_copy(dst=target[b, h, q0:q0 + qn, :], src=res_sb[:qn, :])
-
-
-def _tile_step(ins, scratch, kv, stats_sb, b, h, t, tile_masked, k0, kn, first, last, cfg):
-    """All work of one (query tile, key tile) pair; see the module docstring."""
-    dout, q, dq = ins
-    qT_hbm, doT_hbm, dq_acc = scratch
+def _tile_step(q_grp, kv, stats_sb, slot, t, qn, tile_masked, k0, kn, first, cfg):
+    """All work of one (query tile, key tile) pair; ``scale * dQ_part`` lands in the dQ group
+    accumulator slot (stored when ``first``, added otherwise). See the module docstring."""
+    qT_sb, doT_sb, q_sb, do_sb, dq_grp = q_grp
     k_sb, kT_sb, vT_sb, dk_psum, dv_psum, started = kv
     pmax = nl.tile_size.pmax
     kw = tiles.key_tile_width()
     d = cfg.head_dim
     q0 = t * pmax
-    qn = min(pmax, q.shape[2] - q0)
-    mm_dtype = q.dtype
+    mm_dtype = q_sb.dtype
     chunks = tiles.head_dim_chunks(d)
     blocks = tiles.key_blocks(kn)
     stat = stats_sb[:, t, :]
-
-    q_sb = nl.ndarray((pmax, d), dtype=q.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=q_sb[:qn, :], src=q[b, h, q0:q0 + qn, :])
-    do_sb = nl.ndarray((pmax, d), dtype=dout.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=do_sb[:qn, :], src=dout[b, h, q0:q0 + qn, :])
-    qT_sb = nl.ndarray((pmax, len(chunks), pmax), dtype=q.dtype, buffer=nl.sbuf)
-    doT_sb = nl.ndarray((pmax, len(chunks), pmax), dtype=dout.dtype, buffer=nl.sbuf)
-    for ch, (d0, dc) in enumerate(chunks):
-        nisa.dma_copy(dst=qT_sb[:dc, ch, :qn], src=qT_hbm[b, h, d0:d0 + dc, q0:q0 + qn])
-        nisa.dma_copy(dst=doT_sb[:dc, ch, :qn], src=doT_hbm[b, h, d0:d0 + dc, q0:q0 + qn])
+    cols = slot * pmax
 
     s_psum = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.psum)
     dp_psum = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.psum)
     for ch, (d0, dc) in enumerate(chunks):
-        nisa.nc_matmul(dst=s_psum[:qn, :kn], stationary=qT_sb[:dc, ch, :qn], moving=kT_sb[:dc, ch, :kn],
-                       accumulate=ch > 0)
+        nisa.nc_matmul(dst=s_psum[:qn, :kn], stationary=qT_sb[:dc, ch, cols:cols + qn],
+                       moving=kT_sb[:dc, ch, :kn], accumulate=ch > 0)
     for ch, (d0, dc) in enumerate(chunks):
-        nisa.nc_matmul(dst=dp_psum[:qn, :kn], stationary=doT_sb[:dc, ch, :qn], moving=vT_sb[:dc, ch, :kn],
-                       accumulate=ch > 0)
+        nisa.nc_matmul(dst=dp_psum[:qn, :kn], stationary=doT_sb[:dc, ch, cols:cols + qn],
+                       moving=vT_sb[:dc, ch, :kn], accumulate=ch > 0)
     p_sb, tsq_sb = _probs(s_psum, stat, k0, qn, kn, tile_masked, cfg, mm_dtype)
     ds_sb = _dscores(dp_psum, p_sb, tsq_sb, stat, qn, kn, mm_dtype)
 
+    # 128-key blocks some query of the tile sees (never empty for a planned tile: the visible keys
+    # of consecutive rows form one interval); the others skip the dV/dK/dQ matmuls
     seen = [c for c, (s0, sn) in enumerate(blocks) if cfg.mask.tile_visible(q0, qn, k0 + s0, sn)]
+    seen = seen or list(range(len(blocks)))
     dsT_psum = nl.ndarray((pmax, len(blocks), pmax), dtype=mm_dtype, buffer=nl.psum)
     dsT_sb = nl.ndarray((pmax, len(blocks), pmax), dtype=mm_dtype, buffer=nl.sbuf)
     for c in seen:
@@ -234,31 +201,114 @@ def _tile_step(ins, scratch, kv, stats_sb, b, h, t, tile_masked, k0, kn, first, 
                        accumulate=started[c])
         started[c] = True
         nisa.nc_transpose(dst=dsT_psum[:sn, c, :qn], data=ds_sb[:qn, s0:s0 + sn], engine=nisa.engine.tensor)
-        evict_engine = nisa.engine.scalar if c % 2 == 0 else nisa.engine.vector
-        nisa.tensor_copy(dst=dsT_sb[:sn, c, :qn], src=dsT_psum[:sn, c, :qn], engine=evict_engine)
+        nisa.tensor_copy(dst=dsT_sb[:sn, c, :qn], src=dsT_psum[:sn, c, :qn], engine=nisa.engine.scalar)
     dq_psum = nl.ndarray((pmax, d), dtype=nl.float32, buffer=nl.psum)
     for n, c in enumerate(seen):
         s0, sn = blocks[c]
         nisa.nc_matmul(dst=dq_psum[:qn, :], stationary=dsT_sb[:sn, c, :qn], moving=k_sb[:sn, c, :],
                        accumulate=n > 0)
-    if seen:
-        _update_dq(dq, dq_acc, b, h, q0, qn, dq_psum, first, last, cfg)
-    else:
-        _update_dq_without_part(dq, dq_acc, b, h, q0, qn, first, last, cfg)
-
-
-def _update_dq_without_part(dq, dq_acc, b, h, q0, qn, first, last, cfg):
-    """A visited key tile whose every 128-key block is invisible (only possible when whole-tile
-    planning is coarser than the blocks): keep the dQ accumulation chain intact."""
-    pmax = nl.tile_size.pmax
-    d = cfg.head_dim
-    res_sb = nl.ndarray((pmax, d), dtype=dq.dtype if last else nl.float32, buffer=nl.sbuf)
+    acc = dq_grp[:qn, slot, :]
     if first:
-        nisa.memset(dst=res_sb[:qn, :], value=0.0)
+        nisa.activation(dst=acc, op=nl.copy, data=dq_psum[:qn, :], scale=cfg.scale)
     else:
-        nisa.dma_copy(dst=res_sb[:qn, :], src=dq_acc[b, h, q0:q0 + qn, :])
-    target = dq if last else dq_acc
-    nisa.dma_copy(dst=target[b, h, q0:q0 + qn, :], src=res_sb[:qn, :])
+        nisa.scalar_tensor_tensor(dst=acc, data=dq_psum[:qn, :], op0=nl.multiply, operand0=cfg.scale,
+                                  op1=nl.add, operand1=acc)
+
+
+# --------------------------------------------------------------------------- query groups
+
+def _q_groups(visits):
+    """``((group id, visits of the group), ...)`` by aligned query group (``_group_tiles`` query
+    tiles each): one DMA moves a group's Q^T, dO^T or dQ rows (>= 1 KiB per partition)."""
+    per = _group_tiles()
+    gids = sorted(set(t // per for t, _ in visits))
+    return tuple((gid, tuple(v for v in visits if v[0] // per == gid)) for gid in gids)
+
+
+def _group_tiles():
+    """Query tiles per group: as many 128-row tiles as one matmul moving operand is wide."""
+    return nl.tile_size.gemm_moving_fmax // nl.tile_size.pmax
+
+
+def _runs(slots, partial_slot):
+    """Maximal runs ``(start, stop)`` of consecutive slots; the partial last tile is its own run."""
+    runs = []
+    for s in slots:
+        if runs and runs[-1][1] == s and s != partial_slot and runs[-1][0] != partial_slot:
+            runs[-1] = (runs[-1][0], s + 1)
+        else:
+            runs.append((s, s + 1))
+    return runs
+
+
+def _natural(xT_sb, cols, qn, head_dim, engine):
+    """(pmax, D) rows-on-partitions copy of the (D, qn) columns ``cols`` of a transposed tile
+    (TensorE transposes, bit-exact, evicted on ``engine``)."""
+    pmax = nl.tile_size.pmax
+    t_psum = nl.ndarray((pmax, head_dim), dtype=xT_sb.dtype, buffer=nl.psum)
+    for ch, (d0, dc) in enumerate(tiles.head_dim_chunks(head_dim)):
+        nisa.nc_transpose(dst=t_psum[:qn, d0:d0 + dc], data=xT_sb[:dc, ch, cols:cols + qn],
+                          engine=nisa.engine.tensor)
+    x_sb = nl.ndarray((pmax, head_dim), dtype=xT_sb.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=x_sb[:qn, :], src=t_psum[:qn, :], engine=engine)
+    return x_sb
+
+
+def _load_q_group(q_t, dout_t, b, h, gid, seqlen_q, head_dim):
+    """Q^T and dO^T of the group's rows, ``(pmax, nchunks, group rows)``, one DMA per chunk."""
+    pmax = nl.tile_size.pmax
+    width = _group_tiles() * pmax
+    g0 = gid * width
+    gn = min(width, seqlen_q - g0)
+    chunks = tiles.head_dim_chunks(head_dim)
+    qT_sb = nl.ndarray((pmax, len(chunks), width), dtype=q_t.dtype, buffer=nl.sbuf)
+    doT_sb = nl.ndarray((pmax, len(chunks), width), dtype=dout_t.dtype, buffer=nl.sbuf)
+    for ch, (d0, dc) in enumerate(chunks):
+        nisa.dma_copy(dst=qT_sb[:dc, ch, :gn], src=q_t[b, h, d0:d0 + dc, g0:g0 + gn])
+        nisa.dma_copy(dst=doT_sb[:dc, ch, :gn], src=dout_t[b, h, d0:d0 + dc, g0:g0 + gn])
+    return qT_sb, doT_sb
+
+
+def _move_dq(dq_grp, dq_acc, b, h, gid, runs, q_tiles, to_sbuf):
+    """dQ group accumulator <-> fp32 scratch ``(B, Hq, NG, pmax, group_tiles, D)``, one DMA per run
+    of slots (each partition moves one contiguous run)."""
+    per = _group_tiles()
+    for s0, s1 in runs:
+        rows = q_tiles[gid * per + s0][1]
+        hbm = dq_acc[b, h, gid, :rows, s0:s1, :]
+        sb = dq_grp[:rows, s0:s1, :]
+        nisa.dma_copy(dst=sb if to_sbuf else hbm, src=hbm if to_sbuf else sb)
+
+
+def _group_pass(ins, kv, stats_sb, b, h, gid, group, k0, kn, plans, cfg):
+    """All visits of one query group to the key tile ``k0``."""
+    dout, dout_t, q, q_t, dq, dq_acc = ins
+    pmax = nl.tile_size.pmax
+    per = _group_tiles()
+    d = cfg.head_dim
+    q_tiles = tiles.query_tiles(q.shape[2])
+    partial = len(q_tiles) - 1 - gid * per if q_tiles[-1][1] < pmax else -1
+    slots = [t - gid * per for t, _ in group]
+    first = [plans[t][0][0] == k0 for t, _ in group]
+    last = [plans[t][-1][0] == k0 for t, _ in group]
+
+    qT_sb, doT_sb = _load_q_group(q_t, dout_t, b, h, gid, q.shape[2], d)
+    dq_grp = nl.ndarray((pmax, per, d), dtype=nl.float32, buffer=nl.sbuf)
+    loads = _runs([s for s, f in zip(slots, first) if not f], partial)
+    _move_dq(dq_grp, dq_acc, b, h, gid, loads, q_tiles, True)
+    for i, (t, tile_masked) in enumerate(group):
+        slot = slots[i]
+        qn = q_tiles[t][1]
+        q_sb = _natural(qT_sb, slot * pmax, qn, d, nisa.engine.scalar)
+        do_sb = _natural(doT_sb, slot * pmax, qn, d, nisa.engine.scalar)
+        _tile_step((qT_sb, doT_sb, q_sb, do_sb, dq_grp), kv, stats_sb, slot, t, qn, tile_masked, k0, kn,
+                   first[i], cfg)
+        if last[i]:
+            dq_sb = nl.ndarray((pmax, d), dtype=dq.dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=dq_sb[:qn, :], src=dq_grp[:qn, slot, :], engine=nisa.engine.scalar)
+            nisa.dma_copy(dst=dq[b, h, t * pmax:t * pmax + qn, :], src=dq_sb[:qn, :])
+    stores = _runs([s for s, f in zip(slots, last) if not f], partial)
+    _move_dq(dq_grp, dq_acc, b, h, gid, stores, q_tiles, False)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -269,53 +319,52 @@ def _visits(plans, k0):
 
 
 @nki.jit
-def flash_bwd_kernel(dout, dlse, q, k, v, out, lse, sinks, doc_lo, doc_hi, causal, scale,
+def flash_bwd_kernel(dout, dout_t, dlse, q, q_t, k, k_t, v_t, out, lse, sinks, doc, causal, scale,
                      window_left, window_right, softcap):
     """Returns ``(dq, dk, dv, dsinks)``; see the module docstring."""
     batch, num_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     pmax = nl.tile_size.pmax
-    mask = tiles.MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right, doc_lo is not None)
+    mask = tiles.MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right, doc is not None)
     masked = mask.causal or mask.window_left >= 0 or mask.window_right >= 0 or mask.has_docs
     cfg = _Config(mask, scale, softcap, head_dim, bwd_prep.num_stats(masked))
     q_tiles = tiles.query_tiles(seqlen_q)
+    per = _group_tiles()
 
     dq = nl.ndarray(q.shape, dtype=q.dtype, buffer=nl.shared_hbm)
     dk = nl.ndarray(k.shape, dtype=k.dtype, buffer=nl.shared_hbm)
-    dv = nl.ndarray(v.shape, dtype=v.dtype, buffer=nl.shared_hbm)
+    dv = nl.ndarray(k.shape, dtype=v_t.dtype, buffer=nl.shared_hbm)
     dsinks = nl.ndarray((num_heads,), dtype=nl.float32, buffer=nl.shared_hbm)
     stats_hbm = nl.ndarray((batch, num_heads, pmax, len(q_tiles), cfg.num_stats), dtype=nl.float32,
                            buffer=nl.private_hbm)
-    qT_hbm = nl.ndarray((batch, num_heads, head_dim, seqlen_q), dtype=q.dtype, buffer=nl.private_hbm)
-    doT_hbm = nl.ndarray((batch, num_heads, head_dim, seqlen_q), dtype=dout.dtype, buffer=nl.private_hbm)
-    dq_acc = nl.ndarray(q.shape, dtype=nl.float32, buffer=nl.private_hbm)
+    dq_acc = nl.ndarray((batch, num_heads, (len(q_tiles) + per - 1) // per, pmax, per, head_dim),
+                        dtype=nl.float32, buffer=nl.private_hbm)
 
-    bwd_prep.prepare(dout, dlse, q, out, lse, sinks, doc_lo, doc_hi, mask, dsinks, stats_hbm, qT_hbm, doT_hbm)
+    bwd_prep.prepare(dout, dlse, out, lse, sinks, doc, mask, dsinks, stats_hbm)
 
     plans = [tiles.plan_row(mask, q0, qn) for q0, qn in q_tiles]
-    acc_shape_free = _acc_stride(head_dim)
+    acc_free = _acc_stride(head_dim)
+    ins = (dout, dout_t, q, q_t, dq, dq_acc)
     for b in nl.sequential_range(batch):
         for hk in nl.sequential_range(num_kv_heads):
             for k0, kn in tiles.key_tiles(seqlen_k):
                 blocks = tiles.key_blocks(kn)
                 visits = _visits(plans, k0)
-                dk_psum = nl.ndarray((pmax, len(blocks), acc_shape_free), dtype=nl.float32, buffer=nl.psum)
-                dv_psum = nl.ndarray((pmax, len(blocks), acc_shape_free), dtype=nl.float32, buffer=nl.psum)
                 started = [False] * len(blocks)
-                if visits:
-                    k_sb, kT_sb, vT_sb = _load_kv(k, v, b, hk, k0, blocks, head_dim)
-                    kv = (k_sb, kT_sb, vT_sb, dk_psum, dv_psum, started)
-                    for g in nl.sequential_range(group):
-                        h = hk * group + g
-                        stats_sb = nl.ndarray((pmax, len(q_tiles), cfg.num_stats), dtype=nl.float32,
-                                              buffer=nl.sbuf)
-                        nisa.dma_copy(dst=stats_sb, src=stats_hbm[b, h])
-                        for t, tile_masked in visits:
-                            first = plans[t][0][0] == k0
-                            last = plans[t][-1][0] == k0
-                            _tile_step((dout, q, dq), (qT_hbm, doT_hbm, dq_acc), kv, stats_sb, b, h, t,
-                                       tile_masked, k0, kn, first, last, cfg)
+                if not visits:
+                    _store_kv_grads(dk, dv, b, hk, k0, blocks, None, None, started, cfg)
+                    continue
+                kv_tiles = _load_kv(k, k_t, v_t, b, hk, k0, kn, head_dim)
+                dk_psum = nl.ndarray((pmax, len(blocks), acc_free), dtype=nl.float32, buffer=nl.psum)
+                dv_psum = nl.ndarray((pmax, len(blocks), acc_free), dtype=nl.float32, buffer=nl.psum)
+                kv = (*kv_tiles, dk_psum, dv_psum, started)
+                for g in nl.sequential_range(group):
+                    h = hk * group + g
+                    stats_sb = nl.ndarray((pmax, len(q_tiles), cfg.num_stats), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=stats_sb, src=stats_hbm[b, h])
+                    for gid, q_group in _q_groups(visits):
+                        _group_pass(ins, kv, stats_sb, b, h, gid, q_group, k0, kn, plans, cfg)
                 _store_kv_grads(dk, dv, b, hk, k0, blocks, dk_psum, dv_psum, started, cfg)
         for h in nl.sequential_range(num_heads):
             for t, (q0, qn) in enumerate(q_tiles):
@@ -328,32 +377,23 @@ def flash_bwd_kernel(dout, dlse, q, k, v, out, lse, sinks, doc_lo, doc_hi, causa
 
 # --------------------------------------------------------------------------- launcher
 
-def document_bounds(cu_seqlens: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host metadata: first and last position (float32, (length,)) of each position's document."""
-    seg = masks.segment_ids(cu_seqlens, length).long()
-    cu = cu_seqlens.long()
-    return cu[seg].to(torch.float32), (cu[seg + 1] - 1).to(torch.float32)
-
-
 def flash_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale, window_left,
               window_right, softcap):
     """Launch the backward kernel: ``(dq, dk, dv, dsinks)`` (dsinks float32 (Hq,), zeros without
     sinks). Raises :class:`Unsupported` before launching when the kernel cannot serve the call."""
     if q.dtype not in KERNEL_DTYPES:
-        raise Unsupported(f"dtype {q.dtype}: the backward kernel handles bf16/fp16/fp32")
+        raise Unsupported(f"dtype {q.dtype} (the backward kernel handles bfloat16, float16, float32)")
     if q.shape[-1] > MAX_HEAD_DIM:
         raise Unsupported(f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}")
-    if max(q.shape[2], k.shape[2]) >= tiles.MAX_INDEX:
-        raise Unsupported(f"sequence length >= {tiles.MAX_INDEX} (key indices are float32 in the kernel)")
+    if q.shape[2] + k.shape[2] >= tiles.MAX_INDEX:
+        raise Unsupported(f"Sq + Sk = {q.shape[2] + k.shape[2]} >= 2**24 (key indices are float32 in the kernel)")
     has_mask = causal or window_left >= 0 or window_right >= 0 or cu_seqlens is not None
     if has_mask and softcap == 0 and scale <= 0:
         raise Unsupported("scale <= 0 with a mask: masked scores would not vanish under exp")
-    doc_lo = doc_hi = None
-    if cu_seqlens is not None:
-        doc_lo, doc_hi = document_bounds(cu_seqlens.to(q.device), q.shape[2])
-    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731  (lse/dlse/sinks are fp32 already)
-    sinks_arg = None if sinks is None else f32(sinks)
-    return call_kernel(flash_bwd_kernel, dout.contiguous(), f32(dlse), q.contiguous(), k.contiguous(),
-                       v.contiguous(), out.contiguous(), f32(lse), sinks_arg, doc_lo, doc_hi,
-                       causal=causal, scale=float(scale), window_left=window_left,
-                       window_right=window_right, softcap=float(softcap))
+    transposed = lambda t: t.transpose(2, 3).contiguous()  # noqa: E731
+    doc = None if cu_seqlens is None else tiles.document_bounds(cu_seqlens, q.shape[2])
+    return call_kernel(flash_bwd_kernel, dout.contiguous(), transposed(dout), dlse.contiguous(), q.contiguous(),
+                       transposed(q), k.contiguous(), transposed(k), transposed(v), out.contiguous(),
+                       lse.contiguous(), None if sinks is None else sinks.contiguous(), doc,
+                       causal=bool(causal), scale=float(scale), window_left=int(window_left),
+                       window_right=int(window_right), softcap=float(softcap))

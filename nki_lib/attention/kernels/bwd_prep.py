@@ -1,4 +1,4 @@
-"""Phase 0 of the flash-attention backward kernel: per-row statistics, Q^T / dO^T, dsinks.
+"""Phase 0 of the flash-attention backward kernel: per-row statistics and dsinks.
 
 Called from ``bwd.flash_bwd_kernel`` (plain NKI helper functions, inlined at trace time).
 
@@ -6,21 +6,21 @@ Per (head h, batch b, query tile t of R <= pmax rows):
 
 * ``delta = rowsum(dO * O) - dlse``                      VectorE (multiply, reduce, subtract)
 * ``neg_lse = -lse``, and 0 where ``lse = -inf``         VectorE (rows with no visible key and no
-  sink: their probabilities are masked to 0 anyway; the bias must stay finite)
+  sink: their probabilities are masked to 0 anyway; the exp bias must stay finite)
 * ``lo``, ``hi``: the visible-key interval of the row (causal, window and document masks, from
   ``tiles.row_bounds``; only when some mask is active)
-* Q^T and dO^T tiles (D on partitions) by TensorE transposes, stored to HBM scratch so the main
-  loop loads them with plain DMAs for every K/V block.
 * ``dsinks[h] = -sum_{b,i} exp(sink_h - lse_i) * delta_i``: per-partition partial sums on
-  VectorE, one ones-vector matmul for the cross-partition sum.
+  ScalarE (exp) and VectorE (fused multiply-add), one ones-vector matmul on TensorE for the
+  cross-partition sum. Without sinks, dsinks is zero-filled.
 
-Scratch layouts (private HBM):
+Output layout (private HBM scratch, read by the main loop):
   stats_hbm (B, Hq, pmax, NT, NSTAT) fp32: [b, h, p, t, s] = statistic s of row t * pmax + p
-             (rows past Sq hold 0), so the main loop reads all tiles of a head in one DMA.
-  qT_hbm, doT_hbm (B, Hq, D, Sq) in the input dtype.
+  (rows past Sq hold 0), so the main loop loads all statistics of a head with one DMA.
 
+Shapes: dout, out (B, Hq, Sq, D); lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32; doc (2, Sq).
 Dimension legend: B batch, Hq query heads, Sq query length, D head dim, NT = ceil(Sq / pmax),
-R rows of the current query tile, NSTAT statistics per row.
+R rows of the current query tile, NSTAT statistics per row (2, or 4 with masks).
+Limits: one pass over dO and O; the per-row work is tiny next to the main loop.
 """
 
 from __future__ import annotations
@@ -41,17 +41,6 @@ HI = 3
 
 def num_stats(masked):
     return HI + 1 if masked else DELTA + 1
-
-
-def _store_transposed(dst_hbm, src_sb, rows, head_dim):
-    """dst_hbm (D, R) <- transpose of src_sb[:R, :D], chunk by chunk through PSUM."""
-    pmax = nl.tile_size.pmax
-    for d0, dc in tiles.head_dim_chunks(head_dim):
-        t_psum = nl.ndarray((pmax, pmax), dtype=src_sb.dtype, buffer=nl.psum)
-        nisa.nc_transpose(dst=t_psum[:dc, :rows], data=src_sb[:rows, d0:d0 + dc], engine=nisa.engine.tensor)
-        t_sb = nl.ndarray((pmax, pmax), dtype=src_sb.dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=t_sb[:dc, :rows], src=t_psum[:dc, :rows], engine=nisa.engine.scalar)
-        nisa.dma_copy(dst=dst_hbm[d0:d0 + dc, :], src=t_sb[:dc, :rows])
 
 
 def _row_stats(stat_sb, o_sb, do_sb, lse_sb, dlse_sb, zero_col, rows, head_dim):
@@ -85,9 +74,9 @@ def _store_dsink(dsinks, h, acc_sb, ones_sb):
     nisa.dma_copy(dst=dsinks[h:h + 1], src=total_sb)
 
 
-def prepare(dout, dlse, q, out, lse, sinks, doc_lo, doc_hi, mask, dsinks, stats_hbm, qT_hbm, doT_hbm):
-    """Fill stats_hbm, qT_hbm, doT_hbm and dsinks (zeros without sinks); see the module docstring."""
-    batch, num_heads, seqlen_q, head_dim = q.shape
+def prepare(dout, dlse, out, lse, sinks, doc, mask, dsinks, stats_hbm):
+    """Fill stats_hbm and dsinks; see the module docstring."""
+    batch, num_heads, seqlen_q, head_dim = out.shape
     pmax = nl.tile_size.pmax
     num_q_tiles = (seqlen_q + pmax - 1) // pmax
     nstat = stats_hbm.shape[-1]
@@ -101,6 +90,7 @@ def prepare(dout, dlse, q, out, lse, sinks, doc_lo, doc_hi, mask, dsinks, stats_
         nisa.memset(dst=zeros_sb, value=0.0)
         nisa.dma_copy(dst=dsinks, src=zeros_sb)
 
+    doc_rows = (None, None) if doc is None else (doc[0], doc[1])
     for h in nl.sequential_range(num_heads):
         if sinks is not None:
             sink_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -115,8 +105,6 @@ def prepare(dout, dlse, q, out, lse, sinks, doc_lo, doc_hi, mask, dsinks, stats_
                 nisa.dma_copy(dst=o_sb[:rows, :], src=out[b, h, q0:q0 + rows, :])
                 do_sb = nl.ndarray((pmax, head_dim), dtype=dout.dtype, buffer=nl.sbuf)
                 nisa.dma_copy(dst=do_sb[:rows, :], src=dout[b, h, q0:q0 + rows, :])
-                q_sb = nl.ndarray((pmax, head_dim), dtype=q.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=q_sb[:rows, :], src=q[b, h, q0:q0 + rows, :])
                 lse_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.dma_copy(dst=lse_sb[:rows, :], src=lse[b, h, q0:q0 + rows])
                 dlse_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -127,14 +115,11 @@ def prepare(dout, dlse, q, out, lse, sinks, doc_lo, doc_hi, mask, dsinks, stats_
                     nisa.memset(dst=stat_sb, value=0.0)
                 _row_stats(stat_sb, o_sb, do_sb, lse_sb, dlse_sb, zero_col, rows, head_dim)
                 if nstat > LO:
-                    lo_sb, hi_sb = tiles.row_bounds(mask, q0, rows, doc_lo, doc_hi)
+                    lo_sb, hi_sb = tiles.row_bounds(mask, q0, rows, *doc_rows)
                     nisa.tensor_copy(dst=stat_sb[:rows, LO], src=lo_sb, engine=nisa.engine.vector)
                     nisa.tensor_copy(dst=stat_sb[:rows, HI], src=hi_sb, engine=nisa.engine.vector)
                 nisa.dma_copy(dst=stats_hbm[b, h, :, t, :], src=stat_sb)
                 if sinks is not None:
                     _dsink_partial(acc_sb, lse_sb, stat_sb, sink_sb, rows)
-
-                _store_transposed(qT_hbm[b, h, :, q0:q0 + rows], q_sb, rows, head_dim)
-                _store_transposed(doT_hbm[b, h, :, q0:q0 + rows], do_sb, rows, head_dim)
         if sinks is not None:
             _store_dsink(dsinks, h, acc_sb, ones_sb)

@@ -29,6 +29,7 @@ from nki_lib.attention import masks
 
 __all__ = ["MASK_FILL", "STAT_INIT", "MAX_INDEX", "MaskSpec", "spans", "query_tiles", "key_tiles",
            "key_tile_width", "key_blocks", "head_dim_chunks", "plan_row", "heads_per_pass",
+           "document_bounds",
            "row_bounds", "mask_scores"]
 
 MASK_FILL = -3.4028234663852886e38  # most negative finite float32 (range_select's only fill value)
@@ -105,6 +106,16 @@ def plan_row(mask: MaskSpec, q0: int, qn: int) -> tuple:
         if mask.tile_visible(q0, qn, k0, kn):
             plan.append((k0, kn, not mask.tile_full(q0, qn, k0, kn)))
     return tuple(plan)
+
+
+def document_bounds(cu_seqlens, length: int):
+    """Host metadata for :func:`row_bounds`: (2, S) float32 with the first and last position of
+    the document of every position (``cu_seqlens`` int32 (N+1,))."""
+    import torch
+
+    cu = cu_seqlens.to(torch.int64)
+    seg = masks.segment_ids(cu, length)
+    return torch.stack([cu[seg], cu[seg + 1] - 1]).to(torch.float32).contiguous()
 
 
 def heads_per_pass(group: int, per_head_bytes: int, budget_bytes: int) -> int:
