@@ -1,0 +1,137 @@
+"""Per-instruction argument rules (nki-api.md §5.3, §8.9–§8.28): each kernel body breaks one
+documented constraint of one instruction and must raise NKIRuleError naming that instruction and
+the offending operand, at the ``# VIOLATION`` line.
+"""
+
+import numpy as np
+import pytest
+
+from nki_lib.simulator import NKIRuleError, jit, simulate
+from nki_lib.simulator import isa as nisa
+from nki_lib.simulator import language as nl
+from sim_helpers import check_rule_error
+
+MARK = "# VIOLATION"
+
+
+def reduce_partition_axis():
+    a_sb = nl.zeros((8, 8), dtype=nl.float32)
+    r_sb = nl.ndarray((1, 8), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=r_sb, op=nl.add, data=a_sb, axis=0)  # VIOLATION
+
+
+def reduce_non_trailing_axis():
+    a_sb = nl.zeros((8, 4, 6), dtype=nl.float32)
+    r_sb = nl.ndarray((8, 6), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=r_sb, op=nl.add, data=a_sb, axis=1)  # VIOLATION
+
+
+def iota_pattern_size():
+    t_sb = nl.ndarray((8, 16), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.iota(t_sb, [[1, 12]], offset=0, channel_multiplier=0)  # VIOLATION
+
+
+def activation_max_reduce():
+    a_sb = nl.zeros((8, 8), dtype=nl.float32)
+    r_sb = nl.ndarray((8, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=a_sb, op=nl.exp, data=a_sb, reduce_op=nl.maximum, reduce_res=r_sb,  # VIOLATION
+                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
+
+
+def bitvec_on_floats():
+    a_sb = nl.zeros((8, 8), dtype=nl.float32)
+    nisa.tensor_tensor(dst=a_sb, data1=a_sb, data2=a_sb, op=nl.bitwise_and)  # VIOLATION
+
+
+def core_barrier_cores():
+    out = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.core_barrier(out, (0, 2))  # VIOLATION
+
+
+def register_load_many():
+    t_sb = nl.zeros((1, 2), dtype=nl.int32)
+    reg = nisa.register_alloc(0)
+    nisa.register_load(reg, t_sb)  # VIOLATION
+
+
+def local_gather_elem_count():
+    src_sb = nl.zeros((16, 32), dtype=nl.float32)
+    idx_sb = nl.zeros((16, 1), dtype=nl.uint16)
+    dst_sb = nl.ndarray((16, 6), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.local_gather(dst=dst_sb, src_buffer=src_sb, index=idx_sb, num_elem_per_idx=3,  # VIOLATION
+                      num_valid_indices=2)
+
+
+def nonzero_dst_dtype():
+    src_sb = nl.zeros((16, 8), dtype=nl.float32)
+    dst_sb = nl.ndarray((16, 9), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.nonzero_with_count(dst=dst_sb, src=src_sb)  # VIOLATION
+
+
+def shuffle_mask_length():
+    a_sb = nl.zeros((32, 8), dtype=nl.float32)
+    nisa.nc_stream_shuffle(dst=a_sb, src=a_sb, shuffle_mask=list(range(16)))  # VIOLATION
+
+
+def predicate_dtype():
+    a_sb = nl.zeros((8, 8), dtype=nl.float32)
+    p_sb = nl.zeros((8, 8), dtype=nl.float32)
+    nisa.tensor_copy_predicated(dst=a_sb, src=a_sb, predicate=p_sb)  # VIOLATION
+
+
+def find_index8_dst_dtype():
+    a_sb = nl.zeros((8, 16), dtype=nl.float32)
+    v_sb = nl.zeros((8, 8), dtype=nl.float32)
+    i_sb = nl.ndarray((8, 8), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.nc_find_index8(dst=i_sb, data=a_sb, vals=v_sb)  # VIOLATION
+
+
+def dma_transpose_dtype_mismatch():
+    a_sb = nl.zeros((16, 8), dtype=nl.bfloat16)
+    t_sb = nl.ndarray((8, 16), dtype=nl.float16, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=t_sb, src=a_sb)  # VIOLATION
+
+
+def transpose_mode_without_identity():
+    s_sb = nl.zeros((32, 16), dtype=nl.bfloat16)
+    m_sb = nl.ones((32, 32), dtype=nl.bfloat16)
+    t_psum = nl.ndarray((16, 32), dtype=nl.bfloat16, buffer=nl.psum)
+    nisa.nc_matmul(dst=t_psum, stationary=s_sb, moving=m_sb, is_transpose=True)  # VIOLATION
+
+
+def tile_size_too_small():
+    s_sb = nl.zeros((128, 64), dtype=nl.bfloat16)
+    m_sb = nl.zeros((128, 64), dtype=nl.bfloat16)
+    acc_psum = nl.ndarray((64, 64), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=acc_psum, stationary=s_sb, moving=m_sb, tile_position=(0, 0), tile_size=(64, 64))  # VIOLATION
+
+
+CASES = [
+    (reduce_partition_axis, "tensor_reduce", "axis"),
+    (reduce_non_trailing_axis, "tensor_reduce", "axis"),
+    (iota_pattern_size, "iota", None),
+    (activation_max_reduce, "activation", "reduce_op"),
+    (bitvec_on_floats, "tensor_tensor", None),
+    (core_barrier_cores, "core_barrier", "cores"),
+    (register_load_many, "register_load", "src"),
+    (local_gather_elem_count, "local_gather", "num_elem_per_idx"),
+    (nonzero_dst_dtype, "nonzero_with_count", "dst"),
+    (shuffle_mask_length, "nc_stream_shuffle", "shuffle_mask"),
+    (predicate_dtype, "tensor_copy_predicated", "predicate"),
+    (find_index8_dst_dtype, "nc_find_index8", "dst"),
+    (dma_transpose_dtype_mismatch, "dma_transpose", None),
+    (transpose_mode_without_identity, "nc_matmul", "moving"),
+    (tile_size_too_small, "nc_matmul", None),
+]
+
+
+@pytest.mark.parametrize(("body", "instruction", "operand"), CASES, ids=[c[0].__name__ for c in CASES])
+def test_instruction_rule(body, instruction, operand):
+    def kernel(x_hbm):
+        body()
+        return x_hbm
+
+    kernel.__name__ = kernel.__qualname__ = body.__name__
+    with pytest.raises(NKIRuleError) as info:
+        simulate(jit(kernel))(np.zeros((1, 1), np.float32))
+    check_rule_error(info.value, body, MARK, instruction=instruction, operand=operand)
