@@ -4,18 +4,21 @@ Shapes: B batch, Hq query heads, Hkv kv heads, Sq new tokens per sequence, D hea
 Smax contiguous-cache capacity, NB physical blocks, bs block size, MB block-table columns,
 L_b = ``cache_seqlens[b]`` valid positions of sequence b.
 
-* ``dense_kv(k_cache, v_cache, block_table, b, length)``: the first ``length`` cached positions
-  of sequence b as dense ``[Hkv, length, D]`` tensors, gathered through the block table
-  (logical position p lives in block ``block_table[b, p // bs]`` at row ``p % bs``).
-* ``decode_attention``: the reference path. For each sequence it gathers its valid keys and runs
-  ``reference.flash_attention(causal=True, window_left=...)`` on that dense problem: with
-  ``Sk = L_b`` the bottom-right alignment puts query t at position ``L_b - Sq + t``, which is
-  exactly the decode rule, so decode *is* flash attention on the equivalent dense problem.
+* ``dense_kv(k_cache, v_cache, block_table, b, length, first)``: cached positions
+  ``[first, length)`` of sequence b as dense ``[Hkv, n, D]`` tensors, gathered through the block
+  table (logical position p lives in block ``block_table[b, p // bs]`` at row ``p % bs``).
+* ``decode_attention``: the reference path. For each sequence it gathers the keys any new token
+  can see, ``[first, L_b)`` with ``first = max(0, L_b - Sq - window_left)`` (0 without a window),
+  and runs ``reference.flash_attention(causal=True, window_left=...)`` on that dense problem: with
+  ``Sk = L_b - first`` the bottom-right alignment puts query t at position ``L_b - Sq + t`` (shifted
+  by ``first``), which is exactly the decode rule, so decode *is* flash attention on the
+  equivalent dense problem (dropping keys that no query sees changes nothing).
 * ``naive``: the same decomposition with ``reference.naive`` (dense softmax in the inputs' dtype),
   the fp64 oracle and low-precision baseline of the parity tests.
 
-Only positions ``< L_b`` are ever read, so garbage (even NaN) in unused cache slots or unused
-block-table entries never reaches the result.
+Only positions in ``[first, L_b)`` are read, so garbage (even NaN) in unused cache slots, in
+slots outside every query's window, or in unused block-table entries never reaches the result
+(the kernel reads the same positions, up to its gather granularity).
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ from nki_lib.attention import reference
 
 
 def dense_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None,
-             b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of positions ``[0, length)`` of sequence ``b``: two ``[Hkv, length, D]``."""
+             b: int, length: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions ``[first, length)`` of sequence ``b``: two ``[Hkv, n, D]``."""
     if block_table is None:
-        return k_cache[b, :, :length], v_cache[b, :, :length]
+        return k_cache[b, :, first:length], v_cache[b, :, first:length]
     block_size = k_cache.shape[2]
     n_blocks = -(-length // block_size)
     blocks = block_table[b, :n_blocks].to(torch.long)
@@ -37,7 +40,7 @@ def dense_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Te
     def gather(cache):
         hkv, d = cache.shape[1], cache.shape[3]
         # [n_blocks, Hkv, bs, D] -> [Hkv, n_blocks * bs, D] -> first `length` positions
-        return cache[blocks].permute(1, 0, 2, 3).reshape(hkv, n_blocks * block_size, d)[:, :length]
+        return cache[blocks].permute(1, 0, 2, 3).reshape(hkv, n_blocks * block_size, d)[:, first:length]
 
     return gather(k_cache), gather(v_cache)
 
@@ -46,8 +49,10 @@ def _per_sequence(attention, q, k_cache, v_cache, cache_seqlens, block_table, si
                   window_left, softcap):
     lengths = [int(x) for x in cache_seqlens.tolist()]
     outs, lses = [], []
+    sq = q.shape[2]
     for b, length in enumerate(lengths):
-        k_b, v_b = dense_kv(k_cache, v_cache, block_table, b, length)
+        first = max(0, length - sq - window_left) if window_left >= 0 else 0
+        k_b, v_b = dense_kv(k_cache, v_cache, block_table, b, length, first)
         out_b, lse_b = attention(q[b:b + 1], k_b[None], v_b[None], sinks, None, causal=True,
                                  scale=scale, window_left=window_left, window_right=-1,
                                  softcap=softcap)

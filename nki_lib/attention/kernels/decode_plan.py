@@ -35,20 +35,22 @@ __all__ = ["decode_fwd", "plan_splits", "KERNEL_DTYPES"]
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STREAMS_PER_CORE = 16       # independent (sequence, kv head, split) streams wanted: one per DMA engine
 MIN_CHUNKS_PER_SPLIT = 1    # a split streams at least one whole chunk
-CHUNK_BUFFER_BYTES = 16384  # per partition for one K or V chunk (4 buffers = 64 KiB of SBUF); long
-                            # rows make each gather descriptor move >= 2 KiB (cost model §7.3)
+CHUNK_BUFFER_BYTES = 8192   # per partition for one K or V chunk buffer: long rows make each gather
+                            # descriptor move >= 2 KiB (cost model §7.3)
+MAX_KEYS_PER_PARTITION = 32  # chunk <= 4096 keys: bounds the masked-away compute of a sequence's
+                            # last chunk (work follows L_b, not the chunk)
 CONTIGUOUS_UNIT_KEYS = 128   # gather granularity of a contiguous cache: reads stop within 127 keys
                             # of L_b; one unit = one 32 KiB descriptor run at D=128 bf16
 MIN_CHUNKS = 1              # chunks over the capacity, at least (bounds masked-away compute)
 
 
 def keys_per_partition(capacity: int, d: int, itemsize: int) -> int:
-    """Chunk depth M (keys per partition; a chunk holds 128*M keys): the largest power of two whose
-    K (or V) chunk fits ``CHUNK_BUFFER_BYTES`` per partition, with at least ``MIN_CHUNKS`` chunks
-    over the capacity (a chunk is computed whole, so a deep chunk wastes compute on short caches)."""
+    """Chunk depth M (keys per partition; a chunk holds 128*M keys): the largest power of two
+    <= MAX_KEYS_PER_PARTITION whose K (or V) chunk fits ``CHUNK_BUFFER_BYTES`` per partition and
+    that keeps at least ``MIN_CHUNKS`` chunks over the capacity (a chunk is computed whole)."""
     by_bytes = CHUNK_BUFFER_BYTES // (d * itemsize)
     by_capacity = capacity // (nl.tile_size.pmax * MIN_CHUNKS)
-    return _floor_pow2(max(1, min(by_bytes, by_capacity)))
+    return _floor_pow2(max(1, min(by_bytes, by_capacity, MAX_KEYS_PER_PARTITION)))
 
 
 def _floor_pow2(x: int) -> int:
