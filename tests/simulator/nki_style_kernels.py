@@ -167,3 +167,77 @@ def lnc_exchange(x):
     nisa.sendrecv(src=mine_sb, dst=theirs_sb, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
     nisa.dma_copy(dst=out[nl.ds(pid * R, R), :], src=theirs_sb)
     return out
+
+
+@nki.jit
+def attention_tile(q, k, v):
+    """out (Sq, D) = softmax(q @ k.T / sqrt(D)) @ v for one query tile, flash-style.
+
+    q (Sq, D), k (Sk, D), v (Sk, D) fp32 in HBM; Sq <= pmax, D <= pmax, Sk % pmax == 0.
+    Loop over key blocks of pmax rows with an online softmax: scores = qT.T @ kT_blk (TensorE,
+    PSUM), running row max m and row sum l (VectorE/ScalarE), probabilities transposed through
+    TensorE, acc = acc * exp(m_old - m_new) + p @ v_blk; out = acc / l.
+    """
+    Sq, D = q.shape
+    Sk, _ = k.shape
+    pmax = nl.tile_size.pmax
+    scale = 1.0 / (D ** 0.5)
+    out = nl.ndarray((Sq, D), dtype=q.dtype, buffer=nl.shared_hbm)
+
+    q_sb = nl.ndarray((Sq, D), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=q_sb, src=q)
+    q_t_psum = nl.ndarray((D, Sq), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=q_t_psum, data=q_sb, engine=nisa.tensor_engine)
+    q_t_sb = nl.ndarray((D, Sq), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=q_t_sb, op=nl.copy, data=q_t_psum, scale=scale)   # fold 1/sqrt(D) into q
+
+    row_max = nl.ndarray((Sq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    row_sum = nl.ndarray((Sq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    acc_sb = nl.ndarray((Sq, D), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=row_max, value=-3.0e38)
+    nisa.memset(dst=row_sum, value=0.0)
+    nisa.memset(dst=acc_sb, value=0.0)
+    for blk in range(Sk // pmax):
+        k_sb = nl.ndarray((pmax, D), dtype=nl.float32, buffer=nl.sbuf)
+        v_sb = nl.ndarray((pmax, D), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=k_sb, src=k[nl.ds(blk * pmax, pmax), :])
+        nisa.dma_copy(dst=v_sb, src=v[nl.ds(blk * pmax, pmax), :])
+        k_t_psum = nl.ndarray((D, pmax), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=k_t_psum, data=k_sb, engine=nisa.tensor_engine)
+        k_t_sb = nl.ndarray((D, pmax), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=k_t_sb, src=k_t_psum)
+        scores_psum = nl.ndarray((Sq, pmax), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=scores_psum, stationary=q_t_sb, moving=k_t_sb)
+
+        blk_max = nl.ndarray((Sq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=blk_max, op=nl.maximum, data=scores_psum, axis=1)
+        new_max = nl.ndarray((Sq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=new_max, data1=row_max, data2=blk_max, op=nl.maximum)
+        neg_max = nl.ndarray((Sq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=neg_max, data=new_max, op0=nl.multiply, operand0=-1.0)
+        correction = nl.ndarray((Sq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=correction, op=nl.exp, data=row_max, bias=neg_max)
+        nisa.tensor_copy(dst=row_max, src=new_max)
+
+        probs_sb = nl.ndarray((Sq, pmax), dtype=nl.float32, buffer=nl.sbuf)
+        blk_sum = nl.ndarray((Sq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=probs_sb, op=nl.exp, data=scores_psum, bias=neg_max, reduce_op=nl.add,
+                        reduce_res=blk_sum, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.scalar_tensor_tensor(dst=row_sum, data=row_sum, op0=nl.multiply, operand0=correction,
+                                  op1=nl.add, operand1=blk_sum)
+
+        probs_t_psum = nl.ndarray((pmax, Sq), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=probs_t_psum, data=probs_sb, engine=nisa.tensor_engine)
+        probs_t_sb = nl.ndarray((pmax, Sq), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=probs_t_sb, src=probs_t_psum)
+        pv_psum = nl.ndarray((Sq, D), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=pv_psum, stationary=probs_t_sb, moving=v_sb)
+        nisa.scalar_tensor_tensor(dst=acc_sb, data=acc_sb, op0=nl.multiply, operand0=correction,
+                                  op1=nl.add, operand1=pv_psum)
+
+    inv_sum = nl.ndarray((Sq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=inv_sum, data=row_sum)
+    out_sb = nl.ndarray((Sq, D), dtype=q.dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out_sb, data=acc_sb, op0=nl.multiply, operand0=inv_sum)
+    nisa.dma_copy(dst=out, src=out_sb)
+    return out

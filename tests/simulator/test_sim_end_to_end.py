@@ -95,3 +95,18 @@ def test_lnc2_sendrecv_exchange(nki_modules, nki_style_kernels, rng):
     x = rng.standard_normal((2, 32, 8)).astype(np.float32)
     out = nki.simulate(nki_style_kernels.lnc_exchange[2])(x)
     np.testing.assert_array_equal(out, np.concatenate([x[1], x[0]]))
+
+
+def test_attention_tile_online_softmax(nki_modules, nki_style_kernels, rng):
+    nki, _, _ = nki_modules
+    q = rng.standard_normal((128, 64)).astype(np.float32)
+    k = rng.standard_normal((384, 64)).astype(np.float32)
+    v = rng.standard_normal((384, 64)).astype(np.float32)
+    out = nki.simulate(nki_style_kernels.attention_tile)(q, k, v)
+    qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+
+    def reference(q_, k_, v_):
+        return torch.softmax(q_ @ k_.T / q_.shape[-1] ** 0.5, dim=-1) @ v_
+
+    assert_parity(torch.from_numpy(out), reference(qt.double(), kt.double(), vt.double()), reference(qt, kt, vt),
+                  kind="output", dtype=torch.float32, name="attention_tile")
