@@ -68,7 +68,8 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_SBUF_SHARE = 4   # per-head resident state may use 1/4 of SBUF; the rest streams K/V/S/P
 _FP32_BYTES = 4
 _HALF_BYTES = 2        # bfloat16 / float16
-PREFETCH_STEPS = 2     # K/V (and group) loads are issued this many steps ahead of their use
+PIPELINE_LEAD = 2      # the scores of a step are computed this many iterations before its P @ V
+PREFETCH_STEPS = 4     # K/V (and group) loads are issued this many steps ahead of P @ V
 LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
                        # ScalarE table switch to log and back per batch, 8 B/partition each
 KEY_SECTION_TILES = 4  # consecutive visible key tiles whose K^T one DMA loads (bf16: 4 KiB per
@@ -352,33 +353,69 @@ def _prefetch(ctx, groups, steps, s):
         grp.kv[ti] = (k_views, _load_v(ctx.v, grp.b, grp.hk, k0, kn))
 
 
-def _stage_qk(groups, steps, s):
-    """Stage A1 of step s: raw scores in PSUM (None past the end or for a group without keys)."""
-    if s >= len(steps) or steps[s][1] < 0:
-        return None
+class _Work(nl.NKIObject):
+    """In-flight tiles of one step between pipeline stages (dropped as soon as consumed)."""
+
+
+def _real(steps, s):
+    """Step s exists and computes something (not past the ends, not a keyless group)."""
+    return 0 <= s < len(steps) and steps[s][1] >= 0
+
+
+def _stage_qk(groups, steps, work, s):
+    """A1: raw scores of step s in PSUM [PE]."""
+    if _real(steps, s):
+        gi, ti, hi = steps[s]
+        grp = groups[gi]
+        work[s] = _Work(s_psum=_qk(grp.q_tiles[hi], grp.kv[ti][0], grp.qn, grp.plan[ti][1]))
+
+
+def _stage_scores(groups, steps, work, s, scale, softcap):
+    """A2: final scores of step s in SBUF and their row max [DVE/ACT]."""
+    if _real(steps, s):
+        gi, ti, _ = steps[s]
+        grp = groups[gi]
+        k0, _, masked = grp.plan[ti]
+        w = work[s]
+        w.s_sb, w.rowmax = _evict_scores(w.s_psum, scale, softcap, grp.bounds, k0, masked)
+        w.s_psum = None
+
+
+def _stage_softmax(groups, steps, work, s, p_dtype):
+    """B1: online-softmax statistics and P of step s [DVE/ACT]."""
+    if _real(steps, s):
+        gi, _, hi = steps[s]
+        w = work[s]
+        w.p_sb, w.alpha = _softmax_step(groups[gi].states[hi], w.s_sb, w.rowmax, p_dtype)
+        w.s_sb, w.rowmax = None, None
+
+
+def _stage_pv(groups, steps, work, s):
+    """B2: O = P @ V of step s [PE/ACT]; drops the K/V tile after the group's last head."""
+    if _real(steps, s):
+        gi, ti, hi = steps[s]
+        grp = groups[gi]
+        w = work[s]
+        w.o_psum = _p_times_v(w.p_sb, grp.kv[ti][1])
+        w.p_sb = None
+        if hi == len(grp.heads) - 1:
+            grp.kv[ti] = None
+
+
+def _stage_acc(groups, steps, work, s, out, pending_lse):
+    """B3: acc = alpha * acc + O of step s [DVE]; closes the group after its last step."""
+    if s < 0 or s >= len(steps):
+        return
     gi, ti, hi = steps[s]
     grp = groups[gi]
-    return _qk(grp.q_tiles[hi], grp.kv[ti][0], grp.qn, grp.plan[ti][1])
-
-
-def _stage_scores(groups, steps, s, s_psum, scale, softcap):
-    """Stage A2 of step s: final scores in SBUF and their row max."""
-    if s_psum is None:
-        return None
-    gi, ti, _ = steps[s]
-    grp = groups[gi]
-    k0, _, masked = grp.plan[ti]
-    return _evict_scores(s_psum, scale, softcap, grp.bounds, k0, masked)
-
-
-def _stage_pv(grp, ti, hi, p_sb, alpha):
-    """Stage B2: acc = alpha * acc + P @ V; drops the K/V tile after the group's last head."""
-    o_psum = _p_times_v(p_sb, grp.kv[ti][1])
-    acc = grp.states[hi].acc
-    nisa.scalar_tensor_tensor(dst=acc, data=acc, op0=nl.multiply, operand0=alpha, op1=nl.add,
-                              operand1=o_psum)
-    if hi == len(grp.heads) - 1:
-        grp.kv[ti] = None
+    if ti >= 0:
+        w = work[s]
+        acc = grp.states[hi].acc
+        nisa.scalar_tensor_tensor(dst=acc, data=acc, op0=nl.multiply, operand0=w.alpha,
+                                  op1=nl.add, operand1=w.o_psum)
+        work[s] = None
+    if ti == len(grp.plan) - 1 and (ti < 0 or hi == len(grp.heads) - 1):
+        _close_group(grp, out, pending_lse)
 
 
 def _close_group(grp, out, pending_lse):
@@ -409,28 +446,25 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
                mask=mask, doc_lo=doc[0] if has_docs else None, doc_hi=doc[1] if has_docs else None)
     groups = _plan_groups(mask, n_batch, n_kv_heads, group, n_pass)
     steps = _plan_steps(groups)
+    n_steps = len(steps)
+    work = [None] * n_steps
+    pending_lse = []
 
-    # Software pipeline over the steps (each engine runs its stream in program order): the loads
-    # of step s + PREFETCH_STEPS and the scores of step s + 1 are issued before the softmax and
-    # P @ V of step s, so a group's output stores come after the next steps' loads.
+    # Software pipeline over the steps. Each engine runs its stream in program order, so
+    # iteration it emits the stages of five different steps, each engine's work for a step
+    # coming after the work it depends on from earlier iterations:
+    #   loads(it + PREFETCH_STEPS)  QK(it + 2) [PE]  softmax(it + 1) [DVE, ACT]
+    #   scores(it + 2) [DVE/ACT]    P^T, P @ V(it) [PE, ACT]    acc(it - 1) [DVE] (+ group stores)
     for s in range(PREFETCH_STEPS):
         _prefetch(ctx, groups, steps, s)
-    scores_next = _stage_scores(groups, steps, 0, _stage_qk(groups, steps, 0), scale, softcap)
-    pending_lse = []
-    for s in nl.sequential_range(len(steps)):
-        _prefetch(ctx, groups, steps, s + PREFETCH_STEPS)
-        scores = scores_next
-        gi, ti, hi = steps[s]
-        grp = groups[gi]
-        s_psum_next = _stage_qk(groups, steps, s + 1)
-        if scores is not None:
-            p_sb, alpha = _softmax_step(grp.states[hi], scores[0], scores[1], v.dtype)
-        scores_next = _stage_scores(groups, steps, s + 1, s_psum_next, scale, softcap)
-        if scores is not None:
-            _stage_pv(grp, ti, hi, p_sb, alpha)
-        if ti == len(grp.plan) - 1 and (ti < 0 or hi == len(grp.heads) - 1):
-            _close_group(grp, out, pending_lse)
-        if len(pending_lse) >= LSE_BATCH or (s == len(steps) - 1 and len(pending_lse) > 0):
+    for it in nl.sequential_range(-PIPELINE_LEAD, n_steps + 1):
+        _prefetch(ctx, groups, steps, it + PREFETCH_STEPS)
+        _stage_qk(groups, steps, work, it + PIPELINE_LEAD)
+        _stage_softmax(groups, steps, work, it + 1, v.dtype)
+        _stage_scores(groups, steps, work, it + PIPELINE_LEAD, scale, softcap)
+        _stage_pv(groups, steps, work, it)
+        _stage_acc(groups, steps, work, it - 1, out, pending_lse)
+        if len(pending_lse) >= LSE_BATCH or (it == n_steps and len(pending_lse) > 0):
             _store_lse_batch(pending_lse, lse)
             pending_lse = []
     return out, lse
