@@ -84,3 +84,11 @@ def test_repeated_expert_in_a_token():
 def test_several_intermediate_chunks():
     """I > gemm_moving_fmax: the backward walks several I chunks (partial d topk_weights sums)."""
     check(sample(5, 8, 2 * 256 + 40, 2, 1, 8, torch.float32, "gelu"))
+
+
+def test_narrow_intermediate_chunks(monkeypatch):
+    """The backward's I chunk narrows to pmax when SBUF is short (large H and B); same results."""
+    from nki_lib.moe.kernels import experts_bwd
+    from nki_lib._nki import nl
+    monkeypatch.setattr(experts_bwd, "i_chunk_size", lambda *a, **k: nl.tile_size.pmax)
+    check(sample(6, 24, 2 * 128 + 44, 3, 2, 8, torch.bfloat16, "gelu_tanh"))

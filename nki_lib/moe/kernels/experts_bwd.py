@@ -45,11 +45,13 @@ import torch
 from nki_lib._nki import nki, nisa, nl
 from nki_lib.dispatch import call_kernel
 from nki_lib.moe.kernels.experts_fwd import (
-    act_fn, block_flags, block_registers, check_supported, gather_rows, load_block_inputs,
-    load_expert_cols, load_expert_t, reduce_assignments, scatter_rows, slot_tokens, tiles, transpose_rows)
+    act_fn, block_flags, block_registers, check_supported, common_sbuf_bytes, gather_rows,
+    load_block_inputs, load_expert_cols, load_expert_t, reduce_assignments, scatter_rows, slot_tokens,
+    tiles, transpose_rows)
 from nki_lib.moe.reference_experts import _GELU_TANH_A, _GELU_TANH_C
 
 ACT_GRAD_FN = {"silu": "silu_dx", "gelu": "gelu_dx"}   # ScalarE derivative functions
+_FP32_TEMPS = 10    # fp32 (slots x I chunk) temporaries of _mlp_grads / _gelu_tanh_grad, upper bound
 
 
 # --------------------------------------------------------------------------- elementwise pieces
@@ -198,8 +200,8 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots):
 
 
 def _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up, w_down, expert_reg,
-               s_base, block, activation, acc_gu, acc_d, dx_slots, dtopk):
-    pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+               s_base, block, activation, i_chunk, acc_gu, acc_d, dx_slots, dtopk):
+    pmax = nl.tile_size.pmax
     hidden = x.shape[1]
     inter = w_down.shape[2]
     h_tiles = tiles(hidden, pmax)
@@ -209,7 +211,7 @@ def _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up, w_down, ex
     dg_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     du_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     dw_accs = [nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
-    for ci, (c0, cn) in enumerate(tiles(inter, fmax)):
+    for ci, (c0, cn) in enumerate(tiles(inter, i_chunk)):
         wg_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, c0, cn)
         wu_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, inter + c0, cn)
         wd_sb = load_expert_cols(w_down, expert_reg, h_tiles, c0, cn)
@@ -240,7 +242,7 @@ def _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up, w_down, ex
 
 @nki.jit
 def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up,
-                    w_down, activation, top_k):
+                    w_down, activation, top_k, i_chunk):
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
     dx = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
@@ -257,7 +259,7 @@ def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_
         expert_reg, trips_reg = block_registers(expert_sb, valid_sb, b)
         for _ in nl.dynamic_range(0, trips_reg):
             _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up, w_down,
-                       expert_reg, b * block, block, activation, acc_gu, acc_d, dx_slots, dtopk)
+                       expert_reg, b * block, block, activation, i_chunk, acc_gu, acc_d, dx_slots, dtopk)
     reduce_assignments(dx_slots, dx, top_k)
     cast_out(acc_gu, dw_gate_up)
     cast_out(acc_d, dw_down)
@@ -266,24 +268,42 @@ def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_
 
 # --------------------------------------------------------------------------- launcher
 
-def sbuf_bytes(hidden, inter, block, itemsize):
-    """Peak SBUF bytes per partition of one block of the backward kernel (upper bound)."""
+def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, *, top_k, n_blocks):
+    """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` (upper bound)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
-    resident = (2 * ht + 2 * it) * block * itemsize + st * (3 * hidden * itemsize + 4 * 4)
-    streamed = 3 * ht * fmax * itemsize + 2 * fmax * itemsize         # W^T columns, natural rows
-    chunk = st * 3 * fmax * itemsize + 8 * fmax * 4                   # h, dg, du per slot tile; fp32 temps
-    return resident + streamed + chunk
+    slot_tiles = st * (3 * hidden * itemsize + 4 * 4)            # x, dy, do rows; ids, weight, d weight
+    resident = (2 * ht + 2 * it) * block * itemsize             # xT, dyT, dgT, duT
+    streamed = 2 * 3 * ht * i_chunk * itemsize                  # W_gate^T, W_up^T, W_down columns (x2 gen.)
+    chunk = st * 3 * i_chunk * itemsize + 2 * _FP32_TEMPS * i_chunk * 4   # h, dg, du; fp32 temporaries
+    tails = fmax * 4 + 2 * fmax * 4 + 2 * (fmax * itemsize + fmax * 4)    # zero tile, RMW tile, dx tiles
+    return common_sbuf_bytes(n_blocks, top_k, itemsize) + slot_tiles + resident + streamed + chunk + tails
+
+
+def i_chunk_size(hidden, inter, block, itemsize, **counts):
+    """Widest I chunk (moving free size: gemm_moving_fmax, halved down to pmax) that fits SBUF."""
+    pmax, chunk = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    while chunk > pmax and (sbuf_bytes_at(hidden, inter, block, itemsize, chunk, **counts)
+                            > nl.tile_size.total_available_sbuf_size):
+        chunk //= 2
+    return chunk
+
+
+def sbuf_bytes(hidden, inter, block, itemsize, **counts):
+    """Peak SBUF bytes per partition at the chosen I chunk."""
+    chunk = i_chunk_size(hidden, inter, block, itemsize, **counts)
+    return sbuf_bytes_at(hidden, inter, block, itemsize, chunk, **counts)
 
 
 def run(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
     """Launch the backward kernel (host side: index metadata and views only)."""
-    block_size = slot_assignment.shape[0] // block_expert.shape[0]
-    check_supported(x, block_size, w_down.shape[2], sbuf_fn=sbuf_bytes)
+    block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
+                                 sbuf_fn=sbuf_bytes)
     top_k = topk_weights.shape[1]
+    i_chunk = i_chunk_size(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
+                           n_blocks=block_expert.shape[0])
     dx, dtopk, dw_gate_up, dw_down = call_kernel(
         moe_experts_bwd, dy.contiguous(), x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
         block_expert.contiguous(), slot_tokens(slot_assignment, top_k), slot_assignment.contiguous(),
-        w_gate_up.contiguous(), w_down.contiguous(),
-        activation, top_k)
+        w_gate_up.contiguous(), w_down.contiguous(), activation, top_k, i_chunk)
     return dx, dtopk.reshape(topk_weights.shape), dw_gate_up, dw_down

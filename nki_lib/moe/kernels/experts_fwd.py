@@ -221,53 +221,71 @@ def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots):
             scatter_rows(y_slots, asg_sb, y_sb, h0)
 
 
+def _block_fwd(x, topk_w, slot_token, slot_assignment, w_gate_up, w_down, expert_reg, s_base, block,
+               activation, y_slots):
+    pmax = nl.tile_size.pmax
+    h_tiles, i_tiles = tiles(x.shape[1], pmax), tiles(w_down.shape[2], pmax)
+    slot_tiles, x_t = load_block_inputs(x, topk_w, slot_token, slot_assignment, s_base, block)
+    h_t = nl.ndarray((pmax, len(i_tiles), block), dtype=x.dtype, buffer=nl.sbuf)
+    _gate_up(x_t, w_gate_up, expert_reg, h_tiles, block, activation, h_t)
+    _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots)
+
+
 @nki.jit
 def moe_experts_fwd(x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up, w_down,
                     activation, top_k):
     t_len, hidden = x.shape
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
-    inter = w_down.shape[2]
-    pmax = nl.tile_size.pmax
-    h_tiles, i_tiles = tiles(hidden, pmax), tiles(inter, pmax)
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
     y_slots = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.private_hbm)
     expert_sb, valid_sb = block_flags(block_expert)
     for b in nl.affine_range(n_blocks):
         expert_reg, trips_reg = block_registers(expert_sb, valid_sb, b)
         for _ in nl.dynamic_range(0, trips_reg):
-            slot_tiles, x_t = load_block_inputs(x, topk_w, slot_token, slot_assignment, b * block, block)
-            h_t = nl.ndarray((pmax, len(i_tiles), block), dtype=x.dtype, buffer=nl.sbuf)
-            _gate_up(x_t, w_gate_up, expert_reg, h_tiles, block, activation, h_t)
-            _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots)
+            _block_fwd(x, topk_w, slot_token, slot_assignment, w_gate_up, w_down, expert_reg, b * block,
+                       block, activation, y_slots)
     reduce_assignments(y_slots, y, top_k)
     return y
 
 
 # --------------------------------------------------------------------------- launcher
 
-def sbuf_bytes(hidden, inter, block, itemsize):
-    """Peak SBUF bytes per partition of one block of the forward kernel (upper bound)."""
+def common_sbuf_bytes(n_blocks, top_k, itemsize):
+    """SBUF bytes per partition outside the block body: block flags, final k-reduction tiles, and
+    the fp32-weight transpose staging tile (two generations of each loop-local tile)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
-    ht, it = -(-hidden // pmax), -(-inter // pmax)
-    resident = (ht + it) * block * itemsize                   # xT, hT
-    per_slot_tile = hidden * itemsize + 3 * 4                 # x rows, ids, routing weight
-    streamed = 2 * ht * pmax * itemsize + fmax * itemsize     # gate/up tiles, one down tile
-    scratch = fmax * 4 * 2 + -(-block // pmax) * fmax * 4     # act, y eviction, reduce tiles
-    return resident + -(-block // pmax) * per_slot_tile + streamed + scratch
+    flags = 2 * n_blocks * 4
+    reduce = 2 * ((top_k + 1) * fmax * 4 + fmax * itemsize)
+    staging = 2 * pmax * itemsize
+    return flags + reduce + staging
 
 
-def check_supported(x, block_size, inter, *, sbuf_fn):
+def sbuf_bytes(hidden, inter, block, itemsize, *, top_k, n_blocks):
+    """Peak SBUF bytes per partition of the forward kernel (upper bound: terms added)."""
+    pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
+    slot_tiles = st * (hidden * itemsize + 3 * 4)                # x rows, ids, routing weight
+    resident = (ht + it) * block * itemsize                     # xT, hT
+    gate_up = 2 * (2 * ht * pmax * itemsize + fmax * 4)         # W_gate^T/W_up^T tiles, act (x2 gen.)
+    down = 2 * (fmax * itemsize + fmax * 4)                     # W_down^T tile, y eviction
+    return common_sbuf_bytes(n_blocks, top_k, itemsize) + slot_tiles + resident + gate_up + down
+
+
+def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sbuf_fn):
     """Raise Unsupported (before launching) for what the kernels cannot serve."""
     if x.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {x.dtype} (kernel serves {[str(d) for d in KERNEL_DTYPES]})")
+    block_size = slot_assignment.shape[0] // block_expert.shape[0]
     max_block = MAX_PSUM_SLOT_TILES * nl.tile_size.pmax
     if block_size > max_block:
         raise Unsupported(f"block_size {block_size} > {max_block}")
-    need = sbuf_fn(x.shape[1], inter, block_size, x.element_size())
+    need = sbuf_fn(x.shape[1], inter, block_size, x.element_size(), top_k=topk_weights.shape[1],
+                   n_blocks=block_expert.shape[0])
     if need > nl.tile_size.total_available_sbuf_size:
         raise Unsupported(f"SBUF: {need} bytes per partition needed for H={x.shape[1]}, I={inter}, "
                           f"block_size={block_size}, > {nl.tile_size.total_available_sbuf_size}")
+    return block_size
 
 
 def slot_tokens(slot_assignment, top_k):
@@ -278,8 +296,7 @@ def slot_tokens(slot_assignment, top_k):
 
 def run(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
     """Launch the forward kernel (host side: index metadata and views only)."""
-    block_size = slot_assignment.shape[0] // block_expert.shape[0]
-    check_supported(x, block_size, w_down.shape[2], sbuf_fn=sbuf_bytes)
+    check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2], sbuf_fn=sbuf_bytes)
     top_k = topk_weights.shape[1]
     return call_kernel(moe_experts_fwd, x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
                        block_expert.contiguous(), slot_tokens(slot_assignment, top_k),
