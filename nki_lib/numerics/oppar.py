@@ -75,7 +75,10 @@ def op_parity(spec: OpSpec, sample: Sample, *, path: str = "simulator", grads: b
     """Run ``sample`` through the op on ``path`` (strict) and judge outputs and gradients."""
     want_grads = spec.differentiable if grads is None else grads
     want_grads = want_grads and bool(_grad_inputs(sample))
-    dtype = next(a.dtype for a in sample.args if isinstance(a, torch.Tensor) and a.is_floating_point())
+    # The precision the call runs in: that of its first floating input (integer-only ops such as
+    # moe_plan have integer outputs only, compared exactly).
+    dtype = next((a.dtype for a in sample.args if isinstance(a, torch.Tensor) and a.is_floating_point()),
+                 torch.float32)
     with torch.no_grad():
         probe = _as_tuple(spec.naive(*sample.args, **sample.kwargs))
     gen = torch.Generator().manual_seed(seed)
