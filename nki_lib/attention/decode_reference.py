@@ -53,7 +53,9 @@ def _per_sequence(attention, q, k_cache, v_cache, cache_seqlens, block_table, si
     for b, length in enumerate(lengths):
         first = max(0, length - sq - window_left) if window_left >= 0 else 0
         k_b, v_b = dense_kv(k_cache, v_cache, block_table, b, length, first)
-        out_b, lse_b = attention(q[b:b + 1], k_b[None], v_b[None], sinks, None, causal=True,
+        # contiguous copies: the result must not depend on the strides of the inputs
+        out_b, lse_b = attention(q[b:b + 1].contiguous(), k_b[None].contiguous(), v_b[None].contiguous(),
+                                 None if sinks is None else sinks.contiguous(), None, causal=True,
                                  scale=scale, window_left=window_left, window_right=-1,
                                  softcap=softcap)
         outs.append(out_b)
