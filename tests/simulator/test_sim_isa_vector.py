@@ -177,7 +177,7 @@ _TT_OPS = {
 
 
 @pytest.mark.parametrize("op_name", sorted(_TT_OPS))
-@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_tensor_tensor_ops(rng, op_name, dtype):
     nl_op, np_op = _TT_OPS[op_name]
     a = rng.integers(-3, 4, size=(P, F)).astype(np.float32).astype(dtype) if op_name in ("equal", "logical_and") \
@@ -207,6 +207,27 @@ def test_tensor_tensor_mixed_dtypes_and_psum_operand(rng):
 
     expected = (a.astype(np.float32) - b).astype(np.float16)
     np.testing.assert_array_equal(bits(run_tiles(mixed, a, b)), bits(expected))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.uint8), np.dtype(np.uint16)],
+                         ids=str)
+def test_narrow_int_arithmetic_goes_through_fp32_and_saturates(rng, dtype):
+    # Vector engine: fp32 math, then round-half-even and saturate into the integer dst (§6.3, §14.2)
+    info = np.iinfo(dtype)
+    a = rng.integers(info.min, info.max, size=(P, F), endpoint=True).astype(dtype)
+    b = rng.integers(info.min, info.max, size=(P, F), endpoint=True).astype(dtype)
+
+    def int_ops(a_sb, b_sb):
+        s_sb = _out(a_sb)
+        nisa.tensor_tensor(dst=s_sb, data1=a_sb, data2=b_sb, op=nl.add)
+        h_sb = _out(a_sb)
+        nisa.tensor_scalar(dst=h_sb, data=a_sb, op0=nl.multiply, operand0=0.5)
+        return s_sb, h_sb
+
+    total, half = run_tiles(int_ops, a, b)
+    wide = a.astype(np.float64) + b.astype(np.float64)
+    np.testing.assert_array_equal(total, np.clip(wide, info.min, info.max).astype(dtype))
+    np.testing.assert_array_equal(half, np.clip(np.rint(a.astype(np.float64) * 0.5), info.min, info.max).astype(dtype))
 
 
 def test_tensor_tensor_int32_is_exact_beyond_2_pow_24():

@@ -175,3 +175,23 @@ def test_target_from_environment():
     env = dict(os.environ, NEURON_PLATFORM_TARGET_OVERRIDE="gen4")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "trn3"
+
+
+def test_instruction_names_dependencies_and_schedules(nki_modules):
+    nki, nl, nisa = nki_modules
+
+    @nki.jit
+    def scaled(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        t_sb = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        load = nisa.dma_copy(dst=t_sb, src=x, name="load")
+        with nl.no_reorder():
+            scale = nisa.tensor_scalar(dst=t_sb, data=t_sb, op0=nl.multiply, operand0=3.0, name="scale")
+        scale.depends_on(load)
+        nisa.dma_copy(dst=out, src=t_sb, name="store")
+        return out
+
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    scheduled = scaled.with_schedule([("scale", "store"), ("load", ["scale", "store"])])
+    np.testing.assert_array_equal(nki.simulate(scheduled)(x=x), 3 * x)
+    np.testing.assert_array_equal(nki.simulate(scaled)(x), 3 * x)
