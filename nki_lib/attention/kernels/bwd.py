@@ -8,40 +8,58 @@ Math (``reference.flash_attention_backward``), per query row i and key j, with s
     dV += P^T dO,  dP = dO V^T,  dS = P * (dP - delta) [* (1 - tanh^2) under softcap]
     dQ = scale * dS K,  dK += scale * dS^T Q,  dsinks[h] = -sum_i exp(sink_h - lse_i) * delta_i
 
-Loop structure (KV-outer, FlashAttention-2 backward):
+Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace time):
 
     phase 0 (bwd_prep): per (h, b, query tile): delta, -lse, mask bounds -> stats scratch; dsinks
-    for b, kv head hk, key tile j (<= 512 keys: one fp32 PSUM bank of scores):
+    for b, kv head hk, key tile [k0, k0 + kn), kn <= 512 (one fp32 PSUM bank of scores):
         load K (keys on partitions), K^T and V^T (head dim on partitions)
-        dK, dV accumulators for the key tile stay in PSUM (fp32)
-        for each query head h of hk's GQA group, for each query tile i (128 rows) that sees j:
-            S = Q K^T, dP = dO V^T                    TensorE -> PSUM fp32
-            mask (range_select, partial tiles only)   VectorE, PSUM -> SBUF
-            P = exp(scale * S - lse)                  ScalarE
-            dS = (dP - delta) * P                     VectorE, one scalar_tensor_tensor
-            dV += P^T dO, dK += dS^T Q                TensorE, per 128-key block (no transposes:
-                                                      queries are the contraction dim)
-            dS^T (TensorE transposes), evicted half on ScalarE, half on VectorE
-            dQ_part = dS K                            TensorE -> PSUM fp32
-            dQ accumulation: fp32 HBM scratch, in key-tile order (first visit stores, later
-            visits load + fused multiply-add, the last visit writes dq in the output dtype)
+        dK, dV accumulators of the key tile stay in PSUM (fp32) until the tile is done
+        for each query head h of hk's GQA group:
+            load the head's statistics (one DMA)
+            for each query group (4 aligned 128-row tiles) with a tile that sees the key tile:
+                load Q^T, dO^T of the group (one DMA per head-dim chunk, 1 KiB per partition)
+                load the group's fp32 dQ accumulator (tiles not visited before; one DMA)
+                for each query tile of the group that sees the key tile:
+                    Q, dO rows-on-partitions     TensorE transposes, ScalarE eviction
+                    S = Q K^T, dP = dO V^T       TensorE -> PSUM fp32
+                    mask (partial tiles only)    VectorE range_select, PSUM -> SBUF
+                    P = exp(scale * S - lse)     ScalarE
+                    dS = (dP - delta) * P        VectorE, one scalar_tensor_tensor
+                    per visible 128-key block:
+                      dV += P^T dO, dK += dS^T Q   TensorE (queries are the contraction dim:
+                                                   no transpose of P or dS needed)
+                      dS^T                         TensorE transpose, ScalarE eviction
+                    dQ_part = dS K               TensorE -> PSUM fp32
+                    acc = scale * dQ_part (+ acc)  ScalarE (first visit) / VectorE
+                    last visit of the tile: dq = acc in the output dtype -> HBM
+                store the group's accumulator for tiles visited again later (one DMA)
         dK = scale * acc (ScalarE), dV = acc (VectorE) -> HBM
 
-GQA: dK/dV of a kv head accumulate over all query heads of its group in the same PSUM tiles.
-Deterministic: one fixed accumulation order everywhere, no atomics. Whole-tile skipping and
-masks follow ``tiles.plan_row`` / ``tiles.row_bounds`` exactly like the forward; 128-key blocks
-that no query of the tile sees are also skipped for the dV/dK/dQ matmuls.
+dQ accumulates over key tiles in fp32 (SBUF per visit, an fp32 HBM scratch between key tiles,
+in key-tile order); dK/dV of a kv head accumulate over every query head of its GQA group in the
+same PSUM tiles. Deterministic: one fixed accumulation order, no atomics. Whole-tile skipping
+and masks follow ``tiles.plan_row`` / ``tiles.row_bounds`` exactly like the forward; 128-key
+blocks no query of the tile sees also skip the dV/dK/dQ matmuls.
 
-Working set (per partition; D <= 128, 16-bit inputs): SBUF about 8 KiB plus 16 B of statistics
-per query tile (10 KiB at Sq = 16384), otherwise independent of the sequence lengths; PSUM 6 banks (dK, dV, S, dP, dS^T, dQ),
-8 banks for D in (128, 256].
+Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile TensorE does S, dP,
+4 x (dV, dK, dS^T, dQ); ScalarE the exp and all PSUM evictions of dS^T/Q/dO; VectorE dS (and
+the mask on diagonal tiles); the estimated busy times of the three engines are within 25%.
+The streamed traffic (Q^T, dO^T, dQ accumulators) moves 1-2 KiB per partition per DMA (one
+DMA per query group, not per tile); small DMAs remain once per query tile (phase 0, final dq
+store) and once per key tile (K rows, dK/dV stores).
+
+Working set (per partition; D <= 128, 16-bit inputs): SBUF about 10 KiB plus 16 B of statistics
+per query tile (11.5 KiB at Sq = 16384), otherwise independent of the sequence lengths; PSUM
+6 banks (dK, dV, S, dP, dS^T, dQ; the Q/dO transposes use one before S is allocated), 8 banks
+for D in (128, 256] (dK and dV take two banks each).
 
 Shapes (HBM; the launcher prepares the transposed copies, layout glue): q, out, dout
 (B, Hq, Sq, D); q_t, dout_t (B, Hq, D, Sq); k (B, Hkv, Sk, D); k_t, v_t (B, Hkv, D, Sk);
 lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32; doc (2, Sq) fp32 first/last position of each
-position's document (cu_seqlens). Scratch: dq_acc (B, Hq, Sq, D) fp32, stats (bwd_prep).
+position's document (cu_seqlens). Scratch: dq_acc (B, Hq, NG, 128, 4, D) fp32 (query group
+layout: one contiguous run per partition), stats (bwd_prep).
 Dimension legend: B batch, Hq/Hkv query/kv heads (G = Hq // Hkv), Sq/Sk lengths, D head dim,
-qn/kn rows/keys of the current tile, NT query tiles.
+qn/kn rows/keys of the current tile, NT query tiles, NG query groups.
 Limits: D <= 256 (two contraction chunks); bf16/fp16/fp32; Sq, Sk < 2**24; with masks and no
 softcap, scale > 0 (masked scores are filled with the most negative float32 before exp).
 """
