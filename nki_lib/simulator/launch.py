@@ -20,7 +20,7 @@ import numpy as np
 from .dtypes import as_dtype, from_numpy
 from .errors import NKIRuleError, kernel_source
 from .memory import Storage
-from .state import Program, Run, current_or_none, set_current
+from .state import BarrierBroken, Program, Run, current_or_none, set_current
 from .target import TARGETS, get_target, set_running_target
 from .tensor import NkiTensor, _compact
 from .trace import RunReport
@@ -244,6 +244,7 @@ def _run(kernel: Kernel, grid, args, kwargs):
             errors[pid] = exc
             run.barrier.abort()
         finally:
+            run.barrier.finish(pid)
             prog.tracker.close()
             set_current(outer)
             set_running_target(None if outer is None else outer.spec.name)
@@ -256,8 +257,7 @@ def _run(kernel: Kernel, grid, args, kwargs):
             t.start()
         for t in threads:
             t.join()
-    primary = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)
-               and "barrier abandoned" not in str(e)]
+    primary = [e for e in errors if e is not None and not isinstance(e, BarrierBroken)]
     failure = primary[0] if primary else next((e for e in errors if e is not None), None)
     _caller.report = _report(run, programs)
     if failure is not None:

@@ -17,6 +17,53 @@ __all__ = ["Run", "Program", "current", "current_or_none", "set_current"]
 _tls = threading.local()
 
 
+class BarrierBroken(RuntimeError):
+    """The peer program failed or ended without reaching a barrier this program waits at."""
+
+
+class ProgramBarrier:
+    """Barrier between the programs of one run: the k-th wait of each program pairs with the k-th of
+    the others. A wait fails (instead of hanging) when a peer failed or finished without reaching it."""
+
+    def __init__(self, parties: int):
+        self.cond = threading.Condition()
+        self.count = [0] * parties
+        self.done = [False] * parties
+        self.broken = False
+
+    def wait(self, pid: int) -> None:
+        with self.cond:
+            self.count[pid] += 1
+            n = self.count[pid]
+            self.cond.notify_all()
+            others = [q for q in range(len(self.count)) if q != pid]
+            while True:
+                if self.broken:
+                    raise BarrierBroken("the other LNC program failed; barrier abandoned")
+                if all(self.count[q] >= n for q in others):
+                    return
+                if any(self.done[q] and self.count[q] < n for q in others):
+                    raise NKIRuleError(_opcode_of(pid), "cores", "the other LNC program ended without reaching "
+                                       "this barrier (programs must follow the same control flow)",
+                                       kernel_source(2))
+                self.cond.wait()
+
+    def finish(self, pid: int) -> None:
+        with self.cond:
+            self.done[pid] = True
+            self.cond.notify_all()
+
+    def abort(self) -> None:
+        with self.cond:
+            self.broken = True
+            self.cond.notify_all()
+
+
+def _opcode_of(pid):
+    prog = current_or_none()
+    return prog.opcode if prog is not None else "core_barrier"
+
+
 class Run:
     """One ``simulate`` call: shared across its programs (LNC2: two threads)."""
 
@@ -29,7 +76,7 @@ class Run:
         self.ids = itertools.count()
         self.lock = threading.Lock()
         self.shared_allocs: list = []          # k-th shared_hbm allocation -> Storage
-        self.barrier = threading.Barrier(grid)
+        self.barrier = ProgramBarrier(grid)
         self.mailbox: dict = {}
         self.arg_storages: set = set()
 

@@ -21,12 +21,7 @@ __all__ = ["core_barrier", "sendrecv", "register_alloc", "register_move", "regis
 
 
 def _wait(c):
-    import threading
-
-    try:
-        c.run.barrier.wait()
-    except threading.BrokenBarrierError:
-        raise RuntimeError("the other LNC program failed; barrier abandoned") from None
+    c.run.barrier.wait(c.pid)
 
 
 def core_barrier(data, cores=(0, 1), engine=None, name=None):
