@@ -282,3 +282,25 @@ def test_install_as_nki_aliases_modules():
     finally:
         simulator.uninstall_nki()
     assert "nki.language" not in sys.modules
+
+
+def test_divergent_lnc_barrier_is_an_error_not_a_hang():
+    @jit
+    def divergent(x_hbm):
+        if nl.program_id(0) == 0:
+            nisa.core_barrier(x_hbm, (0, 1))  # only program 0 gets here
+        return x_hbm
+
+    with pytest.raises(NKIRuleError, match="same control flow"):
+        simulate(divergent[2])(np.zeros((2, 2), np.float32))
+
+
+def test_five_free_dims_are_rejected_on_compute_operands():
+    @jit
+    def deep(x_hbm):
+        t_sb = nl.ndarray((2, 1, 1, 1, 1, 2), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=t_sb, value=0.0)
+        return x_hbm
+
+    with pytest.raises(NKIRuleError, match="at most 4"):
+        simulate(deep)(np.zeros((2, 2), np.float32))

@@ -58,6 +58,8 @@ def onchip(c: Program, t, operand: str, sbuf=True, psum=True, why="") -> tuple[i
             c.fail(operand, f"operand may not be in PSUM{why}")
     else:
         c.fail(operand, f"compute engines cannot access HBM ({kind}); dma_copy it to SBUF first")
+    if len(t._shape) > 5:
+        c.fail(operand, f"access pattern has {len(t._shape) - 1} free dims; the hardware supports at most 4")
     p = t._shape[0]
     if p > c.spec.pmax:
         c.fail(operand, f"partition dimension {p} exceeds maximum {c.spec.pmax}")

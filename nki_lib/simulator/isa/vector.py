@@ -47,7 +47,7 @@ def tensor_copy(dst, src, engine=None, name=None):
 def memset(dst, value, engine=None, name=None):
     """Fill every element of ``dst`` with the compile-time constant ``value``."""
     c = begin("memset")
-    eng = engine_name(c, engine, "vector", ("vector", "gpsimd", "scalar"))
+    eng = engine_name(c, engine, "vector", ("vector", "gpsimd"))
     pf = onchip(c, dst, "dst", psum=eng != "gpsimd", why=_NO_PSUM_GPSIMD)
     c.check(isinstance(value, (int, float, bool, np.integer, np.floating)), "value",
             f"value must be a compile-time number, got {type(value).__name__}")
