@@ -127,18 +127,26 @@ def plot_rooflines(results: list[CaseResult], out_dir) -> list[str]:
             bw = hw.dma_bandwidth() * 1e-3  # TB/s
             xs = [lo * (hi / lo) ** (i / 99) for i in range(100)]
             ax.plot(xs, [min(peak, x * bw) for x in xs], style, color="gray", label=f"{target} roof (1 core, bf16)")
+        kinds = sorted({(r.op, r.mode) for r in rows})
+        colors = {kind: f"C{i % 10}" for i, kind in enumerate(kinds)}
         for target, marker in (("trn2", "o"), ("trn3", "^")):
             for r in rows:
                 est = r.estimates.get(target)
                 if est and r.flops:
-                    ax.scatter(r.flops / r.hbm_bytes, est["tflops"] / est["grid"], marker=marker,
-                               label=f"{target} {r.model} {r.mode}", alpha=0.8)
+                    x, y = r.flops / r.hbm_bytes, est["tflops"] / est["grid"]
+                    ax.scatter(x, y, marker=marker, color=colors[(r.op, r.mode)], alpha=0.8)
+                    if target == "trn2":
+                        ax.annotate(r.model, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        for (op, mode), color in colors.items():
+            ax.scatter([], [], marker="s", color=color, label=f"{op} {mode}")
+        ax.scatter([], [], marker="o", color="black", label="trn2 estimate")
+        ax.scatter([], [], marker="^", color="black", label="trn3 estimate")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("arithmetic intensity (FLOP / HBM byte)")
         ax.set_ylabel("estimated TFLOP/s per core")
         ax.set_title(f"{family}: estimated performance vs roofline (cost model)")
-        ax.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=7)
         path = f"{out_dir}/roofline_{family}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=110)

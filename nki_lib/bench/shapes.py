@@ -116,12 +116,15 @@ def sweep(name: str) -> list[Case]:
 
 def _default() -> list[Case]:
     """Runnable in a few minutes on this CPU: one prefill length, short decode caches, a
-    moderate token count; large dims are extrapolated (see harness) rather than simulated."""
+    moderate token count, one training case per family; large dims are extrapolated (see
+    harness) rather than simulated."""
     cases: list[Case] = []
     for m in MODELS.values():
         cases += _attention_cases(m, "prefill", (1024,), 1)
         cases += _decode_cases(m, (2048,), 1, 1)
         cases += _moe_cases(m, "prefill", (1024,))
+    cases += _attention_cases(MODELS["llama3-8b"], "train", (1024,), 1)
+    cases += _moe_cases(MODELS["qwen3-30b-a3b"], "train", (1024,))
     return cases
 
 
