@@ -8,7 +8,7 @@ import pytest
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import jit, simulate
 from nki_lib.simulator import language as nl
-from sim_helpers import BF16, FP32, bits, run_tiles
+from sim_helpers import BF16, bits, run_tiles
 
 FP32_MIN = float(np.finfo(np.float32).min)
 

@@ -37,11 +37,14 @@ def test_install_and_uninstall_aliases():
 
 
 def test_import_forms_used_by_real_kernels(nki_modules):
-    from nki.isa import core_barrier, dge_mode, dma_engine, engine, oob_mode, reduce_cmd, sendrecv  # noqa: F401
+    from nki.isa import core_barrier, dge_mode, dma_engine, engine, oob_mode, reduce_cmd, sendrecv
     from nki.isa.constants import dge_mode as dge_mode_c
     from nki.isa.constants import oob_mode as oob_mode_c
 
     nki, nl, nisa = nki_modules
+    assert (core_barrier, sendrecv) == (nisa.core_barrier, nisa.sendrecv)
+    assert (engine, reduce_cmd, dma_engine) == (nisa.engine, nisa.reduce_cmd, nisa.dma_engine)
+    assert dma_engine.gpsimd_dma != dma_engine.dma
     assert dge_mode_c is dge_mode and oob_mode_c is oob_mode
     assert nisa.oob_mode.skip != nisa.oob_mode.error
     assert nisa.dge_mode.hwdge in list(nisa.dge_mode)
