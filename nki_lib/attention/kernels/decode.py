@@ -2,10 +2,11 @@
 
 Algorithm (flash-decoding). For every (sequence b, kv head hk) the ``R = G * Sq`` query rows of the
 GQA group (all query heads of hk and all new tokens, row ``r = g * Sq + t``) sit on the partitions
-and share every K/V byte read. The sequence's valid key range is cut into ``n_split`` contiguous
-splits; each split streams its chunks of ``C = 128 * m`` keys through a *device loop* whose bounds
-are runtime registers, keeping the online-softmax state (negated running max ``neg_m``, sum ``l``,
-unnormalised output ``acc``, all fp32) in SBUF::
+and share every K/V byte read. The sequence's needed key range ``[first, L_b)`` (``first =
+max(0, L_b - Sq - window_left)``, 0 without a window) is cut into ``S`` contiguous splits; each split
+streams its chunks of ``C = 128 * M`` keys through a *device loop* (``nl.dynamic_range``) whose
+bounds are runtime registers loaded from ``split_bounds``, keeping the online-softmax state
+(negated running max ``neg_m``, sum ``l``, unnormalised output ``acc``; fp32 SBUF)::
 
     s     = scale * q @ k^T          (softcap: softcap * tanh(s / softcap)); keys outside [lo, hi]
                                      of the row -> MASK_FILL (range_select, which also gives rowmax)
@@ -18,32 +19,39 @@ with logit ``sinks[h]`` and no value)::
     M = max(m_1..m_S, sink);  w_s = exp(m_s - M);  L = sum_s w_s l_s + exp(sink - M)
     out = (sum_s w_s acc_s) / L;  lse = M + log(L)
 
-Every row sees at least its own position, so ``L >= 1`` (no empty rows in decode).
+Every row sees at least its own position, so ``L >= 1`` (decode has no empty rows); an empty split
+keeps ``m = STAT_INIT`` and gets weight exactly 0.
 
-Dataflow of one chunk (keys ``[c0, c0 + C)`` of the split; ``u`` keys per gathered unit)::
+One chunk (``u`` keys per gathered unit, ``M`` keys per partition)::
 
-    unit ids (C/u, 1) int32   <- DMA of unit_table[b, col .. col + C/u)   (col = loop register)
-    K, V chunk (128, m*D)     <- one indirect DMA each (vector_offset = unit ids, oob_mode.skip):
-                                 unit i lands on keys [i*u, (i+1)*u) and key k on partition k // m,
-                                 slot k % m, so each partition receives m*D contiguous elements
-    K^T (dc, C) PSUM          <- m TensorE transposes per head-dim chunk, evicted in key order
-    S (rn, C) PSUM            =  sum over head-dim chunks of matmul(q^T (dc, rn), K^T (dc, C))
-    P^T (128, m*rn)           <- m TensorE transposes of the strided key sets {p*m + j}
-    O (rn, D) PSUM            =  sum over j of matmul(P^T_j (128, rn), V[:, j] (128, D))
+    unit ids (C/u, 1) int32   <- DMA of unit_table[b, col : col + C/u]      (col = loop register)
+    K, V chunk (128, M*D)     <- one indirect DMA each (vector_offset = unit ids, oob_mode.skip):
+                                 unit i lands on keys [i*u, (i+1)*u), key k on partition k // M,
+                                 slot k % M: each partition receives one contiguous run of M*D
+    per score block (<= 4 slots = one PSUM bank of fp32 scores; software-pipelined):
+      K^T (dc, 128*n) PSUM    <- n TensorE transposes of slots c (keys {p*M + c}), copied to SBUF
+      S (rn, 128*n) PSUM      =  sum over head-dim chunks of matmul(q^T (dc, rn), K^T (dc, 128*n))
+                                 evicted by ScalarE with scale (and tanh for softcap)
+    mask + row max            :  one range_select per slot c: column p is key p*M + c, visible iff
+                                 (lo - c)/M <= p <= (hi - c)/M; the slots chain the row max
+    per block: P = exp(S - m) (ScalarE, row sums per block), P^T (128, n*rn) by n transposes,
+      O (rn, D) PSUM          += matmul(P^T_c (128, rn), V[:, slot c] (128, D)) for every slot
 
 Only needed units are read: the launcher replaces the ids of units that hold no key of
-``[max(0, L_b - Sq - window_left), L_b)`` by an out-of-range sentinel, and the indirect DMA skips
-those rows (``oob_mode.skip``; their SBUF rows keep finite stale data that the mask removes). The
-device loops visit only the chunks of that range, so work and traffic follow ``L_b``, not the
-capacity. Row bounds ``[lo, hi]`` (key indices relative to the chunk start) come from the launcher
-per split and move by ``-C`` each iteration.
+``[first, L_b)`` by an out-of-range sentinel and the indirect DMA skips them (their SBUF rows keep
+finite stale data, zero at first use, which the mask removes). The device loops visit only the
+chunks of ``[first, L_b)``, so traffic and work follow ``L_b``, not the capacity. Row bounds
+``[lo, hi]`` per slot, relative to the chunk start and divided by M, move by ``-128`` per chunk.
 
 Loop structure::
 
-    for b, hk (static):                          load q^T (dc, rn) per row tile and head-dim chunk
+    for b, hk (static):                          q^T (dc, rn) per row tile and head-dim chunk
       for split s (static):                      registers start/stop <- split_bounds[b, s]
-        for col in device_range(start, stop, C/u):   one chunk (above), all row tiles
-      merge splits + sink, store out (rn, D) and lse (rn, 1) per row tile
+        for col in dynamic_range(start, stop, C/u):   one chunk (above), every row tile
+      merge splits + sink; store out (rn, D) and lse (rn, 1) per row tile
+
+K/V chunk buffers: pairs rotate over the (b, hk, split) streams (as many pairs as fit
+``CHUNK_BUFFER_BUDGET``), so one stream's gathers overlap another stream's compute.
 
 Shapes (HBM): q (B, Hq, Sq, D); k_units/v_units (N_units, row_stride) -- the cache viewed as rows
 of gatherable units (paged: one block of all kv heads per row, head hk at ``hk * head_offset``;
@@ -52,12 +60,13 @@ split_bounds (B, S, 2) int32 [start, stop) in unit columns; row_bounds (B, S, R,
 (lo, hi) relative to the split's first key; sink_rows (Hkv, R) float32 or None.
 Outputs: out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32.
 Dimension legend: B batch, Hq/Hkv heads, G = Hq/Hkv, Sq new tokens, D head dim, R = G*Sq rows,
-rn rows of a row tile (<= 128), dc head-dim chunk (<= 128), m keys per partition (<= 4),
-C = 128*m keys per chunk, u keys per unit, S splits.
+rn rows of a row tile (<= 128), dc head-dim chunk (<= 128), M keys per partition of a chunk,
+C = 128*M keys per chunk, n slots of a score block (<= 4), u keys per unit, S splits.
 
-Limits: bf16/fp16/fp32; D <= 256; R any (row tiles of 128); positions < 2**24 (float32 bounds);
-unit size u a power of two <= C. Cache slots between L_b and the end of the last needed unit are
-read and masked, so they must hold finite values (0 * NaN in P @ V would leak).
+Limits: bf16/fp16/fp32 (P in the input dtype for P @ V); D <= 256; R any (row tiles of 128);
+positions < 2**24 (float32 bounds); unit size u a power of two with C/u <= 128. Cache slots between
+L_b and the end of the last needed unit (and before ``first`` inside the first needed unit) are
+read and masked, so they must hold finite values: 0 * NaN in P @ V would leak.
 """
 
 from __future__ import annotations
