@@ -135,8 +135,8 @@ def test_unsupported_before_launch():
     q = torch.randn(1, 1, 8, 4)
     stats = torch.zeros(1, 1, 8)
     with pytest.raises(Unsupported, match="scale <= 0"):
-        bwd.flash_bwd(q, stats, q, q, q, q, stats, None, None, causal=True, scale=-0.5, window_left=-1,
-                      window_right=-1, softcap=0.0)
+        bwd.flash_bwd(q, stats, q, q, q, q, stats, None, torch.tensor([0, 3, 8], dtype=torch.int32),
+                      causal=True, scale=-0.5, window_left=-1, window_right=-1, softcap=0.0)
 
 
 # SBUF bytes per partition the backward may use at any length (bwd.py docstring: ~12 KiB plus

@@ -22,8 +22,9 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
                 for each query tile of the group that sees the key tile:
                     Q, dO rows-on-partitions     TensorE transposes, ScalarE eviction
                     S = Q K^T, dP = dO V^T       TensorE -> PSUM fp32
-                    mask (partial tiles only)    VectorE range_select, PSUM -> SBUF
-                    P = exp(scale * S - lse)     ScalarE
+                    P = exp(scale * S - lse)     ScalarE (reads PSUM)
+                    mask (partial tiles only)    GpSimd affine_select on P (causal/window);
+                                                 documents: VectorE range_select before exp
                     dS = (dP - delta) * P        VectorE, one scalar_tensor_tensor
                     per visible 128-key block:
                       dV += P^T dO, dK += dS^T Q   TensorE (queries are the contraction dim:
@@ -42,8 +43,9 @@ and masks follow ``tiles.plan_row`` / ``tiles.row_bounds`` exactly like the forw
 blocks no query of the tile sees also skip the dV/dK/dQ matmuls.
 
 Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile TensorE does S, dP,
-4 x (dV, dK, dS^T, dQ); ScalarE the exp and all PSUM evictions of dS^T/Q/dO; VectorE dS (and
-the mask on diagonal tiles); the estimated busy times of the three engines are within 25%.
+4 x (dV, dK, dS^T, dQ); ScalarE the exp and all PSUM evictions of dS^T/Q/dO; VectorE dS and
+the dQ accumulation; GpSimd (otherwise idle) the causal/window masks of diagonal tiles. The
+estimated busy times of TensorE, VectorE and ScalarE are within 25% of each other.
 The streamed traffic (Q^T, dO^T, dQ accumulators) moves 1-2 KiB per partition per DMA (one
 DMA per query group, not per tile); small DMAs remain once per query tile (phase 0, final dq
 store) and once per key tile (K rows, dK/dV stores).
@@ -60,8 +62,9 @@ position's document (cu_seqlens). Scratch: dq_acc (B, Hq, NG, 128, 4, D) fp32 (q
 layout: one contiguous run per partition), stats (bwd_prep).
 Dimension legend: B batch, Hq/Hkv query/kv heads (G = Hq // Hkv), Sq/Sk lengths, D head dim,
 qn/kn rows/keys of the current tile, NT query tiles, NG query groups.
-Limits: D <= 256 (two contraction chunks); bf16/fp16/fp32; Sq, Sk < 2**24; with masks and no
-softcap, scale > 0 (masked scores are filled with the most negative float32 before exp).
+Limits: D <= 256 (two contraction chunks); bf16/fp16/fp32; Sq + Sk < 2**24 (float32 key
+indices); with cu_seqlens and no softcap, scale > 0 (document-masked scores are filled with the
+most negative float32 before exp), else ``Unsupported``.
 """
 
 from __future__ import annotations
@@ -132,31 +135,55 @@ def _store_kv_grads(dk, dv, b, hk, k0, blocks, dk_psum, dv_psum, started, cfg):
 
 # --------------------------------------------------------------------------- one score tile
 
-def _probs(s_psum, stat, k0, qn, kn, tile_masked, cfg, mm_dtype):
-    """P (qn, kn) in the matmul dtype; under softcap also tanh^2 (fp32, for the chain rule)."""
+def _probs(s_psum, stat, q0, k0, qn, kn, tile_masked, cfg, mm_dtype):
+    """P (qn, kn) in the matmul dtype; under softcap also tanh^2 (fp32, for the chain rule).
+
+    Masks of partial tiles: document bounds (data) by a VectorE ``range_select`` on the scores
+    before exp; causal/window (affine in row and key) by GpSimd ``affine_select`` on P after exp,
+    selecting 0 (a select, so whatever exp produced at masked positions is discarded)."""
     pmax = nl.tile_size.pmax
     kw = tiles.key_tile_width()
     neg_lse = stat[:qn, NEG_LSE]
+    doc_masked = tile_masked and cfg.mask.has_docs
     p_sb = nl.ndarray((pmax, kw), dtype=mm_dtype, buffer=nl.sbuf)
+    tsq_sb = None
     if cfg.softcap > 0:
         t_sb = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=t_sb[:qn, :kn], op=nl.tanh, data=s_psum[:qn, :kn], scale=cfg.scale / cfg.softcap)
         tsq_sb = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=tsq_sb[:qn, :kn], op=nl.square, data=t_sb[:qn, :kn])
-        if tile_masked:
-            _mask(t_sb[:qn, :kn], t_sb[:qn, :kn], stat, k0, qn)
+        if doc_masked:
+            _doc_mask(t_sb[:qn, :kn], t_sb[:qn, :kn], stat, k0, qn)
         nisa.activation(dst=p_sb[:qn, :kn], op=nl.exp, data=t_sb[:qn, :kn], scale=cfg.softcap, bias=neg_lse)
-        return p_sb, tsq_sb
-    src = s_psum[:qn, :kn]
+    else:
+        src = s_psum[:qn, :kn]
+        if doc_masked:
+            sm_sb = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.sbuf)
+            _doc_mask(sm_sb[:qn, :kn], src, stat, k0, qn)
+            src = sm_sb[:qn, :kn]
+        nisa.activation(dst=p_sb[:qn, :kn], op=nl.exp, data=src, scale=cfg.scale, bias=neg_lse)
     if tile_masked:
-        sm_sb = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.sbuf)
-        _mask(sm_sb[:qn, :kn], src, stat, k0, qn)
-        src = sm_sb[:qn, :kn]
-    nisa.activation(dst=p_sb[:qn, :kn], op=nl.exp, data=src, scale=cfg.scale, bias=neg_lse)
-    return p_sb, None
+        for offset, row_step, key_step in _affine_conditions(cfg.mask, q0, qn, k0, kn):
+            nisa.affine_select(dst=p_sb[:qn, :kn], pattern=[[key_step, kn]], channel_multiplier=row_step,
+                               on_true_tile=p_sb[:qn, :kn], on_false_value=0.0, cmp_op=nl.greater_equal,
+                               offset=offset)
+    return p_sb, tsq_sb
 
 
-def _mask(dst, scores, stat, k0, qn):
+def _affine_conditions(mask, q0, qn, k0, kn):
+    """The causal/window rules on a tile as ``offset + row_step * r + key_step * c >= 0`` (r, c: row
+    and key within the tile), keeping only those some element of the tile violates."""
+    diag = q0 + mask.offset - k0          # the key (tile-relative) aligned with row 0
+    upper = ([0] if mask.causal else []) + ([mask.window_right] if mask.window_right >= 0 else [])
+    conds = []
+    if upper:
+        conds.append((diag + min(upper), 1, -1))        # c <= r + diag + min(shifts)
+    if mask.window_left >= 0:
+        conds.append((mask.window_left - diag, -1, 1))  # c >= r + diag - window_left
+    return [(off, rs, ks) for off, rs, ks in conds if off + min(0, rs * (qn - 1)) + min(0, ks * (kn - 1)) < 0]
+
+
+def _doc_mask(dst, scores, stat, k0, qn):
     """dst = scores where lo <= key <= hi (the row's visible interval), else MASK_FILL."""
     nisa.range_select(dst=dst, on_true_tile=scores, comp_op0=nl.greater_equal, comp_op1=nl.less_equal,
                       bound0=stat[:qn, LO], bound1=stat[:qn, HI], range_start=k0,
@@ -202,7 +229,7 @@ def _tile_step(q_grp, kv, stats_sb, slot, t, qn, tile_masked, k0, kn, first, cfg
     for ch, (d0, dc) in enumerate(chunks):
         nisa.nc_matmul(dst=dp_psum[:qn, :kn], stationary=doT_sb[:dc, ch, cols:cols + qn],
                        moving=vT_sb[:dc, ch, :kn], accumulate=ch > 0)
-    p_sb, tsq_sb = _probs(s_psum, stat, k0, qn, kn, tile_masked, cfg, mm_dtype)
+    p_sb, tsq_sb = _probs(s_psum, stat, q0, k0, qn, kn, tile_masked, cfg, mm_dtype)
     ds_sb = _dscores(dp_psum, p_sb, tsq_sb, stat, qn, kn, mm_dtype)
 
     # 128-key blocks some query of the tile sees (never empty for a planned tile: the visible keys
@@ -345,8 +372,7 @@ def flash_bwd_kernel(dout, dout_t, dlse, q, q_t, k, k_t, v_t, out, lse, sinks, d
     group = num_heads // num_kv_heads
     pmax = nl.tile_size.pmax
     mask = tiles.MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right, doc is not None)
-    masked = mask.causal or mask.window_left >= 0 or mask.window_right >= 0 or mask.has_docs
-    cfg = _Config(mask, scale, softcap, head_dim, bwd_prep.num_stats(masked))
+    cfg = _Config(mask, scale, softcap, head_dim, bwd_prep.num_stats(mask.has_docs))
     q_tiles = tiles.query_tiles(seqlen_q)
     per = _group_tiles()
 
@@ -405,9 +431,8 @@ def flash_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale
         raise Unsupported(f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}")
     if q.shape[2] + k.shape[2] >= tiles.MAX_INDEX:
         raise Unsupported(f"Sq + Sk = {q.shape[2] + k.shape[2]} >= 2**24 (key indices are float32 in the kernel)")
-    has_mask = causal or window_left >= 0 or window_right >= 0 or cu_seqlens is not None
-    if has_mask and softcap == 0 and scale <= 0:
-        raise Unsupported("scale <= 0 with a mask: masked scores would not vanish under exp")
+    if cu_seqlens is not None and softcap == 0 and scale <= 0:
+        raise Unsupported("scale <= 0 with cu_seqlens: document-masked scores would not vanish under exp")
     transposed = lambda t: t.transpose(2, 3).contiguous()  # noqa: E731
     doc = None if cu_seqlens is None else tiles.document_bounds(cu_seqlens, q.shape[2])
     return call_kernel(flash_bwd_kernel, dout.contiguous(), transposed(dout), dlse.contiguous(), q.contiguous(),

@@ -8,7 +8,7 @@ Per (head h, batch b, query tile t of R <= pmax rows):
 * ``neg_lse = -lse``, and 0 where ``lse = -inf``         VectorE (rows with no visible key and no
   sink: their probabilities are masked to 0 anyway; the exp bias must stay finite)
 * ``lo``, ``hi``: the visible-key interval of the row (causal, window and document masks, from
-  ``tiles.row_bounds``; only when some mask is active)
+  ``tiles.row_bounds``; only with documents: causal/window masks need no per-row data)
 * ``dsinks[h] = -sum_{b,i} exp(sink_h - lse_i) * delta_i``: per-partition partial sums on
   ScalarE (exp) and VectorE (fused multiply-add), one ones-vector matmul on TensorE for the
   cross-partition sum. Without sinks, dsinks is zero-filled.
@@ -19,7 +19,7 @@ Output layout (private HBM scratch, read by the main loop):
 
 Shapes: dout, out (B, Hq, Sq, D); lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32; doc (2, Sq).
 Dimension legend: B batch, Hq query heads, Sq query length, D head dim, NT = ceil(Sq / pmax),
-R rows of the current query tile, NSTAT statistics per row (2, or 4 with masks).
+R rows of the current query tile, NSTAT statistics per row (2, or 4 with documents).
 Limits: one pass over dO and O; the per-row work is tiny next to the main loop.
 """
 
@@ -39,8 +39,8 @@ LO = 2
 HI = 3
 
 
-def num_stats(masked):
-    return HI + 1 if masked else DELTA + 1
+def num_stats(with_documents):
+    return HI + 1 if with_documents else DELTA + 1
 
 
 def _row_stats(stat_sb, o_sb, do_sb, lse_sb, dlse_sb, zero_col, rows, head_dim):
