@@ -51,6 +51,49 @@ def _region(access) -> tuple:
     return (access.partitions[0], access.partitions[1], access.byte_range[0], access.byte_range[1])
 
 
+class _RegionTable:
+    """Records keyed by region for one buffer, indexed by byte-range buckets for fast overlap queries.
+
+    The bucket size is fixed per buffer from its first region (a power of two >= 4 KiB), so a
+    buffer accessed in many equal slices (an HBM tensor tiled by a loop) costs O(1) per query.
+    """
+
+    MIN_BUCKET = 4096
+
+    def __init__(self) -> None:
+        self.bucket = 0
+        self.buckets: dict[int, dict[tuple, tuple]] = defaultdict(dict)
+
+    def _span(self, region: tuple) -> range:
+        if not self.bucket:
+            size = max(region[3] - region[2], self.MIN_BUCKET)
+            self.bucket = 1 << (size - 1).bit_length()
+        return range(region[2] // self.bucket, max(region[3] - 1, region[2]) // self.bucket + 1)
+
+    def overlapping(self, region: tuple):
+        for b in self._span(region):
+            bucket = self.buckets.get(b)
+            if bucket:
+                for other, rec in bucket.items():
+                    if _overlap(region, other):
+                        yield other, rec
+
+    def get(self, region: tuple):
+        for b in self._span(region):
+            return self.buckets.get(b, {}).get(region)
+        return None
+
+    def put(self, region: tuple, rec: tuple) -> None:
+        for b in self._span(region):
+            self.buckets[b][region] = rec
+
+    def drop_contained(self, region: tuple) -> None:
+        covered = {other for other, _ in self.overlapping(region) if _contains(region, other)}
+        for other in covered:
+            for b in self._span(other):
+                self.buckets[b].pop(other, None)
+
+
 class _Regions:
     """Completion times of the last writes and reads of every buffer region.
 
@@ -61,8 +104,8 @@ class _Regions:
     """
 
     def __init__(self) -> None:
-        self.writes: dict[int, dict[tuple, tuple]] = defaultdict(dict)
-        self.reads: dict[int, dict[tuple, tuple]] = defaultdict(dict)
+        self.writes: dict[int, _RegionTable] = defaultdict(_RegionTable)
+        self.reads: dict[int, _RegionTable] = defaultdict(_RegionTable)
 
     def ready(self, entry, engine: str) -> float:
         t = 0.0
@@ -71,9 +114,9 @@ class _Regions:
         for acc, kinds in tables:
             region = _region(acc)
             for table in kinds:
-                for other, (done, in_order, producer) in table[acc.buffer_id].items():
+                for _, (done, in_order, producer) in table[acc.buffer_id].overlapping(region):
                     when = in_order if producer == engine else done
-                    if when > t and _overlap(region, other):
+                    if when > t:
                         t = when
         return t
 
@@ -83,14 +126,12 @@ class _Regions:
             table, region = self.reads[acc.buffer_id], _region(acc)
             old = table.get(region)
             if old is None or old[0] <= done:
-                table[region] = (done, in_order, engine)
+                table.put(region, (done, in_order, engine))
         for acc in entry.writes:
             region = _region(acc)
-            for table in (self.writes, self.reads):
-                covered = [r for r in table[acc.buffer_id] if _contains(region, r)]
-                for r in covered:
-                    del table[acc.buffer_id][r]
-            self.writes[acc.buffer_id][region] = (done, in_order, engine)
+            self.writes[acc.buffer_id].drop_contained(region)
+            self.reads[acc.buffer_id].drop_contained(region)
+            self.writes[acc.buffer_id].put(region, (done, in_order, engine))
 
 
 class _PsumBanks:
