@@ -618,6 +618,40 @@ class NkiTensor:
                             list(self._strides[:start_dim]) + [self._strides[end_dim]] + list(self._strides[end_dim + 1:]),
                             "flatten_dims")
 
+    def rearrange(self, src_pattern, dst_pattern, fixed_sizes=None):
+        """einops-style view: ``(('b', ('h', 'w')), ('b', 'w', 'h'), {'h': 4})`` splits, permutes, merges."""
+        op = "rearrange"
+        self._static(op)
+        fixed = dict(fixed_sizes or {})
+        if len(src_pattern) != len(self._shape):
+            _fail(op, "src_pattern", f"{len(src_pattern)} entries for a {len(self._shape)}-d tensor")
+        sizes, strides, order = {}, {}, []
+        for dim, entry in enumerate(src_pattern):
+            names = list(entry) if isinstance(entry, (tuple, list)) else [entry]
+            unknown = [n for n in names if n not in fixed]
+            known = math.prod(fixed[n] for n in names if n in fixed)
+            if len(unknown) > 1 or self._shape[dim] % known:
+                _fail(op, "fixed_sizes", f"cannot split dim {dim} of size {self._shape[dim]} into {names}")
+            step = self._strides[dim]
+            for name in reversed(names):
+                size = fixed.get(name, self._shape[dim] // known)
+                sizes[name], strides[name] = size, step
+                step *= size
+            order.extend(names)
+        out_shape, out_strides = [], []
+        for entry in dst_pattern:
+            names = list(entry) if isinstance(entry, (tuple, list)) else [entry]
+            for a, b in zip(names, names[1:]):
+                if strides[a] != strides[b] * sizes[b]:
+                    _fail(op, "dst_pattern", f"cannot merge non-contiguous dims {names}")
+            out_shape.append(math.prod(sizes[n] for n in names))
+            out_strides.append(strides[names[-1]])
+        if sorted(n for e in dst_pattern for n in (e if isinstance(e, (tuple, list)) else [e])) != sorted(order):
+            _fail(op, "dst_pattern", "dst_pattern must use every name of src_pattern exactly once")
+        if self._onchip and out_strides[0] != self._strides[0]:
+            _fail(op, "dst_pattern", "on-chip rearrange must keep the partition dim first")
+        return self._derive(self._offset, out_shape, out_strides, op)
+
 
 def _compact(shape):
     strides, acc = [], 1

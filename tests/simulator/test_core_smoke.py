@@ -304,3 +304,17 @@ def test_five_free_dims_are_rejected_on_compute_operands():
 
     with pytest.raises(NKIRuleError, match="at most 4"):
         simulate(deep)(np.zeros((2, 2), np.float32))
+
+
+def test_rearrange_splits_permutes_and_merges():
+    @jit
+    def rearranged(x_hbm):
+        x_sb = nl.ndarray((2, 12), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_sb, src=x_hbm)
+        out_hbm = nl.ndarray((2, 4, 3), dtype=nl.float32, buffer=nl.shared_hbm)
+        view = x_sb.rearrange(("p", ("h", "w")), ("p", "w", "h"), {"h": 3})
+        nisa.dma_copy(dst=out_hbm, src=view)
+        return out_hbm
+
+    x = np.arange(24, dtype=np.float32).reshape(2, 12)
+    np.testing.assert_array_equal(simulate(rearranged)(x), x.reshape(2, 3, 4).transpose(0, 2, 1))

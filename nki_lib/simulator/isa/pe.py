@@ -156,7 +156,7 @@ def nc_transpose(dst, data, engine=None, name=None):
         vals = vals.astype(np.float32)
     dst._scatter(np.ascontiguousarray(vals), c.opcode, "dst")
     c.record(eng, (data,), (dst,), (f, p), dst._dtype, f * p, f * p * dst.itemsize,
-             {"K": p, "M": p, "N": f, "accumulate": False, "is_transpose": True} if eng == "tensor" else {})
+             {"K": p, "M": f, "N": p, "accumulate": False, "is_transpose": True} if eng == "tensor" else {})
     return INSTRUCTION
 
 
