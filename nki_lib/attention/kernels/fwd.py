@@ -68,8 +68,10 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_SBUF_SHARE = 4   # per-head resident state may use 1/4 of SBUF; the rest streams K/V/S/P
 _FP32_BYTES = 4
 _HALF_BYTES = 2        # bfloat16 / float16
-PIPELINE_LEAD = 2      # the scores of a step are computed this many iterations before its P @ V
-PREFETCH_STEPS = 4     # K/V (and group) loads are issued this many steps ahead of P @ V
+SCORE_LEAD = 3         # QK^T and the row max of a step are issued this many iterations before
+                       # its P^T, so the PE -> DVE -> ACT chain feeding each exp is covered
+ACC_LAG = 3            # the acc update of a step is issued this many iterations after its P^T
+PREFETCH_STEPS = 5     # K/V (and group) loads are issued this many steps ahead of the P^T
 LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
                        # ScalarE table switch to log and back per batch, 8 B/partition each
 KEY_SECTION_TILES = 4  # consecutive visible key tiles whose K^T one DMA loads (bf16: 4 KiB per
@@ -182,7 +184,8 @@ def _evict_scores(s_psum, scale, softcap, bounds, k0, masked):
 
 
 def _softmax_step(state, s_sb, rowmax, p_dtype):
-    """Update neg_m and l with the tile; returns P = exp(s - m_new) (qn, kn) and alpha (qn, 1)."""
+    """Update neg_m with the tile; returns P = exp(s - m_new) (qn, kn), alpha = exp(m - m_new)
+    and the row sum of P (qn, 1) (l is updated later, with acc, by :func:`_stage_acc`)."""
     qn, kn = s_sb.shape
     neg_m_new = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
@@ -193,15 +196,13 @@ def _softmax_step(state, s_sb, rowmax, p_dtype):
     rowsum = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=p_sb, op=nl.exp, data=s_sb, bias=neg_m_new, reduce_op=nl.add,
                     reduce_res=rowsum, reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=alpha,
-                              op1=nl.add, operand1=rowsum)
     state.neg_m = neg_m_new
-    return p_sb, alpha
+    return p_sb, alpha, rowsum
 
 
-def _p_times_v(p_sb, v_sb):
-    """O (qn, D) fp32 PSUM = P @ V, contracting 128-key blocks of P^T (TensorE transposes of the
-    block's key columns, :func:`_block_keys`; ScalarE evicts them)."""
+def _transpose_p(p_sb):
+    """P^T (128, blocks, qn) in PSUM: one TensorE transpose per 128-key block of P (qn, kn),
+    taking the block's key columns (:func:`_block_keys`)."""
     qn, kn = p_sb.shape
     pmax = nl.tile_size.pmax
     blocks = key_blocks(kn)
@@ -210,14 +211,27 @@ def _p_times_v(p_sb, v_sb):
     for j, (_, bn) in enumerate(blocks):
         nisa.nc_transpose(dst=pt_psum[0:bn, j, :], data=_block_keys(p_sb, j, n_full),
                           engine=nisa.engine.tensor)
-    pt_sb = nl.ndarray((pmax, len(blocks), qn), dtype=p_sb.dtype, buffer=nl.sbuf)
+    return pt_psum
+
+
+def _evict_pt(pt_psum, kn):
+    """P^T to SBUF (ScalarE; the remainder block only its bn rows)."""
+    pmax, n_blocks, qn = pt_psum.shape
+    n_full = kn // pmax
+    pt_sb = nl.ndarray((pmax, n_blocks, qn), dtype=pt_psum.dtype, buffer=nl.sbuf)
     if n_full > 0:
         nisa.activation(dst=pt_sb[:, 0:n_full, :], op=nl.copy, data=pt_psum[:, 0:n_full, :])
-    if n_full < len(blocks):
-        bn = blocks[n_full][1]
+    if n_full < n_blocks:
+        bn = kn - n_full * pmax
         nisa.activation(dst=pt_sb[0:bn, n_full, :], op=nl.copy, data=pt_psum[0:bn, n_full, :])
+    return pt_sb
+
+
+def _p_times_v(pt_sb, v_sb, kn):
+    """O (qn, D) fp32 PSUM = P @ V, contracting the 128-key blocks of P^T on TensorE."""
+    qn = pt_sb.shape[2]
     o_psum = nl.ndarray((qn, v_sb.shape[2]), dtype=nl.float32, buffer=nl.psum)
-    for j, (_, bn) in enumerate(blocks):
+    for j, (_, bn) in enumerate(key_blocks(kn)):
         nisa.nc_matmul(dst=o_psum, stationary=pt_sb[0:bn, j, :], moving=v_sb[0:bn, j, :],
                        accumulate=j > 0)
     return o_psum
@@ -386,33 +400,54 @@ def _stage_softmax(groups, steps, work, s, p_dtype):
     if _real(steps, s):
         gi, _, hi = steps[s]
         w = work[s]
-        w.p_sb, w.alpha = _softmax_step(groups[gi].states[hi], w.s_sb, w.rowmax, p_dtype)
+        w.p_sb, w.alpha, w.rowsum = _softmax_step(groups[gi].states[hi], w.s_sb, w.rowmax,
+                                                  p_dtype)
         w.s_sb, w.rowmax = None, None
 
 
+def _stage_transpose(steps, work, s):
+    """B2a: P^T of step s in PSUM [PE]."""
+    if _real(steps, s):
+        w = work[s]
+        w.pt_psum = _transpose_p(w.p_sb)
+        w.p_sb = None
+
+
+def _stage_evict_pt(groups, steps, work, s):
+    """B2b: P^T of step s to SBUF [ACT]."""
+    if _real(steps, s):
+        gi, ti, _ = steps[s]
+        w = work[s]
+        w.pt_sb = _evict_pt(w.pt_psum, groups[gi].plan[ti][1])
+        w.pt_psum = None
+
+
 def _stage_pv(groups, steps, work, s):
-    """B2: O = P @ V of step s [PE/ACT]; drops the K/V tile after the group's last head."""
+    """B2c: O = P @ V of step s [PE]; drops the K/V tile after the group's last head."""
     if _real(steps, s):
         gi, ti, hi = steps[s]
         grp = groups[gi]
         w = work[s]
-        w.o_psum = _p_times_v(w.p_sb, grp.kv[ti][1])
-        w.p_sb = None
+        w.o_psum = _p_times_v(w.pt_sb, grp.kv[ti][1], grp.plan[ti][1])
+        w.pt_sb = None
         if hi == len(grp.heads) - 1:
             grp.kv[ti] = None
 
 
 def _stage_acc(groups, steps, work, s, out, pending_lse):
-    """B3: acc = alpha * acc + O of step s [DVE]; closes the group after its last step."""
+    """B3: l = alpha * l + rowsum and acc = alpha * acc + O of step s [DVE]; closes the group
+    after its last step."""
     if s < 0 or s >= len(steps):
         return
     gi, ti, hi = steps[s]
     grp = groups[gi]
     if ti >= 0:
         w = work[s]
-        acc = grp.states[hi].acc
-        nisa.scalar_tensor_tensor(dst=acc, data=acc, op0=nl.multiply, operand0=w.alpha,
-                                  op1=nl.add, operand1=w.o_psum)
+        state = grp.states[hi]
+        nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=w.alpha,
+                                  op1=nl.add, operand1=w.rowsum)
+        nisa.scalar_tensor_tensor(dst=state.acc, data=state.acc, op0=nl.multiply,
+                                  operand0=w.alpha, op1=nl.add, operand1=w.o_psum)
         work[s] = None
     if ti == len(grp.plan) - 1 and (ti < 0 or hi == len(grp.heads) - 1):
         _close_group(grp, out, pending_lse)
@@ -451,20 +486,25 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
     pending_lse = []
 
     # Software pipeline over the steps. Each engine runs its stream in program order, so
-    # iteration it emits the stages of five different steps, each engine's work for a step
-    # coming after the work it depends on from earlier iterations:
-    #   loads(it + PREFETCH_STEPS)  QK(it + 2) [PE]  softmax(it + 1) [DVE, ACT]
-    #   scores(it + 2) [DVE/ACT]    P^T, P @ V(it) [PE, ACT]    acc(it - 1) [DVE] (+ group stores)
+    # iteration it emits the stages of seven different steps, ordered so that in the steady
+    # state an engine only waits on work emitted in earlier iterations (except for the short
+    # neg_m -> exp and QK -> row max hand-offs):
+    #   loads(it + PREFETCH_STEPS)
+    #   QK^T(it + SCORE_LEAD) [PE]   softmax(it + 1) [DVE, ACT]   scores(it + SCORE_LEAD) [DVE/ACT]
+    #   P^T(it) [PE]   evict P^T(it - 1) [ACT]   P @ V(it - 2) [PE]
+    #   l, acc(it - 3) [DVE] (+ the group's output stores after its last step)
     for s in range(PREFETCH_STEPS):
         _prefetch(ctx, groups, steps, s)
-    for it in nl.sequential_range(-PIPELINE_LEAD, n_steps + 1):
+    for it in nl.sequential_range(-SCORE_LEAD, n_steps + ACC_LAG):
         _prefetch(ctx, groups, steps, it + PREFETCH_STEPS)
-        _stage_qk(groups, steps, work, it + PIPELINE_LEAD)
+        _stage_qk(groups, steps, work, it + SCORE_LEAD)
         _stage_softmax(groups, steps, work, it + 1, v.dtype)
-        _stage_scores(groups, steps, work, it + PIPELINE_LEAD, scale, softcap)
-        _stage_pv(groups, steps, work, it)
-        _stage_acc(groups, steps, work, it - 1, out, pending_lse)
-        if len(pending_lse) >= LSE_BATCH or (it == n_steps and len(pending_lse) > 0):
+        _stage_scores(groups, steps, work, it + SCORE_LEAD, scale, softcap)
+        _stage_transpose(steps, work, it)
+        _stage_evict_pt(groups, steps, work, it - 1)
+        _stage_pv(groups, steps, work, it - 2)
+        _stage_acc(groups, steps, work, it - ACC_LAG, out, pending_lse)
+        if len(pending_lse) >= LSE_BATCH or (it == n_steps + ACC_LAG - 1 and len(pending_lse) > 0):
             _store_lse_batch(pending_lse, lse)
             pending_lse = []
     return out, lse
