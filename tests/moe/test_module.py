@@ -151,3 +151,16 @@ def test_bad_arguments():
         load_balancing_loss(torch.randn(3, 4), torch.zeros(3, 2, dtype=torch.int32), 5)
     with pytest.raises(TypeError, match="logits"):
         router_z_loss(torch.zeros(3, 4, dtype=torch.int32))
+
+
+def test_functional_wrappers_call_the_ops():
+    from nki_lib import moe
+
+    x, weight = torch.randn(6, H), torch.randn(E, H)
+    for got, want in zip(moe.moe_router(x, weight, top_k=K, score_func="sigmoid"),
+                         torch.ops.nki.moe_router(x, weight, top_k=K, score_func="sigmoid")):
+        assert torch.equal(got, want)
+    ids = torch.ops.nki.moe_router(x, weight, top_k=K)[2]
+    for got, want in zip(moe.moe_plan(ids, num_experts=E, block_size=4),
+                         torch.ops.nki.moe_plan(ids, num_experts=E, block_size=4)):
+        assert torch.equal(got, want)

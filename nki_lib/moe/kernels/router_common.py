@@ -16,6 +16,10 @@ free dim. Shapes: T tokens, H hidden, E experts, k = top_k, G = num_groups, W = 
   ``dst[:, ids[:, j]] += vals[:, j]`` through one-hot rows ``iota == id`` (exact: 1.0 * v + 0s).
 * ``group_limit``: DeepSeek-V3 group-limited selection on the keys (group score = sum of the two
   largest keys; the ``topk_groups`` best groups stay, the others get ``NEG_BIG``).
+
+Limits: rows <= pmax; max8 / nc_find_index8 scan 8..FIND8_MAX_FREE elements per partition
+(narrower tiles are padded with NEG_BIG); ids are exact in fp32 (< 2^24); keys must stay far
+above NEG_BIG (true for scores in [0, 1] plus any sane bias).
 """
 
 from __future__ import annotations
