@@ -7,23 +7,22 @@ import sys
 
 __all__ = ["NKIRuleError", "kernel_source"]
 
-_SIM_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-_INSIDE: dict = {}   # code object -> True when it belongs to the simulator
+_PKG = __name__.rpartition(".")[0]          # "nki_lib.simulator"
+_SOURCES: dict = {}                          # (filename, line) -> "file.py:LINE"
 
 
 def kernel_source(depth: int = 1) -> str:
     """``"file.py:LINE"`` of the innermost stack frame outside ``nki_lib/simulator``."""
     frame = sys._getframe(depth)
-    inside = _INSIDE
     while frame is not None:
-        code = frame.f_code
-        flag = inside.get(code)
-        if flag is None:
-            flag = inside[code] = code.co_filename.startswith(_SIM_DIR)
-        if not flag:
-            return f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
+        if not frame.f_globals.get("__name__", "").startswith(_PKG):
+            key = (frame.f_code.co_filename, frame.f_lineno)
+            text = _SOURCES.get(key)
+            if text is None:
+                text = _SOURCES[key] = f"{os.path.basename(key[0])}:{key[1]}"
+            return text
         frame = frame.f_back
     return "<unknown>:0"
 
