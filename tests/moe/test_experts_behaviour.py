@@ -156,3 +156,21 @@ def test_bad_inputs_name_the_argument(change, error, name):
     args, kwargs = _replace(s, **change)
     with pytest.raises(error, match=name):
         torch.ops.nki.moe_experts(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- SBUF budget
+
+@pytest.mark.parametrize("shape", [(20, 200, 136, 4, 2, 130, torch.bfloat16), (16, 260, 100, 2, 2, 64, torch.float32),
+                                   (40, 64, 64, 4, 3, 512, torch.float16)], ids=["bf16", "fp32", "fp16-B512"])
+def test_sbuf_estimates_bound_the_measured_peak(shape):
+    """The launchers' SBUF budgets (used to refuse oversize calls) are upper bounds of the simulator's peak."""
+    from nki_lib.moe.kernels import experts_bwd, experts_fwd
+    t, h, inter, e, k, block, dtype = shape
+    s = experts_ops.make_sample(t, h, inter, e, k, block, dtype, True)
+    with collect_runs() as runs:
+        run_with_grads(s)
+    (_, fwd), (_, bwd) = runs
+    counts = dict(top_k=k, n_blocks=s.args[2].numel())
+    itemsize = s.args[0].element_size()
+    assert 0 < fwd.peak_sbuf_bytes <= experts_fwd.sbuf_bytes(h, inter, block, itemsize, **counts)
+    assert 0 < bwd.peak_sbuf_bytes <= experts_bwd.sbuf_bytes(h, inter, block, itemsize, **counts)

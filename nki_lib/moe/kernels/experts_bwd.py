@@ -45,9 +45,9 @@ import torch
 from nki_lib._nki import nki, nisa, nl
 from nki_lib.dispatch import call_kernel
 from nki_lib.moe.kernels.experts_fwd import (
-    act_fn, block_flags, block_registers, check_supported, common_sbuf_bytes, gather_rows,
+    act_fn, block_flags, block_registers, check_supported, flags_sbuf_bytes, gather_rows,
     load_block_inputs, load_expert_cols, load_expert_t, reduce_assignments, scatter_rows, slot_tokens,
-    tiles, transpose_rows)
+    tail_sbuf_bytes, tiles, transpose_rows)
 from nki_lib.moe.reference_experts import _GELU_TANH_A, _GELU_TANH_C
 
 ACT_GRAD_FN = {"silu": "silu_dx", "gelu": "gelu_dx"}   # ScalarE derivative functions
@@ -274,10 +274,11 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, *, top_k, n_blocks):
     ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
     slot_tiles = st * (3 * hidden * itemsize + 4 * 4)            # x, dy, do rows; ids, weight, d weight
     resident = (2 * ht + 2 * it) * block * itemsize             # xT, dyT, dgT, duT
-    streamed = 2 * 3 * ht * i_chunk * itemsize                  # W_gate^T, W_up^T, W_down columns (x2 gen.)
+    streamed = 3 * ht * i_chunk * itemsize                      # W_gate^T, W_up^T, W_down columns (single buffer)
     chunk = st * 3 * i_chunk * itemsize + 2 * _FP32_TEMPS * i_chunk * 4   # h, dg, du; fp32 temporaries
-    tails = fmax * 4 + 2 * fmax * 4 + 2 * (fmax * itemsize + fmax * 4)    # zero tile, RMW tile, dx tiles
-    return common_sbuf_bytes(n_blocks, top_k, itemsize) + slot_tiles + resident + streamed + chunk + tails
+    tiles_ = 2 * fmax * 4 + 2 * (fmax * itemsize + fmax * 4)      # RMW tile, dx tiles (x2 gen.)
+    body = slot_tiles + resident + streamed + chunk + tiles_
+    return flags_sbuf_bytes(n_blocks, itemsize) + fmax * 4 + max(body, tail_sbuf_bytes(top_k, itemsize))
 
 
 def i_chunk_size(hidden, inter, block, itemsize, **counts):

@@ -251,25 +251,27 @@ def moe_experts_fwd(x, topk_w, block_expert, slot_token, slot_assignment, w_gate
 
 # --------------------------------------------------------------------------- launcher
 
-def common_sbuf_bytes(n_blocks, top_k, itemsize):
-    """SBUF bytes per partition outside the block body: block flags, final k-reduction tiles, and
-    the fp32-weight transpose staging tile (two generations of each loop-local tile)."""
-    pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
-    flags = 2 * n_blocks * 4
-    reduce = 2 * ((top_k + 1) * fmax * 4 + fmax * itemsize)
-    staging = 2 * pmax * itemsize
-    return flags + reduce + staging
+def tail_sbuf_bytes(top_k, itemsize):
+    """SBUF bytes per partition of the final k-reduction (after the blocks; two generations)."""
+    fmax = nl.tile_size.gemm_moving_fmax
+    return 2 * ((top_k + 1) * fmax * 4 + fmax * itemsize)
+
+
+def flags_sbuf_bytes(n_blocks, itemsize):
+    """SBUF bytes per partition live through the kernel: block flags; fp32 transpose staging."""
+    return 2 * n_blocks * 4 + 2 * nl.tile_size.pmax * itemsize
 
 
 def sbuf_bytes(hidden, inter, block, itemsize, *, top_k, n_blocks):
-    """Peak SBUF bytes per partition of the forward kernel (upper bound: terms added)."""
+    """Peak SBUF bytes per partition of the forward kernel (upper bound)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
     slot_tiles = st * (hidden * itemsize + 3 * 4)                # x rows, ids, routing weight
     resident = (ht + it) * block * itemsize                     # xT, hT
-    gate_up = 2 * (2 * ht * pmax * itemsize + fmax * 4)         # W_gate^T/W_up^T tiles, act (x2 gen.)
+    gate_up = 2 * (2 * ht * pmax * itemsize + fmax * 4)         # W_gate^T/W_up^T tiles, act (x2: double buffer)
     down = 2 * (fmax * itemsize + fmax * 4)                     # W_down^T tile, y eviction
-    return common_sbuf_bytes(n_blocks, top_k, itemsize) + slot_tiles + resident + gate_up + down
+    body = slot_tiles + resident + gate_up + down
+    return flags_sbuf_bytes(n_blocks, itemsize) + max(body, tail_sbuf_bytes(top_k, itemsize))
 
 
 def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sbuf_fn):
