@@ -19,7 +19,7 @@ from nki_lib.registry import Sample
 SPEC = decode.SPEC
 
 
-def _launch(sample, num_splits=None):
+def _launch(sample, num_splits=None, grid=1):
     """Run the launcher directly (strict simulator path); returns ((out, lse), RunReport)."""
     q, k, v, seqlens, table, sinks = sample.args
     flags = dict(scale=sample.kwargs.get("scale"), window_left=sample.kwargs.get("window_left", -1),
@@ -27,7 +27,7 @@ def _launch(sample, num_splits=None):
     with collect_runs() as runs, nki_lib.use_backend("simulator"), nki_lib.strict():
         outs = dispatch("decode_attention", (q, k, v, sinks), reference=None,
                         kernel=lambda: decode_plan.decode_fwd(q, k, v, seqlens, table, sinks,
-                                                              num_splits=num_splits, **flags))
+                                                              num_splits=num_splits, grid=grid, **flags))
     return outs, runs[-1][1]
 
 
@@ -120,6 +120,21 @@ def test_row_and_head_dim_tiles(hq, sq, d):
     sample = make_sample(1, hq, 1, sq, d, [200], torch.bfloat16, block_size=32, sinks=True, softcap=8.0)
     outs, _ = _launch(sample)
     _judge(sample, outs)
+
+
+@pytest.mark.parametrize("b, hkv, num_splits", [(2, 2, None), (1, 1, None), (1, 1, 3), (3, 1, 1)],
+                         ids=["units-per-core", "splits-per-core", "odd-splits-rounded", "odd-units"])
+def test_lnc2(b, hkv, num_splits):
+    """LNC2: whole (b, hk) units per core, or each core takes half of the splits and the two
+    exchange their states (sendrecv) before the merge."""
+    lengths = [1900, 70, 600][:b]
+    sample = make_sample(b, 2 * hkv, hkv, 2, 32, lengths, torch.bfloat16, block_size=16, capacity_=2048,
+                         sinks=True, window_left=900)
+    outs, report = _launch(sample, num_splits, grid=2)
+    assert report.grid == 2
+    _judge(sample, outs)
+    if b * hkv % 2:
+        assert any(e.opcode == "sendrecv" for e in report.trace)
 
 
 def test_unsupported_block_size_is_visible():

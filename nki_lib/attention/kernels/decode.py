@@ -91,11 +91,19 @@ def _spans(length, width):
 
 
 class _SplitState(nl.NKIObject):
-    """Online-softmax state of one split over one row tile (fp32 SBUF)."""
-    neg_m: object    # (rn, 1) negated running max
-    l: object        # (rn, 1) running sum  # noqa: E741
-    acc: object      # (rn, D) unnormalised output
+    """Online-softmax state of one split over one row tile (fp32 SBUF). ``packed`` (rn, D + 2)
+    holds acc | neg_m | l, so one ``sendrecv`` moves a split's state to the other core (LNC2)."""
+    packed: object   # (rn, D + 2)
+    acc: object      # (rn, D) unnormalised output            = packed[:, :D]
+    neg_m: object    # (rn, 1) negated running max            = packed[:, D]
+    l: object        # (rn, 1) running sum                    = packed[:, D + 1]  # noqa: E741
     bounds: object   # (rn, M, 2) per slot c: ((lo - c) / M, (hi - c) / M), lo/hi relative to the chunk
+
+
+def _state_views(packed, bounds=None):
+    d = packed.shape[1] - 2
+    return _SplitState(packed=packed, acc=packed[:, 0:d], neg_m=packed[:, d:d + 1],
+                       l=packed[:, d + 1:d + 2], bounds=bounds)
 
 
 def _load_q_t(q, row0, rn, d_spans, dtype):
@@ -123,10 +131,8 @@ def _slot_offsets(m):
 
 
 def _init_state(row_bounds, b, s, r0, rn, d, m, slot_offsets):
-    state = _SplitState(neg_m=nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf),
-                        l=nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf),
-                        acc=nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.sbuf),
-                        bounds=nl.ndarray((rn, m, 2), dtype=nl.float32, buffer=nl.sbuf))
+    state = _state_views(nl.ndarray((rn, d + 2), dtype=nl.float32, buffer=nl.sbuf),
+                         nl.ndarray((rn, m, 2), dtype=nl.float32, buffer=nl.sbuf))
     nisa.memset(dst=state.neg_m, value=-STAT_INIT)
     nisa.memset(dst=state.l, value=0.0)
     nisa.memset(dst=state.acc, value=0.0)
@@ -297,6 +303,55 @@ def _merge_and_store(states, sink_rows, hk, r0, out, lse, row0, dtype):
     nisa.dma_copy(dst=lse.ap([[1, rn], [1, 1]], offset=row0), src=lse_sb)
 
 
+def _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, b, s, head_offset,
+            unit_keys, chunk_pair, blocks, d_spans, scale, softcap, dtype):
+    """One (b, hk, split) stream: a device loop over the split's chunks, all row tiles."""
+    pmax = nl.tile_size.pmax
+    m = split_states[0].bounds.shape[1]
+    d = split_states[0].acc.shape[1]
+    units_per_chunk = m * pmax // unit_keys
+    k_chunk, v_chunk = chunk_pair
+    bounds_sb = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=bounds_sb, src=split_bounds[b, s])
+    start = nisa.register_alloc()
+    stop = nisa.register_alloc()
+    nisa.register_load(start, bounds_sb[0:1, 0:1])
+    nisa.register_load(stop, bounds_sb[0:1, 1:2])
+    n_cols = unit_table.shape[1]
+    for col in nl.dynamic_range(start, stop, units_per_chunk):
+        idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=idx_sb, src=unit_table.ap([[1, units_per_chunk], [1, 1]], offset=b * n_cols,
+                                                    scalar_offset=col, indirect_dim=1))
+        _gather_chunk(k_units, idx_sb, head_offset, unit_keys * d, k_chunk)
+        _gather_chunk(v_units, idx_sb, head_offset, unit_keys * d, v_chunk)
+        s_sb = [nl.ndarray((st.acc.shape[0], m * pmax), dtype=nl.float32, buffer=nl.sbuf)
+                for st in split_states]
+        k_t_next = _block_keys_transposed(k_chunk, blocks[0], d_spans, m, k_units.dtype)
+        for i, (c0, n) in enumerate(blocks):
+            k_t = k_t_next
+            if i + 1 < len(blocks):                 # software pipeline: next transposes first
+                k_t_next = _block_keys_transposed(k_chunk, blocks[i + 1], d_spans, m, k_units.dtype)
+            for t in range(len(split_states)):
+                _block_scores(s_sb[t], c0 * pmax, q_t[t], k_t, scale, softcap)
+        for t in range(len(split_states)):
+            _chunk_softmax_pv(split_states[t], s_sb[t], v_chunk, dtype)
+
+
+def _exchange(states, pid, first_pipe):
+    """LNC2 split sharding: swap the packed split states with the other core (same count on both).
+    Every exchange gets its own ``pipe_id`` (``first_pipe`` onwards)."""
+    received = []
+    for i, split_states in enumerate(states):
+        peer = []
+        for t, st in enumerate(split_states):
+            buf = nl.ndarray(st.packed.shape, dtype=nl.float32, buffer=nl.sbuf)
+            nisa.sendrecv(src=st.packed, dst=buf, send_to_rank=1 - pid, recv_from_rank=1 - pid,
+                          pipe_id=first_pipe + i * len(split_states) + t)
+            peer.append(_state_views(buf))
+        received.append(peer)
+    return received
+
+
 @nki.jit
 def decode_kernel(q, k_units, v_units, unit_table, split_bounds, row_bounds, sink_rows,
                   n_kv_heads, head_offset, unit_keys, keys_per_partition, scale, softcap):
@@ -307,9 +362,6 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, row_bounds, sin
     rows = group * sq
     n_split = split_bounds.shape[1]
     m = keys_per_partition
-    units_per_chunk = m * pmax // unit_keys
-    unit_elems = unit_keys * d
-    n_cols = unit_table.shape[1]
     dtype = q.dtype
     row_spans = _spans(rows, pmax)
     d_spans = _spans(d, pmax)
@@ -328,43 +380,28 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, row_bounds, sin
             nisa.memset(dst=buf, value=0.0)
         chunk_bufs.append(pair)
 
-    for b in range(batch):
-        for hk in range(n_kv_heads):
-            row_base = (b * n_q_heads + hk * group) * sq
-            q_t = [_load_q_t(q, row_base + r0, rn, d_spans, dtype) for r0, rn in row_spans]
-            states = []
-            for s in range(n_split):
-                split_states = [_init_state(row_bounds, b, s, r0, rn, d, m, slot_offsets)
-                                for r0, rn in row_spans]
-                bounds_sb = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=bounds_sb, src=split_bounds[b, s])
-                start = nisa.register_alloc()
-                stop = nisa.register_alloc()
-                nisa.register_load(start, bounds_sb[0:1, 0:1])
-                nisa.register_load(stop, bounds_sb[0:1, 1:2])
-                stream = (b * n_kv_heads + hk) * n_split + s
-                k_chunk, v_chunk = chunk_bufs[stream % n_pairs]
-                for col in nl.dynamic_range(start, stop, units_per_chunk):
-                    idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=idx_sb, src=unit_table.ap([[1, units_per_chunk], [1, 1]],
-                                                                offset=b * n_cols,
-                                                                scalar_offset=col, indirect_dim=1))
-                    _gather_chunk(k_units, idx_sb, hk * head_offset, unit_elems, k_chunk)
-                    _gather_chunk(v_units, idx_sb, hk * head_offset, unit_elems, v_chunk)
-                    s_sb = [nl.ndarray((rn, m * pmax), dtype=nl.float32, buffer=nl.sbuf)
-                            for _, rn in row_spans]
-                    k_t_next = _block_keys_transposed(k_chunk, blocks[0], d_spans, m, k_units.dtype)
-                    for i, (c0, n) in enumerate(blocks):
-                        k_t = k_t_next
-                        if i + 1 < len(blocks):     # software pipeline: next transposes first
-                            k_t_next = _block_keys_transposed(k_chunk, blocks[i + 1], d_spans, m,
-                                                              k_units.dtype)
-                        for t in range(len(row_spans)):
-                            _block_scores(s_sb[t], c0 * pmax, q_t[t], k_t, scale, softcap)
-                    for t in range(len(row_spans)):
-                        _chunk_softmax_pv(split_states[t], s_sb[t], v_chunk, dtype)
-                states.append(split_states)
-            for t, (r0, rn) in enumerate(row_spans):
-                _merge_and_store([st[t] for st in states], sink_rows, hk, r0, out, lse,
-                                 row_base + r0, dtype)
+    n_prog = nl.num_programs(0)
+    pid = nl.program_id(0)
+    units = tuple((b, hk) for b in range(batch) for hk in range(n_kv_heads))
+    shard_units = len(units) % n_prog == 0          # LNC2: whole (b, hk) units per core ...
+    stream = 0                                      # this core's streams rotate over the buffer pairs
+    for u_idx, (b, hk) in enumerate(units):
+        if shard_units and u_idx % n_prog != pid:
+            continue
+        my_splits = range(n_split) if shard_units else range(pid, n_split, n_prog)  # ... or splits
+        row_base = (b * n_q_heads + hk * group) * sq
+        q_t = [_load_q_t(q, row_base + r0, rn, d_spans, dtype) for r0, rn in row_spans]
+        states = []
+        for s in my_splits:
+            split_states = [_init_state(row_bounds, b, s, r0, rn, d, m, slot_offsets) for r0, rn in row_spans]
+            _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, b, s,
+                    hk * head_offset, unit_keys, chunk_bufs[stream % n_pairs], blocks, d_spans, scale,
+                    softcap, dtype)
+            states.append(split_states)
+            stream += 1
+        if not shard_units:
+            states = states + _exchange(states, pid, first_pipe=u_idx * n_split * len(row_spans))
+        for t, (r0, rn) in enumerate(row_spans):
+            if shard_units or t % n_prog == pid:
+                _merge_and_store([st[t] for st in states], sink_rows, hk, r0, out, lse, row_base + r0, dtype)
     return out, lse

@@ -21,6 +21,7 @@ Dimension legend as in ``kernels/decode.py``.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -30,7 +31,7 @@ from nki_lib.attention.kernels.tiles import MAX_INDEX
 from nki_lib.attention.reference import resolve_scale
 from nki_lib.dispatch import Unsupported, call_kernel
 
-__all__ = ["decode_fwd", "plan_splits", "KERNEL_DTYPES"]
+__all__ = ["decode_fwd", "plan_splits", "lnc_degree", "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STREAMS_PER_CORE = 16       # independent (sequence, kv head, split) streams wanted: one per DMA engine
@@ -57,10 +58,23 @@ def _floor_pow2(x: int) -> int:
     return 1 << (int(x).bit_length() - 1)
 
 
-def plan_splits(batch: int, n_kv_heads: int, max_chunks: int) -> int:
-    """Number of splits of each sequence: enough streams to occupy the core, never tiny splits."""
-    wanted = -(-STREAMS_PER_CORE // (batch * n_kv_heads))
-    return max(1, min(wanted, max_chunks // MIN_CHUNKS_PER_SPLIT))
+def plan_splits(batch: int, n_kv_heads: int, max_chunks: int, grid: int = 1) -> int:
+    """Number of splits of each sequence: enough streams to occupy the cores, never tiny splits;
+    a multiple of ``grid`` when the cores share the splits of each (b, hk) (B*Hkv not a multiple)."""
+    wanted = -(-STREAMS_PER_CORE * grid // (batch * n_kv_heads))
+    return _cores_share(max(1, min(wanted, max_chunks // MIN_CHUNKS_PER_SPLIT)), batch * n_kv_heads, grid)
+
+
+def _cores_share(n_split: int, units: int, grid: int) -> int:
+    return -(-n_split // grid) * grid if units % grid else n_split
+
+
+def lnc_degree() -> int:
+    """Logical NeuronCore degree of the launch: ``NEURON_LOGICAL_NC_CONFIG`` (1 or 2, default 1)."""
+    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1").strip()
+    if value not in ("1", "2"):
+        raise ValueError(f"NEURON_LOGICAL_NC_CONFIG must be 1 or 2, got {value!r}")
+    return int(value)
 
 
 def _unit_view(cache, block_table, unit_keys):
@@ -78,7 +92,7 @@ def _unit_view(cache, block_table, unit_keys):
 
 
 def decode_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, window_left,
-               softcap, num_splits=None):
+               softcap, num_splits=None, grid=None):
     """Run ``decode_kernel``; raises ``Unsupported`` (before launching) for what it cannot serve."""
     if q.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {q.dtype}")
@@ -118,7 +132,9 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale,
     padded = torch.nn.functional.pad(table, (0, n_cols_pad - n_cols))
     unit_table = torch.where(needed, padded, torch.full_like(padded, n_rows)).to(torch.int32)
 
-    n_split = num_splits or plan_splits(b, hkv, -(-cap // chunk))
+    grid = grid or lnc_degree()
+    n_split = (_cores_share(num_splits, b * hkv, grid) if num_splits
+               else plan_splits(b, hkv, -(-cap // chunk), grid))
     c0 = first // chunk
     n_chunks = (lengths + chunk - 1) // chunk - c0
     s_idx = torch.arange(n_split + 1, device=dev)
@@ -137,4 +153,4 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale,
 
     return call_kernel(decode_kernel, q.contiguous(), k_units, v_units, unit_table,
                        split_bounds.to(torch.int32).contiguous(), row_bounds, sink_rows,
-                       hkv, head_offset, unit_keys, m, resolve_scale(scale, d), float(softcap))
+                       hkv, head_offset, unit_keys, m, resolve_scale(scale, d), float(softcap), grid=grid)
