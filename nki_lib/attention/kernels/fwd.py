@@ -16,23 +16,37 @@ Sinks join the denominator as a virtual key with no value: the state starts at
 exactly 0 and a row that sees no key (and no sink) ends with ``l = 0``: ``out = 0`` and
 ``lse = -inf`` (set by a predicated copy), never NaN.
 
-Loop structure (all loops unrolled at trace time)::
+Work decomposition (compile time, all loops unrolled)::
 
-    for b, kv head hk:                                   (batch, K/V head)
-      for query tile [q0, q0 + qn), qn <= 128:           (queries on partitions)
-        bounds lo/hi (qn, 1) of the visible keys          (only if some tile needs a mask)
-        for pass over the GQA group (heads_per_pass heads share each K/V load):
-          load q^T tiles and init state of these heads
-          for visible key tile [k0, k0 + kn), kn <= 512:  (fully masked tiles are skipped)
-            load k^T chunks (D, kn) and V blocks (128, kn/128, D)   (fresh tiles: double buffers)
-            for each query head h of the pass:
-              S  (qn, kn) PSUM   = sum over D chunks of matmul(q^T (dc, qn), k^T (dc, kn))   [PE]
-              scale/softcap + evict to SBUF fp32 + mask (partial tiles only) + row max        [DVE/ACT]
-              neg_m, alpha (tiny), P = exp(S - m) with the row sum fused                      [DVE/ACT]
-              P^T in 128-key blocks through TensorE transposes, evicted by ScalarE            [PE/ACT]
-              O  (qn, D) PSUM    = sum over key blocks of matmul(P^T (bn, qn), V (bn, D))     [PE]
-              acc = alpha * acc + O                                                           [DVE]
-          finalize: out = acc * (1 / max(l, 1)), lse = log(max(l, 1)) - neg_m, empty rows -> -inf
+    group = (batch b, kv head hk, query tile [q0, q0 + qn) with qn <= 128,
+             pass = up to heads_per_pass query heads of hk's GQA group)
+    step  = (group, visible key tile [k0, k0 + kn) with kn <= 512, query head of the pass)
+
+Key tiles no query of the tile can see are skipped (``tiles.plan_row``); masks (one VectorE
+``range_select`` against per-row key bounds) are applied to partial tiles only. The query heads
+of a pass share each K/V load (GQA/MQA without duplicating K/V).
+
+Per step (engines in brackets)::
+
+    S (qn, kn) PSUM  = sum over D chunks of matmul(q^T (dc, qn), k^T (dc, kn))         [PE]
+    S -> SBUF fp32: scale (+ tanh softcap) (+ mask) + row max                           [DVE/ACT]
+    neg_m, alpha; P = exp(S - m) in the P dtype with the row sum fused                  [DVE, ACT]
+    P^T: one TensorE transpose per 128-key block, evicted by ScalarE                    [PE, ACT]
+    O (qn, D) PSUM   = sum over blocks of matmul(P^T (bn, qn), V (bn, D))               [PE]
+    l = alpha * l + rowsum;  acc = alpha * acc + O                                      [DVE]
+
+The steps run as a software pipeline (each engine executes its instruction stream in order):
+iteration ``it`` issues the loads of step ``it + PREFETCH_STEPS``, QK^T and scores of step
+``it + SCORE_LEAD``, the softmax of ``it + 1``, the transposes of ``it``, the P^T eviction of
+``it - 1``, P @ V of ``it - 2`` and the l/acc update of ``it - ACC_LAG``. Every tile is a fresh
+allocation, so loads of later steps overlap compute (multi-buffering). A group's output is
+stored after its last acc update; lse is finished in batches of ``LSE_BATCH`` (one ScalarE log
+for the batch, a TensorE transpose so each row is stored contiguously).
+
+DMA layouts: q^T/k^T tiles read contiguous rows of the launcher's (D, S) layouts; K^T of
+consecutive visible key tiles is loaded by one DMA (rows up to ``KEY_SECTION_BYTES``); V is read
+"interleaved" (partition p of block j holds key ``n_full * p + j``) so every partition reads one
+contiguous run, and the transposes pick the matching strided columns of P.
 
 Shapes (HBM, prepared by the launcher; transposes are layout glue): q_t (B, Hq, D, Sq),
 k_t (B, Hkv, D, Sk), v (B, Hkv, Sk, D), sinks (Hq,) float32, doc (2, S) float32 with the first
@@ -42,13 +56,12 @@ Dimension legend: B batch, Hq/Hkv query/kv heads, G = Hq / Hkv, Sq/Sk lengths, D
 dc head-dim chunk (<= 128), qn query rows of a tile (<= 128), kn keys of a tile (<= 512),
 bn keys of a block (<= 128).
 
-Working set per partition (bf16, D = 128, one head per pass): q^T 256 B, K^T 1 KiB, V 1 KiB,
-S fp32 2 KiB, P 1 KiB, P^T 1 KiB, acc 512 B (x2 for the double-buffered streamed tiles), about
-13 KiB, independent of Sq and Sk. PSUM: S, P^T and O take one 2 KiB bank each (6 of 8 banks with
-two generations live). See DESIGN.md for the budget at D = 64/128/256.
+Working set: independent of Sq and Sk (a few key tiles in flight plus the pass's per-head state,
+at most a quarter of SBUF); 3 of 8 PSUM banks. Measured peaks per partition are in DESIGN.md.
 
-Limits: dtypes bf16/fp16/fp32 (bf16/fp16 P in the input dtype for P @ V; fp32 stays fp32);
-D <= 256 (two head-dim chunks above 128); Sq, Sk < 2**24 (float32 key indices in the masks).
+Limits: dtypes bf16/fp16/fp32 (P is cast to the V dtype for P @ V; fp32 stays fp32 throughout);
+D <= 256 (two head-dim chunks above 128); Sq + Sk < 2**24 (key indices are float32 in the
+masks); LNC1 (one NeuronCore).
 """
 
 from __future__ import annotations
@@ -58,8 +71,8 @@ import torch
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.attention import masks
 from nki_lib.attention.kernels.tiles import (MAX_INDEX, STAT_INIT, MaskSpec, head_dim_chunks,
-                                             heads_per_pass, key_blocks, mask_scores, plan_row,
-                                             query_tiles, row_bounds)
+                                             heads_per_pass, key_blocks, key_tile_width,
+                                             mask_scores, plan_row, query_tiles, row_bounds)
 from nki_lib.dispatch import Unsupported, call_kernel
 
 __all__ = ["flash_fwd", "flash_fwd_kernel", "KERNEL_DTYPES"]
@@ -74,8 +87,9 @@ ACC_LAG = 3            # the acc update of a step is issued this many iterations
 PREFETCH_STEPS = 5     # K/V (and group) loads are issued this many steps ahead of the P^T
 LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
                        # ScalarE table switch to log and back per batch, 8 B/partition each
-KEY_SECTION_TILES = 4  # consecutive visible key tiles whose K^T one DMA loads (bf16: 4 KiB per
-                       # partition row, past the ~2.4 KiB where a DMA row reaches bandwidth)
+KEY_SECTION_BYTES = 4096  # K^T of consecutive visible key tiles is loaded by one DMA with rows of
+                          # up to this many bytes per partition (past the ~2.4 KiB where a DMA
+                          # row reaches bandwidth): 4 tiles of 512 keys in bf16/fp16, 2 in fp32
 
 
 # --------------------------------------------------------------------------- kernel helpers
@@ -298,7 +312,7 @@ class _Group(nl.NKIObject):
     query heads it serves, its key-tile plan, and once opened its resident tiles."""
 
 
-def _plan_groups(mask, n_batch, n_kv_heads, group, n_pass):
+def _plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys):
     groups = []
     for b in range(n_batch):
         for hk in range(n_kv_heads):
@@ -307,20 +321,20 @@ def _plan_groups(mask, n_batch, n_kv_heads, group, n_pass):
                 for g0 in range(0, group, n_pass):
                     heads = tuple(hk * group + g for g in range(g0, min(group, g0 + n_pass)))
                     groups.append(_Group(b=b, hk=hk, q0=q0, qn=qn, heads=heads, plan=plan,
-                                         sections=_key_sections(plan), q_tiles=None,
+                                         sections=_key_sections(plan, section_keys), q_tiles=None,
                                          states=None, bounds=None, kv=None, k_sections=None))
     return groups
 
 
-def _key_sections(plan):
-    """Key sections of a plan: runs of up to KEY_SECTION_TILES consecutive tiles (adjacent keys)
+def _key_sections(plan, max_keys):
+    """Key sections of a plan: runs of consecutive tiles (adjacent keys, at most ``max_keys``)
     whose K^T is loaded by one DMA. Returns ``((first tile, last tile), ...)``."""
     sections = []
     for ti in range(len(plan)):
         if len(sections) > 0:
             first, last = sections[-1]
             adjacent = plan[last][0] + plan[last][1] == plan[ti][0]
-            if adjacent and ti - first < KEY_SECTION_TILES:
+            if adjacent and plan[ti][0] + plan[ti][1] - plan[first][0] <= max_keys:
                 sections[-1] = (first, ti)
                 continue
         sections.append((ti, ti))
@@ -479,7 +493,8 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
                             nl.tile_size.total_available_sbuf_size // STATE_SBUF_SHARE)
     ctx = _Ctx(q_t=q_t, k_t=k_t, v=v, sinks=sinks, has_sinks=has_sinks, d=d, chunks=chunks,
                mask=mask, doc_lo=doc[0] if has_docs else None, doc_hi=doc[1] if has_docs else None)
-    groups = _plan_groups(mask, n_batch, n_kv_heads, group, n_pass)
+    section_keys = max(key_tile_width(), KEY_SECTION_BYTES // q_bytes)
+    groups = _plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys)
     steps = _plan_steps(groups)
     n_steps = len(steps)
     work = [None] * n_steps
