@@ -172,3 +172,20 @@ def test_float64_falls_back_visibly():
     assert "float64" in str(nki_lib.coverage())
     with nki_lib.use_backend("simulator"), nki_lib.strict(True), pytest.raises(nki_lib.NKIFallbackError):
         torch.ops.nki.moe_router(*sample.args, **sample.kwargs)
+
+
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_nan_and_inf_inputs_propagate_without_crashing(num_groups):
+    """NaN/inf propagate as in the reference; ids stay valid (NaN experts rank first, as in a
+    stable descending sort), so the plan accepts them."""
+    sample = grid_sample(6, 8, 12, torch.float32, top_k=3, bias=True, num_groups=num_groups,
+                         topk_groups=num_groups)
+    x, weight, bias = (a.detach().clone() for a in sample.args)
+    x[1, 3], x[2, 0], bias[7] = float("nan"), float("inf"), float("nan")
+    with nki_lib.use_backend("simulator"), nki_lib.strict(True):
+        logits, w, ids = torch.ops.nki.moe_router(x, weight, bias, **sample.kwargs)
+    ref_logits, ref_w, ref_ids = reference.moe_router(x, weight, bias, **sample.kwargs)
+    assert torch.equal(ids, ref_ids)
+    assert torch.equal(torch.isnan(w), torch.isnan(ref_w))
+    assert torch.equal(torch.isnan(logits), torch.isnan(ref_logits))
+    torch.ops.nki.moe_plan(ids, num_experts=12, block_size=4)

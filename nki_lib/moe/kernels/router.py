@@ -8,7 +8,9 @@ Algorithm (api-contract §4, per token tile of <= pmax tokens):
   2. ``scores = softmax(logits)`` (ScalarE exp with -rowmax bias and fp32 row sum, VectorE
      reciprocal) or ``sigmoid(logits)``.
   3. ``key = scores + expert_bias`` (bias row broadcast to all partitions by a stride-0 DMA);
-     padding columns E..W-1 hold NEG_BIG. With num_groups > 1, ``router_common.group_limit``.
+     padding columns E..W-1 hold NEG_BIG; NaN keys become +FLT_MAX (NaN inputs still give
+     valid ids, NaN experts first, like a stable descending sort). With num_groups > 1,
+     ``router_common.group_limit``.
   4. ``topk_ids``: ``router_common.select_topk`` (max8 + nc_find_index8 rounds, ties to lower id).
   5. ``topk_weights[:, j] = scores[:, ids[:, j]]`` (one-hot gather), divided by their row sum
      (VectorE reciprocal + multiply) when renormalizing.
@@ -91,6 +93,7 @@ def router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize, nu
             nisa.dma_copy(dst=bias_sb[:rows, :], src=expert_bias.ap([[0, rows], [1, num_experts]], offset=0))
             nisa.tensor_tensor(dst=key_sb[:rows, :num_experts], data1=scores_sb[:rows, :], data2=bias_sb[:rows, :],
                                op=nl.add)
+        rc.nan_keys_to_top(key_sb, rows, num_experts)
         if num_groups > 1:
             rc.group_limit(key_sb, rows, num_experts, num_groups, topk_groups)
 

@@ -80,6 +80,15 @@ def router_scores(scores_sb, logits_sb, rows, num_experts, score_func):
     nisa.tensor_scalar(dst=scores, data=scores, op0=nl.multiply, operand0=inv_sum[:rows])
 
 
+def nan_keys_to_top(key_sb, rows, cols):
+    """Replace NaN keys by +FLT_MAX (in place), so that rows with NaN scores still yield valid
+    ids: NaN experts first, in ascending id, as a stable descending sort ranks NaN."""
+    nan_mask = nl.ndarray((nl.tile_size.pmax, cols), dtype=nl.uint8, buffer=nl.sbuf)
+    keys = key_sb[:rows, :cols]
+    nisa.tensor_tensor(dst=nan_mask[:rows, :], data1=keys, data2=keys, op=nl.not_equal)
+    nisa.tensor_copy_predicated(dst=keys, src=-NEG_BIG, predicate=nan_mask[:rows, :])
+
+
 def select_topk(ids_f, key_sb, iota_sb, rows, width, k):
     """``ids_f[:rows, :k]`` (fp32) = ids of the k largest ``key_sb[:rows, :width]``, descending,
     ties to the lower id. ``key_sb`` is clobbered (selected entries become ``NEG_BIG``)."""
