@@ -53,6 +53,10 @@ Loop structure::
 K/V chunk buffers: pairs rotate over the (b, hk, split) streams (as many pairs as fit
 ``CHUNK_BUFFER_BUDGET``), so one stream's gathers overlap another stream's compute.
 
+LNC2 (``kernel[2]``): when B*Hkv is even the (b, hk) units alternate between the cores; otherwise
+(S is then even) core p runs splits p, p+2, ... of every unit, the cores swap their packed split
+states with ``sendrecv`` and both merge; core p stores the row tiles t with t % 2 == p.
+
 Shapes (HBM): q (B, Hq, Sq, D); k_units/v_units (N_units, row_stride) -- the cache viewed as rows
 of gatherable units (paged: one block of all kv heads per row, head hk at ``hk * head_offset``;
 contiguous: ``u`` keys of one head per row); unit_table (B, n_cols) int32 unit ids of kv head 0;
