@@ -44,6 +44,7 @@ from nki_lib.bench.shapes import Case
 __all__ = ["SimPlan", "plan", "run_case", "CaseResult"]
 
 MOE_SIM_EXPERTS = 2  # experts simulated for a moe_experts case (the rest is extrapolated)
+HOTSPOTS = 5         # critical-path lines reported per case
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ def _summarise(estimates: list, scale: float, cost: flops.OpCost, target: str) -
     time_ns = launch + span
     busy = {eng: scale * sum(e.busy_ns[eng] for e in estimates) for eng in estimates[0].busy_ns}
     grid = max(e.grid for e in estimates)
+    slowest = max(estimates, key=lambda e: e.makespan_ns)
     from nki_lib.simulator.profile import params, roofline
 
     roof = roofline(cost, target, grid)
@@ -167,6 +169,8 @@ def _summarise(estimates: list, scale: float, cost: flops.OpCost, target: str) -
         "roofline_bound": roof.bound,
         "roofline_us": {"pe": roof.pe_ns * 1e-3, "hbm": roof.hbm_ns * 1e-3, "act_dve": roof.element_ns * 1e-3},
         "act_table_loads": sum(e.act_table_loads for e in estimates),
+        "hotspots": [{"kernel": slowest.kernel, "source": src, "opcode": op, "waited_on": why, "share": share}
+                     for src, op, why, _, share in slowest.hotspots(HOTSPOTS)],
         "unmodelled": {k: v for e in estimates for k, v in e.unmodelled.items()},
     }
 

@@ -72,6 +72,14 @@ def table(results: list[CaseResult]) -> str:
         lines.append("")
         lines.append("* extrapolated (the real shape was not simulated in full):")
         lines += [f"  {r.label}: {r.extrapolation}" for r in extrapolated]
+    hot = [r for r in results if r.estimates.get("trn2", {}).get("hotspots")]
+    if hot:
+        lines.append("")
+        lines.append("trn2 critical path, top kernel lines (share of the makespan, what they waited on):")
+        for r in hot:
+            spots = r.estimates["trn2"]["hotspots"][:3]
+            lines.append(f"  {r.label}:")
+            lines += [f"      {h['share']:5.1%}  {h['source']}  {h['opcode']}  waited on {h['waited_on']}" for h in spots]
     specs: dict = {}
     for r in results:
         if r.status == "ok":

@@ -216,3 +216,19 @@ def test_psum_accumulation_group_runs_back_to_back():
     # the eviction (another engine) waits for the PE result latency of the last matmul
     assert rows[4][3] == pytest.approx(rows[3][4] + HW.pe_result_latency_ns)
     assert evict.opcode == "tensor_copy"
+
+
+def test_critical_path_adds_up_and_names_the_chain():
+    t = Trace()
+    x_hbm, x_sb, y_sb, y_hbm = new_id(), new_id(), new_id(), new_id()
+    t.dma(hbm(x_hbm, (128, 512)), onchip(x_sb, "sbuf", (128, 512)))
+    t.vector("tensor_copy", [onchip(x_sb, "sbuf", (128, 512))], onchip(y_sb, "sbuf", (128, 512)))
+    t.activation(onchip(new_id(), "sbuf", (128, 64)), onchip(new_id(), "sbuf", (128, 64)), func="copy")  # off path
+    t.dma(onchip(y_sb, "sbuf", (128, 512)), hbm(y_hbm, (128, 512)))
+    est = estimate(t.entries, "trn2")
+    path = est.critical_path
+    assert sum(step[2] for step in path) == pytest.approx(est.makespan_ns)
+    assert [step[0].opcode for step in path if step[0] is not None] == ["dma_copy", "tensor_copy", "dma_copy"]
+    assert [step[3] for step in path if step[0] is not None][1:] == ["data", "data"]
+    top = est.hotspots(2)
+    assert top[0][3] >= top[1][3] and 0 < top[0][4] <= 1

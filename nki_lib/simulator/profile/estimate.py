@@ -42,6 +42,25 @@ class Estimate:
     throttle_ns: float
     unmodelled: dict = field(default_factory=dict)
     timeline: list | None = None
+    critical_path: list = field(default_factory=list, repr=False)
+
+    def hotspots(self, n: int = 5) -> list[tuple[str, str, str, float, float]]:
+        """The kernel lines that make up the critical path, most time first.
+
+        Each item is ``(source, opcode, waited_on, ns, share of the makespan)``, where
+        ``waited_on`` is what the instructions of that line mostly waited for (``data``: a
+        producer's result, ``engine``: their own engine, ``dma engines``, ``psum bank``, ...).
+        """
+        total: dict = defaultdict(float)
+        reasons: dict = defaultdict(lambda: defaultdict(float))
+        for entry, engine, ns, why in self.critical_path:
+            key = ("<launch>", "-") if entry is None else (entry.source or "?", f"{entry.opcode} ({engine})")
+            total[key] += ns
+            reasons[key][why] += ns
+        span = self.makespan_ns or 1.0
+        ranked = sorted(total.items(), key=lambda kv: -kv[1])[:n]
+        return [(src, op, max(reasons[(src, op)], key=reasons[(src, op)].get), ns, ns / span)
+                for (src, op), ns in ranked]
 
     @property
     def time_us(self) -> float:
@@ -140,4 +159,5 @@ def estimate(report_or_trace, target: str | None = None, *, keep_timeline: bool 
         throttle_ns=max((r.throttle_ns for r in results), default=0.0),
         unmodelled=dict(unmodelled),
         timeline=results[0].timeline if results else None,
+        critical_path=max(results, key=lambda r: r.makespan_ns).critical_path if results else [],
     )

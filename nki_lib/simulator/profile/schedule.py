@@ -97,41 +97,42 @@ class _RegionTable:
 class _Regions:
     """Completion times of the last writes and reads of every buffer region.
 
-    Each record is ``(done, in_order, engine)``: ``done`` is when another engine may use the
-    result; ``in_order`` is when a later instruction of the *same* engine may: TensorE runs
-    dependent matmuls (PSUM accumulation groups) back to back in its in-order pipeline, so for
-    it ``in_order`` is the end of service; other engines pay their completion latency.
+    Each record is ``(done, in_order, engine, position)``: ``done`` is when another engine may
+    use the result; ``in_order`` is when a later instruction of the *same* engine may: TensorE
+    runs dependent matmuls (PSUM accumulation groups) back to back in its in-order pipeline, so
+    for it ``in_order`` is the end of service; other engines pay their completion latency.
+    ``position`` is the producer's position in program order (for the critical path).
     """
 
     def __init__(self) -> None:
         self.writes: dict[int, _RegionTable] = defaultdict(_RegionTable)
         self.reads: dict[int, _RegionTable] = defaultdict(_RegionTable)
 
-    def ready(self, entry, engine: str) -> float:
-        t = 0.0
+    def ready(self, entry, engine: str) -> tuple[float, int | None]:
+        t, who = 0.0, None
         tables = [(acc, (self.writes,)) for acc in entry.reads]                 # RAW
         tables += [(acc, (self.writes, self.reads)) for acc in entry.writes]    # WAW, WAR
         for acc, kinds in tables:
             region = _region(acc)
             for table in kinds:
-                for _, (done, in_order, producer) in table[acc.buffer_id].overlapping(region):
+                for _, (done, in_order, producer, position) in table[acc.buffer_id].overlapping(region):
                     when = in_order if producer == engine else done
                     if when > t:
-                        t = when
-        return t
+                        t, who = when, position
+        return t, who
 
-    def commit(self, entry, done: float, end: float, engine: str) -> None:
+    def commit(self, entry, done: float, end: float, engine: str, position: int) -> None:
         in_order = end if engine == "tensor" else done
         for acc in entry.reads:
             table, region = self.reads[acc.buffer_id], _region(acc)
             old = table.get(region)
             if old is None or old[0] <= done:
-                table.put(region, (done, in_order, engine))
+                table.put(region, (done, in_order, engine, position))
         for acc in entry.writes:
             region = _region(acc)
             self.writes[acc.buffer_id].drop_contained(region)
             self.reads[acc.buffer_id].drop_contained(region)
-            self.writes[acc.buffer_id].put(region, (done, in_order, engine))
+            self.writes[acc.buffer_id].put(region, (done, in_order, engine, position))
 
 
 class _PsumBanks:
@@ -151,33 +152,43 @@ class _PsumBanks:
         self.position = 0
         self.owner: list[int | None] = [None] * hw.psum_banks
         self.release = [0.0] * hw.psum_banks
+        self.release_by: list[int | None] = [None] * hw.psum_banks
         self.banks_of: dict[int, list[int]] = {}
 
     def _claim(self, acc) -> tuple[list[int], float]:
         banks = self.banks_of.get(acc.buffer_id)
         if banks is not None and all(self.owner[b] == acc.buffer_id for b in banks):
             return banks, 0.0
-        need = min(len(self.owner), max(1, -(-acc.byte_range[1] // self.bank_bytes)))
-        def live(bank: int) -> bool:
-            owner = self.owner[bank]
-            return owner is not None and self.last_use.get(owner, -1) >= self.position
-
-        order = sorted(range(len(self.owner)), key=lambda b: (live(b), self.owner[b] is not None, self.release[b]))
+        need = self._need(acc)
+        order = sorted(range(len(self.owner)), key=lambda b: (self._live(b), self.owner[b] is not None,
+                                                              self.release[b]))
         banks = sorted(order[:need])
         return banks, max(self.release[b] for b in banks)
 
-    def ready(self, entry) -> float:
-        t = 0.0
+    def _live(self, bank: int) -> bool:
+        owner = self.owner[bank]
+        return owner is not None and self.last_use.get(owner, -1) >= self.position
+
+    def _need(self, acc) -> int:
+        return min(len(self.owner), max(1, -(-acc.byte_range[1] // self.bank_bytes)))
+
+    def ready(self, entry) -> tuple[float, int | None]:
+        t, who = 0.0, None
         for acc in (*entry.reads, *entry.writes):
             if acc.memory == "psum":
-                t = max(t, self._claim(acc)[1])
-        return t
+                banks, when = self._claim(acc)
+                if when > t:
+                    t = when
+                    who = max((self.release_by[b] for b in banks if self.release[b] == when), default=None)
+        return t, who
 
-    def commit(self, entry, done: float) -> None:
+    def commit(self, entry, done: float, position: int) -> None:
         for acc in (*entry.reads, *entry.writes):
             if acc.memory == "psum":
                 banks, _ = self._claim(acc)
                 for b in banks:
+                    if self.owner[b] != acc.buffer_id or done >= self.release[b]:
+                        self.release_by[b] = position
                     if self.owner[b] != acc.buffer_id:
                         self.owner[b] = acc.buffer_id
                         self.release[b] = done
@@ -199,6 +210,7 @@ class ProgramResult:
     throttle_ns: float = 0.0
     unmodelled: dict = field(default_factory=dict)
     timeline: list | None = None  # (index, engine, opcode, start_ns, end_ns, done_ns) when requested
+    critical_path: list = field(default_factory=list)  # (entry, engine, ns on the path, waited on)
 
 
 class _Program:
@@ -206,17 +218,19 @@ class _Program:
         self.hw = hw
         self.result = ProgramResult(program_id, timeline=[] if keep_timeline else None)
         self.free = dict.fromkeys(ENGINES, 0.0)
-        self.dma_free = [0.0] * hw.dma_engines
+        self.last_on: dict[str, int | None] = dict.fromkeys(ENGINES)
+        self.dma_free = [(0.0, None)] * hw.dma_engines   # (free time, position of the last user)
         self.regions = _Regions()
         last_use = {acc.buffer_id: pos for pos, entry in enumerate(entries)
                     for acc in (*entry.reads, *entry.writes) if acc.memory == "psum"}
         self.banks = _PsumBanks(hw, last_use)
-        self.fence = 0.0
+        self.fence, self.fence_by = 0.0, None
         self.position = 0
         self.table: str | None = None
         self.pe_last_end: float | None = None
         self.pe_ramp_start = 0.0
-        self.end = 0.0
+        self.end, self.last = 0.0, None
+        self.records: list = []  # per position: (entry, engine, start, done, predecessor, why)
 
     def _pe_service(self, start: float, service: float) -> float:
         """Stretch a PE service by the dI/dt throttle ramp (doc §2.1)."""
@@ -232,33 +246,43 @@ class _Program:
 
     def arrive(self, entry, cost: InstrCost) -> float:
         """Time the barrier ``entry`` would be reached on its engine."""
-        deps = max(self.regions.ready(entry, cost.engine), self.fence)
+        deps = max(self.regions.ready(entry, cost.engine)[0], self.fence)
         return max(deps, self.free[cost.engine])
 
     def run(self, entry, cost: InstrCost, release: float | None = None) -> None:
         res, hw = self.result, self.hw
-        self.banks.position = self.position
+        position = self.position
+        self.banks.position = position
         self.position += 1
-        ready = max(self.regions.ready(entry, cost.engine), self.banks.ready(entry), self.fence)
+        # the latest constraint decides the start; remember who imposed it (critical path)
+        ready, pred, why = max((*self.regions.ready(entry, cost.engine), "data"),
+                               (*self.banks.ready(entry), "psum bank"), (self.fence, self.fence_by, "barrier"),
+                               key=lambda c: c[0])
         if not cost.modelled:
             res.unmodelled[entry.opcode] = res.unmodelled.get(entry.opcode, 0) + 1
         if cost.engine == "dma":
             if cost.issue_engine is not None:
-                issue_start = max(ready, self.free[cost.issue_engine])
-                self.free[cost.issue_engine] = issue_start + cost.issue_ns
+                if self.free[cost.issue_engine] > ready:
+                    ready, pred, why = self.free[cost.issue_engine], self.last_on[cost.issue_engine], "issue engine"
+                self.free[cost.issue_engine] = ready + cost.issue_ns
+                self.last_on[cost.issue_engine] = position
                 res.busy_ns[cost.issue_engine] += cost.issue_ns
-                ready = issue_start + cost.issue_ns
-            else:
-                ready += cost.issue_ns
-            self.dma_free.sort()
-            used = self.dma_free[:cost.dma_engines]
-            start = max(ready, used[-1])
+            path_start = ready  # the descriptor issue belongs to this DMA on the critical path
+            ready += cost.issue_ns
+            self.dma_free.sort(key=lambda f: f[0])
+            used = self.dma_free[cost.dma_engines - 1]
+            start = ready
+            if used[0] > ready:
+                start, pred, why = used[0], used[1], "dma engines"
+                path_start = start
             end = start + cost.service_ns
-            self.dma_free[:cost.dma_engines] = [end] * cost.dma_engines
+            self.dma_free[:cost.dma_engines] = [(end, position)] * cost.dma_engines
             res.busy_ns["dma"] += cost.service_ns * cost.dma_engines / hw.dma_engines
             serial = cost.issue_ns + cost.service_ns + cost.latency_ns
         else:
-            start = max(ready, self.free[cost.engine])
+            start = ready
+            if self.free[cost.engine] > ready:
+                start, pred, why = self.free[cost.engine], self.last_on[cost.engine], "engine"
             service = cost.service_ns
             if cost.table_func is not None and cost.table_func != self.table:
                 service += hw.act_table_load_ns
@@ -268,10 +292,12 @@ class _Program:
                 stretched = self._pe_service(start, service)
                 res.throttle_ns += stretched - service
                 service = stretched
-            if release is not None:  # a barrier: resume at the joint release time
-                start = max(start, release - cost.latency_ns - service)
+            if release is not None and release - cost.latency_ns - service > start:  # barrier: joint release
+                start, why = release - cost.latency_ns - service, "other core"
             end = start + service
+            path_start = start
             self.free[cost.engine] = end
+            self.last_on[cost.engine] = position
             if cost.engine == "tensor":
                 self.pe_last_end = end
             res.busy_ns[cost.engine] += service
@@ -279,14 +305,32 @@ class _Program:
         done = end + cost.latency_ns
         if release is not None:
             done = max(done, release)
-            self.fence = max(self.fence, done)
-        self.regions.commit(entry, done, end, cost.engine)
-        self.banks.commit(entry, done)
+            self.fence, self.fence_by = max(self.fence, done), position
+        self.regions.commit(entry, done, end, cost.engine, position)
+        self.banks.commit(entry, done, position)
         res.instructions[cost.engine] += 1
         res.serial_ns += serial
-        self.end = max(self.end, done)
+        if done >= self.end:
+            self.end, self.last = done, position
+        self.records.append((entry, cost.engine, path_start, done, pred, why))
         if res.timeline is not None:
             res.timeline.append((entry.index, cost.engine, entry.opcode, start, end, done))
+
+    def critical_path(self) -> list:
+        """Walk back from the last completion along the constraint that set each start.
+
+        Each step is ``(entry, engine, ns, waited_on)``: ``ns`` runs from the instruction's start
+        to the start of the next instruction on the path (its service plus the latency or gap
+        the next one waited for), so the steps add up to the makespan.
+        """
+        path, position, until = [], self.last, self.end
+        while position is not None:
+            entry, engine, start, _, pred, why = self.records[position]
+            path.append((entry, engine, until - start, why))
+            until, position = start, pred
+        if until > 0:
+            path.append((None, "-", until, "kernel start"))
+        return path[::-1]
 
 
 def schedule_programs(programs: dict[int, list], hw: HardwareParams, *, keep_timeline: bool = False
@@ -319,5 +363,6 @@ def schedule_programs(programs: dict[int, list], hw: HardwareParams, *, keep_tim
     results = []
     for state in states.values():
         state.result.makespan_ns = state.end
+        state.result.critical_path = state.critical_path()
         results.append(state.result)
     return results
