@@ -17,6 +17,7 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
         for each query head h of hk's GQA group:
             load the head's statistics (one DMA)
             for each query group (4 aligned 128-row tiles) with a tile that sees the key tile:
+                (issued one group ahead: software pipelining of the loads)
                 load Q^T, dO^T of the group (one DMA per head-dim chunk, 1 KiB per partition)
                 load the group's fp32 dQ accumulator (tiles not visited before; one DMA)
                 for each query tile of the group that sees the key tile:
@@ -50,8 +51,9 @@ The streamed traffic (Q^T, dO^T, dQ accumulators) moves 1-2 KiB per partition pe
 DMA per query group, not per tile); small DMAs remain once per query tile (phase 0, final dq
 store) and once per key tile (K rows, dK/dV stores).
 
-Working set (per partition; D <= 128, 16-bit inputs): SBUF about 10 KiB plus 16 B of statistics
-per query tile (11.5 KiB at Sq = 16384), otherwise independent of the sequence lengths; PSUM
+Working set (per partition; D <= 128, 16-bit inputs): SBUF about 14 KiB (two query groups in
+flight) plus 16 B of statistics per query tile (15.8 KiB at Sq = 16384), otherwise independent
+of the sequence lengths; PSUM
 6 banks (dK, dV, S, dP, dS^T, dQ; the Q/dO transposes use one before S is allocated), 8 banks
 for D in (128, 256] (dK and dV take two banks each).
 
@@ -325,22 +327,39 @@ def _move_dq(dq_grp, dq_acc, b, h, gid, runs, q_tiles, to_sbuf):
         nisa.dma_copy(dst=sb if to_sbuf else hbm, src=hbm if to_sbuf else sb)
 
 
-def _group_pass(ins, kv, stats_sb, b, h, gid, group, k0, kn, plans, cfg):
-    """All visits of one query group to the key tile ``k0``."""
-    dout, dout_t, q, q_t, dq, dq_acc = ins
+def _group_flags(group, gid, k0, plans, num_q_tiles, last_rows):
+    """Slots of the group's visiting tiles, whether this is their first / last key tile, and the
+    slot of the partial last query tile (-1 if none in this group)."""
     pmax = nl.tile_size.pmax
     per = _group_tiles()
-    d = cfg.head_dim
-    q_tiles = tiles.query_tiles(q.shape[2])
-    partial = len(q_tiles) - 1 - gid * per if q_tiles[-1][1] < pmax else -1
+    partial = num_q_tiles - 1 - gid * per if last_rows < pmax else -1
     slots = [t - gid * per for t, _ in group]
     first = [plans[t][0][0] == k0 for t, _ in group]
     last = [plans[t][-1][0] == k0 for t, _ in group]
+    return slots, first, last, partial
 
-    qT_sb, doT_sb = _load_q_group(q_t, dout_t, b, h, gid, q.shape[2], d)
-    dq_grp = nl.ndarray((pmax, per, d), dtype=nl.float32, buffer=nl.sbuf)
+
+def _load_group(ins, b, h, gid, group, k0, plans, cfg):
+    """Q^T, dO^T and the dQ accumulator (tiles visited before) of one query group."""
+    dout, dout_t, q, q_t, dq, dq_acc = ins
+    q_tiles = tiles.query_tiles(q.shape[2])
+    slots, first, _, partial = _group_flags(group, gid, k0, plans, len(q_tiles), q_tiles[-1][1])
+    qT_sb, doT_sb = _load_q_group(q_t, dout_t, b, h, gid, q.shape[2], cfg.head_dim)
+    dq_grp = nl.ndarray((nl.tile_size.pmax, _group_tiles(), cfg.head_dim), dtype=nl.float32, buffer=nl.sbuf)
     loads = _runs([s for s, f in zip(slots, first) if not f], partial)
     _move_dq(dq_grp, dq_acc, b, h, gid, loads, q_tiles, True)
+    return qT_sb, doT_sb, dq_grp
+
+
+def _compute_group(ins, loaded, kv, stats_sb, b, h, gid, group, k0, kn, plans, cfg):
+    """All visits of one query group to the key tile ``k0``; dq of tiles whose last key tile this
+    is goes out in the output dtype, the other accumulators back to the fp32 scratch."""
+    dout, dout_t, q, q_t, dq, dq_acc = ins
+    qT_sb, doT_sb, dq_grp = loaded
+    pmax = nl.tile_size.pmax
+    d = cfg.head_dim
+    q_tiles = tiles.query_tiles(q.shape[2])
+    slots, first, last, partial = _group_flags(group, gid, k0, plans, len(q_tiles), q_tiles[-1][1])
     for i, (t, tile_masked) in enumerate(group):
         slot = slots[i]
         qn = q_tiles[t][1]
@@ -407,8 +426,15 @@ def flash_bwd_kernel(dout, dout_t, dlse, q, q_t, k, k_t, v_t, out, lse, sinks, d
                     h = hk * group + g
                     stats_sb = nl.ndarray((pmax, len(q_tiles), cfg.num_stats), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.dma_copy(dst=stats_sb, src=stats_hbm[b, h])
-                    for gid, q_group in _q_groups(visits):
-                        _group_pass(ins, kv, stats_sb, b, h, gid, q_group, k0, kn, plans, cfg)
+                    # software pipeline: the next group's loads are issued before this group's compute
+                    groups = _q_groups(visits)
+                    loaded = _load_group(ins, b, h, *groups[0], k0, plans, cfg)
+                    for n, (gid, q_group) in enumerate(groups):
+                        prefetch = None
+                        if n + 1 < len(groups):
+                            prefetch = _load_group(ins, b, h, *groups[n + 1], k0, plans, cfg)
+                        _compute_group(ins, loaded, kv, stats_sb, b, h, gid, q_group, k0, kn, plans, cfg)
+                        loaded = prefetch
                 _store_kv_grads(dk, dv, b, hk, k0, blocks, dk_psum, dv_psum, started, cfg)
         for h in nl.sequential_range(num_heads):
             for t, (q0, qn) in enumerate(q_tiles):
