@@ -164,3 +164,14 @@ def test_functional_wrappers_call_the_ops():
     for got, want in zip(moe.moe_plan(ids, num_experts=E, block_size=4),
                          torch.ops.nki.moe_plan(ids, num_experts=E, block_size=4)):
         assert torch.equal(got, want)
+
+
+def test_module_compiles_fullgraph():
+    module = make(aux_loss_free=True, num_shared_experts=1)
+    x = torch.randn(2, 6, H)
+    eager = module(x).detach()
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    y.sum().backward()
+    assert torch.equal(y.detach(), eager)
+    assert module.router_weight.grad is not None and int(module._load.sum()) == 2 * 12 * K
