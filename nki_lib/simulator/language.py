@@ -189,15 +189,12 @@ def ndarray_like(x, dtype=None, buffer=None, name=""):
 
 def rand(shape, dtype, buffer=None, name=""):
     """Uniform [0, 1) values (seedable NumPy generator; not the device's RNG stream)."""
-    from . import isa
-
     t = ndarray(shape, dtype, buffer=buffer, name=name)
     prog = current()
     prog.begin("rand")
     values = _rng(prog).random(t.shape, dtype=np.float32)
     t._scatter(values.astype(t.dtype.np), "rand", "dst")
     prog.record("gpsimd", (), (t,), t.shape, t.dtype, t.size, t.size * t.itemsize)
-    del isa
     return t
 
 

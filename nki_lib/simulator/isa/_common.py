@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import cast_to, is_int, to_f32
+from ..hw import MAX_FREE_DIMS
 from ..ops import Op, lookup_op
 from ..state import Program, current
 from ..tensor import NkiTensor
@@ -58,8 +59,9 @@ def onchip(c: Program, t, operand: str, sbuf=True, psum=True, why="") -> tuple[i
             c.fail(operand, f"operand may not be in PSUM{why}")
     else:
         c.fail(operand, f"compute engines cannot access HBM ({kind}); dma_copy it to SBUF first")
-    if len(t._shape) > 5:
-        c.fail(operand, f"access pattern has {len(t._shape) - 1} free dims; the hardware supports at most 4")
+    if len(t._shape) > MAX_FREE_DIMS + 1:
+        c.fail(operand, f"access pattern has {len(t._shape) - 1} free dims; the hardware supports at most "
+                        f"{MAX_FREE_DIMS}")
     p = t._shape[0]
     if p > c.spec.pmax:
         c.fail(operand, f"partition dimension {p} exceeds maximum {c.spec.pmax}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import cast_to
+from ..hw import GPSIMD_CORE_PARTITIONS, LOCAL_GATHER_ELEMS
 from ..ops import OPS
 from ..tensor import NkiTensor
 from ._common import INSTRUCTION, as_op, begin, onchip, read_f32, read_raw, same_pf, write
@@ -102,7 +103,7 @@ def nonzero_with_count(dst, src, index_offset=0, padding_val=-1, name=None):
     c.check(dpf == (p, t + 1), "dst", f"dst must be ({p}, {t + 1})")
     x = np.asarray(read_raw(c, src, "src")).reshape(p, t)
     out = np.array(read_raw(c, dst, "dst")).reshape(dpf)
-    for row in range(0, p, 16):
+    for row in range(0, p, GPSIMD_CORE_PARTITIONS):
         nz = np.nonzero(x[row])[0]
         out[row, :] = int(padding_val)
         out[row, :len(nz)] = nz + int(index_offset)
@@ -119,22 +120,25 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=N
     ip, _ = onchip(c, index, "index", psum=False, why=_WHY)
     dp, df = onchip(c, dst, "dst", psum=False, why=_WHY)
     c.check(index._dtype == "uint16", "index", "index must be uint16")
-    c.check(ip == p and p % 16 == 0, "index", "src_buffer and index need the same partition count, a multiple of 16")
+    c.check(ip == p and p % GPSIMD_CORE_PARTITIONS == 0, "index",
+            f"src_buffer and index need the same partition count, a multiple of {GPSIMD_CORE_PARTITIONS}")
     c.check(dp == p, "dst", f"dst must have {p} partitions")
     c.check(dst._dtype == src_buffer._dtype, "dst", "local_gather does not change dtype")
     e = int(num_elem_per_idx)
-    c.check(e in (1, 2, 4, 8, 16, 32), "num_elem_per_idx", "must be 1, 2, 4, 8, 16 or 32")
+    c.check(e in LOCAL_GATHER_ELEMS, "num_elem_per_idx", f"must be one of {LOCAL_GATHER_ELEMS}")
     x = np.asarray(read_raw(c, src_buffer, "src_buffer")).reshape(p, f)
     idx_all = np.asarray(read_raw(c, index, "index")).reshape(p, -1)
     out = np.array(read_raw(c, dst, "dst")).reshape(dp, df)
-    for g in range(p // 16):
-        idx = idx_all[g * 16:(g + 1) * 16].reshape(-1, order="F").astype(np.int64)
+    group = GPSIMD_CORE_PARTITIONS
+    for g in range(p // group):
+        rows = slice(g * group, (g + 1) * group)
+        idx = idx_all[rows].reshape(-1, order="F").astype(np.int64)
         v = len(idx) if num_valid_indices is None else int(num_valid_indices)
         idx = idx[:v]
         c.check(v * e <= df, "dst", f"dst holds {df} elements per partition, gather writes {v * e}")
         cols = (idx[:, None] + np.arange(e)[None, :]).reshape(-1)
         c.check(cols.size == 0 or (cols.min() >= 0 and cols.max() < f), "index", "gather index out of range")
-        out[g * 16:(g + 1) * 16, :v * e] = x[g * 16:(g + 1) * 16][:, cols]
+        out[rows, :v * e] = x[rows][:, cols]
     dst._scatter(out, c.opcode, "dst")
     c.record("gpsimd", (src_buffer, index), (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize)
     return INSTRUCTION

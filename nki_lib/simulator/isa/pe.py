@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..hw import MATMUL_TILE_SIZES, VECTOR_TRANSPOSE_MAX
 from ..tensor import NkiTensor
 from ._common import INSTRUCTION, begin, engine_name, onchip, read_f32, read_raw
 from .constants import matmul_perf_mode as _perf_mode
@@ -53,7 +54,7 @@ def _tiling(c, tile_position, tile_size, k, m, dst):
         return
     c.check(bool(tile_position) and bool(tile_size), "tile_size", "tile_position and tile_size must be set together")
     c.check(len(tile_position) == 2 and len(tile_size) == 2, "tile_size", "expects (row, column) pairs")
-    sizes = (32, 64, 128) if c.spec.gen >= 3 else (64, 128)
+    sizes = MATMUL_TILE_SIZES if c.spec.gen >= 3 else MATMUL_TILE_SIZES[1:]
     for v, nm in zip(tile_size, ("row", "column")):
         c.check(v in sizes, "tile_size", f"{nm} tile size {v} not in {sizes}")
     for pos, size, nm in zip(tile_position, tile_size, ("row", "column")):
@@ -146,7 +147,7 @@ def nc_transpose(dst, data, engine=None, name=None):
     else:
         p, f = onchip(c, data, "data")
         dpf = onchip(c, dst, "dst")
-        limit = 32
+        limit = VECTOR_TRANSPOSE_MAX
         c.check(dst._dtype == data._dtype, "dst", f"dst dtype {dst._dtype} must equal data's {data._dtype}")
     c.check(p <= limit, "data", f"partition size {p} exceeds {limit} for the {eng} engine transpose")
     c.check(f <= limit, "data", f"free size {f} exceeds {limit} for the {eng} engine transpose")

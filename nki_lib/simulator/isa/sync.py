@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import is_float
+from ..hw import GPSIMD_DMA_BYTES
 from ..target import TARGETS, get_target
 from ..tensor import NkiTensor, VirtualRegister
 from ._common import INSTRUCTION, begin, onchip, read_raw
@@ -45,7 +46,7 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=_dma_en
     for r, nm in ((send_to_rank, "send_to_rank"), (recv_from_rank, "recv_from_rank")):
         c.check(r in (0, 1) and r != c.pid, nm, f"rank must be the other core (0 or 1), got {r}")
     if dma_engine == _dma_engine.gpsimd_dma:
-        limit = {4: 1024, 2: 512, 1: 256}[src.itemsize]
+        limit = GPSIMD_DMA_BYTES[src.itemsize]
         c.check(spf[1] * src.itemsize <= limit, "src", f"gpsimd_dma moves at most {limit} bytes per partition")
     c.run.mailbox[(pipe_id, c.pid)] = np.array(read_raw(c, src, "src"))
     _wait(c)

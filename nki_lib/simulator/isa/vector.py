@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import is_float, is_int
+from ..hw import QUADRANT, SHUFFLE_KEEP, TOPK_MAX_FREE, TOPK_WIDTH
 from ..tensor import NkiTensor
 from ._accum import accumulate
 from ._common import (INSTRUCTION, as_op, begin, engine_name, onchip, read_f32, read_raw, same_pf,
@@ -304,11 +305,11 @@ def max8(dst, src, name=None):
     c = begin("max8")
     pf = onchip(c, src, "src")
     c.check(len(src._shape) <= 3, "src", "src may have at most 3 dims")
-    c.check(8 <= pf[1] <= 16384, "src", f"needs 8..16384 elements per partition, has {pf[1]}")
+    c.check(TOPK_WIDTH <= pf[1] <= TOPK_MAX_FREE, "src", f"needs {TOPK_WIDTH}..{TOPK_MAX_FREE} elements per partition, has {pf[1]}")
     dpf = onchip(c, dst, "dst")
-    c.check(dpf == (pf[0], 8), "dst", f"dst must be ({pf[0]}, 8)")
+    c.check(dpf == (pf[0], TOPK_WIDTH), "dst", f"dst must be ({pf[0]}, {TOPK_WIDTH})")
     x = read_f32(c, src, "src", pf)
-    top = -np.sort(-x, axis=1, kind="stable")[:, :8]
+    top = -np.sort(-x, axis=1, kind="stable")[:, :TOPK_WIDTH]
     write(c, dst, top)
     _rec(c, "vector", (src,), dst)
     return INSTRUCTION
@@ -318,15 +319,15 @@ def nc_find_index8(dst, data, vals, name=None):
     """Index of the first occurrence of each of 8 ``vals`` per partition (duplicates: successive matches)."""
     c = begin("nc_find_index8")
     pf = onchip(c, data, "data")
-    c.check(8 <= pf[1] <= 16384, "data", f"needs 8..16384 elements per partition, has {pf[1]}")
-    c.check(onchip(c, vals, "vals") == (pf[0], 8), "vals", f"vals must be ({pf[0]}, 8)")
-    c.check(onchip(c, dst, "dst") == (pf[0], 8), "dst", f"dst must be ({pf[0]}, 8)")
+    c.check(TOPK_WIDTH <= pf[1] <= TOPK_MAX_FREE, "data", f"needs {TOPK_WIDTH}..{TOPK_MAX_FREE} elements per partition, has {pf[1]}")
+    c.check(onchip(c, vals, "vals") == (pf[0], TOPK_WIDTH), "vals", f"vals must be ({pf[0]}, {TOPK_WIDTH})")
+    c.check(onchip(c, dst, "dst") == (pf[0], TOPK_WIDTH), "dst", f"dst must be ({pf[0]}, {TOPK_WIDTH})")
     c.check(dst._dtype in ("uint32", "uint16"), "dst", f"dst must be uint32 or uint16, got {dst._dtype}")
     x = read_f32(c, data, "data", pf)
-    v = read_f32(c, vals, "vals", (pf[0], 8))
+    v = read_f32(c, vals, "vals", (pf[0], TOPK_WIDTH))
     eq = x[:, None, :] == v[:, :, None]                          # (P, 8, F)
-    rank = np.zeros((pf[0], 8), dtype=np.int64)                  # how many earlier equal vals
-    for k in range(1, 8):
+    rank = np.zeros((pf[0], TOPK_WIDTH), dtype=np.int64)         # how many earlier equal vals
+    for k in range(1, TOPK_WIDTH):
         rank[:, k] = (v[:, :k] == v[:, k:k + 1]).sum(axis=1)
     hits = np.cumsum(eq, axis=2)
     target = eq & (hits == (rank + 1)[:, :, None])
@@ -347,18 +348,18 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
     c.check(spf[1] == dpf[1], "dst", f"{dpf[1]} elements per partition, src has {spf[1]}")
     c.check(src._dtype == dst._dtype, "dst", "src and dst dtypes must match")
     mask = [int(m) for m in shuffle_mask]
-    c.check(len(mask) == 32, "shuffle_mask", f"shuffle_mask needs 32 entries, got {len(mask)}")
+    c.check(len(mask) == QUADRANT, "shuffle_mask", f"shuffle_mask needs {QUADRANT} entries, got {len(mask)}")
     x = np.array(read_raw(c, src, "src")).reshape(spf)
     out = np.array(read_raw(c, dst, "dst")).reshape(dpf)
     for p in range(dpf[0]):
-        q, i = divmod(p, 32)
+        q, i = divmod(p, QUADRANT)
         m = mask[i]
-        if m == 255:
+        if m == SHUFFLE_KEEP:
             continue
-        sp = q * 32 + m
+        sp = q * QUADRANT + m
         if sp >= spf[0]:
             sp = m
-        c.check(0 <= m < 32 and sp < spf[0], "shuffle_mask", f"mask entry {m} references a missing src partition")
+        c.check(0 <= m < QUADRANT and sp < spf[0], "shuffle_mask", f"mask entry {m} references a missing src partition")
         out[p] = x[sp]
     dst._scatter(out, c.opcode, "dst")
     _rec(c, "vector", (src,), dst)

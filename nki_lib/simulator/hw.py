@@ -1,0 +1,12 @@
+"""Fixed hardware constants used by instruction checks (nki-api.md §3, §8); per-target sizes are in target.py."""
+
+QUADRANT = 32                       # partitions per VectorE shuffle / transpose quadrant
+VECTOR_TRANSPOSE_MAX = 32           # VectorE nc_transpose: P, F <= 32
+GPSIMD_CORE_PARTITIONS = 16         # GpSimd: 8 cores x 16 partitions
+MAX_FREE_DIMS = 4                   # free dims of one hardware access pattern
+TOPK_WIDTH = 8                      # max8 / nc_find_index8 values per partition
+TOPK_MAX_FREE = 16384               # max8 / nc_find_index8: elements per partition
+SHUFFLE_KEEP = 255                  # nc_stream_shuffle mask entry that leaves dst unchanged
+GPSIMD_DMA_BYTES = {4: 1024, 2: 512, 1: 256}   # sendrecv gpsimd_dma: bytes per partition by itemsize
+MATMUL_TILE_SIZES = (32, 64, 128)   # nc_matmul tile_size entries (32 needs NC-v3+)
+LOCAL_GATHER_ELEMS = (1, 2, 4, 8, 16, 32)
