@@ -6,6 +6,12 @@
   occurrences of 8 values), ``exponential`` (NC-v4 fast ``exp(x - max)`` with a running sum).
 * Scalar engine: ``activate2`` (NC-v4 ``op((x op0 imm0) op1 imm1)`` with reduce).
 * GpSimd: ``nc_n_gather`` (per-partition gather by flattened free index).
+* NC-v4 MX (§8.16, §8.19): ``quantize_mx`` and ``nc_matmul_mx``. They replace the
+  NotImplementedError stubs of ``pe.py`` in the ``nisa`` namespace (``isa/__init__`` star-imports
+  this module last). Scale layout: the scale of group row g (partitions 8g..8g+7) lives at
+  partition ``(g // 4) * 32 + g % 4`` of the scale view (4 rows per 32-partition quadrant; slice the
+  scale tile's start partition for the 0/4/8/12 offsets). Scale exponent: the 0.6 API doc value
+  ``floor(log2 amax) - (Emax - 1)`` (§14 item 13), stored biased by 127 (e8m0).
 
 Operands are (P, F) streams as everywhere (§4.3): F = elements per partition in row-major order
 of the view's free dims. Arithmetic is fp32 with cast on write; the Vector and Scalar engine
@@ -16,6 +22,7 @@ Not implemented: ``sequence_bounds``, ``topk``, the RNG family (``rng``, ``rand2
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from ..dtypes import is_float, is_int
@@ -24,9 +31,10 @@ from ..tensor import NkiTensor
 from ._accum import accumulate
 from ._common import INSTRUCTION, as_op, begin, onchip, read_f32, read_raw, same_pf, scalar_operand, write
 from .constants import reduce_cmd as _reduce_cmd
+from .pe import _psum_dst
 
 __all__ = ["tensor_scalar_cumulative", "tensor_tensor_scan", "select_reduce", "bn_stats", "bn_aggr",
-           "nc_match_replace8", "exponential", "activate2", "nc_n_gather"]
+           "nc_match_replace8", "exponential", "activate2", "nc_n_gather", "quantize_mx", "nc_matmul_mx"]
 
 _SCAN_OPS = ("add", "subtract", "multiply", "maximum", "minimum")
 _NO_32BIT_INT = ("int32", "uint32")
@@ -322,3 +330,141 @@ def nc_n_gather(dst, data, indices, name=None):
     dst._scatter(np.take_along_axis(values, idx, axis=1), c.opcode, "dst")
     _record(c, "gpsimd", (data, indices), (dst,))
     return INSTRUCTION
+
+
+# ---------------------------------------------------------------------------------------------
+# MX (microscaling) formats, NC-v4 only
+
+_MX_ELEMENT = {"float8_e5m2_x4": np.dtype(ml_dtypes.float8_e5m2), "float8_e4m3fn_x4": np.dtype(ml_dtypes.float8_e4m3fn),
+               "float4_e2m1fn_x4": np.dtype(ml_dtypes.float4_e2m1fn)}
+_MX_QUANT_EMAX = {"float8_e4m3fn_x4": 8, "float8_e5m2_x4": 15}   # largest normal exponent of the element type
+_MX_PACK = 4                 # elements per packed x4 container (also the free extent of a scale group)
+_MX_GROUP_PARTITIONS = 8     # partitions of a scale group
+_QUADRANT = 32               # partitions per quadrant
+_SCALE_ROWS_PER_QUADRANT = 4
+_E8M0_BIAS = 127
+_SCALE_DTYPES = ("float8_e8m0fnu", "uint8")
+_FP4_BITS = 4
+
+
+def _scale_rows(groups: int) -> np.ndarray:
+    """Scale-view partition of each group row (4 rows at the start of every 32-partition quadrant)."""
+    g = np.arange(groups)
+    return (g // _SCALE_ROWS_PER_QUADRANT) * _QUADRANT + g % _SCALE_ROWS_PER_QUADRANT
+
+
+def _check_scale(c, scale, operand, groups, per_partition):
+    spf = onchip(c, scale, operand, psum=False, why=" (MX scales live in SBUF)")
+    c.check(scale._dtype in _SCALE_DTYPES, operand, f"scales must be float8_e8m0fnu or uint8, got {scale._dtype}")
+    need = int(_scale_rows(groups)[-1]) + 1
+    c.check(spf[0] >= need, operand, f"{groups} scale rows need {need} partitions in the quadrant layout, have {spf[0]}")
+    c.check(spf[1] == per_partition, operand, f"scales need {per_partition} elements per partition, have {spf[1]}")
+    return spf
+
+
+def _unpack(c, t, operand, pf) -> np.ndarray:
+    """(P, F) packed container -> (P, F, 4) fp32 element values (little-endian lanes)."""
+    raw = np.ascontiguousarray(read_raw(c, t, operand)).reshape(pf)
+    element = _MX_ELEMENT[t._dtype]
+    if t._dtype == "float4_e2m1fn_x4":
+        shifts = np.arange(_MX_PACK, dtype=np.uint16) * _FP4_BITS
+        nibbles = ((raw[..., None] >> shifts) & np.uint16(0xF)).astype(np.uint8)
+        return nibbles.view(element).astype(np.float32)
+    return raw.view(np.uint8).reshape(*pf, _MX_PACK).view(element).astype(np.float32)
+
+
+def quantize_mx(dst, src, dst_scale, name=None):
+    """Quantize bf16/fp16 ``src`` (P, F) to MX fp8 ``dst`` (P, F/4, x4 packed) with e8m0 ``dst_scale``.
+
+    One scale per group of 8 partitions x 4 consecutive free elements: ``X = 2**(floor(log2 amax)
+    - (Emax - 1))`` (an all-zero group gets 2**-127); data ``cast(v / X)`` saturated to the element
+    type's largest finite value. Packed element ``dst[p, j]`` holds ``src[p, 4j .. 4j+3]``.
+    """
+    c = begin("quantize_mx")
+    c.check(c.spec.gen >= 4, "dst", "quantize_mx needs NC-v4 (trn3)")
+    pf = onchip(c, src, "src", psum=False, why=" (quantize_mx operands live in SBUF)")
+    c.check(src._dtype in ("bfloat16", "float16"), "src", f"src must be bfloat16 or float16, got {src._dtype}")
+    c.check(pf[0] % _QUADRANT == 0, "src", f"partition count {pf[0]} must be a multiple of {_QUADRANT}")
+    c.check(pf[1] % _MX_PACK == 0, "src", f"elements per partition ({pf[1]}) must be a multiple of {_MX_PACK}")
+    packed = (pf[0], pf[1] // _MX_PACK)
+    c.check(onchip(c, dst, "dst", psum=False, why=" (quantize_mx operands live in SBUF)") == packed, "dst",
+            f"dst must hold {packed[1]} packed elements on each of {packed[0]} partitions")
+    c.check(dst._dtype in _MX_QUANT_EMAX, "dst", f"dst must be float8_e5m2_x4 or float8_e4m3fn_x4, got {dst._dtype}")
+    groups = pf[0] // _MX_GROUP_PARTITIONS
+    _check_scale(c, dst_scale, "dst_scale", groups, packed[1])
+    x = read_f32(c, src, "src", pf).reshape(groups, _MX_GROUP_PARTITIONS, packed[1], _MX_PACK)
+    amax = np.abs(x).max(axis=(1, 3))                                        # (G, F/4)
+    with np.errstate(divide="ignore"):
+        exponent = np.floor(np.log2(amax)) - (_MX_QUANT_EMAX[dst._dtype] - 1)
+    exponent = np.where(amax > 0, exponent, -_E8M0_BIAS)
+    exponent = np.clip(exponent, -_E8M0_BIAS, _E8M0_BIAS).astype(np.int64)
+    element = _MX_ELEMENT[dst._dtype]
+    limit = np.float32(ml_dtypes.finfo(element).max)
+    scaled = x / np.exp2(exponent[:, None, :, None]).astype(np.float32)
+    q = np.clip(scaled, -limit, limit).astype(element)                       # NaN stays NaN
+    dst._scatter(q.view(np.uint8).reshape(*packed, _MX_PACK).view("<u4").reshape(packed), c.opcode, "dst")
+    spf = onchip(c, dst_scale, "dst_scale")
+    scales = np.array(read_raw(c, dst_scale, "dst_scale")).reshape(spf)
+    scales[_scale_rows(groups)] = (exponent + _E8M0_BIAS).astype(np.uint8).view(scales.dtype)
+    dst_scale._scatter(scales, c.opcode, "dst_scale")
+    _record(c, "vector", (src,), (dst, dst_scale))
+    return INSTRUCTION
+
+
+def _dequantized(c, t, scale, operand):
+    """(4K, free) fp32 values of a packed MX operand, scales applied, contraction-major."""
+    pf = onchip(c, t, operand, psum=False, why=" (TensorE reads SBUF)")
+    c.check(t._dtype in _MX_ELEMENT, operand, f"{operand} must be an x4 packed MX dtype, got {t._dtype}")
+    groups = pf[0] // _MX_GROUP_PARTITIONS
+    spf = _check_scale(c, scale, operand + "_scale", groups, pf[1])
+    biased = np.array(read_raw(c, scale, operand + "_scale")).reshape(spf).view(np.uint8)[_scale_rows(groups)]
+    factor = np.exp2(biased.astype(np.float32) - _E8M0_BIAS)                  # (K/8, free)
+    values = _unpack(c, t, operand, pf) * np.repeat(factor, _MX_GROUP_PARTITIONS, axis=0)[..., None]
+    return values.transpose(0, 2, 1).reshape(pf[0] * _MX_PACK, pf[1])
+
+
+def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_position=None, tile_size=None,
+                 accumulate=None, name=None):
+    """MX matmul (NC-v4): ``dst (M, N) [+]= sum_{k, q} S[k, m, q] * V[k, n, q]`` of the dequantized
+    x4 operands ``stationary (K, M)`` and ``moving (K, N)``; accumulate rules as ``nc_matmul`` (§8.8).
+    """
+    c = begin("nc_matmul_mx")
+    c.check(c.spec.gen >= 4, "dst", "nc_matmul_mx needs NC-v4 (trn3)")
+    c.check(accumulate in (None, True, False), "accumulate", "accumulate must be None, True or False")
+    k, m = onchip(c, stationary, "stationary", psum=False, why=" (TensorE reads SBUF)")
+    km, n = onchip(c, moving, "moving", psum=False, why=" (TensorE reads SBUF)")
+    c.check(k == km, "moving", f"contraction (partition) sizes differ: stationary {k}, moving {km}")
+    c.check(k % _QUADRANT == 0, "stationary", f"contraction {k} must be a multiple of {_QUADRANT}")
+    c.check(m % 2 == 0 and m <= c.spec.gemm_stationary_fmax, "stationary",
+            f"stationary free size {m} must be even and at most {c.spec.gemm_stationary_fmax}")
+    if tile_size:
+        c.check(tuple(tile_size)[1] == c.spec.pmax and k <= tuple(tile_size)[0], "tile_size",
+                f"nc_matmul_mx supports row tiling only: column size {c.spec.pmax}, row size >= {k}")
+    if tile_position:
+        c.check(tuple(tile_position)[1] == 0, "tile_position", "nc_matmul_mx column tiles must start at 0")
+    dpf = _psum_dst(c, dst, n, False)
+    c.check(dpf == (m, n), "dst", f"dst must be ({m}, {n}) (M partitions x N elements), got {dst._shape}")
+    s = _dequantized(c, stationary, stationary_scale, "stationary")
+    v = _dequantized(c, moving, moving_scale, "moving")
+    accumulated = _psum_write(c, dst, np.matmul(s.T, v), accumulate, dpf)
+    c.record("tensor", (stationary, moving, stationary_scale, moving_scale), (dst,), (m, n), dst._dtype, m * n,
+             m * n * dst.itemsize, {"K": _MX_PACK * k, "M": m, "N": n, "accumulate": accumulated,
+                                    "is_transpose": False, "mx": True})
+    return INSTRUCTION
+
+
+def _psum_write(c, dst, result, accumulate, dpf) -> bool:
+    """Write a TensorE result with the overwrite/accumulate rule of nc_matmul (§8.8); True if it added."""
+    mask = dst._mask_view(dst._offset) if dst._dyn is None else None
+    if accumulate is False:
+        out, added = result, False
+    else:
+        old = read_f32(c, dst, "dst", dpf)
+        if accumulate is True or mask is None:
+            out, added = old + result, True
+        else:
+            started = mask.reshape(dpf).astype(bool)
+            added = bool(started.any())
+            out = np.where(started, old + result, result) if added else result
+    dst._scatter(out.astype(dst._dtype.np), c.opcode, "dst", matmul=True)
+    return added
