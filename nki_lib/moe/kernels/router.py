@@ -16,6 +16,7 @@ Algorithm (api-contract §4, per token tile of <= pmax tokens):
      (VectorE reciprocal + multiply) when renormalizing.
 
 Loop structure:  for each E row block (pmax): load weight rows, transpose into weight^T
+                 build the expert iota and the broadcast bias rows once
                  for each token tile (pmax):   load x, transpose, matmul per E chunk, steps 2-5.
 
 Shapes: x (T, H), weight (E, H), expert_bias (E,) fp32 or None -> logits (T, E) fp32,
@@ -57,6 +58,13 @@ def router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize, nu
         nisa.dma_copy(dst=w_rows[:ec, :], src=weight[e0:e0 + ec, :])
         rc.load_transposed(weight_t, w_rows, ec, hidden, weight.dtype, dst_col0=e0)
 
+    # per-call constants, built once for the largest token tile
+    tile_rows = min(pmax, num_tokens)
+    iota_sb = rc.expert_iota(tile_rows, width)
+    if expert_bias is not None:
+        bias_sb = nl.ndarray((pmax, num_experts), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=bias_sb[:tile_rows, :], src=expert_bias.ap([[0, tile_rows], [1, num_experts]], offset=0))
+
     for ti in range(rc.ceil_div(num_tokens, pmax)):
         t0 = ti * pmax
         rows = min(pmax, num_tokens - t0)
@@ -89,8 +97,6 @@ def router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize, nu
         if expert_bias is None:
             nisa.tensor_copy(dst=key_sb[:rows, :num_experts], src=scores_sb[:rows, :])
         else:
-            bias_sb = nl.ndarray((pmax, num_experts), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=bias_sb[:rows, :], src=expert_bias.ap([[0, rows], [1, num_experts]], offset=0))
             nisa.tensor_tensor(dst=key_sb[:rows, :num_experts], data1=scores_sb[:rows, :], data2=bias_sb[:rows, :],
                                op=nl.add)
         rc.nan_keys_to_top(key_sb, rows, num_experts)
@@ -98,7 +104,6 @@ def router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize, nu
             rc.group_limit(key_sb, rows, num_experts, num_groups, topk_groups)
 
         # 4. top-k ids (fp32 while on chip; exact small integers)
-        iota_sb = rc.expert_iota(rows, width)
         ids_f = nl.ndarray((pmax, top_k), dtype=nl.float32, buffer=nl.sbuf)
         rc.select_topk(ids_f, key_sb, iota_sb, rows, width, top_k)
         ids_i = nl.ndarray((pmax, top_k), dtype=nl.int32, buffer=nl.sbuf)

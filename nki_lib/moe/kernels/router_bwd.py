@@ -57,6 +57,7 @@ def router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, score
         nisa.dma_copy(dst=weight_sb[:ec, ei, :], src=weight[e0:e0 + ec, :])
         nisa.memset(dst=dweight_acc[:ec, ei, :], value=0.0)
 
+    iota_sb = rc.expert_iota(min(pmax, num_tokens), num_experts)
     for ti in range(rc.ceil_div(num_tokens, pmax)):
         t0 = ti * pmax
         rows = min(pmax, num_tokens - t0)
@@ -76,7 +77,6 @@ def router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, score
         # 1. scores
         scores_sb = nl.ndarray((pmax, num_experts), dtype=nl.float32, buffer=nl.sbuf)
         rc.router_scores(scores_sb, logits_sb, rows, num_experts, score_func)
-        iota_sb = rc.expert_iota(rows, num_experts)
 
         # 2. through the renormalization: g' = (g - sum(g * sel) / S) / S
         if renormalize:
