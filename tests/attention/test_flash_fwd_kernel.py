@@ -97,7 +97,25 @@ def _assert_parity(case: Case):
 @example(case=Case(sq=300, sk=300, d=32, causal=True, cu_seqlens=(0, 1, 1, 128, 129, 300)))
 @example(case=Case(sq=200, sk=200, d=16, dtype=torch.float32, window=(3, 0), sinks=True,
                    cu_seqlens=(0, 60, 200), scale=-0.7, softcap=5.0))
+@example(case=Case(hq=36, hkv=1, sq=40, sk=70, d=256, dtype=torch.float32, causal=True,
+                   sinks=True))                                              # 3 GQA passes
 def test_forward_parity(case):
+    _assert_parity(case)
+
+
+@pytest.fixture
+def trn3():
+    previous = simulator.get_target()
+    simulator.set_target("trn3")
+    yield
+    simulator.set_target(previous)
+
+
+@pytest.mark.parametrize("case", [
+    Case(b=2, hq=4, hkv=2, sq=600, sk=1100, d=128, window=(300, 20)),
+    Case(sq=300, sk=200, d=160, dtype=torch.float16, causal=True, sinks=True, softcap=30.0),
+], ids=["window-gqa", "causal-sinks-softcap"])
+def test_forward_parity_trn3(trn3, case):
     _assert_parity(case)
 
 
