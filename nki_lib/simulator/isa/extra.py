@@ -43,6 +43,8 @@ _INDEX_DTYPES = ("uint16", "uint32")
 _ACTIVATE2_PAIRS = {("multiply", "add"), ("multiply", "subtract"), ("multiply", "bypass"), ("add", "bypass"),
                     ("subtract", "bypass"), ("bypass", "bypass")}
 _ABS_REDUCE_IDENTITY = {"abs_max": 0.0, "abs_min": np.inf}
+_MATCH_SLOTS = 8                       # values per nc_match_replace8 (as max8 / nc_find_index8)
+_MATCH_DATA_RANGE = (8, 16384)         # elements per partition accepted by the 8-wide Vector ops
 
 
 def _record(c, engine, reads, writes, attrs=None):
@@ -211,17 +213,19 @@ def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):
     """
     c = begin("nc_match_replace8")
     pf = onchip(c, data, "data")
-    c.check(8 <= pf[1] <= 16384, "data", f"needs 8..16384 elements per partition, has {pf[1]}")
+    lo, hi = _MATCH_DATA_RANGE
+    c.check(lo <= pf[1] <= hi, "data", f"needs {lo}..{hi} elements per partition, has {pf[1]}")
     same_pf(c, pf, dst, "dst")
-    c.check(onchip(c, vals, "vals") == (pf[0], 8), "vals", f"vals must be ({pf[0]}, 8)")
+    slots = (pf[0], _MATCH_SLOTS)
+    c.check(onchip(c, vals, "vals") == slots, "vals", f"vals must be {slots}")
     if dst_idx is not None:
-        c.check(onchip(c, dst_idx, "dst_idx") == (pf[0], 8), "dst_idx", f"dst_idx must be ({pf[0]}, 8)")
+        c.check(onchip(c, dst_idx, "dst_idx") == slots, "dst_idx", f"dst_idx must be {slots}")
         c.check(dst_idx._dtype in _INDEX_DTYPES, "dst_idx", f"dst_idx must be uint32 or uint16, got {dst_idx._dtype}")
     x = read_f32(c, data, "data", pf)
-    v = read_f32(c, vals, "vals", (pf[0], 8))
-    eq = x[:, None, :] == v[:, :, None]                           # (P, 8, F)
-    later_equal = np.zeros((pf[0], 8), dtype=np.int64)            # equal vals in higher slots
-    for k in range(7):
+    v = read_f32(c, vals, "vals", slots)
+    eq = x[:, None, :] == v[:, :, None]                           # (P, slots, F)
+    later_equal = np.zeros(slots, dtype=np.int64)                 # equal vals in higher slots
+    for k in range(_MATCH_SLOTS - 1):
         later_equal[:, k] = (v[:, k + 1:] == v[:, k:k + 1]).sum(axis=1)
     target = eq & (np.cumsum(eq, axis=2) == (later_equal + 1)[:, :, None])
     found = target.any(axis=2)
