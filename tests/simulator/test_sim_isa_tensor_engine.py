@@ -309,3 +309,15 @@ def test_dma_transpose_2d(rng):
         return out_hbm
 
     np.testing.assert_array_equal(bits(simulate(dma_t)(x)), bits(x.T))
+
+
+def test_accumulate_true_onto_a_fresh_psum_tile_reads_its_nan(rng):
+    # accumulate=True needs an initialised PSUM location (§8.8); a fresh one holds NaN (§3.6)
+    stationary, moving = _ints(rng, (32, 16), BF16), _ints(rng, (32, 24), BF16)
+
+    def fresh(s_sb, m_sb):
+        acc_psum = nl.ndarray((16, 24), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc_psum, stationary=s_sb, moving=m_sb, accumulate=True)
+        return _evict(acc_psum)
+
+    assert np.isnan(run_tiles(fresh, stationary, moving)).all()
