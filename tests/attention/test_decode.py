@@ -67,6 +67,14 @@ def test_registry_samples_simulator(dtype):
         assert result.ok, str(result)
 
 
+def test_registry_samples_simulator_lnc2(monkeypatch):
+    """The op on two logical cores (NEURON_LOGICAL_NC_CONFIG=2): same parity."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    for sample in SPEC.samples(torch.bfloat16, False):
+        result = op_parity(SPEC, sample, grads=False)
+        assert result.ok, str(result)
+
+
 def _dense_flash(sample, dtype):
     """flash_attention (reference path) per sequence on the dense keys [0, L_b), in ``dtype``."""
     q, k_cache, v_cache, seqlens, table, sinks = sample.args
