@@ -14,7 +14,6 @@ import math
 from enum import Enum
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from .dtypes import NkiDType, as_dtype, is_int
 from .errors import NKIRuleError, kernel_source
@@ -58,9 +57,6 @@ class VirtualRegister:
 
     def __repr__(self) -> str:
         return f"VirtualRegister({self.value})"
-
-
-_UINT = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 
 
 def _fail(op, operand, rule):
@@ -197,12 +193,9 @@ class NkiTensor:
                                                  f"[{offset + lo}, {offset + hi}] of {n})")
 
     def _strided(self, offset):
-        typed = self._st.typed(self._dtype)
         isz = self._dtype.itemsize
-        base = typed[offset:] if offset else typed
-        raw = base.view(_UINT[isz])          # as_strided loses ml_dtypes dtypes: stride raw ints, then view
-        return as_strided(raw, shape=self._shape, strides=tuple(s * isz for s in self._strides),
-                          writeable=True).view(typed.dtype)
+        return np.ndarray(self._shape, dtype=self._dtype.np, buffer=self._st.buf, offset=offset * isz,
+                          strides=tuple(s * isz for s in self._strides))
 
     def _np(self):
         """Static NumPy view of this tensor (cached)."""
@@ -289,9 +282,8 @@ class NkiTensor:
 
     def _mask_view(self, offset):
         isz = self._dtype.itemsize
-        base = self._st.mm_mask[offset * isz:]
-        return as_strided(base, shape=self._shape, strides=tuple(s * isz for s in self._strides),
-                          writeable=True)
+        return np.ndarray(self._shape, dtype=np.uint8, buffer=self._st.mm_mask, offset=offset * isz,
+                          strides=tuple(s * isz for s in self._strides))
 
     def _access(self) -> Access:
         acc = self._acc
