@@ -168,3 +168,32 @@ def test_capacity_16384_causal():
     baseline, = _naive_grads(tail, flags, torch.bfloat16, wrt=[0])
     result = parity(dq[:, :, -rows:], oracle, baseline, kind="grad", dtype=torch.bfloat16, name="dq[-128:]")
     assert result.ok, str(result)
+
+
+@pytest.mark.slow
+def test_long_windowed_sequence():
+    """Sq = Sk = 16500: more than pmax query tiles (phase 0 turns the statistics around in two
+    chunks) and a partial last tile, with a causal sliding window. Checked: dq of the last m rows
+    and dk/dv of the last m keys, against the fp64 reference backward on the sub-problem (last m
+    queries, last m + w keys, same bottom-right alignment) that holds every pair they depend on;
+    only those rows get the true forward (out, lse)."""
+    s, d, w, m = 16500, 16, 64, 200
+    flags = dict(causal=True, scale=None, window_left=w, window_right=-1, softcap=0.0)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, out, dout = (torch.randn(1, 1, s, d, generator=gen) for _ in range(5))
+    lse = torch.full((1, 1, s), float(math.log(w)))
+    dlse = torch.randn(1, 1, s, generator=gen)
+    rows, keys = slice(s - m, s), slice(s - m - w, s)
+    out[:, :, rows], lse[:, :, rows] = reference.flash_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], **flags)
+    with simulator.recording(False), nki_lib.use_backend("simulator"), nki_lib.strict(True):
+        dq, dk, dv, _ = torch.ops.nki.flash_attention_backward(dout, dlse, q, k, v, out, lse, **flags)
+
+    sub = (dout[:, :, rows], dlse[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+           lse[:, :, rows])
+    oracle = reference.flash_attention_backward(*(t.double() for t in sub), **flags)
+    baseline = reference.flash_attention_backward(*sub, **flags)
+    for name, got, i in (("dq", dq[:, :, rows], 0), ("dk", dk[:, :, rows], 1), ("dv", dv[:, :, rows], 2)):
+        cut = slice(None) if i == 0 else slice(w, None)
+        result = parity(got, oracle[i][:, :, cut], baseline[i][:, :, cut], kind="grad", dtype=torch.float32,
+                        name=name)
+        assert result.ok, str(result)

@@ -13,6 +13,9 @@ Per (head h, batch b, query tile t of R <= pmax rows):
   ScalarE (exp) and VectorE (fused multiply-add), one ones-vector matmul on TensorE for the
   cross-partition sum. Without sinks, dsinks is zero-filled.
 
+DMAs: O and dO per query tile; lse and dlse per (h, b) as contiguous rows of up to pmax query
+tiles, put on partitions by TensorE transposes; the statistics leave once per (h, b).
+
 Output layout (private HBM scratch, read by the main loop):
   stats_hbm (B, Hq, pmax, NT, NSTAT) fp32: [b, h, p, t, s] = statistic s of row t * pmax + p
   (rows past Sq hold 0), so the main loop loads all statistics of a head with one DMA.
@@ -74,6 +77,29 @@ def _store_dsink(dsinks, h, acc_sb, ones_sb):
     nisa.dma_copy(dst=dsinks[h:h + 1], src=total_sb)
 
 
+def _columns(vec, seqlen_q):
+    """``(pmax, NT)`` fp32 with ``[p, t] = vec[t * pmax + p]`` (0 past the end), from contiguous
+    row loads of up to pmax query tiles per DMA turned around by TensorE transposes."""
+    pmax = nl.tile_size.pmax
+    num_tiles = (seqlen_q + pmax - 1) // pmax
+    cols_sb = nl.ndarray((pmax, num_tiles), dtype=nl.float32, buffer=nl.sbuf)
+    for c0 in range(0, num_tiles, pmax):
+        cn = min(pmax, num_tiles - c0)
+        nfull = min(cn, seqlen_q // pmax - c0)
+        rows_sb = nl.ndarray((pmax, pmax), dtype=nl.float32, buffer=nl.sbuf)
+        if nfull < cn:
+            nisa.memset(dst=rows_sb[:cn, :], value=0.0)
+        if nfull > 0:
+            nisa.dma_copy(dst=rows_sb[:nfull, :], src=vec[c0 * pmax:(c0 + nfull) * pmax])
+        if nfull < cn:
+            tail = seqlen_q - (c0 + nfull) * pmax
+            nisa.dma_copy(dst=rows_sb[nfull:cn, :tail], src=vec[(c0 + nfull) * pmax:seqlen_q])
+        t_psum = nl.ndarray((pmax, pmax), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=t_psum[:, :cn], data=rows_sb[:cn, :], engine=nisa.engine.tensor)
+        nisa.tensor_copy(dst=cols_sb[:, c0:c0 + cn], src=t_psum[:, :cn], engine=nisa.engine.vector)
+    return cols_sb
+
+
 def prepare(dout, dlse, out, lse, sinks, doc, mask, dsinks, stats_hbm):
     """Fill stats_hbm and dsinks; see the module docstring."""
     batch, num_heads, seqlen_q, head_dim = out.shape
@@ -98,6 +124,11 @@ def prepare(dout, dlse, out, lse, sinks, doc, mask, dsinks, stats_hbm):
             acc_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.memset(dst=acc_sb, value=0.0)
         for b in nl.sequential_range(batch):
+            lse_cols = _columns(lse[b, h], seqlen_q)
+            dlse_cols = _columns(dlse[b, h], seqlen_q)
+            stats_sb = nl.ndarray((pmax, num_q_tiles, nstat), dtype=nl.float32, buffer=nl.sbuf)
+            if seqlen_q % pmax:
+                nisa.memset(dst=stats_sb, value=0.0)
             for t in nl.sequential_range(num_q_tiles):
                 q0 = t * pmax
                 rows = min(pmax, seqlen_q - q0)
@@ -105,21 +136,15 @@ def prepare(dout, dlse, out, lse, sinks, doc, mask, dsinks, stats_hbm):
                 nisa.dma_copy(dst=o_sb[:rows, :], src=out[b, h, q0:q0 + rows, :])
                 do_sb = nl.ndarray((pmax, head_dim), dtype=dout.dtype, buffer=nl.sbuf)
                 nisa.dma_copy(dst=do_sb[:rows, :], src=dout[b, h, q0:q0 + rows, :])
-                lse_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=lse_sb[:rows, :], src=lse[b, h, q0:q0 + rows])
-                dlse_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=dlse_sb[:rows, :], src=dlse[b, h, q0:q0 + rows])
-
-                stat_sb = nl.ndarray((pmax, nstat), dtype=nl.float32, buffer=nl.sbuf)
-                if rows < pmax:
-                    nisa.memset(dst=stat_sb, value=0.0)
-                _row_stats(stat_sb, o_sb, do_sb, lse_sb, dlse_sb, zero_col, rows, head_dim)
+                stat_sb = stats_sb[:, t, :]
+                lse_col, dlse_col = lse_cols[:, t:t + 1], dlse_cols[:, t:t + 1]
+                _row_stats(stat_sb, o_sb, do_sb, lse_col, dlse_col, zero_col, rows, head_dim)
                 if nstat > LO:
                     lo_sb, hi_sb = tiles.row_bounds(mask, q0, rows, *doc_rows)
                     nisa.tensor_copy(dst=stat_sb[:rows, LO], src=lo_sb, engine=nisa.engine.vector)
                     nisa.tensor_copy(dst=stat_sb[:rows, HI], src=hi_sb, engine=nisa.engine.vector)
-                nisa.dma_copy(dst=stats_hbm[b, h, :, t, :], src=stat_sb)
                 if sinks is not None:
-                    _dsink_partial(acc_sb, lse_sb, stat_sb, sink_sb, rows)
+                    _dsink_partial(acc_sb, lse_col, stat_sb, sink_sb, rows)
+            nisa.dma_copy(dst=stats_hbm[b, h], src=stats_sb)
         if sinks is not None:
             _store_dsink(dsinks, h, acc_sb, ones_sb)
