@@ -12,11 +12,11 @@ Algorithm (api-contract §4, per token tile of <= pmax tokens):
      valid ids, NaN experts first, like a stable descending sort). With num_groups > 1,
      ``router_common.group_limit``.
   4. ``topk_ids``: ``router_common.select_topk`` (max8 + nc_find_index8 rounds, ties to lower id).
-  5. ``topk_weights[:, j] = scores[:, ids[:, j]]`` (one-hot gather), divided by their row sum
+  5. ``topk_weights[:, j] = scores[:, ids[:, j]]`` (range_select gather), divided by their row sum
      (VectorE reciprocal + multiply) when renormalizing.
 
 Loop structure:  for each E row block (pmax): load weight rows, transpose into weight^T
-                 build the expert iota and the broadcast bias rows once
+                 broadcast the bias rows once
                  for each token tile (pmax):   load x, transpose, matmul per E chunk, steps 2-5.
 
 Shapes: x (T, H), weight (E, H), expert_bias (E,) fp32 or None -> logits (T, E) fp32,
@@ -33,7 +33,7 @@ from nki_lib.dispatch import Unsupported, call_kernel
 from nki_lib.moe.kernels import router_common as rc
 
 FP32_BYTES = 4
-_FP32_TILES_PER_EXPERT = 6        # logits, scores, key, iota, one-hot scratch, found-mask scratch
+_FP32_TILES_PER_EXPERT = 6        # logits, scores, key, bias rows, range_select scratch, NaN mask (u8)
 
 
 @nki.jit
@@ -58,9 +58,8 @@ def router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize, nu
         nisa.dma_copy(dst=w_rows[:ec, :], src=weight[e0:e0 + ec, :])
         rc.load_transposed(weight_t, w_rows, ec, hidden, weight.dtype, dst_col0=e0)
 
-    # per-call constants, built once for the largest token tile
+    # the bias row broadcast to the largest token tile, once
     tile_rows = min(pmax, num_tokens)
-    iota_sb = rc.expert_iota(tile_rows, width)
     if expert_bias is not None:
         bias_sb = nl.ndarray((pmax, num_experts), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=bias_sb[:tile_rows, :], src=expert_bias.ap([[0, tile_rows], [1, num_experts]], offset=0))
@@ -105,14 +104,14 @@ def router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize, nu
 
         # 4. top-k ids (fp32 while on chip; exact small integers)
         ids_f = nl.ndarray((pmax, top_k), dtype=nl.float32, buffer=nl.sbuf)
-        rc.select_topk(ids_f, key_sb, iota_sb, rows, width, top_k)
+        rc.select_topk(ids_f, key_sb, rows, width, top_k)
         ids_i = nl.ndarray((pmax, top_k), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=ids_i[:rows, :], src=ids_f[:rows, :])
         nisa.dma_copy(dst=topk_ids[t0:t0 + rows, :], src=ids_i[:rows, :])
 
         # 5. gathered (renormalized) weights
         weights_sb = nl.ndarray((pmax, top_k), dtype=nl.float32, buffer=nl.sbuf)
-        rc.gather_columns(weights_sb, scores_sb, ids_f, iota_sb, rows, num_experts, top_k)
+        rc.gather_columns(weights_sb, scores_sb, ids_f, rows, num_experts, top_k)
         if renormalize:
             total = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
             inv_total = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)

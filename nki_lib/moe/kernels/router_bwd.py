@@ -81,7 +81,7 @@ def router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, score
         # 2. through the renormalization: g' = (g - sum(g * sel) / S) / S
         if renormalize:
             selected = nl.ndarray((pmax, top_k), dtype=nl.float32, buffer=nl.sbuf)
-            rc.gather_columns(selected, scores_sb, ids_f, iota_sb, rows, num_experts, top_k)
+            rc.gather_columns(selected, scores_sb, ids_f, rows, num_experts, top_k)
             total = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
             inv_total = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
             g_dot = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)

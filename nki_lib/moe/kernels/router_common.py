@@ -10,10 +10,12 @@ free dim. Shapes: T tokens, H hidden, E experts, k = top_k, G = num_groups, W = 
   sigmoid of fp32 logits.
 * ``select_topk``: ids of the k largest entries, descending, ties to the lower id: ``max8`` gives
   the 8 largest values, ``nc_find_index8`` their first occurrences (equal values pair with
-  successive positions, so ties come out in ascending id); the found entries are then pushed to
-  ``NEG_BIG`` and the next 8 are found, ceil(k / 8) rounds in all.
-* ``gather_columns`` / ``scatter_columns``: ``out[:, j] = src[:, ids[:, j]]`` and
-  ``dst[:, ids[:, j]] += vals[:, j]`` through one-hot rows ``iota == id`` (exact: 1.0 * v + 0s).
+  successive positions, so ties come out in ascending id); ``nc_match_replace8`` then pushes
+  the found entries to ``NEG_BIG`` and the next 8 are found, ceil(k / 8) rounds in all.
+* ``gather_columns``: ``out[:, j] = src[:, ids[:, j]]`` by a ``range_select`` that keeps column
+  ``id`` only and max-reduces the row (exact; NC-v3+).
+* ``scatter_columns``: ``dst[:, ids[:, j]] += vals[:, j]`` through one-hot rows ``iota == id``
+  (exact: 1.0 * v + 0s).
 * ``group_limit``: DeepSeek-V3 group-limited selection on the keys (group score = sum of the two
   largest keys; the ``topk_groups`` best groups stay, the others get ``NEG_BIG``).
 
@@ -89,38 +91,35 @@ def nan_keys_to_top(key_sb, rows, cols):
     nisa.tensor_copy_predicated(dst=keys, src=-NEG_BIG, predicate=nan_mask[:rows, :])
 
 
-def select_topk(ids_f, key_sb, iota_sb, rows, width, k):
+def select_topk(ids_f, key_sb, rows, width, k):
     """``ids_f[:rows, :k]`` (fp32) = ids of the k largest ``key_sb[:rows, :width]``, descending,
     ties to the lower id. ``key_sb`` is clobbered (selected entries become ``NEG_BIG``)."""
     pmax = nl.tile_size.pmax
     vals8 = nl.ndarray((pmax, TOPK_WIDTH), dtype=nl.float32, buffer=nl.sbuf)
     idx8_u = nl.ndarray((pmax, TOPK_WIDTH), dtype=nl.uint32, buffer=nl.sbuf)
-    idx8_f = nl.ndarray((pmax, TOPK_WIDTH), dtype=nl.float32, buffer=nl.sbuf)
-    found_sb = nl.ndarray((pmax, width), dtype=nl.float32, buffer=nl.sbuf)
     key = key_sb[:rows, :width]
     for r in range(ceil_div(k, TOPK_WIDTH)):
         nisa.max8(dst=vals8[:rows], src=key)
         nisa.nc_find_index8(dst=idx8_u[:rows], data=key, vals=vals8[:rows])
-        nisa.tensor_copy(dst=idx8_f[:rows], src=idx8_u[:rows])
         n = min(TOPK_WIDTH, k - r * TOPK_WIDTH)
-        nisa.tensor_copy(dst=ids_f[:rows, nl.ds(r * TOPK_WIDTH, n)], src=idx8_f[:rows, :n])
+        nisa.tensor_copy(dst=ids_f[:rows, nl.ds(r * TOPK_WIDTH, n)], src=idx8_u[:rows, :n])
         if (r + 1) * TOPK_WIDTH < k:
-            for j in range(TOPK_WIDTH):
-                # found_sb = (iota == id_j) * NEG_BIG; key += found_sb (others: + (-0.0), exact)
-                nisa.tensor_scalar(dst=found_sb[:rows, :width], data=iota_sb[:rows, :width], op0=nl.equal,
-                                   operand0=idx8_f[:rows, nl.ds(j, 1)], op1=nl.multiply, operand1=NEG_BIG)
-                nisa.tensor_tensor(dst=key, data1=key, data2=found_sb[:rows, :width], op=nl.add)
+            # the 8 found entries -> NEG_BIG; equal values replace their first occurrences, in
+            # ascending position, so the higher ids of a tie remain for the next round
+            nisa.nc_match_replace8(dst=key, data=key, vals=vals8[:rows], imm=NEG_BIG)
 
 
-def gather_columns(out_sb, src_sb, ids_f, iota_sb, rows, cols, k):
-    """``out_sb[:rows, j] = src_sb[:rows, ids_f[:, j]]`` for j < k (one-hot multiply + row sum)."""
+def gather_columns(out_sb, src_sb, ids_f, rows, cols, k):
+    """``out_sb[:rows, j] = src_sb[:rows, ids_f[:, j]]`` for j < k: one VectorE ``range_select``
+    per column keeps only position ``id`` (``id <= i <= id``) and max-reduces the row (exact)."""
     pmax = nl.tile_size.pmax
-    onehot_sb = nl.ndarray((pmax, cols), dtype=nl.float32, buffer=nl.sbuf)
+    selected_sb = nl.ndarray((pmax, cols), dtype=nl.float32, buffer=nl.sbuf)
     for j in range(k):
-        nisa.scalar_tensor_tensor(dst=onehot_sb[:rows, :cols], data=iota_sb[:rows, :cols], op0=nl.equal,
-                                  operand0=ids_f[:rows, nl.ds(j, 1)], op1=nl.multiply,
-                                  operand1=src_sb[:rows, :cols])
-        nisa.tensor_reduce(dst=out_sb[:rows, nl.ds(j, 1)], op=nl.add, data=onehot_sb[:rows, :cols], axis=1)
+        id_j = ids_f[:rows, nl.ds(j, 1)]
+        nisa.range_select(dst=selected_sb[:rows, :cols], on_true_tile=src_sb[:rows, :cols],
+                          comp_op0=nl.greater_equal, comp_op1=nl.less_equal, bound0=id_j, bound1=id_j,
+                          reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=out_sb[:rows, nl.ds(j, 1)],
+                          reduce_op=nl.maximum, range_start=0, on_false_value=NEG_BIG)
 
 
 def scatter_columns(dst_sb, vals_sb, ids_f, iota_sb, rows, cols, k):
@@ -160,7 +159,7 @@ def group_limit(key_sb, rows, num_experts, num_groups, topk_groups):
 
     group_iota = expert_iota(rows, group_width)
     group_ids = nl.ndarray((pmax, topk_groups), dtype=nl.float32, buffer=nl.sbuf)
-    select_topk(group_ids, group_score, group_iota, rows, group_width, topk_groups)
+    select_topk(group_ids, group_score, rows, group_width, topk_groups)
     kept = nl.ndarray((pmax, group_width), dtype=nl.float32, buffer=nl.sbuf)
     ones = nl.ndarray((pmax, topk_groups), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=kept[:rows, :], value=0.0)
