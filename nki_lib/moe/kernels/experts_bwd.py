@@ -46,7 +46,7 @@ from nki_lib._nki import nki, nisa, nl
 from nki_lib.dispatch import call_kernel
 from nki_lib.moe.kernels.experts_fwd import (
     act_fn, block_flags, block_registers, check_supported, flags_sbuf_bytes, gather_rows,
-    load_block_inputs, load_expert_cols, load_expert_t, reduce_assignments, scatter_rows, slot_tokens,
+    load_all_ids, load_block_inputs, load_expert_cols, load_expert_t, reduce_assignments, scatter_rows, slot_tokens,
     tail_sbuf_bytes, tiles, transpose_rows)
 from nki_lib.moe.reference_experts import _GELU_TANH_A, _GELU_TANH_C
 
@@ -199,13 +199,13 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots):
             scatter_rows(dx_slots, asg_sb, dx_sb, h0)
 
 
-def _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up, w_down, expert_reg,
-               s_base, block, activation, i_chunk, acc_gu, acc_d, dx_slots, dtopk):
+def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
+               i_chunk, acc_gu, acc_d, dx_slots, dtopk):
     pmax = nl.tile_size.pmax
     hidden = x.shape[1]
     inter = w_down.shape[2]
     h_tiles = tiles(hidden, pmax)
-    slot_tiles, x_t = load_block_inputs(x, topk_w, slot_token, slot_assignment, s_base, block)
+    slot_tiles, x_t = load_block_inputs(x, topk_w, tok_ids, asg_ids, b, block)
     do_rows, dy_t = _load_grad_rows(dy, slot_tiles, block)
     n_it = len(tiles(inter, pmax))
     dg_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
@@ -255,11 +255,13 @@ def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_
     zero_fill(acc_gu)
     zero_fill(acc_d)
     expert_sb, valid_sb = block_flags(block_expert)
+    tok_ids = load_all_ids(slot_token, n_blocks, block)
+    asg_ids = load_all_ids(slot_assignment, n_blocks, block)
     for b in nl.sequential_range(n_blocks):      # weight-gradient accumulation: blocks in order
         expert_reg, trips_reg = block_registers(expert_sb, valid_sb, b)
         for _ in nl.dynamic_range(0, trips_reg):
-            _block_bwd(dy, x, topk_w, slot_token, slot_assignment, w_gate_up, w_down,
-                       expert_reg, b * block, block, activation, i_chunk, acc_gu, acc_d, dx_slots, dtopk)
+            _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
+                       i_chunk, acc_gu, acc_d, dx_slots, dtopk)
     reduce_assignments(dx_slots, dx, top_k)
     cast_out(acc_gu, dw_gate_up)
     cast_out(acc_d, dw_down)
@@ -274,11 +276,11 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, *, top_k, n_blocks):
     ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
     slot_tiles = st * (3 * hidden * itemsize + 4 * 4)            # x, dy, do rows; ids, weight, d weight
     resident = (2 * ht + 2 * it) * block * itemsize             # xT, dyT, dgT, duT
-    streamed = 3 * ht * i_chunk * itemsize                      # W_gate^T, W_up^T, W_down columns (single buffer)
+    streamed = 3 * ht * i_chunk * itemsize + 2 * hidden * itemsize   # W_gate^T, W_up^T, W_down columns; staging
     chunk = st * 3 * i_chunk * itemsize + 2 * _FP32_TEMPS * i_chunk * 4   # h, dg, du; fp32 temporaries
     tiles_ = 2 * fmax * 4 + 2 * (fmax * itemsize + fmax * 4)      # RMW tile, dx tiles (x2 gen.)
     body = slot_tiles + resident + streamed + chunk + tiles_
-    return flags_sbuf_bytes(n_blocks, itemsize) + fmax * 4 + max(body, tail_sbuf_bytes(top_k, itemsize))
+    return flags_sbuf_bytes(n_blocks, block) + fmax * 4 + max(body, tail_sbuf_bytes(top_k, itemsize))
 
 
 def i_chunk_size(hidden, inter, block, itemsize, **counts):

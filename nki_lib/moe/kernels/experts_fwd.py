@@ -59,10 +59,20 @@ def tiles(n, size):
 
 # --------------------------------------------------------------------------- shared helpers
 
-def load_ids(slot_ids, s0, ps):
-    """(ps, 1) int32 tile of slot_ids[s0 : s0 + ps] (token or assignment ids, -1 = padding)."""
-    ids_sb = nl.ndarray((ps, 1), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=ids_sb, src=slot_ids[s0:s0 + ps])
+def load_all_ids(slot_ids, n_blocks, block):
+    """(P, ST, NB) int32 tile: [p, st, b] = slot_ids[b * B + st * 128 + p] (token or assignment ids,
+    -1 = padding), loaded once per kernel: one contiguous DMA per 128 blocks (blocks on
+    partitions), then TensorE transposes put the slots on partitions."""
+    pmax = nl.tile_size.pmax
+    st_tiles = tiles(block, pmax)
+    ids_sb = nl.ndarray((pmax, len(st_tiles), n_blocks), dtype=nl.int32, buffer=nl.sbuf)
+    for b0, nb in tiles(n_blocks, pmax):
+        rows_sb = nl.ndarray((nb, block), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows_sb, src=slot_ids[b0 * block:(b0 + nb) * block])
+        for st, (s0, ps) in enumerate(st_tiles):
+            tr_psum = nl.ndarray((ps, nb), dtype=nl.int32, buffer=nl.psum)
+            nisa.nc_transpose(dst=tr_psum, data=rows_sb[:, s0:s0 + ps])
+            nisa.tensor_copy(dst=ids_sb[:ps, st, b0:b0 + nb], src=tr_psum)
     return ids_sb
 
 
@@ -113,15 +123,16 @@ def block_registers(expert_sb, valid_sb, b):
     return expert_reg, trips_reg
 
 
-def load_block_inputs(x, topk_w, slot_token, slot_assignment, s_base, block):
-    """Per slot tile: assignment ids, routing weights (ps, 1) fp32, token rows; and xT (P, HT, B)."""
+def load_block_inputs(x, topk_w, tok_ids, asg_ids, b, block):
+    """Per slot tile of block b: (s0, ps, token ids, assignment ids (ps, 1) views of the
+    ``load_all_ids`` tiles, routing weights (ps, 1) fp32, token rows (ps, H)); and xT (P, HT, B)."""
     pmax = nl.tile_size.pmax
     hidden = x.shape[1]
     x_t = nl.ndarray((pmax, len(tiles(hidden, pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
     slot_tiles = []
-    for s0, ps in tiles(block, pmax):
-        tok_sb = load_ids(slot_token, s_base + s0, ps)
-        asg_sb = load_ids(slot_assignment, s_base + s0, ps)
+    for st, (s0, ps) in enumerate(tiles(block, pmax)):
+        tok_sb = tok_ids[:ps, st, b:b + 1]
+        asg_sb = asg_ids[:ps, st, b:b + 1]
         x_rows = gather_rows(x, tok_sb, ps)
         transpose_rows(x_t, x_rows, s0)
         slot_tiles.append((s0, ps, tok_sb, asg_sb, gather_rows(topk_w, asg_sb, ps), x_rows))
@@ -141,26 +152,31 @@ def load_expert_cols(w, expert_reg, row_tiles, col0, ncols):
 
 def load_expert_t(w, expert_reg, col_tiles, row0, nrows):
     """(P, CT, nrows) tile of w[e, row0 : row0 + nrows, cols]^T: the contraction dim (w's
-    contiguous last dim, tiled by 128) on partitions. w (E, R, C) natural layout in HBM.
+    contiguous last dim, tiled by 128 as ``col_tiles``) on partitions. w (E, R, C) natural layout.
 
-    2-byte dtypes: DMA transpose straight from HBM. fp32: natural DMA + TensorE transpose
-    (transpose mode is bit-exact) + PSUM eviction, per 128 x 128 block."""
+    Per 128 rows: one DMA of the rows' whole column span (long contiguous runs), then TensorE
+    transposes (bit-exact transpose mode) of its 128 x 128 blocks, several blocks per PSUM bank
+    and one eviction per bank."""
     pmax = nl.tile_size.pmax
+    per_bank = nl.tile_size.psum_fmax // pmax            # transposed blocks per PSUM bank (fp32 bound)
     cols = w.shape[2]
+    c_start = col_tiles[0][0]
+    c_span = col_tiles[-1][0] + col_tiles[-1][1] - c_start
+    full = [t for t in col_tiles if t[1] == pmax]       # only the last tile may be partial
+    groups = [(g0, full[g0:g0 + per_bank]) for g0 in range(0, len(full), per_bank)]
+    if len(full) < len(col_tiles):
+        groups.append((len(full), col_tiles[len(full):]))
     w_t = nl.ndarray((pmax, len(col_tiles), nrows), dtype=w.dtype, buffer=nl.sbuf)
-    for ct, (c0, cs) in enumerate(col_tiles):
-        if w.dtype in (nl.bfloat16, nl.float16):
-            nisa.dma_transpose(dst=w_t[:cs, ct, :],
-                               src=w.ap([[cols, nrows], [1, cs]], offset=row0 * cols + c0,
-                                        scalar_offset=expert_reg, indirect_dim=0))
-            continue
-        for r0, rs in tiles(nrows, pmax):
-            nat_sb = nl.ndarray((rs, cs), dtype=w.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=nat_sb, src=w.ap([[cols, rs], [1, cs]], offset=(row0 + r0) * cols + c0,
-                                               scalar_offset=expert_reg, indirect_dim=0))
-            tr_psum = nl.ndarray((cs, rs), dtype=w.dtype, buffer=nl.psum)
-            nisa.nc_transpose(dst=tr_psum, data=nat_sb)
-            nisa.tensor_copy(dst=w_t[:cs, ct, r0:r0 + rs], src=tr_psum)
+    for r0, rs in tiles(nrows, pmax):
+        nat_sb = nl.ndarray((rs, c_span), dtype=w.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=nat_sb, src=w.ap([[cols, rs], [1, c_span]], offset=(row0 + r0) * cols + c_start,
+                                           scalar_offset=expert_reg, indirect_dim=0))
+        for gi0, group in groups:
+            cs = group[0][1]
+            tr_psum = nl.ndarray((cs, len(group), rs), dtype=w.dtype, buffer=nl.psum)
+            for gi, (c0, _) in enumerate(group):
+                nisa.nc_transpose(dst=tr_psum[:, gi, :], data=nat_sb[:, c0 - c_start:c0 - c_start + cs])
+            nisa.tensor_copy(dst=w_t[:cs, gi0:gi0 + len(group), r0:r0 + rs], src=tr_psum)
     return w_t
 
 
@@ -205,15 +221,15 @@ def _gate_up(x_t, w_gate_up, expert_reg, h_tiles, block, activation, h_t):
             nisa.tensor_tensor(dst=h_t[:isz, it, n0:n0 + nn], data1=act_sb, data2=u_psum, op=nl.multiply)
 
 
-def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots):
+def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk):
     """y_slots[a] = w_a * (h @ W_down^T) per H chunk (contraction over I tiles in PSUM)."""
     hidden = w_down.shape[1]
-    for h0, hn in tiles(hidden, nl.tile_size.gemm_moving_fmax):
+    for h0, hn in tiles(hidden, h_chunk):
+        wd_t = load_expert_t(w_down, expert_reg, i_tiles, h0, hn)
         y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
         for it, (i0, isz) in enumerate(i_tiles):
-            wd_sb = load_expert_t(w_down, expert_reg, [(i0, isz)], h0, hn)
             for (s0, ps, *_), y_psum in zip(slot_tiles, y_psums):
-                nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps], moving=wd_sb[:isz, 0, :],
+                nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps], moving=wd_t[:isz, it, :],
                                accumulate=it > 0)
         for (s0, ps, _, asg_sb, w_col, _), y_psum in zip(slot_tiles, y_psums):
             y_sb = nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.sbuf)
@@ -221,30 +237,32 @@ def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots):
             scatter_rows(y_slots, asg_sb, y_sb, h0)
 
 
-def _block_fwd(x, topk_w, slot_token, slot_assignment, w_gate_up, w_down, expert_reg, s_base, block,
-               activation, y_slots):
+def _block_fwd(x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
+               h_chunk, y_slots):
     pmax = nl.tile_size.pmax
     h_tiles, i_tiles = tiles(x.shape[1], pmax), tiles(w_down.shape[2], pmax)
-    slot_tiles, x_t = load_block_inputs(x, topk_w, slot_token, slot_assignment, s_base, block)
+    slot_tiles, x_t = load_block_inputs(x, topk_w, tok_ids, asg_ids, b, block)
     h_t = nl.ndarray((pmax, len(i_tiles), block), dtype=x.dtype, buffer=nl.sbuf)
     _gate_up(x_t, w_gate_up, expert_reg, h_tiles, block, activation, h_t)
-    _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots)
+    _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk)
 
 
 @nki.jit
 def moe_experts_fwd(x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up, w_down,
-                    activation, top_k):
+                    activation, top_k, h_chunk):
     t_len, hidden = x.shape
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
     y_slots = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.private_hbm)
     expert_sb, valid_sb = block_flags(block_expert)
+    tok_ids = load_all_ids(slot_token, n_blocks, block)
+    asg_ids = load_all_ids(slot_assignment, n_blocks, block)
     for b in nl.affine_range(n_blocks):
         expert_reg, trips_reg = block_registers(expert_sb, valid_sb, b)
         for _ in nl.dynamic_range(0, trips_reg):
-            _block_fwd(x, topk_w, slot_token, slot_assignment, w_gate_up, w_down, expert_reg, b * block,
-                       block, activation, y_slots)
+            _block_fwd(x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
+                       h_chunk, y_slots)
     reduce_assignments(y_slots, y, top_k)
     return y
 
@@ -257,21 +275,39 @@ def tail_sbuf_bytes(top_k, itemsize):
     return 2 * ((top_k + 1) * fmax * 4 + fmax * itemsize)
 
 
-def flags_sbuf_bytes(n_blocks, itemsize):
-    """SBUF bytes per partition live through the kernel: block flags; fp32 transpose staging."""
-    return 2 * n_blocks * 4 + 2 * nl.tile_size.pmax * itemsize
+def flags_sbuf_bytes(n_blocks, block):
+    """SBUF bytes per partition live through the kernel: block flags, the plan's slot ids."""
+    slot_tiles = -(-block // nl.tile_size.pmax)
+    return 2 * n_blocks * 4 + 2 * slot_tiles * n_blocks * 4 + 2 * block * 4
 
 
-def sbuf_bytes(hidden, inter, block, itemsize, *, top_k, n_blocks):
-    """Peak SBUF bytes per partition of the forward kernel (upper bound)."""
+def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, *, top_k, n_blocks):
+    """Peak SBUF bytes per partition of the forward kernel at down-projection H chunk ``h_chunk``
+    (upper bound: two generations of every streamed tile)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
     slot_tiles = st * (hidden * itemsize + 3 * 4)                # x rows, ids, routing weight
     resident = (ht + it) * block * itemsize                     # xT, hT
-    gate_up = 2 * (2 * ht * pmax * itemsize + fmax * 4)         # W_gate^T/W_up^T tiles, act (x2: double buffer)
-    down = 2 * (fmax * itemsize + fmax * 4)                     # W_down^T tile, y eviction
-    body = slot_tiles + resident + gate_up + down
-    return flags_sbuf_bytes(n_blocks, itemsize) + max(body, tail_sbuf_bytes(top_k, itemsize))
+    staging = 2 * max(hidden, inter) * itemsize                 # natural weight rows before transposes
+    gate_up = 2 * (2 * ht * pmax * itemsize + fmax * 4)         # W_gate^T/W_up^T tiles, act
+    down = 2 * (it * h_chunk * itemsize + h_chunk * 4)          # W_down^T chunk, y eviction
+    body = slot_tiles + resident + staging + gate_up + down
+    return flags_sbuf_bytes(n_blocks, block) + max(body, tail_sbuf_bytes(top_k, itemsize))
+
+
+def h_chunk_size(hidden, inter, block, itemsize, **counts):
+    """Widest down-projection H chunk (gemm_moving_fmax, halved down to pmax) that fits SBUF."""
+    pmax, chunk = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    while chunk > pmax and (sbuf_bytes_at(hidden, inter, block, itemsize, chunk, **counts)
+                            > nl.tile_size.total_available_sbuf_size):
+        chunk //= 2
+    return chunk
+
+
+def sbuf_bytes(hidden, inter, block, itemsize, **counts):
+    """Peak SBUF bytes per partition at the chosen H chunk."""
+    chunk = h_chunk_size(hidden, inter, block, itemsize, **counts)
+    return sbuf_bytes_at(hidden, inter, block, itemsize, chunk, **counts)
 
 
 def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sbuf_fn):
@@ -298,9 +334,12 @@ def slot_tokens(slot_assignment, top_k):
 
 def run(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
     """Launch the forward kernel (host side: index metadata and views only)."""
-    check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2], sbuf_fn=sbuf_bytes)
+    block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
+                                 sbuf_fn=sbuf_bytes)
     top_k = topk_weights.shape[1]
+    h_chunk = h_chunk_size(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
+                           n_blocks=block_expert.shape[0])
     return call_kernel(moe_experts_fwd, x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
                        block_expert.contiguous(), slot_tokens(slot_assignment, top_k),
                        slot_assignment.contiguous(), w_gate_up.contiguous(), w_down.contiguous(),
-                       activation, top_k)
+                       activation, top_k, h_chunk)
