@@ -119,6 +119,18 @@ def test_forward_parity_trn3(trn3, case):
     _assert_parity(case)
 
 
+@pytest.mark.parametrize("case", [
+    Case(b=2, hq=4, hkv=2, sq=600, sk=700, d=128, causal=True),              # unequal rows
+    Case(sq=1, sk=5, d=8),                                                   # one group only
+    Case(sq=300, sk=300, d=64, sinks=True, window=(40, 0), cu_seqlens=(0, 100, 300)),
+], ids=["causal-gqa", "single-group", "packed-window-sinks"])
+def test_forward_parity_lnc2(monkeypatch, case):
+    """NEURON_LOGICAL_NC_CONFIG=2: two programs share the groups and write disjoint rows."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    assert _trace_of(case).grid == 2
+    _assert_parity(case)
+
+
 # --------------------------------------------------------------------------- structure
 
 

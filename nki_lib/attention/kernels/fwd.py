@@ -61,7 +61,8 @@ at most a quarter of SBUF); 3 of 8 PSUM banks. Measured peaks per partition are 
 
 Limits: dtypes bf16/fp16/fp32 (P is cast to the V dtype for P @ V; fp32 stays fp32 throughout);
 D <= 256 (two head-dim chunks above 128); Sq + Sk < 2**24 (key indices are float32 in the
-masks); LNC1 (one NeuronCore).
+masks). LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two NeuronCores take contiguous halves of
+the groups (balanced by step count) and write disjoint rows of the shared outputs.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from nki_lib.attention import masks
 from nki_lib.attention.kernels.tiles import (MAX_INDEX, STAT_INIT, MaskSpec, head_dim_chunks,
                                              heads_per_pass, key_blocks, key_tile_width,
                                              mask_scores, plan_row, query_tiles, row_bounds)
+from nki_lib.attention.kernels.decode_plan import lnc_degree
 from nki_lib.dispatch import Unsupported, call_kernel
 
 __all__ = ["flash_fwd", "flash_fwd_kernel", "KERNEL_DTYPES"]
@@ -341,6 +343,21 @@ def _key_sections(plan, max_keys):
     return tuple(sections)
 
 
+def _program_share(groups, n_prog, pid):
+    """The contiguous run of groups program ``pid`` of ``n_prog`` (LNC2: one per NeuronCore)
+    serves, cut so that every program gets about the same number of steps (causal rows differ)."""
+    work = [max(1, len(grp.plan) * len(grp.heads)) for grp in groups]
+    total = sum(work)
+    lo, hi, done = 0, 0, 0
+    for i in range(len(groups)):
+        if done * n_prog < total * pid:
+            lo = i + 1
+        if done * n_prog < total * (pid + 1):
+            hi = i + 1
+        done += work[i]
+    return groups[lo:hi]
+
+
 def _plan_steps(groups):
     """Program order of the work: ``(group, key tile, head)`` per step; a group with no visible
     key tile gets one step ``(group, -1, -1)`` (it only initialises and stores)."""
@@ -494,7 +511,8 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
     ctx = _Ctx(q_t=q_t, k_t=k_t, v=v, sinks=sinks, has_sinks=has_sinks, d=d, chunks=chunks,
                mask=mask, doc_lo=doc[0] if has_docs else None, doc_hi=doc[1] if has_docs else None)
     section_keys = max(key_tile_width(), KEY_SECTION_BYTES // q_bytes)
-    groups = _plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys)
+    groups = _program_share(_plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys),
+                            nl.num_programs(axes=0), nl.program_id(axis=0))
     steps = _plan_steps(groups)
     n_steps = len(steps)
     work = [None] * n_steps
@@ -548,4 +566,4 @@ def flash_fwd(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_
     doc = None if cu_seqlens is None else _document_bounds(cu_seqlens, sq)
     return call_kernel(flash_fwd_kernel, q_t, k_t, v.contiguous(), sinks_c, doc,
                        sinks is not None, cu_seqlens is not None, bool(causal), float(scale),
-                       int(window_left), int(window_right), float(softcap))
+                       int(window_left), int(window_right), float(softcap), grid=lnc_degree())
