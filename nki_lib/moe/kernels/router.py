@@ -82,7 +82,7 @@ def router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize, nu
                 hc = min(pmax, hidden - hi * pmax)
                 nisa.nc_matmul(dst=logits_psum[:rows, :nc], stationary=x_t[:hc, hi, :rows],
                                moving=weight_t[:hc, hi, n0:n0 + nc], accumulate=(hi > 0))
-            nisa.tensor_copy(dst=logits_sb[:rows, n0:n0 + nc], src=logits_psum[:rows, :nc])
+            nisa.tensor_copy(dst=logits_sb[:rows, n0:n0 + nc], src=logits_psum[:rows, :nc], engine=nisa.engine.scalar)
         nisa.dma_copy(dst=logits[t0:t0 + rows, :], src=logits_sb[:rows, :])
 
         # 2. scores

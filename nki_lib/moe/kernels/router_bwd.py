@@ -132,7 +132,7 @@ def router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, score
                 ec = min(pmax, num_experts - ei * pmax)
                 nisa.nc_matmul(dst=dx_psum[:rows, :nc], stationary=d_mm_t[:ec, ei, :rows],
                                moving=weight_sb[:ec, ei, n0:n0 + nc], accumulate=(ei > 0))
-            nisa.tensor_copy(dst=dx_sb[:rows, n0:n0 + nc], src=dx_psum[:rows, :nc])
+            nisa.tensor_copy(dst=dx_sb[:rows, n0:n0 + nc], src=dx_psum[:rows, :nc], engine=nisa.engine.scalar)
         nisa.dma_copy(dst=dx[t0:t0 + rows, :], src=dx_sb[:rows, :])
 
         # 6. dweight += d_total^T @ x (contraction over this tile's tokens on partitions)

@@ -54,7 +54,7 @@ def load_transposed(dst_sb, src_sb, rows, cols, dtype, dst_col0=0):
         cc = min(pmax, cols - c0)
         t_psum = nl.ndarray((pmax, pmax), dtype=dtype, buffer=nl.psum)
         nisa.nc_transpose(dst=t_psum[:cc, :rows], data=src_sb[:rows, c0:c0 + cc], engine=nisa.engine.tensor)
-        nisa.tensor_copy(dst=dst_sb[:cc, ci, nl.ds(dst_col0, rows)], src=t_psum[:cc, :rows])
+        nisa.tensor_copy(dst=dst_sb[:cc, ci, nl.ds(dst_col0, rows)], src=t_psum[:cc, :rows], engine=nisa.engine.scalar)
 
 
 def expert_iota(rows, width):
