@@ -90,6 +90,17 @@ def test_paged_reads_only_used_blocks():
     assert result.ok, str(result)
 
 
+@pytest.mark.parametrize("window_left, cap, length", [(-1, 8192, 7000), (9000, 16384, 15000)])
+def test_contiguous_interior_chunks_use_one_hwdge_dma(window_left, cap, length):
+    """Chunks made only of needed units load with one hardware-DGE DMA each; edge chunks gather."""
+    sample = make_sample(2, 4, 1, 2, 128, [length, 130], torch.bfloat16, capacity_=cap,
+                         window_left=window_left)
+    outs, report = _launch(sample, num_splits=2)
+    _judge(sample, outs)
+    modes = [e.attrs.get("dge_mode") for e in report.trace if e.opcode == "dma_copy"]
+    assert "hwdge" in modes and "swdge" in modes
+
+
 def test_work_follows_lengths_not_capacity():
     """Same lengths, 2x the capacity: the same instructions run (device loops over needed chunks)."""
     counts = []

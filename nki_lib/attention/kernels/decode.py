@@ -80,6 +80,7 @@ from nki_lib.attention.kernels.tiles import STAT_INIT
 
 __all__ = ["decode_kernel", "block_slots"]
 
+DIRECT_RANGE = 1                  # split_bounds ranges: gather, direct (hardware DGE), gather
 CHUNK_BUFFER_BUDGET = 96 * 1024   # SBUF bytes per partition for K/V chunk buffers; streams (one per
                                   # (b, hk, split)) rotate over the pairs that fit, so consecutive
                                   # streams load and compute concurrently
@@ -308,37 +309,59 @@ def _merge_and_store(states, sink_rows, hk, r0, out, lse, row0, dtype):
 
 
 def _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, b, s, head_offset,
-            unit_keys, chunk_pair, blocks, d_spans, scale, softcap, dtype):
-    """One (b, hk, split) stream: a device loop over the split's chunks, all row tiles."""
+            seq_offset, unit_keys, chunk_pair, blocks, d_spans, scale, softcap, dtype):
+    """One (b, hk, split) stream: three device loops over the split's chunks, in key order --
+    gathered chunks, chunks loaded by one hardware-DGE DMA (contiguous caches, chunks made only of
+    needed units; ``seq_offset`` is None for paged caches), gathered chunks."""
     pmax = nl.tile_size.pmax
     m = split_states[0].bounds.shape[1]
     d = split_states[0].acc.shape[1]
     units_per_chunk = m * pmax // unit_keys
     k_chunk, v_chunk = chunk_pair
-    bounds_sb = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)
+    n_ranges = split_bounds.shape[2] // 2
+    bounds_sb = nl.ndarray((1, 2 * n_ranges), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=bounds_sb, src=split_bounds[b, s])
-    start = nisa.register_alloc()
-    stop = nisa.register_alloc()
-    nisa.register_load(start, bounds_sb[0:1, 0:1])
-    nisa.register_load(stop, bounds_sb[0:1, 1:2])
+    regs = []
+    for i in range(2 * n_ranges):
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, bounds_sb[0:1, i:i + 1])
+        regs.append(reg)
     n_cols = unit_table.shape[1]
-    for col in nl.dynamic_range(start, stop, units_per_chunk):
-        idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=idx_sb, src=unit_table.ap([[1, units_per_chunk], [1, 1]], offset=b * n_cols,
-                                                    scalar_offset=col, indirect_dim=1))
-        _gather_chunk(k_units, idx_sb, head_offset, unit_keys * d, k_chunk)
-        _gather_chunk(v_units, idx_sb, head_offset, unit_keys * d, v_chunk)
-        s_sb = [nl.ndarray((st.acc.shape[0], m * pmax), dtype=nl.float32, buffer=nl.sbuf)
-                for st in split_states]
-        k_t_next = _block_keys_transposed(k_chunk, blocks[0], d_spans, m, k_units.dtype)
-        for i, (c0, n) in enumerate(blocks):
-            k_t = k_t_next
-            if i + 1 < len(blocks):                 # software pipeline: next transposes first
-                k_t_next = _block_keys_transposed(k_chunk, blocks[i + 1], d_spans, m, k_units.dtype)
-            for t in range(len(split_states)):
-                _block_scores(s_sb[t], c0 * pmax, q_t[t], k_t, scale, softcap)
+    for r in range(n_ranges):
+        direct = r == DIRECT_RANGE
+        if direct and seq_offset is None:
+            continue
+        for col in nl.dynamic_range(regs[2 * r], regs[2 * r + 1], units_per_chunk):
+            if direct:
+                for cache, buf in ((k_units, k_chunk), (v_units, v_chunk)):
+                    src = cache.ap([[m * d, pmax], [1, m * d]], offset=seq_offset + head_offset,
+                                   scalar_offset=col, indirect_dim=0)
+                    nisa.dma_copy(dst=buf, src=src, dge_mode=nisa.dge_mode.hwdge)
+            else:
+                idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=idx_sb, src=unit_table.ap([[1, units_per_chunk], [1, 1]],
+                                                            offset=b * n_cols, scalar_offset=col,
+                                                            indirect_dim=1))
+                _gather_chunk(k_units, idx_sb, head_offset, unit_keys * d, k_chunk)
+                _gather_chunk(v_units, idx_sb, head_offset, unit_keys * d, v_chunk)
+            _chunk(split_states, q_t, k_chunk, v_chunk, blocks, d_spans, m, k_units.dtype, scale,
+                   softcap, dtype)
+
+
+def _chunk(split_states, q_t, k_chunk, v_chunk, blocks, d_spans, m, kv_dtype, scale, softcap, dtype):
+    """Scores, mask, softmax and P @ V of one loaded chunk for every row tile."""
+    pmax = nl.tile_size.pmax
+    s_sb = [nl.ndarray((st.acc.shape[0], m * pmax), dtype=nl.float32, buffer=nl.sbuf)
+            for st in split_states]
+    k_t_next = _block_keys_transposed(k_chunk, blocks[0], d_spans, m, kv_dtype)
+    for i, (c0, n) in enumerate(blocks):
+        k_t = k_t_next
+        if i + 1 < len(blocks):                     # software pipeline: next transposes first
+            k_t_next = _block_keys_transposed(k_chunk, blocks[i + 1], d_spans, m, kv_dtype)
         for t in range(len(split_states)):
-            _chunk_softmax_pv(split_states[t], s_sb[t], v_chunk, dtype)
+            _block_scores(s_sb[t], c0 * pmax, q_t[t], k_t, scale, softcap)
+    for t in range(len(split_states)):
+        _chunk_softmax_pv(split_states[t], s_sb[t], v_chunk, dtype)
 
 
 def _exchange(states, pid, first_pipe):
@@ -358,7 +381,7 @@ def _exchange(states, pid, first_pipe):
 
 @nki.jit
 def decode_kernel(q, k_units, v_units, unit_table, split_bounds, row_bounds, sink_rows,
-                  n_kv_heads, head_offset, unit_keys, keys_per_partition, scale, softcap):
+                  n_kv_heads, head_offset, seq_units, unit_keys, keys_per_partition, scale, softcap):
     """Decode attention; see the module docstring for shapes and the algorithm."""
     pmax = nl.tile_size.pmax
     batch, n_q_heads, sq, d = q.shape
@@ -398,9 +421,10 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, row_bounds, sin
         states = []
         for s in my_splits:
             split_states = [_init_state(row_bounds, b, s, r0, rn, d, m, slot_offsets) for r0, rn in row_spans]
+            seq_offset = None if seq_units is None else b * seq_units * k_units.shape[1]
             _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, b, s,
-                    hk * head_offset, unit_keys, chunk_bufs[stream % n_pairs], blocks, d_spans, scale,
-                    softcap, dtype)
+                    hk * head_offset, seq_offset, unit_keys, chunk_bufs[stream % n_pairs], blocks,
+                    d_spans, scale, softcap, dtype)
             states.append(split_states)
             stream += 1
         if not shard_units:

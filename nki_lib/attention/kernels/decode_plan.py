@@ -91,6 +91,26 @@ def _unit_view(cache, block_table, unit_keys):
     return rows, per_head * unit_keys * d, table, b * hkv * per_head
 
 
+def _direct_chunks(first, lengths, unit_keys, chunk, paged):
+    """Chunks [lo, hi) of each sequence that consist only of needed units of a contiguous cache:
+    one hardware-DGE DMA loads them whole. Empty (lo = hi = last chunk end) for paged caches."""
+    end = (lengths + chunk - 1) // chunk
+    if paged:
+        return end, end
+    lo = -(-(first // unit_keys * unit_keys) // chunk)
+    hi = (lengths + unit_keys - 1) // unit_keys * unit_keys // chunk
+    none = hi <= lo
+    return torch.where(none, end, lo), torch.where(none, end, hi)
+
+
+def _split_ranges(edges, direct_lo, direct_hi):
+    """(B, S, 6) chunk ranges of each split, in key order: gathered, direct, gathered."""
+    start, stop = edges[:, :-1], edges[:, 1:]
+    lo = torch.minimum(torch.maximum(direct_lo[:, None], start), stop)
+    hi = torch.minimum(torch.maximum(direct_hi[:, None], lo), stop)
+    return torch.stack([start, lo, lo, hi, hi, stop], dim=-1)
+
+
 def decode_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, window_left,
                softcap, num_splits=None, grid=None):
     """Run ``decode_kernel``; raises ``Unsupported`` (before launching) for what it cannot serve."""
@@ -139,7 +159,8 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale,
     n_chunks = (lengths + chunk - 1) // chunk - c0
     s_idx = torch.arange(n_split + 1, device=dev)
     edges = c0[:, None] + (s_idx[None, :] * n_chunks[:, None]) // n_split          # (B, S+1) chunks
-    split_bounds = torch.stack([edges[:, :-1], edges[:, 1:]], dim=-1) * units_per_chunk
+    split_bounds = _split_ranges(edges, *_direct_chunks(first, lengths, unit_keys, chunk, paged))
+    split_bounds = split_bounds * units_per_chunk
     rows = hq // hkv * sq
     t = torch.arange(rows, device=dev) % sq
     pos = (lengths[:, None] - sq + t[None, :]).to(torch.float32)                      # (B, R)
@@ -153,4 +174,5 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale,
 
     return call_kernel(decode_kernel, q.contiguous(), k_units, v_units, unit_table,
                        split_bounds.to(torch.int32).contiguous(), row_bounds, sink_rows,
-                       hkv, head_offset, unit_keys, m, resolve_scale(scale, d), float(softcap), grid=grid)
+                       hkv, head_offset, None if paged else n_rows // b, unit_keys, m,
+                       resolve_scale(scale, d), float(softcap), grid=grid)
