@@ -189,3 +189,15 @@ def test_nan_and_inf_inputs_propagate_without_crashing(num_groups):
     assert torch.equal(torch.isnan(w), torch.isnan(ref_w))
     assert torch.equal(torch.isnan(logits), torch.isnan(ref_logits))
     torch.ops.nki.moe_plan(ids, num_experts=12, block_size=4)
+
+
+def test_runs_unchanged_on_trn3():
+    from nki_lib import simulator
+
+    previous = simulator.get_target()
+    simulator.set_target("trn3")
+    try:
+        for sample in router_ops.SPEC.samples(torch.bfloat16, True):
+            check(sample)
+    finally:
+        simulator.set_target(previous)
