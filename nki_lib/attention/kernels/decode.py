@@ -37,6 +37,11 @@ One chunk (``u`` keys per gathered unit, ``M`` keys per partition)::
     per block: P = exp(S - m) (ScalarE, row sums per block), P^T (128, n*rn) by n transposes,
       O (rn, D) PSUM          += matmul(P^T_c (128, rn), V[:, slot c] (128, D)) for every slot
 
+Contiguous caches: a chunk made only of needed units is one contiguous HBM run per kv head and
+loads with one hardware-DGE DMA per K/V (``.ap(scalar_offset=col)``, no GpSimd descriptor
+generation); each split visits three chunk ranges in key order -- gathered, direct, gathered
+(``split_bounds`` (B, S, 6)), so only a sequence's first (window) and last chunks gather.
+
 Only needed units are read: the launcher replaces the ids of units that hold no key of
 ``[first, L_b)`` by an out-of-range sentinel and the indirect DMA skips them (their SBUF rows keep
 finite stale data, zero at first use, which the mask removes). The device loops visit only the
@@ -46,8 +51,9 @@ chunks of ``[first, L_b)``, so traffic and work follow ``L_b``, not the capacity
 Loop structure::
 
     for b, hk (static):                          q^T (dc, rn) per row tile and head-dim chunk
-      for split s (static):                      registers start/stop <- split_bounds[b, s]
-        for col in dynamic_range(start, stop, C/u):   one chunk (above), every row tile
+      for split s (static):                      6 registers <- split_bounds[b, s]
+        for range in (gathered, direct, gathered):   (direct: contiguous caches only)
+          for col in dynamic_range(lo, hi, C/u):     one chunk (above), every row tile
       merge splits + sink; store out (rn, D) and lse (rn, 1) per row tile
 
 K/V chunk buffers: pairs rotate over the (b, hk, split) streams (as many pairs as fit
@@ -59,8 +65,8 @@ states with ``sendrecv`` and both merge; core p stores the row tiles t with t % 
 
 Shapes (HBM): q (B, Hq, Sq, D); k_units/v_units (N_units, row_stride) -- the cache viewed as rows
 of gatherable units (paged: one block of all kv heads per row, head hk at ``hk * head_offset``;
-contiguous: ``u`` keys of one head per row); unit_table (B, n_cols) int32 unit ids of kv head 0;
-split_bounds (B, S, 2) int32 [start, stop) in unit columns; row_bounds (B, S, R, 2) float32
+contiguous: ``u`` keys of one head per row, ``seq_units`` rows per sequence); unit_table (B, n_cols) int32 unit ids of kv head 0;
+split_bounds (B, S, 6) int32: three [start, stop) ranges in unit columns; row_bounds (B, S, R, 2) float32
 (lo, hi) relative to the split's first key; sink_rows (Hkv, R) float32 or None.
 Outputs: out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32.
 Dimension legend: B batch, Hq/Hkv heads, G = Hq/Hkv, Sq new tokens, D head dim, R = G*Sq rows,

@@ -9,7 +9,9 @@ Host work here is layout glue and small index metadata only (no attention math):
   itself when paged), padded to whole chunks, with every unit that holds no key of the needed
   range ``[max(0, L_b - Sq - window_left), L_b)`` replaced by an out-of-range sentinel (the
   kernel's indirect DMA skips it);
-* ``split_bounds`` (B, S, 2) int32: each split's [start, stop) in unit columns, chunk aligned;
+* ``split_bounds`` (B, S, 6) int32: each split's chunk range in unit columns, as three ranges in
+  key order -- gathered, direct (contiguous caches: chunks made only of needed units, one
+  hardware-DGE DMA each), gathered;
 * ``row_bounds`` (B, S, R, 2) float32: per query row the visible key interval [lo, hi]
   (position ``L_b - Sq + t`` and the window) relative to the split's first key;
 * ``sink_rows`` (Hkv, R) float32: the sink logit of each query row (an expand of ``sinks``).
