@@ -52,7 +52,9 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=_dma_en
     _wait(c)
     data = c.run.mailbox[(pipe_id, recv_from_rank)]
     _wait(c)
-    c.run.mailbox.pop((pipe_id, recv_from_rank), None)
+    # Each core removes its OWN message once both have read: removing the peer's could delete the
+    # peer's next message on the same pipe_id (a fast core may already be in its next sendrecv).
+    c.run.mailbox.pop((pipe_id, c.pid), None)
     dst._scatter(data, c.opcode, "dst")
     c.record("dma", (src,), (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
              {"pipe_id": pipe_id, "queue": dma_engine.name})
