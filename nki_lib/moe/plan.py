@@ -98,4 +98,5 @@ SPEC = registry.register(OpSpec(
     report_samples=_report_samples,
     differentiable=False,
     dtypes=(torch.int32,),
+    has_kernel=False,
 ))
