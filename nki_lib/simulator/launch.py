@@ -17,6 +17,7 @@ import types
 import ml_dtypes
 import numpy as np
 
+from .blas import single_threaded
 from .dtypes import as_dtype, from_numpy
 from .errors import NKIRuleError, kernel_source
 from .memory import Storage
@@ -249,14 +250,16 @@ def _run(kernel: Kernel, grid, args, kwargs):
             set_current(outer)
             set_running_target(None if outer is None else outer.spec.name)
 
-    if run.grid == 1:
-        body(0)
-    else:
-        threads = [threading.Thread(target=body, args=(pid,), name=f"nki-program-{pid}") for pid in range(run.grid)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    with single_threaded():
+        if run.grid == 1:
+            body(0)
+        else:
+            threads = [threading.Thread(target=body, args=(pid,), name=f"nki-program-{pid}")
+                       for pid in range(run.grid)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
     primary = [e for e in errors if e is not None and not isinstance(e, BarrierBroken)]
     failure = primary[0] if primary else next((e for e in errors if e is not None), None)
     _caller.report = _report(run, programs)
