@@ -20,7 +20,8 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
                 (issued one group ahead: software pipelining of the loads)
                 load Q^T, dO^T of the group (one DMA per head-dim chunk, 1 KiB per partition)
                 load the group's fp32 dQ accumulator (tiles not visited before; one DMA)
-                for each query tile of the group that sees the key tile:
+                for each query tile of the group that sees the key tile (scores half of tile
+                i + 1 issued before the gradients half of tile i: software pipelining):
                     Q, dO rows-on-partitions     TensorE transposes, ScalarE eviction
                     S = Q K^T, dP = dO V^T       TensorE -> PSUM fp32
                     P = exp(scale * S - lse)     ScalarE (reads PSUM)
@@ -51,11 +52,11 @@ The streamed traffic (Q^T, dO^T, dQ accumulators) moves 1-2 KiB per partition pe
 DMA per query group, not per tile); small DMAs remain once per query tile (phase 0, final dq
 store) and once per key tile (K rows, dK/dV stores).
 
-Working set (per partition; D <= 128, 16-bit inputs): SBUF about 14 KiB (two query groups in
-flight) plus 16 B of statistics per query tile (15.8 KiB at Sq = 16384), otherwise independent
-of the sequence lengths; PSUM
-6 banks (dK, dV, S, dP, dS^T, dQ; the Q/dO transposes use one before S is allocated), 8 banks
-for D in (128, 256] (dK and dV take two banks each).
+Working set (per partition; D <= 128, 16-bit inputs): SBUF about 18 KiB (two query groups and
+two score tiles in flight) plus 16 B of statistics per query tile (19.8 KiB at Sq = 16384),
+otherwise independent of the sequence lengths. PSUM: the dK and dV accumulators (one bank each,
+two each for D in (128, 256]) plus two banks of the current half step (S and dP, or dS^T and
+dQ; the Q/dO transposes take one before S exists): 4 banks at D <= 128, at most 8 at D = 256.
 
 Shapes (HBM; the launcher prepares the transposed copies, layout glue): q, out, dout
 (B, Hq, Sq, D); q_t, dout_t (B, Hq, D, Sq); k (B, Hkv, Sk, D); k_t, v_t (B, Hkv, D, Sk);
@@ -208,35 +209,44 @@ def _dscores(dp_psum, p_sb, tsq_sb, stat, qn, kn, mm_dtype):
     return ds_sb
 
 
-def _tile_step(q_grp, kv, stats_sb, slot, t, qn, tile_masked, k0, kn, first, cfg):
-    """All work of one (query tile, key tile) pair; ``scale * dQ_part`` lands in the dQ group
-    accumulator slot (stored when ``first``, added otherwise). See the module docstring."""
-    qT_sb, doT_sb, q_sb, do_sb, dq_grp = q_grp
-    k_sb, kT_sb, vT_sb, dk_psum, dv_psum, started = kv
+def _scores_step(loaded, kv, stats_sb, slot, t, qn, tile_masked, k0, kn, cfg):
+    """First half of a (query tile, key tile) pair: Q, dO rows, S, dP, P and dS.
+    Returns what :func:`_grads_step` needs."""
+    qT_sb, doT_sb, _ = loaded
+    _, kT_sb, vT_sb, _, _, _ = kv
     pmax = nl.tile_size.pmax
     kw = tiles.key_tile_width()
     d = cfg.head_dim
-    q0 = t * pmax
-    mm_dtype = q_sb.dtype
-    chunks = tiles.head_dim_chunks(d)
-    blocks = tiles.key_blocks(kn)
-    stat = stats_sb[:, t, :]
     cols = slot * pmax
-
+    stat = stats_sb[:, t, :]
+    q_sb = _natural(qT_sb, cols, qn, d, nisa.engine.scalar)
+    do_sb = _natural(doT_sb, cols, qn, d, nisa.engine.scalar)
     s_psum = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.psum)
     dp_psum = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.psum)
-    for ch, (d0, dc) in enumerate(chunks):
+    for ch, (d0, dc) in enumerate(tiles.head_dim_chunks(d)):
         nisa.nc_matmul(dst=s_psum[:qn, :kn], stationary=qT_sb[:dc, ch, cols:cols + qn],
                        moving=kT_sb[:dc, ch, :kn], accumulate=ch > 0)
-    for ch, (d0, dc) in enumerate(chunks):
+    for ch, (d0, dc) in enumerate(tiles.head_dim_chunks(d)):
         nisa.nc_matmul(dst=dp_psum[:qn, :kn], stationary=doT_sb[:dc, ch, cols:cols + qn],
                        moving=vT_sb[:dc, ch, :kn], accumulate=ch > 0)
-    p_sb, tsq_sb = _probs(s_psum, stat, q0, k0, qn, kn, tile_masked, cfg, mm_dtype)
-    ds_sb = _dscores(dp_psum, p_sb, tsq_sb, stat, qn, kn, mm_dtype)
+    p_sb, tsq_sb = _probs(s_psum, stat, t * pmax, k0, qn, kn, tile_masked, cfg, q_sb.dtype)
+    ds_sb = _dscores(dp_psum, p_sb, tsq_sb, stat, qn, kn, q_sb.dtype)
+    return q_sb, do_sb, p_sb, ds_sb
 
+
+def _grads_step(scores, loaded, kv, slot, t, qn, k0, kn, first, cfg):
+    """Second half: dV += P^T dO, dK += dS^T Q, dS^T, dQ_part = dS K; ``scale * dQ_part`` lands in
+    the dQ group accumulator slot (stored on the tile's first key tile, added otherwise)."""
+    q_sb, do_sb, p_sb, ds_sb = scores
+    dq_grp = loaded[2]
+    k_sb, _, _, dk_psum, dv_psum, started = kv
+    pmax = nl.tile_size.pmax
+    d = cfg.head_dim
+    blocks = tiles.key_blocks(kn)
+    mm_dtype = q_sb.dtype
     # 128-key blocks some query of the tile sees (never empty for a planned tile: the visible keys
     # of consecutive rows form one interval); the others skip the dV/dK/dQ matmuls
-    seen = [c for c, (s0, sn) in enumerate(blocks) if cfg.mask.tile_visible(q0, qn, k0 + s0, sn)]
+    seen = [c for c, (s0, sn) in enumerate(blocks) if cfg.mask.tile_visible(t * pmax, qn, k0 + s0, sn)]
     seen = seen or list(range(len(blocks)))
     dsT_psum = nl.ndarray((pmax, len(blocks), pmax), dtype=mm_dtype, buffer=nl.psum)
     dsT_sb = nl.ndarray((pmax, len(blocks), pmax), dtype=mm_dtype, buffer=nl.sbuf)
@@ -352,25 +362,31 @@ def _load_group(ins, b, h, gid, group, k0, plans, cfg):
 
 
 def _compute_group(ins, loaded, kv, stats_sb, b, h, gid, group, k0, kn, plans, cfg):
-    """All visits of one query group to the key tile ``k0``; dq of tiles whose last key tile this
-    is goes out in the output dtype, the other accumulators back to the fp32 scratch."""
+    """All visits of one query group to the key tile ``k0``, software-pipelined: the scores half
+    of tile i+1 is issued before the gradients half of tile i, so TensorE computes S, dP of the
+    next tile while ScalarE/VectorE finish P and dS. dq of tiles whose last key tile this is goes
+    out in the output dtype; the other accumulators go back to the fp32 scratch."""
     dout, dout_t, q, q_t, dq, dq_acc = ins
-    qT_sb, doT_sb, dq_grp = loaded
+    dq_grp = loaded[2]
     pmax = nl.tile_size.pmax
-    d = cfg.head_dim
     q_tiles = tiles.query_tiles(q.shape[2])
     slots, first, last, partial = _group_flags(group, gid, k0, plans, len(q_tiles), q_tiles[-1][1])
-    for i, (t, tile_masked) in enumerate(group):
-        slot = slots[i]
-        qn = q_tiles[t][1]
-        q_sb = _natural(qT_sb, slot * pmax, qn, d, nisa.engine.scalar)
-        do_sb = _natural(doT_sb, slot * pmax, qn, d, nisa.engine.scalar)
-        _tile_step((qT_sb, doT_sb, q_sb, do_sb, dq_grp), kv, stats_sb, slot, t, qn, tile_masked, k0, kn,
-                   first[i], cfg)
-        if last[i]:
-            dq_sb = nl.ndarray((pmax, d), dtype=dq.dtype, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=dq_sb[:qn, :], src=dq_grp[:qn, slot, :], engine=nisa.engine.scalar)
-            nisa.dma_copy(dst=dq[b, h, t * pmax:t * pmax + qn, :], src=dq_sb[:qn, :])
+    pending = None
+    for i in range(len(group) + 1):
+        current = None
+        if i < len(group):
+            t, tile_masked = group[i]
+            scores = _scores_step(loaded, kv, stats_sb, slots[i], t, q_tiles[t][1], tile_masked, k0, kn, cfg)
+            current = (i, scores)
+        if pending is not None:
+            j, scores = pending
+            t, qn = group[j][0], q_tiles[group[j][0]][1]
+            _grads_step(scores, loaded, kv, slots[j], t, qn, k0, kn, first[j], cfg)
+            if last[j]:
+                dq_sb = nl.ndarray((pmax, cfg.head_dim), dtype=dq.dtype, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=dq_sb[:qn, :], src=dq_grp[:qn, slots[j], :], engine=nisa.engine.scalar)
+                nisa.dma_copy(dst=dq[b, h, t * pmax:t * pmax + qn, :], src=dq_sb[:qn, :])
+        pending = current
     stores = _runs([s for s, f in zip(slots, last) if not f], partial)
     _move_dq(dq_grp, dq_acc, b, h, gid, stores, q_tiles, False)
 
