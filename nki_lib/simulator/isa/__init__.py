@@ -11,7 +11,7 @@ from .gpsimd import affine_select, iota, local_gather, nonzero_with_count, tenso
 from .scalar import activation, activation_reduce
 from .sync import (core_barrier, get_nc_sub_version, get_nc_version, register_alloc, register_load, register_move,
                    register_store, sendrecv)
-from .pe import nc_matmul, nc_matmul_mx, nc_transpose, quantize_mx
+from .pe import nc_matmul, nc_transpose
 from .vector import (max8, memset, nc_find_index8, nc_stream_shuffle, range_select, reciprocal,
                      scalar_tensor_tensor, tensor_copy, tensor_copy_predicated, tensor_reduce, tensor_scalar,
                      tensor_scalar_reduce, tensor_tensor)
@@ -20,5 +20,5 @@ from ..tensor import VirtualRegister
 
 import importlib.util as _ilu
 
-if _ilu.find_spec(__name__ + ".extra") is not None:  # rarely used instructions, maintained separately
+if _ilu.find_spec(__name__ + ".extra") is not None:  # rarely used + MX instructions, maintained separately
     from .extra import *  # noqa: F401,F403

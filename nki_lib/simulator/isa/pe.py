@@ -16,7 +16,7 @@ from ..tensor import NkiTensor
 from ._common import INSTRUCTION, begin, engine_name, onchip, read_f32, read_raw
 from .constants import matmul_perf_mode as _perf_mode
 
-__all__ = ["nc_matmul", "nc_transpose", "quantize_mx", "nc_matmul_mx"]
+__all__ = ["nc_matmul", "nc_transpose"]
 
 _MM_INPUTS = ("float8_e4m3", "float8_e5m2", "bfloat16", "float16", "tfloat32", "float32")
 _FP8 = ("float8_e4m3", "float8_e5m2", "float8_e4m3fn")
@@ -159,16 +159,3 @@ def nc_transpose(dst, data, engine=None, name=None):
     c.record(eng, (data,), (dst,), (f, p), dst._dtype, f * p, f * p * dst.itemsize,
              {"K": p, "M": f, "N": p, "accumulate": False, "is_transpose": True} if eng == "tensor" else {})
     return INSTRUCTION
-
-
-def quantize_mx(dst, src, dst_scale, name=None):
-    """MX quantization (NC-v4): not implemented by this simulator."""
-    begin("quantize_mx")
-    raise NotImplementedError("nisa.quantize_mx (MX fp8 quantization) is not implemented by nki_lib.simulator")
-
-
-def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_position=None, tile_size=None,
-                 accumulate=None, name=None):
-    """MX matmul (NC-v4): not implemented by this simulator."""
-    begin("nc_matmul_mx")
-    raise NotImplementedError("nisa.nc_matmul_mx (MX matmul) is not implemented by nki_lib.simulator")
