@@ -176,26 +176,36 @@ def _qk(q_tiles, k_tiles, qn, kn):
     return s_psum
 
 
-def _evict_scores(s_psum, scale, softcap, bounds, k0, masked):
-    """Final scores (qn, kn) fp32 in SBUF (scaled, capped, masked on partial tiles only) and
-    their row max (qn, 1). Unmasked: one VectorE tensor_scalar_reduce (evict + scale + max)."""
-    qn, kn = s_psum.shape
-    s_sb = nl.ndarray((qn, kn), dtype=nl.float32, buffer=nl.sbuf)
-    rowmax = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if softcap > 0:
-        nisa.activation(dst=s_sb, op=nl.tanh, data=s_psum, scale=scale / softcap)
-        src, factor = s_sb, softcap
-    else:
-        src, factor = s_psum, scale
-    if masked:
+def _section_scores(s_psums, sub_tiles, s0, scale, softcap, bounds):
+    """Final scores (qn, slen) fp32 in SBUF of a key section and their row max (qn, 1).
+
+    One evict per score tile (``sub_tiles`` = ``((k0, kn, masked), ...)``, its PSUM in
+    ``s_psums``): scaled, capped, masked on partial tiles only, each giving a partial row max;
+    unmasked tiles take one VectorE tensor_scalar_reduce (evict + scale + max)."""
+    qn = s_psums[0].shape[0]
+    slen = sub_tiles[-1][0] + sub_tiles[-1][1] - s0
+    s_sb = nl.ndarray((qn, slen), dtype=nl.float32, buffer=nl.sbuf)
+    partial_max = nl.ndarray((qn, len(sub_tiles)), dtype=nl.float32, buffer=nl.sbuf)
+    for i, (k0, kn, masked) in enumerate(sub_tiles):
+        s_tile = s_sb[:, k0 - s0:k0 - s0 + kn]
+        tile_max = partial_max[:, i:i + 1]
+        src, factor = s_psums[i], scale
         if softcap > 0:
-            nisa.tensor_scalar(dst=s_sb, data=src, op0=nl.multiply, operand0=factor)
+            nisa.activation(dst=s_tile, op=nl.tanh, data=src, scale=scale / softcap)
+            src, factor = s_tile, softcap
+        if masked:
+            if softcap > 0:
+                nisa.tensor_scalar(dst=s_tile, data=src, op0=nl.multiply, operand0=factor)
+            else:
+                nisa.activation(dst=s_tile, op=nl.copy, data=src, scale=factor)
+            mask_scores(s_tile, bounds[0], bounds[1], k0, tile_max)
         else:
-            nisa.activation(dst=s_sb, op=nl.copy, data=src, scale=factor)
-        mask_scores(s_sb, bounds[0], bounds[1], k0, rowmax)
-    else:
-        nisa.tensor_scalar_reduce(dst=s_sb, data=src, op0=nl.multiply, operand0=factor,
-                                  reduce_op=nl.maximum, reduce_res=rowmax)
+            nisa.tensor_scalar_reduce(dst=s_tile, data=src, op0=nl.multiply, operand0=factor,
+                                      reduce_op=nl.maximum, reduce_res=tile_max)
+    if len(sub_tiles) == 1:
+        return s_sb, partial_max
+    rowmax = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=partial_max, axis=1)
     return s_sb, rowmax
 
 
@@ -217,29 +227,42 @@ def _softmax_step(state, s_sb, rowmax, p_dtype):
 
 
 def _transpose_p(p_sb):
-    """P^T (128, blocks, qn) in PSUM: one TensorE transpose per 128-key block of P (qn, kn),
-    taking the block's key columns (:func:`_block_keys`)."""
-    qn, kn = p_sb.shape
+    """P^T in PSUM: one TensorE transpose per 128-key block of P (qn, slen), taking the block's
+    key columns (:func:`_block_keys`); blocks are grouped into PSUM tiles of one bank each.
+    Returns ``((first block, pt_psum (128, blocks, qn)), ...)``."""
+    qn, slen = p_sb.shape
     pmax = nl.tile_size.pmax
-    blocks = key_blocks(kn)
-    n_full = kn // pmax
-    pt_psum = nl.ndarray((pmax, len(blocks), qn), dtype=p_sb.dtype, buffer=nl.psum)
-    for j, (_, bn) in enumerate(blocks):
-        nisa.nc_transpose(dst=pt_psum[0:bn, j, :], data=_block_keys(p_sb, j, n_full),
-                          engine=nisa.engine.tensor)
-    return pt_psum
+    blocks = key_blocks(slen)
+    n_full = slen // pmax
+    p_bytes = _FP32_BYTES if p_sb.dtype == nl.float32 else _HALF_BYTES
+    per_bank = max(1, nl.tile_size.psum_fmax * _FP32_BYTES // (pmax * p_bytes))
+    pt_tiles = []
+    for j0 in range(0, len(blocks), per_bank):
+        nb = min(per_bank, len(blocks) - j0)
+        pt_psum = nl.ndarray((pmax, nb, qn), dtype=p_sb.dtype, buffer=nl.psum)
+        for j in range(j0, j0 + nb):
+            nisa.nc_transpose(dst=pt_psum[0:blocks[j][1], j - j0, :],
+                              data=_block_keys(p_sb, j, n_full), engine=nisa.engine.tensor)
+        pt_tiles.append((j0, pt_psum))
+    return pt_tiles
 
 
-def _evict_pt(pt_psum, kn):
-    """P^T to SBUF (ScalarE; the remainder block only its bn rows)."""
-    pmax, n_blocks, qn = pt_psum.shape
-    n_full = kn // pmax
-    pt_sb = nl.ndarray((pmax, n_blocks, qn), dtype=pt_psum.dtype, buffer=nl.sbuf)
-    if n_full > 0:
-        nisa.activation(dst=pt_sb[:, 0:n_full, :], op=nl.copy, data=pt_psum[:, 0:n_full, :])
-    if n_full < n_blocks:
-        bn = kn - n_full * pmax
-        nisa.activation(dst=pt_sb[0:bn, n_full, :], op=nl.copy, data=pt_psum[0:bn, n_full, :])
+def _evict_pt(pt_tiles, slen):
+    """P^T to SBUF (128, blocks, qn) on ScalarE, one instruction per PSUM tile (the remainder
+    block only its rows)."""
+    pmax = nl.tile_size.pmax
+    n_blocks = len(key_blocks(slen))
+    n_full = slen // pmax
+    qn = pt_tiles[0][1].shape[2]
+    pt_sb = nl.ndarray((pmax, n_blocks, qn), dtype=pt_tiles[0][1].dtype, buffer=nl.sbuf)
+    for j0, pt_psum in pt_tiles:
+        full = min(n_full, j0 + pt_psum.shape[1]) - j0
+        if full > 0:
+            nisa.activation(dst=pt_sb[:, j0:j0 + full, :], op=nl.copy, data=pt_psum[:, 0:full, :])
+        if full < pt_psum.shape[1]:
+            bn = slen - n_full * pmax
+            nisa.activation(dst=pt_sb[0:bn, n_full, :], op=nl.copy,
+                            data=pt_psum[0:bn, n_full - j0, :])
     return pt_sb
 
 
@@ -324,13 +347,13 @@ def _plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys):
                     heads = tuple(hk * group + g for g in range(g0, min(group, g0 + n_pass)))
                     groups.append(_Group(b=b, hk=hk, q0=q0, qn=qn, heads=heads, plan=plan,
                                          sections=_key_sections(plan, section_keys), q_tiles=None,
-                                         states=None, bounds=None, kv=None, k_sections=None))
+                                         states=None, bounds=None, kv=None))
     return groups
 
 
 def _key_sections(plan, max_keys):
-    """Key sections of a plan: runs of consecutive tiles (adjacent keys, at most ``max_keys``)
-    whose K^T is loaded by one DMA. Returns ``((first tile, last tile), ...)``."""
+    """Key sections of a plan: runs of consecutive visible tiles (adjacent keys, at most
+    ``max_keys``), the unit of one step. Returns ``((first tile, last tile), ...)``."""
     sections = []
     for ti in range(len(plan)):
         if len(sections) > 0:
@@ -346,7 +369,7 @@ def _key_sections(plan, max_keys):
 def _program_share(groups, n_prog, pid):
     """The contiguous run of groups program ``pid`` of ``n_prog`` (LNC2: one per NeuronCore)
     serves, cut so that every program gets about the same number of steps (causal rows differ)."""
-    work = [max(1, len(grp.plan) * len(grp.heads)) for grp in groups]
+    work = [max(1, len(grp.plan) * len(grp.heads)) for grp in groups]   # score tiles
     total = sum(work)
     lo, hi, done = 0, 0, 0
     for i in range(len(groups)):
@@ -359,43 +382,41 @@ def _program_share(groups, n_prog, pid):
 
 
 def _plan_steps(groups):
-    """Program order of the work: ``(group, key tile, head)`` per step; a group with no visible
-    key tile gets one step ``(group, -1, -1)`` (it only initialises and stores)."""
+    """Program order of the work: ``(group, key section, head)`` per step; a group with no
+    visible key tile gets one step ``(group, -1, -1)`` (it only initialises and stores)."""
     steps = []
     for gi, grp in enumerate(groups):
-        if len(grp.plan) == 0:
+        if len(grp.sections) == 0:
             steps.append((gi, -1, -1))
-        for ti in range(len(grp.plan)):
+        for si in range(len(grp.sections)):
             for hi in range(len(grp.heads)):
-                steps.append((gi, ti, hi))
+                steps.append((gi, si, hi))
     return tuple(steps)
 
 
+def _section_span(grp, si):
+    """(first key, number of keys, its score tiles) of key section si of a group."""
+    first, last = grp.sections[si]
+    s0 = grp.plan[first][0]
+    return s0, grp.plan[last][0] + grp.plan[last][1] - s0, grp.plan[first:last + 1]
+
+
 def _prefetch(ctx, groups, steps, s):
-    """Issue the loads step s needs (group open: q^T, state init, bounds; its K/V tile), once."""
+    """Issue the loads step s needs (group open: q^T, state init, bounds; its K/V section)."""
     if s >= len(steps):
         return
-    gi, ti, _ = steps[s]
+    gi, si, _ = steps[s]
     grp = groups[gi]
     if grp.states is None:
         grp.q_tiles = [_load_q(ctx.q_t, grp.b, h, grp.q0, grp.qn, ctx.chunks) for h in grp.heads]
         grp.states = [_init_state(ctx.sinks, h, grp.qn, ctx.d, ctx.has_sinks) for h in grp.heads]
-        grp.kv = [None] * len(grp.plan)
-        grp.k_sections = [None] * len(grp.sections)
+        grp.kv = [None] * len(grp.sections)
         if any(masked for _, _, masked in grp.plan):
             grp.bounds = row_bounds(ctx.mask, grp.q0, grp.qn, ctx.doc_lo, ctx.doc_hi)
-    if ti >= 0 and grp.kv[ti] is None:
-        k0, kn, _ = grp.plan[ti]
-        si = next(i for i, (first, last) in enumerate(grp.sections) if first <= ti <= last)
-        first, last = grp.sections[si]
-        s0 = grp.plan[first][0]
-        if grp.k_sections[si] is None:
-            slen = grp.plan[last][0] + grp.plan[last][1] - s0
-            grp.k_sections[si] = _load_k_section(ctx.k_t, grp.b, grp.hk, s0, slen, ctx.chunks)
-        k_views = [k_sb[:, k0 - s0:k0 - s0 + kn] for k_sb in grp.k_sections[si]]
-        if ti == last:
-            grp.k_sections[si] = None
-        grp.kv[ti] = (k_views, _load_v(ctx.v, grp.b, grp.hk, k0, kn))
+    if si >= 0 and grp.kv[si] is None:
+        s0, slen, _ = _section_span(grp, si)
+        grp.kv[si] = (_load_k_section(ctx.k_t, grp.b, grp.hk, s0, slen, ctx.chunks),
+                      _load_v(ctx.v, grp.b, grp.hk, s0, slen))
 
 
 class _Work(nl.NKIObject):
@@ -408,22 +429,26 @@ def _real(steps, s):
 
 
 def _stage_qk(groups, steps, work, s):
-    """A1: raw scores of step s in PSUM [PE]."""
+    """A1: raw scores of step s in PSUM, one bank per score tile [PE]."""
     if _real(steps, s):
-        gi, ti, hi = steps[s]
+        gi, si, hi = steps[s]
         grp = groups[gi]
-        work[s] = _Work(s_psum=_qk(grp.q_tiles[hi], grp.kv[ti][0], grp.qn, grp.plan[ti][1]))
+        s0, _, sub_tiles = _section_span(grp, si)
+        k_tiles = grp.kv[si][0]
+        s_psums = [_qk(grp.q_tiles[hi], [k_sb[:, k0 - s0:k0 - s0 + kn] for k_sb in k_tiles],
+                       grp.qn, kn) for k0, kn, _ in sub_tiles]
+        work[s] = _Work(s_psums=s_psums)
 
 
 def _stage_scores(groups, steps, work, s, scale, softcap):
     """A2: final scores of step s in SBUF and their row max [DVE/ACT]."""
     if _real(steps, s):
-        gi, ti, _ = steps[s]
+        gi, si, _ = steps[s]
         grp = groups[gi]
-        k0, _, masked = grp.plan[ti]
+        s0, _, sub_tiles = _section_span(grp, si)
         w = work[s]
-        w.s_sb, w.rowmax = _evict_scores(w.s_psum, scale, softcap, grp.bounds, k0, masked)
-        w.s_psum = None
+        w.s_sb, w.rowmax = _section_scores(w.s_psums, sub_tiles, s0, scale, softcap, grp.bounds)
+        w.s_psums = None
 
 
 def _stage_softmax(groups, steps, work, s, p_dtype):
@@ -447,22 +472,22 @@ def _stage_transpose(steps, work, s):
 def _stage_evict_pt(groups, steps, work, s):
     """B2b: P^T of step s to SBUF [ACT]."""
     if _real(steps, s):
-        gi, ti, _ = steps[s]
+        gi, si, _ = steps[s]
         w = work[s]
-        w.pt_sb = _evict_pt(w.pt_psum, groups[gi].plan[ti][1])
+        w.pt_sb = _evict_pt(w.pt_psum, _section_span(groups[gi], si)[1])
         w.pt_psum = None
 
 
 def _stage_pv(groups, steps, work, s):
     """B2c: O = P @ V of step s [PE]; drops the K/V tile after the group's last head."""
     if _real(steps, s):
-        gi, ti, hi = steps[s]
+        gi, si, hi = steps[s]
         grp = groups[gi]
         w = work[s]
-        w.o_psum = _p_times_v(w.pt_sb, grp.kv[ti][1], grp.plan[ti][1])
+        w.o_psum = _p_times_v(w.pt_sb, grp.kv[si][1], _section_span(grp, si)[1])
         w.pt_sb = None
         if hi == len(grp.heads) - 1:
-            grp.kv[ti] = None
+            grp.kv[si] = None
 
 
 def _stage_acc(groups, steps, work, s, out, pending_lse):
@@ -470,9 +495,9 @@ def _stage_acc(groups, steps, work, s, out, pending_lse):
     after its last step."""
     if s < 0 or s >= len(steps):
         return
-    gi, ti, hi = steps[s]
+    gi, si, hi = steps[s]
     grp = groups[gi]
-    if ti >= 0:
+    if si >= 0:
         w = work[s]
         state = grp.states[hi]
         nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=w.alpha,
@@ -480,7 +505,7 @@ def _stage_acc(groups, steps, work, s, out, pending_lse):
         nisa.scalar_tensor_tensor(dst=state.acc, data=state.acc, op0=nl.multiply,
                                   operand0=w.alpha, op1=nl.add, operand1=w.o_psum)
         work[s] = None
-    if ti == len(grp.plan) - 1 and (ti < 0 or hi == len(grp.heads) - 1):
+    if si == len(grp.sections) - 1 and (si < 0 or hi == len(grp.heads) - 1):
         _close_group(grp, out, pending_lse)
 
 
@@ -489,7 +514,7 @@ def _close_group(grp, out, pending_lse):
     for i in range(len(grp.heads)):
         _store_out(grp.states[i], out, grp.b, grp.heads[i], grp.q0)
         pending_lse.append((grp.states[i], grp.b, grp.heads[i], grp.q0))
-    grp.q_tiles, grp.states, grp.bounds, grp.kv, grp.k_sections = None, None, None, None, None
+    grp.q_tiles, grp.states, grp.bounds, grp.kv = None, None, None, None
 
 
 @nki.jit
