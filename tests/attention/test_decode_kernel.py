@@ -156,3 +156,18 @@ def test_unsupported_block_size_is_visible():
     with nki_lib.use_backend("simulator"):
         SPEC.op(*sample.args, **sample.kwargs)
     assert "block_size" in str(nki_lib.coverage())
+
+
+def test_nan_and_inf_propagate_like_the_reference():
+    sample = make_sample(2, 4, 2, 2, 16, [40, 9], torch.float32, block_size=8, capacity_=48, sinks=True)
+    q, k, v, seqlens, table, sinks = sample.args
+    q, v = q.clone(), v.clone()
+    q[0, 1, 0, 3] = float("nan")
+    v[int(table[1, 0]), 0, 2, 5] = float("inf")
+    outs = {}
+    for path in ("reference", "simulator"):
+        with nki_lib.use_backend(path), nki_lib.strict():
+            outs[path] = torch.ops.nki.decode_attention(q, k, v, seqlens, table, sinks)
+    for ref, got in zip(outs["reference"], outs["simulator"]):
+        assert torch.isnan(ref).any() or torch.isinf(ref).any()
+        assert torch.equal(torch.isnan(ref), torch.isnan(got)) and torch.equal(torch.isinf(ref), torch.isinf(got))
