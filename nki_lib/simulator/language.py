@@ -108,7 +108,8 @@ def ndarray(shape, dtype, buffer=None, name="", address=None):
     if kind == "shared_hbm":
         storage = _shared(prog, shape, dt, name)
     else:
-        storage = Storage(prog.run.next_id(), kind, dt, shape, name, address=address)
+        physical = prog.physical(kind) if address is not None else None
+        storage = Storage(prog.run.next_id(), kind, dt, shape, name, address=address, physical=physical)
         if kind in ONCHIP:
             problem = prog.tracker.request(storage)
             if problem:

@@ -1,8 +1,11 @@
 """Storage (one allocation) and per-program SBUF/PSUM capacity tracking.
 
 Storage is a flat byte buffer. On-chip (SBUF/PSUM) storage is partition-major: ``nparts``
-partitions of ``bpp`` bytes each, so flat element ``e`` of any dtype lives at byte ``e * itemsize``
-and partition ``e // (bpp // itemsize)``.
+partitions of ``bpp`` bytes each, so flat element ``e`` of any dtype lives in partition
+``e // (bpp // itemsize)``. Automatically placed tiles own their buffer (row stride ``bpp``);
+tiles placed with ``address=`` are windows onto the program's physical SBUF/PSUM (row stride = the
+partition size), so overlapping placements alias like on hardware and a fresh placement reads whatever
+an earlier tile left there (physical memory starts as all-ones bytes: NaN for every float dtype).
 
 Liveness rule: an SBUF/PSUM allocation is live from ``nl.ndarray`` until its storage is garbage
 collected (the last view referencing it is dropped; CPython frees it at once) or the kernel ends.
@@ -36,9 +39,10 @@ class Storage:
     """One allocation: a byte buffer plus placement metadata."""
 
     __slots__ = ("id", "kind", "nbytes", "bpp", "nparts", "buf", "mm_mask", "name", "pstart",
-                 "bstart", "manual", "alloc_dtype", "alloc_shape", "_typed", "__weakref__")
+                 "bstart", "manual", "row_bytes", "base", "alloc_dtype", "alloc_shape", "_typed", "__weakref__")
 
-    def __init__(self, sid, kind, alloc_dtype: NkiDType, alloc_shape, name="", buf=None, address=None):
+    def __init__(self, sid, kind, alloc_dtype: NkiDType, alloc_shape, name="", buf=None, address=None,
+                 physical=None):
         self.id = sid
         self.kind = kind
         self.name = name
@@ -56,6 +60,12 @@ class Storage:
         self.manual = address is not None
         self.pstart, self.bstart = (0, 0) if address is None else address
         self._typed = {}
+        self.row_bytes, self.base = self.bpp, 0
+        if physical is not None:                   # window onto the program's physical memory
+            buf, self.mm_mask, self.row_bytes = physical
+            self.base = self.pstart * self.row_bytes + self.bstart
+            self.buf = buf
+            return
         if buf is None:
             buf = np.empty(self.nbytes, dtype=np.uint8)
             self._fill_sentinel(buf)

@@ -97,8 +97,19 @@ class Program:
         self.n_instr = 0
         self.opcode = "kernel"
         self.shared_seq = 0
+        self.physical_mem = {}
         self.scalar_acc = np.zeros(run.spec.pmax, dtype=np.float32)
         self.vector_acc = np.zeros(run.spec.pmax, dtype=np.float32)
+
+    def physical(self, kind: str):
+        """(bytes, matmul mask or None, partition size) of this program's physical SBUF or PSUM."""
+        mem = self.physical_mem.get(kind)
+        if mem is None:
+            row = self.spec.sbuf_usable_bytes if kind == "sbuf" else self.spec.psum_partition_bytes
+            data = np.full(self.spec.pmax * row, 0xFF, dtype=np.uint8)
+            mask = np.zeros(self.spec.pmax * row, dtype=np.uint8) if kind == "psum" else None
+            mem = self.physical_mem[kind] = (data, mask, row)
+        return mem
 
     def begin(self, opcode: str) -> "Program":
         self.opcode = opcode

@@ -192,10 +192,20 @@ class NkiTensor:
                 _fail(op, operand or self._name, f"access pattern out of bounds (elements "
                                                  f"[{offset + lo}, {offset + hi}] of {n})")
 
-    def _strided(self, offset):
+    def _layout(self, offset):
+        """(byte offset, byte strides) of this view in its storage's buffer."""
+        st = self._st
         isz = self._dtype.itemsize
-        return np.ndarray(self._shape, dtype=self._dtype.np, buffer=self._st.buf, offset=offset * isz,
-                          strides=tuple(s * isz for s in self._strides))
+        if st.row_bytes == st.bpp:
+            return offset * isz, tuple(s * isz for s in self._strides)
+        p0, f0 = divmod(offset, st.bpp // isz)         # physical window: rows are row_bytes apart
+        return (st.base + p0 * st.row_bytes + f0 * isz,
+                (st.row_bytes,) + tuple(s * isz for s in self._strides[1:]))
+
+    def _strided(self, offset):
+        byte_off, byte_strides = self._layout(offset)
+        return np.ndarray(self._shape, dtype=self._dtype.np, buffer=self._st.buf, offset=byte_off,
+                          strides=byte_strides)
 
     def _np(self):
         """Static NumPy view of this tensor (cached)."""
@@ -281,9 +291,9 @@ class NkiTensor:
         self._st.typed(self._dtype)[payload[rows]] = values[rows]
 
     def _mask_view(self, offset):
-        isz = self._dtype.itemsize
-        return np.ndarray(self._shape, dtype=np.uint8, buffer=self._st.mm_mask, offset=offset * isz,
-                          strides=tuple(s * isz for s in self._strides))
+        byte_off, byte_strides = self._layout(offset)
+        return np.ndarray(self._shape, dtype=np.uint8, buffer=self._st.mm_mask, offset=byte_off,
+                          strides=byte_strides)
 
     def _access(self) -> Access:
         acc = self._acc

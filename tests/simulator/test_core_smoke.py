@@ -318,3 +318,25 @@ def test_rearrange_splits_permutes_and_merges():
 
     x = np.arange(24, dtype=np.float32).reshape(2, 12)
     np.testing.assert_array_equal(simulate(rearranged)(x), x.reshape(2, 3, 4).transpose(0, 2, 1))
+
+
+def test_manual_placements_alias_physical_memory():
+    @jit
+    def aliased(x_hbm):
+        a_sb = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf, address=(0, 64))
+        nisa.dma_copy(dst=a_sb, src=x_hbm)
+        # same partitions, 16 bytes further: b's element (p, j) is a's element (p, j + 4)
+        b_sb = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.sbuf, address=(0, 80))
+        # one partition further down, as bf16: high halves of a's row p + 1
+        c_sb = nl.ndarray((2, 16), dtype=nl.bfloat16, buffer=nl.sbuf, address=(1, 64))
+        out_b = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+        out_c = nl.ndarray((2, 16), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out_b, src=b_sb)
+        nisa.dma_copy(dst=out_c, src=c_sb)
+        return out_b, out_c
+
+    x = (np.arange(32, dtype=np.float32) * 1.25).reshape(4, 8)
+    out_b, out_c = simulate(aliased)(x)
+    np.testing.assert_array_equal(out_b, x[:, 4:])
+    np.testing.assert_array_equal(out_c.view(np.uint16), x[1:3].view(np.uint16))
+    assert last_run().peak_sbuf_bytes == 64 + 32
