@@ -88,3 +88,23 @@ def test_extrapolation_plans_are_explicit():
     assert op_cost(train).flops == pytest.approx(3.5 * flops.flash_attention_fwd(1, 2, 1, 64, 64, 64,
                                                                                  causal=True).flops)
     assert math.isfinite(op_cost(moe).flops)
+
+
+def test_cost_of_reads_the_registry_samples():
+    """The Sample -> OpCost adapters match the argument layout of every registered op."""
+    import importlib
+
+    from nki_lib import registry
+
+    for name in ("nki_lib.attention.decode", "nki_lib.moe"):
+        importlib.import_module(name)
+    checked = 0
+    for spec in registry.all_specs():
+        for sample in spec.report_samples():
+            cost = flops.cost_of(spec.name, sample)
+            if cost is None:
+                continue
+            checked += 1
+            assert cost.flops >= 0 and cost.hbm_bytes > 0, (spec.name, sample.label)
+    assert checked > 0
+    assert flops.cost_of("no_such_op", None) is None
