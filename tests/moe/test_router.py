@@ -201,3 +201,17 @@ def test_runs_unchanged_on_trn3():
             check(sample)
     finally:
         simulator.set_target(previous)
+
+
+def test_lnc2_splits_token_tiles(monkeypatch):
+    """NEURON_LOGICAL_NC_CONFIG=2: both kernels launch on two cores (alternate token tiles; the
+    backward adds the cores' dweight partials), same parity, odd tile count and 2 E blocks."""
+    from nki_lib.dispatch import collect_runs
+
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    sample = grid_sample(300, 40, 140, torch.bfloat16, top_k=10, num_groups=4, topk_groups=2, score_func="sigmoid",
+                         seed=1)
+    assert keys_separated(sample)
+    with collect_runs() as runs:
+        check(sample)
+    assert [(op, report.grid) for op, report in runs] == [("moe_router", 2), ("moe_router_backward", 2)]

@@ -18,6 +18,8 @@ Algorithm (api-contract §4, per token tile of <= pmax tokens):
 Loop structure:  for each E row block (pmax): load weight rows, transpose into weight^T
                  broadcast the bias rows once
                  for each token tile (pmax):   load x, transpose, matmul per E chunk, steps 2-5.
+LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two NeuronCores take alternate token tiles (disjoint
+output rows); each builds its own weight^T.
 
 Shapes: x (T, H), weight (E, H), expert_bias (E,) fp32 or None -> logits (T, E) fp32,
 topk_weights (T, k) fp32, topk_ids (T, k) int32. T tokens (any >= 1), H hidden, E experts, k top_k.
@@ -29,6 +31,7 @@ weight^T (H x E) plus one token tile (checked by the launcher against ``sbuf_fma
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
+from nki_lib.attention.kernels.decode_plan import lnc_degree
 from nki_lib.dispatch import Unsupported, call_kernel
 from nki_lib.moe.kernels import router_common as rc
 
@@ -64,7 +67,7 @@ def router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize, nu
         bias_sb = nl.ndarray((pmax, num_experts), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=bias_sb[:tile_rows, :], src=expert_bias.ap([[0, tile_rows], [1, num_experts]], offset=0))
 
-    for ti in range(rc.ceil_div(num_tokens, pmax)):
+    for ti in rc.program_tiles(rc.ceil_div(num_tokens, pmax)):
         t0 = ti * pmax
         rows = min(pmax, num_tokens - t0)
         x_sb = nl.ndarray((pmax, hidden), dtype=x.dtype, buffer=nl.sbuf)
@@ -149,5 +152,5 @@ def router_fwd(x, weight, expert_bias, *, top_k, score_func, renormalize, num_gr
     check_supported(x, weight)
     bias = None if expert_bias is None else expert_bias.contiguous()
     return call_kernel(router_fwd_kernel, x.contiguous(), weight.contiguous(), bias, top_k, score_func,
-                       renormalize, num_groups, topk_groups)
+                       renormalize, num_groups, topk_groups, grid=lnc_degree())
 

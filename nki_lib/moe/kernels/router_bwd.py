@@ -18,6 +18,9 @@ The selection bias and group limit do not enter: ids are given.
 Loop structure:  load weight rows (E blocks of pmax) once; zero the fp32 dweight accumulator
                  for each token tile: steps 1-6
                  store dweight.
+LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two NeuronCores take alternate token tiles; their
+fp32 dweight partials are swapped with ``sendrecv`` per (E block, H chunk) and added (the same sum on
+both cores), and each core stores alternate E blocks.
 
 Shapes: dlogits (T, E) fp32, dtopk_weights (T, k) fp32, x (T, H), weight (E, H),
 logits (T, E) fp32, topk_ids (T, k) int32 -> dx (T, H) x.dtype, dweight (E, H) weight.dtype.
@@ -29,6 +32,7 @@ Limits: SBUF holds weight (E x H) and the fp32 dweight accumulator (E x H) plus 
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
+from nki_lib.attention.kernels.decode_plan import lnc_degree
 from nki_lib.dispatch import Unsupported, call_kernel
 from nki_lib.moe.kernels import router_common as rc
 
@@ -58,7 +62,7 @@ def router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, score
         nisa.memset(dst=dweight_acc[:ec, ei, :], value=0.0)
 
     iota_sb = rc.expert_iota(min(pmax, num_tokens), num_experts)
-    for ti in range(rc.ceil_div(num_tokens, pmax)):
+    for ti in rc.program_tiles(rc.ceil_div(num_tokens, pmax)):
         t0 = ti * pmax
         rows = min(pmax, num_tokens - t0)
         logits_sb = nl.ndarray((pmax, num_experts), dtype=nl.float32, buffer=nl.sbuf)
@@ -148,12 +152,27 @@ def router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, score
                 nisa.tensor_tensor(dst=dweight_acc[:ec, ei, n0:n0 + nc], data1=dweight_acc[:ec, ei, n0:n0 + nc],
                                    data2=dw_psum[:ec, :nc], op=nl.add)
 
+    n_prog, pid = nl.num_programs(axes=0), nl.program_id(axis=0)
     for ei in range(e_tiles):
         e0 = ei * pmax
         ec = min(pmax, num_experts - e0)
-        dw_sb = nl.ndarray((pmax, hidden), dtype=weight.dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=dw_sb[:ec, :], src=dweight_acc[:ec, ei, :])
-        nisa.dma_copy(dst=dweight[e0:e0 + ec, :], src=dw_sb[:ec, :])
+        if n_prog > 1:
+            # LNC2: swap the partial sums with the peer core, H chunk by H chunk, and add
+            # (a + b == b + a bitwise: both cores hold the same total); each core then stores
+            # alternate E blocks
+            n_h_chunks = rc.ceil_div(hidden, n_chunk)
+            for ni in range(n_h_chunks):
+                n0 = ni * n_chunk
+                nc = min(n_chunk, hidden - n0)
+                peer_acc = nl.ndarray((pmax, n_chunk), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.sendrecv(src=dweight_acc[:ec, ei, n0:n0 + nc], dst=peer_acc[:ec, :nc], send_to_rank=1 - pid,
+                              recv_from_rank=1 - pid, pipe_id=ei * n_h_chunks + ni)
+                nisa.tensor_tensor(dst=dweight_acc[:ec, ei, n0:n0 + nc], data1=dweight_acc[:ec, ei, n0:n0 + nc],
+                                   data2=peer_acc[:ec, :nc], op=nl.add)
+        if ei % n_prog == pid:
+            dw_sb = nl.ndarray((pmax, hidden), dtype=weight.dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=dw_sb[:ec, :], src=dweight_acc[:ec, ei, :])
+            nisa.dma_copy(dst=dweight[e0:e0 + ec, :], src=dw_sb[:ec, :])
     return dx, dweight
 
 
@@ -162,6 +181,7 @@ def sbuf_bytes_bwd(hidden: int, num_experts: int, itemsize: int) -> int:
     pmax = nl.tile_size.pmax
     e_tiles = rc.ceil_div(num_experts, pmax)
     resident = e_tiles * hidden * (itemsize + FP32_BYTES)            # weight rows + fp32 dweight
+    resident += nl.tile_size.gemm_moving_fmax * FP32_BYTES           # LNC2 receive chunk
     per_tile = 3 * hidden * itemsize + e_tiles * pmax * itemsize     # x, dx, dweight cast, d^T
     return resident + per_tile + _FP32_TILES_PER_EXPERT * num_experts * FP32_BYTES
 
@@ -184,4 +204,4 @@ def router_bwd(dlogits, dtopk_weights, x, weight, logits, topk_ids, *, score_fun
                           f"{dlogits.dtype} and dtopk_weights {dtopk_weights.dtype}")
     return call_kernel(router_bwd_kernel, dlogits.contiguous(), dtopk_weights.contiguous(), x.contiguous(),
                        weight.contiguous(), logits.contiguous(), topk_ids.contiguous(), score_func,
-                       renormalize)
+                       renormalize, grid=lnc_degree())

@@ -39,6 +39,11 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def program_tiles(n_tiles: int):
+    """The token tiles this program serves: alternate tiles under LNC2, all of them under LNC1."""
+    return range(nl.program_id(axis=0), n_tiles, nl.num_programs(axes=0))
+
+
 def padded_width(n: int) -> int:
     """Width of a tile that max8 can scan holding ``n`` real columns."""
     return max(n, TOPK_WIDTH)
