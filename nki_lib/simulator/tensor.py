@@ -196,7 +196,7 @@ class NkiTensor:
         """(byte offset, byte strides) of this view in its storage's buffer."""
         st = self._st
         isz = self._dtype.itemsize
-        if st.row_bytes == st.bpp:
+        if st.base == 0 and st.row_bytes == st.bpp:
             return offset * isz, tuple(s * isz for s in self._strides)
         p0, f0 = divmod(offset, st.bpp // isz)         # physical window: rows are row_bytes apart
         return (st.base + p0 * st.row_bytes + f0 * isz,
