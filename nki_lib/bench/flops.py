@@ -215,7 +215,13 @@ def _experts_from_sample(sample) -> OpCost:
                            block_size=block_size, dtype=x.dtype)
 
 
+def _plan_from_sample(sample) -> OpCost:
+    ids = sample.args[0]
+    return moe_plan(ids.shape[0], ids.shape[1], sample.kwargs["num_experts"], block_size=sample.kwargs["block_size"])
+
+
 _FROM_SAMPLE = {
+    "moe_plan": _plan_from_sample,
     "flash_attention": _flash_from_sample,
     "decode_attention": _decode_from_sample,
     "moe_router": _router_from_sample,
