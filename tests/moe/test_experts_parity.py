@@ -86,9 +86,12 @@ def test_several_intermediate_chunks():
     check(sample(5, 8, 2 * 256 + 40, 2, 1, 8, torch.float32, "gelu"))
 
 
-def test_narrow_intermediate_chunks(monkeypatch):
-    """The backward's I chunk narrows to pmax when SBUF is short (large H and B); same results."""
-    from nki_lib.moe.kernels import experts_bwd
+def test_narrow_tilings(monkeypatch):
+    """Chunks narrow to pmax and outputs are scattered per chunk when SBUF is short (large H, I,
+    B): the same results through those code paths."""
     from nki_lib._nki import nl
-    monkeypatch.setattr(experts_bwd, "i_chunk_size", lambda *a, **k: nl.tile_size.pmax)
-    check(sample(6, 24, 2 * 128 + 44, 3, 2, 8, torch.bfloat16, "gelu_tanh"))
+    from nki_lib.moe.kernels import experts_bwd, experts_fwd
+    narrow = (nl.tile_size.pmax, nl.tile_size.pmax)
+    monkeypatch.setattr(experts_fwd, "tiling", lambda *a, **k: narrow)
+    monkeypatch.setattr(experts_bwd, "tiling", lambda *a, **k: narrow)
+    check(sample(6, 300, 2 * 128 + 44, 3, 2, 8, torch.bfloat16, "gelu_tanh"))

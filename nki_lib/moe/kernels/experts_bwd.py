@@ -45,9 +45,9 @@ import torch
 from nki_lib._nki import nki, nisa, nl
 from nki_lib.dispatch import call_kernel
 from nki_lib.moe.kernels.experts_fwd import (
-    act_fn, block_flags, block_registers, check_supported, flags_sbuf_bytes, gather_rows,
-    load_all_ids, load_block_inputs, load_expert_cols, load_expert_t, reduce_assignments, scatter_rows, slot_tokens,
-    tail_sbuf_bytes, tiles, transpose_rows)
+    act_fn, block_flags, block_registers, check_supported, choose_tiling, flags_sbuf_bytes,
+    gather_rows, load_all_ids, load_block_inputs, load_expert_cols, load_expert_t, reduce_assignments,
+    WEIGHT_SPAN, scatter_rows, slot_tokens, staged_bytes, tail_sbuf_bytes, tiles, transpose_rows)
 from nki_lib.moe.reference_experts import _GELU_TANH_A, _GELU_TANH_C
 
 ACT_GRAD_FN = {"silu": "silu_dx", "gelu": "gelu_dx"}   # ScalarE derivative functions
@@ -180,27 +180,30 @@ def _chunk_weight_grads(slot_tiles, do_rows, chunk, acc_gu, acc_d, expert_reg, c
                 accumulate_rows(acc_gu, expert_reg, row0 + i0, h0, part_psum)
 
 
-def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots):
-    """dx_slots[a] = dg @ W_gate + du @ W_up per H chunk (contraction over I tiles in PSUM)."""
+def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols):
+    """dx_slots[a] = dg @ W_gate + du @ W_up: per H chunk, contraction over I tiles in PSUM; rows
+    staged ``dx_cols`` wide in SBUF and scattered once per slot tile and group."""
     inter = w_gate_up.shape[1] // 2
     hidden = w_gate_up.shape[2]
     i_tiles = tiles(inter, nl.tile_size.pmax)
-    for h0, hn in tiles(hidden, nl.tile_size.gemm_moving_fmax):
-        dx_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
-        for it, (i0, isz) in enumerate(i_tiles):
-            for grad_t, row0 in ((dg_t, i0), (du_t, inter + i0)):
-                w_sb = load_expert_cols(w_gate_up, expert_reg, [(row0, isz)], h0, hn)
-                for (s0, ps, *_), dx_psum in zip(slot_tiles, dx_psums):
-                    nisa.nc_matmul(dst=dx_psum, stationary=grad_t[:isz, it, s0:s0 + ps], moving=w_sb[:isz, 0, :],
-                                   accumulate=it > 0 or row0 != i0)
-        for (s0, ps, _, asg_sb, _, _), dx_psum in zip(slot_tiles, dx_psums):
-            dx_sb = nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=dx_sb, src=dx_psum)
-            scatter_rows(dx_slots, asg_sb, dx_sb, h0)
+    for g0, gn in tiles(hidden, dx_cols):
+        dx_rows = [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
+        for h0, hn in tiles(gn, nl.tile_size.gemm_moving_fmax):
+            dx_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
+            for it, (i0, isz) in enumerate(i_tiles):
+                for grad_t, row0 in ((dg_t, i0), (du_t, inter + i0)):
+                    w_sb = load_expert_cols(w_gate_up, expert_reg, [(row0, isz)], g0 + h0, hn)
+                    for (s0, ps, *_), dx_psum in zip(slot_tiles, dx_psums):
+                        nisa.nc_matmul(dst=dx_psum, stationary=grad_t[:isz, it, s0:s0 + ps],
+                                       moving=w_sb[:isz, 0, :], accumulate=it > 0 or row0 != i0)
+            for dx_psum, dx_sb in zip(dx_psums, dx_rows):
+                nisa.tensor_copy(dst=dx_sb[:, h0:h0 + hn], src=dx_psum)
+        for (_, _, _, asg_sb, _, _), dx_sb in zip(slot_tiles, dx_rows):
+            scatter_rows(dx_slots, asg_sb, dx_sb, g0)
 
 
 def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
-               i_chunk, acc_gu, acc_d, dx_slots, dtopk):
+               i_chunk, dx_cols, acc_gu, acc_d, dx_slots, dtopk):
     pmax = nl.tile_size.pmax
     hidden = x.shape[1]
     inter = w_down.shape[2]
@@ -233,7 +236,7 @@ def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b
             chunk.append(grads)
         del wg_sb, wu_sb, wd_sb
         _chunk_weight_grads(slot_tiles, do_rows, chunk, acc_gu, acc_d, expert_reg, c0, inter)
-    _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots)
+    _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols)
     for (_, _, _, asg_sb, _, _), dw_acc in zip(slot_tiles, dw_accs):
         scatter_rows(dtopk, asg_sb, dw_acc, 0)
 
@@ -242,7 +245,7 @@ def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b
 
 @nki.jit
 def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up,
-                    w_down, activation, top_k, i_chunk):
+                    w_down, activation, top_k, i_chunk, dx_cols):
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
     dx = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
@@ -261,7 +264,7 @@ def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_
         expert_reg, trips_reg = block_registers(expert_sb, valid_sb, b)
         for _ in nl.dynamic_range(0, trips_reg):
             _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
-                       i_chunk, acc_gu, acc_d, dx_slots, dtopk)
+                       i_chunk, dx_cols, acc_gu, acc_d, dx_slots, dtopk)
     reduce_assignments(dx_slots, dx, top_k)
     cast_out(acc_gu, dw_gate_up)
     cast_out(acc_d, dw_down)
@@ -270,32 +273,30 @@ def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_
 
 # --------------------------------------------------------------------------- launcher
 
-def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, *, top_k, n_blocks):
-    """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` (upper bound)."""
+def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_blocks):
+    """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` and dx staging
+    width ``dx_cols`` (upper bound)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
     slot_tiles = st * (3 * hidden * itemsize + 4 * 4)            # x, dy, do rows; ids, weight, d weight
     resident = (2 * ht + 2 * it) * block * itemsize             # xT, dyT, dgT, duT
-    streamed = 3 * ht * i_chunk * itemsize + 2 * hidden * itemsize   # W_gate^T, W_up^T, W_down columns; staging
+    staging = 2 * min(hidden, WEIGHT_SPAN) * itemsize                # natural W rows before transposes
+    streamed = 3 * ht * i_chunk * itemsize + staging                 # W_gate^T, W_up^T, W_down columns
     chunk = st * 3 * i_chunk * itemsize + 2 * _FP32_TEMPS * i_chunk * 4   # h, dg, du; fp32 temporaries
-    tiles_ = 2 * fmax * 4 + 2 * (fmax * itemsize + fmax * 4)      # RMW tile, dx tiles (x2 gen.)
-    body = slot_tiles + resident + streamed + chunk + tiles_
+    tails = 2 * fmax * 4 + 2 * fmax * itemsize + staged_bytes(dx_cols, hidden, st)   # RMW, W rows, dx rows
+    body = slot_tiles + resident + streamed + chunk + tails
     return flags_sbuf_bytes(n_blocks, block) + fmax * 4 + max(body, tail_sbuf_bytes(top_k, itemsize))
 
 
-def i_chunk_size(hidden, inter, block, itemsize, **counts):
-    """Widest I chunk (moving free size: gemm_moving_fmax, halved down to pmax) that fits SBUF."""
-    pmax, chunk = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
-    while chunk > pmax and (sbuf_bytes_at(hidden, inter, block, itemsize, chunk, **counts)
-                            > nl.tile_size.total_available_sbuf_size):
-        chunk //= 2
-    return chunk
+def tiling(hidden, inter, block, itemsize, **counts):
+    """(i_chunk, dx_cols) of the backward kernel for this shape."""
+    return choose_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, **counts)
 
 
 def sbuf_bytes(hidden, inter, block, itemsize, **counts):
-    """Peak SBUF bytes per partition at the chosen I chunk."""
-    chunk = i_chunk_size(hidden, inter, block, itemsize, **counts)
-    return sbuf_bytes_at(hidden, inter, block, itemsize, chunk, **counts)
+    """Peak SBUF bytes per partition at the chosen tiling."""
+    return sbuf_bytes_at(hidden, inter, block, itemsize, *tiling(hidden, inter, block, itemsize, **counts),
+                         **counts)
 
 
 def run(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
@@ -303,10 +304,10 @@ def run(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
                                  sbuf_fn=sbuf_bytes)
     top_k = topk_weights.shape[1]
-    i_chunk = i_chunk_size(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
-                           n_blocks=block_expert.shape[0])
+    i_chunk, dx_cols = tiling(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
+                              n_blocks=block_expert.shape[0])
     dx, dtopk, dw_gate_up, dw_down = call_kernel(
         moe_experts_bwd, dy.contiguous(), x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
         block_expert.contiguous(), slot_tokens(slot_assignment, top_k), slot_assignment.contiguous(),
-        w_gate_up.contiguous(), w_down.contiguous(), activation, top_k, i_chunk)
+        w_gate_up.contiguous(), w_down.contiguous(), activation, top_k, i_chunk, dx_cols)
     return dx, dtopk.reshape(topk_weights.shape), dw_gate_up, dw_down

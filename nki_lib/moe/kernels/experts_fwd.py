@@ -45,6 +45,10 @@ from nki_lib.dispatch import Unsupported, call_kernel
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are live at once
+# Columns of one weight-row DMA before the on-chip transposes: runs of 2048 bf16 = 4 KiB clear the
+# cost model's 105 ns DMA chunk floor at ~23 GB/s per DMA engine (>= ~2.4 KiB), while the staging
+# tile stays small whatever H or I is.
+WEIGHT_SPAN = 2048
 
 
 def act_fn(activation):
@@ -80,7 +84,7 @@ def gather_rows(src, ids_sb, ps):
     """(ps, C) tile of rows src[ids] (src (R, C) in HBM); rows with id -1 stay zero."""
     cols = src.shape[1]
     rows_sb = nl.ndarray((ps, cols), dtype=src.dtype, buffer=nl.sbuf)
-    nisa.memset(dst=rows_sb, value=0.0)
+    nisa.memset(dst=rows_sb, value=0.0, engine=nisa.engine.gpsimd)   # GpSimd issues the gather next
     nisa.dma_copy(dst=rows_sb,
                   src=src.ap([[cols, ps], [1, cols]], offset=0, vector_offset=ids_sb, indirect_dim=0),
                   oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
@@ -150,33 +154,42 @@ def load_expert_cols(w, expert_reg, row_tiles, col0, ncols):
     return w_sb
 
 
+def spans(col_tiles):
+    """``col_tiles`` in consecutive groups covering at most WEIGHT_SPAN columns each."""
+    per_span = max(1, WEIGHT_SPAN // nl.tile_size.pmax)
+    return [col_tiles[i:i + per_span] for i in range(0, len(col_tiles), per_span)]
+
+
 def load_expert_t(w, expert_reg, col_tiles, row0, nrows):
     """(P, CT, nrows) tile of w[e, row0 : row0 + nrows, cols]^T: the contraction dim (w's
     contiguous last dim, tiled by 128 as ``col_tiles``) on partitions. w (E, R, C) natural layout.
 
-    Per 128 rows: one DMA of the rows' whole column span (long contiguous runs), then TensorE
-    transposes (bit-exact transpose mode) of its 128 x 128 blocks, several blocks per PSUM bank
-    and one eviction per bank."""
+    Per 128 rows and column span: one DMA with long contiguous runs, then TensorE transposes
+    (bit-exact transpose mode) of its 128 x 128 blocks, several blocks per PSUM bank and one
+    eviction per bank."""
     pmax = nl.tile_size.pmax
     per_bank = nl.tile_size.psum_fmax // pmax            # transposed blocks per PSUM bank (fp32 bound)
     cols = w.shape[2]
-    c_start = col_tiles[0][0]
-    c_span = col_tiles[-1][0] + col_tiles[-1][1] - c_start
-    full = [t for t in col_tiles if t[1] == pmax]       # only the last tile may be partial
-    groups = [(g0, full[g0:g0 + per_bank]) for g0 in range(0, len(full), per_bank)]
-    if len(full) < len(col_tiles):
-        groups.append((len(full), col_tiles[len(full):]))
     w_t = nl.ndarray((pmax, len(col_tiles), nrows), dtype=w.dtype, buffer=nl.sbuf)
     for r0, rs in tiles(nrows, pmax):
-        nat_sb = nl.ndarray((rs, c_span), dtype=w.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=nat_sb, src=w.ap([[cols, rs], [1, c_span]], offset=(row0 + r0) * cols + c_start,
-                                           scalar_offset=expert_reg, indirect_dim=0))
-        for gi0, group in groups:
-            cs = group[0][1]
-            tr_psum = nl.ndarray((cs, len(group), rs), dtype=w.dtype, buffer=nl.psum)
-            for gi, (c0, _) in enumerate(group):
-                nisa.nc_transpose(dst=tr_psum[:, gi, :], data=nat_sb[:, c0 - c_start:c0 - c_start + cs])
-            nisa.tensor_copy(dst=w_t[:cs, gi0:gi0 + len(group), r0:r0 + rs], src=tr_psum)
+        ct0 = 0
+        for span in spans(col_tiles):
+            c_start = span[0][0]
+            c_span = span[-1][0] + span[-1][1] - c_start
+            nat_sb = nl.ndarray((rs, c_span), dtype=w.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=nat_sb, src=w.ap([[cols, rs], [1, c_span]], offset=(row0 + r0) * cols + c_start,
+                                               scalar_offset=expert_reg, indirect_dim=0))
+            full = [t for t in span if t[1] == pmax]    # only the last tile may be partial
+            groups = [(g0, full[g0:g0 + per_bank]) for g0 in range(0, len(full), per_bank)]
+            if len(full) < len(span):
+                groups.append((len(full), span[len(full):]))
+            for g0, group in groups:
+                cs = group[0][1]
+                tr_psum = nl.ndarray((cs, len(group), rs), dtype=w.dtype, buffer=nl.psum)
+                for gi, (c0, _) in enumerate(group):
+                    nisa.nc_transpose(dst=tr_psum[:, gi, :], data=nat_sb[:, c0 - c_start:c0 - c_start + cs])
+                nisa.tensor_copy(dst=w_t[:cs, ct0 + g0:ct0 + g0 + len(group), r0:r0 + rs], src=tr_psum)
+            ct0 += len(span)
     return w_t
 
 
@@ -221,35 +234,40 @@ def _gate_up(x_t, w_gate_up, expert_reg, h_tiles, block, activation, h_t):
             nisa.tensor_tensor(dst=h_t[:isz, it, n0:n0 + nn], data1=act_sb, data2=u_psum, op=nl.multiply)
 
 
-def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk):
-    """y_slots[a] = w_a * (h @ W_down^T) per H chunk (contraction over I tiles in PSUM)."""
+def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols):
+    """y_slots[a] = w_a * (h @ W_down^T): per H chunk, contraction over I tiles in PSUM; the
+    scaled rows are staged ``y_cols`` wide in SBUF and scattered once per slot tile and group."""
     hidden = w_down.shape[1]
-    for h0, hn in tiles(hidden, h_chunk):
-        wd_t = load_expert_t(w_down, expert_reg, i_tiles, h0, hn)
-        y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
-        for it, (i0, isz) in enumerate(i_tiles):
-            for (s0, ps, *_), y_psum in zip(slot_tiles, y_psums):
-                nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps], moving=wd_t[:isz, it, :],
-                               accumulate=it > 0)
-        for (s0, ps, _, asg_sb, w_col, _), y_psum in zip(slot_tiles, y_psums):
-            y_sb = nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=y_sb, op=nl.copy, data=y_psum, scale=w_col)
-            scatter_rows(y_slots, asg_sb, y_sb, h0)
+    for g0, gn in tiles(hidden, y_cols):
+        y_rows = [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
+        for h0, hn in tiles(gn, h_chunk):
+            y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
+            for span in spans(i_tiles):
+                wd_t = load_expert_t(w_down, expert_reg, span, g0 + h0, hn)
+                for si, (i0, isz) in enumerate(span):
+                    it = i0 // nl.tile_size.pmax
+                    for (s0, ps, *_), y_psum in zip(slot_tiles, y_psums):
+                        nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps],
+                                       moving=wd_t[:isz, si, :], accumulate=it > 0)
+            for (_, _, _, _, w_col, _), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
+                nisa.activation(dst=y_sb[:, h0:h0 + hn], op=nl.copy, data=y_psum, scale=w_col)
+        for (_, _, _, asg_sb, _, _), y_sb in zip(slot_tiles, y_rows):
+            scatter_rows(y_slots, asg_sb, y_sb, g0)
 
 
 def _block_fwd(x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
-               h_chunk, y_slots):
+               h_chunk, y_cols, y_slots):
     pmax = nl.tile_size.pmax
     h_tiles, i_tiles = tiles(x.shape[1], pmax), tiles(w_down.shape[2], pmax)
     slot_tiles, x_t = load_block_inputs(x, topk_w, tok_ids, asg_ids, b, block)
     h_t = nl.ndarray((pmax, len(i_tiles), block), dtype=x.dtype, buffer=nl.sbuf)
     _gate_up(x_t, w_gate_up, expert_reg, h_tiles, block, activation, h_t)
-    _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk)
+    _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols)
 
 
 @nki.jit
 def moe_experts_fwd(x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up, w_down,
-                    activation, top_k, h_chunk):
+                    activation, top_k, h_chunk, y_cols):
     t_len, hidden = x.shape
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
@@ -262,7 +280,7 @@ def moe_experts_fwd(x, topk_w, block_expert, slot_token, slot_assignment, w_gate
         expert_reg, trips_reg = block_registers(expert_sb, valid_sb, b)
         for _ in nl.dynamic_range(0, trips_reg):
             _block_fwd(x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
-                       h_chunk, y_slots)
+                       h_chunk, y_cols, y_slots)
     reduce_assignments(y_slots, y, top_k)
     return y
 
@@ -281,33 +299,51 @@ def flags_sbuf_bytes(n_blocks, block):
     return 2 * n_blocks * 4 + 2 * slot_tiles * n_blocks * 4 + 2 * block * 4
 
 
-def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, *, top_k, n_blocks):
+def staged_bytes(cols, hidden, slot_tiles):
+    """SBUF bytes per partition of fp32 output rows staged ``cols`` wide per slot tile (two
+    generations unless one group covers all of H)."""
+    return (1 if cols >= hidden else 2) * slot_tiles * cols * 4
+
+
+def choose_tiling(sbuf_at, hidden, *args, **counts):
+    """(chunk, out_cols): the first choice whose SBUF estimate fits, preferring output rows staged
+    whole (one indirect scatter per slot tile instead of one per chunk), then wide chunks
+    (gemm_moving_fmax halved down to pmax)."""
+    pmax, width, widths = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax, []
+    while width >= pmax:
+        widths.append(width)
+        width //= 2
+    choices = [(w, hidden) for w in widths] + [(w, min(w, hidden)) for w in widths]
+    for chunk, cols in choices:
+        if sbuf_at(*args, chunk, cols, **counts) <= nl.tile_size.total_available_sbuf_size:
+            return chunk, cols
+    return choices[-1]
+
+
+def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_blocks):
     """Peak SBUF bytes per partition of the forward kernel at down-projection H chunk ``h_chunk``
-    (upper bound: two generations of every streamed tile)."""
+    and y staging width ``y_cols`` (upper bound: two generations of every streamed tile)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
     slot_tiles = st * (hidden * itemsize + 3 * 4)                # x rows, ids, routing weight
     resident = (ht + it) * block * itemsize                     # xT, hT
-    staging = 2 * max(hidden, inter) * itemsize                 # natural weight rows before transposes
+    staging = 2 * min(max(hidden, inter), WEIGHT_SPAN) * itemsize   # natural weight rows before transposes
     gate_up = 2 * (2 * ht * pmax * itemsize + fmax * 4)         # W_gate^T/W_up^T tiles, act
-    down = 2 * (it * h_chunk * itemsize + h_chunk * 4)          # W_down^T chunk, y eviction
+    span_tiles = min(it, WEIGHT_SPAN // pmax)
+    down = 2 * span_tiles * h_chunk * itemsize + staged_bytes(y_cols, hidden, st)   # W_down^T span, y rows
     body = slot_tiles + resident + staging + gate_up + down
     return flags_sbuf_bytes(n_blocks, block) + max(body, tail_sbuf_bytes(top_k, itemsize))
 
 
-def h_chunk_size(hidden, inter, block, itemsize, **counts):
-    """Widest down-projection H chunk (gemm_moving_fmax, halved down to pmax) that fits SBUF."""
-    pmax, chunk = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
-    while chunk > pmax and (sbuf_bytes_at(hidden, inter, block, itemsize, chunk, **counts)
-                            > nl.tile_size.total_available_sbuf_size):
-        chunk //= 2
-    return chunk
+def tiling(hidden, inter, block, itemsize, **counts):
+    """(h_chunk, y_cols) of the forward kernel for this shape."""
+    return choose_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, **counts)
 
 
 def sbuf_bytes(hidden, inter, block, itemsize, **counts):
-    """Peak SBUF bytes per partition at the chosen H chunk."""
-    chunk = h_chunk_size(hidden, inter, block, itemsize, **counts)
-    return sbuf_bytes_at(hidden, inter, block, itemsize, chunk, **counts)
+    """Peak SBUF bytes per partition at the chosen tiling."""
+    return sbuf_bytes_at(hidden, inter, block, itemsize, *tiling(hidden, inter, block, itemsize, **counts),
+                         **counts)
 
 
 def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sbuf_fn):
@@ -337,9 +373,9 @@ def run(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, ac
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
                                  sbuf_fn=sbuf_bytes)
     top_k = topk_weights.shape[1]
-    h_chunk = h_chunk_size(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
-                           n_blocks=block_expert.shape[0])
+    h_chunk, y_cols = tiling(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
+                             n_blocks=block_expert.shape[0])
     return call_kernel(moe_experts_fwd, x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
                        block_expert.contiguous(), slot_tokens(slot_assignment, top_k),
                        slot_assignment.contiguous(), w_gate_up.contiguous(), w_down.contiguous(),
-                       activation, top_k, h_chunk)
+                       activation, top_k, h_chunk, y_cols)
