@@ -16,8 +16,8 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
         dK, dV accumulators of the key tile stay in PSUM (fp32) until the tile is done
         for each query head h of hk's GQA group:
             load the head's statistics (one DMA)
-            for each query group (4 aligned 128-row tiles) with a tile that sees the key tile:
-                (issued one group ahead: software pipelining of the loads)
+            for each query group (4 aligned 128-row tiles) with a tile that sees the key tile
+            (loads issued one group ahead; tile pairs pipelined across group boundaries):
                 load Q^T, dO^T of the group (one DMA per head-dim chunk, 1 KiB per partition)
                 load the group's fp32 dQ accumulator (tiles not visited before; one DMA)
                 for each query tile of the group that sees the key tile (scores half of tile
@@ -361,34 +361,54 @@ def _load_group(ins, b, h, gid, group, k0, plans, cfg):
     return qT_sb, doT_sb, dq_grp
 
 
-def _compute_group(ins, loaded, kv, stats_sb, b, h, gid, group, k0, kn, plans, cfg):
-    """All visits of one query group to the key tile ``k0``, software-pipelined: the scores half
-    of tile i+1 is issued before the gradients half of tile i, so TensorE computes S, dP of the
-    next tile while ScalarE/VectorE finish P and dS. dq of tiles whose last key tile this is goes
-    out in the output dtype; the other accumulators go back to the fp32 scratch."""
-    dout, dout_t, q, q_t, dq, dq_acc = ins
-    dq_grp = loaded[2]
+def _finish_tile(ins, loaded, b, h, t, slot, qn, cfg):
+    """The tile's last key tile is done: dq (output dtype) leaves from the group accumulator."""
+    dq = ins[4]
     pmax = nl.tile_size.pmax
+    dq_sb = nl.ndarray((pmax, cfg.head_dim), dtype=dq.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=dq_sb[:qn, :], src=loaded[2][:qn, slot, :], engine=nisa.engine.scalar)
+    nisa.dma_copy(dst=dq[b, h, t * pmax:t * pmax + qn, :], src=dq_sb[:qn, :])
+
+
+def _head_pass(ins, kv, stats_sb, b, h, visits, k0, kn, plans, cfg):
+    """All visits of query head h to the key tile ``k0``, software-pipelined twice over: a query
+    group's loads are issued when the previous group starts, and the scores half of each tile
+    pair is issued before the gradients half of the previous pair (so TensorE computes S, dP of
+    the next tile while ScalarE/VectorE finish P and dS). dq of tiles whose last key tile this is
+    leaves in the output dtype; the other group accumulators go back to the fp32 scratch."""
+    q = ins[2]
+    dq_acc = ins[5]
     q_tiles = tiles.query_tiles(q.shape[2])
-    slots, first, last, partial = _group_flags(group, gid, k0, plans, len(q_tiles), q_tiles[-1][1])
+    groups = _q_groups(visits)
+    flags = [_group_flags(grp, gid, k0, plans, len(q_tiles), q_tiles[-1][1]) for gid, grp in groups]
+    order = [(n, i) for n, (_, grp) in enumerate(groups) for i in range(len(grp))]
+    loaded = [None] * len(groups)
+    loaded[0] = _load_group(ins, b, h, *groups[0], k0, plans, cfg)
     pending = None
-    for i in range(len(group) + 1):
+    for step in range(len(order) + 1):
         current = None
-        if i < len(group):
-            t, tile_masked = group[i]
-            scores = _scores_step(loaded, kv, stats_sb, slots[i], t, q_tiles[t][1], tile_masked, k0, kn, cfg)
-            current = (i, scores)
+        if step < len(order):
+            n, i = order[step]
+            t, tile_masked = groups[n][1][i]
+            slot = flags[n][0][i]
+            current = (n, i, _scores_step(loaded[n], kv, stats_sb, slot, t, q_tiles[t][1], tile_masked, k0, kn,
+                                          cfg))
         if pending is not None:
-            j, scores = pending
-            t, qn = group[j][0], q_tiles[group[j][0]][1]
-            _grads_step(scores, loaded, kv, slots[j], t, qn, k0, kn, first[j], cfg)
-            if last[j]:
-                dq_sb = nl.ndarray((pmax, cfg.head_dim), dtype=dq.dtype, buffer=nl.sbuf)
-                nisa.tensor_copy(dst=dq_sb[:qn, :], src=dq_grp[:qn, slots[j], :], engine=nisa.engine.scalar)
-                nisa.dma_copy(dst=dq[b, h, t * pmax:t * pmax + qn, :], src=dq_sb[:qn, :])
+            n, i, scores = pending
+            gid, grp = groups[n]
+            slots, first, last, partial = flags[n]
+            t = grp[i][0]
+            _grads_step(scores, loaded[n], kv, slots[i], t, q_tiles[t][1], k0, kn, first[i], cfg)
+            if last[i]:
+                _finish_tile(ins, loaded[n], b, h, t, slots[i], q_tiles[t][1], cfg)
+            if i == len(grp) - 1:
+                stores = _runs([s for s, f in zip(slots, last) if not f], partial)
+                _move_dq(loaded[n][2], dq_acc, b, h, gid, stores, q_tiles, False)
+                loaded[n] = None
+        if current is not None and current[1] == 0 and current[0] + 1 < len(groups):
+            n = current[0] + 1
+            loaded[n] = _load_group(ins, b, h, *groups[n], k0, plans, cfg)
         pending = current
-    stores = _runs([s for s, f in zip(slots, last) if not f], partial)
-    _move_dq(dq_grp, dq_acc, b, h, gid, stores, q_tiles, False)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -442,15 +462,7 @@ def flash_bwd_kernel(dout, dout_t, dlse, q, q_t, k, k_t, v_t, out, lse, sinks, d
                     h = hk * group + g
                     stats_sb = nl.ndarray((pmax, len(q_tiles), cfg.num_stats), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.dma_copy(dst=stats_sb, src=stats_hbm[b, h])
-                    # software pipeline: the next group's loads are issued before this group's compute
-                    groups = _q_groups(visits)
-                    loaded = _load_group(ins, b, h, *groups[0], k0, plans, cfg)
-                    for n, (gid, q_group) in enumerate(groups):
-                        prefetch = None
-                        if n + 1 < len(groups):
-                            prefetch = _load_group(ins, b, h, *groups[n + 1], k0, plans, cfg)
-                        _compute_group(ins, loaded, kv, stats_sb, b, h, gid, q_group, k0, kn, plans, cfg)
-                        loaded = prefetch
+                    _head_pass(ins, kv, stats_sb, b, h, visits, k0, kn, plans, cfg)
                 _store_kv_grads(dk, dv, b, hk, k0, blocks, dk_psum, dv_psum, started, cfg)
         for h in nl.sequential_range(num_heads):
             for t, (q0, qn) in enumerate(q_tiles):
