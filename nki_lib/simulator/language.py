@@ -301,7 +301,7 @@ def no_reorder():
 
 
 from .wrappers import (all, broadcast_to, expand_dims, load, load_transpose2d, matmul, max, mean, min,  # noqa: E402
-                       prod, softmax, store, sum, transpose, where)
+                       prod, rms_norm, softmax, store, sum, transpose, var, where)
 
 __all__ = [n for n in list(globals()) if not n.startswith("_") and n not in ("annotations", "contextlib", "np")]
 del Op

@@ -16,7 +16,7 @@ from .ops import OPS, Op
 from .tensor import MemoryRegion, NkiTensor
 
 __all__ = ["load", "store", "load_transpose2d", "matmul", "transpose", "sum", "max", "min", "mean", "prod",
-           "all", "softmax", "where", "broadcast_to", "expand_dims"]
+           "all", "var", "rms_norm", "softmax", "where", "broadcast_to", "expand_dims"]
 
 _NO_ISA = ("cos", "tan", "ceil", "floor", "trunc", "fmod", "mod")
 
@@ -163,6 +163,48 @@ def all(x, axis, dtype=None):
     nonzero = _new(x.shape, "float32")
     isa.tensor_scalar(dst=nonzero, data=x, op0=OPS["not_equal"], operand0=0.0)
     return _reduce("minimum", nonzero, axis, dtype or x.dtype, False)
+
+
+def _all_free_axes(name, x, axis):
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    nd = len(x.shape)
+    if sorted(a + nd if a < 0 else a for a in axes) != list(range(1, nd)):
+        raise ValueError(f"nl.{name}: axis must cover all free dims {tuple(range(1, nd))}, got {axis!r}")
+    return x.size // x.shape[0]
+
+
+def var(x, axis, dtype=None, keepdims=False):
+    """Per-partition variance over all free dims (keepdims is ignored: the result is (P, 1))."""
+    count = _all_free_axes("var", x, axis)
+    p = x.shape[0]
+    neg_mean = _new((p, 1), "float32")
+    isa.tensor_reduce(dst=neg_mean, op=OPS["add"], data=x, axis=tuple(range(1, len(x.shape))), negate=True)
+    isa.tensor_scalar(dst=neg_mean, data=neg_mean, op0=OPS["multiply"], operand0=1.0 / count)
+    squares = _new(x.shape, "float32")
+    sum_sq = _new((p, 1), "float32")
+    isa.activation(dst=squares, op=OPS["square"], data=x, bias=neg_mean, reduce_op=OPS["add"], reduce_res=sum_sq,
+                   reduce_cmd=isa.reduce_cmd.reset_reduce)
+    out = _new((p, 1), dtype or x.dtype)
+    isa.tensor_scalar(dst=out, data=sum_sq, op0=OPS["multiply"], operand0=1.0 / count)
+    return out
+
+
+def rms_norm(x, w, axis, n, epsilon=1e-06, dtype=None, compute_dtype=None):
+    """``x / sqrt(mean(x^2) + epsilon) * w`` over all free dims; ``w`` a tile of ``x``'s shape."""
+    _all_free_axes("rms_norm", x, axis)
+    p = x.shape[0]
+    squares = _new(x.shape, compute_dtype or "float32")
+    sum_sq = _new((p, 1), "float32")
+    isa.activation(dst=squares, op=OPS["square"], data=x, reduce_op=OPS["add"], reduce_res=sum_sq,
+                   reduce_cmd=isa.reduce_cmd.reset_reduce)
+    inv_rms = _new((p, 1), "float32")
+    isa.tensor_scalar(dst=inv_rms, data=sum_sq, op0=OPS["multiply"], operand0=1.0 / n, op1=OPS["add"],
+                      operand1=float(epsilon))
+    isa.activation(dst=inv_rms, op=OPS["rsqrt"], data=inv_rms)
+    out = _new(x.shape, dtype or x.dtype)
+    isa.scalar_tensor_tensor(dst=out, data=x, op0=OPS["multiply"], operand0=inv_rms, op1=OPS["multiply"],
+                             operand1=w)
+    return out
 
 
 def softmax(x, axis=-1, dtype=None):

@@ -340,3 +340,27 @@ def test_manual_placements_alias_physical_memory():
     np.testing.assert_array_equal(out_b, x[:, 4:])
     np.testing.assert_array_equal(out_c.view(np.uint16), x[1:3].view(np.uint16))
     assert last_run().peak_sbuf_bytes == 64 + 32
+
+
+def test_var_and_rms_norm_wrappers_match_fp64():
+    @jit
+    def stats(x_hbm, w_hbm):
+        x_sb = nl.load(x_hbm)
+        w_sb = nl.load(w_hbm)
+        out_var = nl.ndarray((x_hbm.shape[0], 1), dtype=nl.float32, buffer=nl.shared_hbm)
+        out_rms = nl.ndarray(x_hbm.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        nl.store(out_var, nl.var(x_sb, axis=1))
+        nl.store(out_rms, nl.rms_norm(x_sb, w_sb, axis=1, n=x_hbm.shape[1]))
+        return out_var, out_rms
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 32)).astype(np.float32)
+    w = rng.standard_normal((8, 32)).astype(np.float32)
+    got_var, got_rms = simulate(stats)(x, w)
+    x64, w64 = torch.from_numpy(x).double(), torch.from_numpy(w).double()
+    x32, w32 = torch.from_numpy(x), torch.from_numpy(w)
+    assert_parity(torch.from_numpy(got_var), x64.var(1, unbiased=False, keepdim=True),
+                  x32.var(1, unbiased=False, keepdim=True), kind="output", dtype=torch.float32, name="var")
+    rms = lambda a, b: a * torch.rsqrt(a.pow(2).mean(1, keepdim=True) + 1e-6) * b  # noqa: E731
+    assert_parity(torch.from_numpy(got_rms), rms(x64, w64), rms(x32, w32), kind="output", dtype=torch.float32,
+                  name="rms_norm")
