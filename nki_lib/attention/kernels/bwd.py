@@ -278,7 +278,10 @@ def _q_groups(visits):
     """``((group id, visits of the group), ...)`` by aligned query group (``_group_tiles`` query
     tiles each): one DMA moves a group's Q^T, dO^T or dQ rows (>= 1 KiB per partition)."""
     per = _group_tiles()
-    gids = sorted(set(t // per for t, _ in visits))
+    gids = []
+    for t, _ in visits:
+        if t // per not in gids:
+            gids.append(t // per)
     return tuple((gid, tuple(v for v in visits if v[0] // per == gid)) for gid in gids)
 
 
