@@ -2,7 +2,7 @@
 
 Usage::
 
-    nki-lib bench [--sweep default|full|smoke] [--ops OP ...] [--models NAME ...]
+    nki-lib bench [--sweep default|full|smoke|targets] [--ops OP ...] [--models NAME ...]
                   [--targets trn2,trn3] [--out DIR] [--no-steady] [--no-cpu] [--no-plot] [--limit N]
 
 Writes ``DIR/bench.jsonl`` (schema in benchmarks/README.md), ``DIR/bench.txt`` (the table),
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     import nki_lib  # noqa: F401 - registers the ops
     _import_families()
     from nki_lib.bench.harness import run_case
-    from nki_lib.bench.output import Progress, plot_rooflines, table, write_jsonl
+    from nki_lib.bench.output import Progress, plot_rooflines, table, targets_report, write_jsonl
     from nki_lib.bench.shapes import sweep
 
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_case(case, targets, steady=not args.no_steady, cpu_paths=not args.no_cpu))
     progress.close()
     text = table(results)
+    goals = targets_report(results)
+    if goals:
+        text += "\n\n" + goals
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

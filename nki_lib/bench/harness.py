@@ -141,19 +141,20 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _summarise(estimates: list, scale: float, cost: flops.OpCost, target: str) -> dict:
-    """Figures of the launches of one op call, the makespans scaled to the real shape."""
+def _summarise(estimates: list, scale: float, cost: flops.OpCost | None, target: str) -> dict:
+    """Figures of the launches of one op call, the makespans scaled to the real shape.
+
+    Without a ``cost`` (no formula for that part) only the time figures are given.
+    """
+    from nki_lib.simulator.profile import params, roofline
+
     launch = sum(e.launch_ns for e in estimates)
     span = sum(e.makespan_ns for e in estimates) * scale
     time_ns = launch + span
     busy = {eng: scale * sum(e.busy_ns[eng] for e in estimates) for eng in estimates[0].busy_ns}
     grid = max(e.grid for e in estimates)
     slowest = max(estimates, key=lambda e: e.makespan_ns)
-    from nki_lib.simulator.profile import params, roofline
-
-    roof = roofline(cost, target, grid)
-    peak = params(target).pe_peak_flops(cost.pe_dtype) * grid
-    return {
+    out = {
         "time_us": time_ns * 1e-3,
         "lower_bound_us": (launch + scale * sum(e.lower_bound_ns - e.launch_ns for e in estimates)) * 1e-3,
         "upper_bound_us": (launch + scale * sum(e.upper_bound_ns - e.launch_ns for e in estimates)) * 1e-3,
@@ -162,17 +163,40 @@ def _summarise(estimates: list, scale: float, cost: flops.OpCost, target: str) -
         "busy_us": {k: v * 1e-3 for k, v in busy.items()},
         "utilisation": {k: (v / span if span else 0.0) for k, v in busy.items()},
         "bound_engine": max(busy, key=busy.get),
-        "tflops": cost.flops / time_ns * 1e-3,
-        "mfu": cost.flops / (peak * time_ns * 1e-9),
-        "roofline_fraction": roof.classical_ns / time_ns,
-        "engine_roofline_fraction": roof.engine_aware_ns / time_ns,
-        "roofline_bound": roof.bound,
-        "roofline_us": {"pe": roof.pe_ns * 1e-3, "hbm": roof.hbm_ns * 1e-3, "act_dve": roof.element_ns * 1e-3},
         "act_table_loads": sum(e.act_table_loads for e in estimates),
+        "unmodelled": {k: v for e in estimates for k, v in e.unmodelled.items()},
         "hotspots": [{"kernel": slowest.kernel, "source": src, "opcode": op, "waited_on": why, "share": share}
                      for src, op, why, _, share in slowest.hotspots(HOTSPOTS)],
-        "unmodelled": {k: v for e in estimates for k, v in e.unmodelled.items()},
     }
+    if cost is not None:
+        roof = roofline(cost, target, grid)
+        peak = params(target).pe_peak_flops(cost.pe_dtype) * grid
+        out.update({
+            "tflops": cost.flops / time_ns * 1e-3,
+            "mfu": cost.flops / (peak * time_ns * 1e-9),
+            "roofline_fraction": roof.classical_ns / time_ns,
+            "engine_roofline_fraction": roof.engine_aware_ns / time_ns,
+            "hbm_roofline_fraction": roof.hbm_ns / time_ns,
+            "roofline_bound": roof.bound,
+            "roofline_us": {"pe": roof.pe_ns * 1e-3, "hbm": roof.hbm_ns * 1e-3, "act_dve": roof.element_ns * 1e-3},
+        })
+    return out
+
+
+def part_cost(case: Case, op_name: str) -> flops.OpCost | None:
+    """Minimum work of one op of a case's call (``train``: the forward and backward ops apart)."""
+    d, dt = case.dims, case.dtype
+    if case.op == "flash_attention" and op_name in ("flash_attention", "flash_attention_backward"):
+        args = (d["B"], d["Hq"], d["Hkv"], d["Sq"], d["Sk"], d["D"])
+        kw = dict(dtype=dt, causal=d.get("causal", False), window_left=d.get("window_left", -1))
+        fn = flops.flash_attention_fwd if op_name == "flash_attention" else flops.flash_attention_bwd
+        return fn(*args, **kw)
+    if case.op == "moe_experts" and op_name in ("moe_experts", "moe_experts_backward"):
+        fn = flops.moe_experts_fwd if op_name == "moe_experts" else flops.moe_experts_bwd
+        return fn(d["T"], d["H"], d["I"], d["E"], d["k"], block_size=d["block_size"], dtype=dt)
+    if op_name == case.op and case.mode != "train":
+        return op_cost(case)
+    return None
 
 
 def _simulate(case: Case, args, kwargs, target: str):
@@ -232,7 +256,13 @@ def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_p
             if not reports or any(r.trace is None for r in reports):
                 res.status = "no trace recorded"
                 break
-            res.estimates[target] = _summarise([estimate(r, target) for r in reports], sim.scale, cost, target)
+            ests = [(op_name, estimate(r, target)) for op_name, r in runs if r is not None]
+            res.estimates[target] = _summarise([e for _, e in ests], sim.scale, cost, target)
+            ops = sorted({op_name for op_name, _ in ests})
+            if len(ops) > 1:
+                res.estimates[target]["parts"] = {
+                    op_name: _summarise([e for o, e in ests if o == op_name], sim.scale, part_cost(case, op_name),
+                                        target) for op_name in ops}
         if cpu_paths:
             with nki_lib.use_backend("reference"):
                 res.cpu_s["reference_first"] = _timed(lambda: _call(case.op, args, kwargs, case.mode))

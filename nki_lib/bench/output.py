@@ -7,7 +7,7 @@ import sys
 
 from nki_lib.bench.harness import CaseResult
 
-__all__ = ["Progress", "table", "write_jsonl", "plot_rooflines", "SCHEMA"]
+__all__ = ["Progress", "table", "targets_report", "write_jsonl", "plot_rooflines", "SCHEMA"]
 
 SCHEMA = "nki-lib-bench/1"
 
@@ -94,6 +94,38 @@ def table(results: list[CaseResult]) -> str:
                  "(critical engine) are trn2. ref/torch ms: this CPU, steady state, our reference path vs the "
                  "natural PyTorch baseline on the simulated shape; sim s: simulator wall time.")
     return "\n".join(lines)
+
+
+def target_value(result: CaseResult, part: str, metric: str):
+    """The trn2 figure ``metric`` of the kernels of op ``part`` in ``result`` (None if missing)."""
+    est = result.estimates.get("trn2", {})
+    figures = est.get("parts", {}).get(part, est if result.op == part and "parts" not in est else None)
+    return None if figures is None else figures.get(metric)
+
+
+def targets_report(results: list[CaseResult]) -> str:
+    """Issue 5's tuning targets met or not, for the targets whose case is in ``results``."""
+    from nki_lib.bench.shapes import TUNING_TARGETS  # noqa: PLC0415
+
+    by_label = {r.label: r for r in results}
+    lines = []
+    for t in TUNING_TARGETS:
+        r = by_label.get(t.case.label)
+        if r is None:
+            continue
+        value = target_value(r, t.part, t.metric)
+        if value is None:
+            lines.append(f"  n/a   {t.name}: {t.metric} >= {t.threshold:.0%}: {r.status}")
+            continue
+        verdict = "MET  " if value >= t.threshold else "SHORT"
+        est = r.estimates["trn2"].get("parts", {}).get(t.part, r.estimates["trn2"])
+        top = est.get("hotspots", [{}])[0] if est.get("hotspots") else {}
+        lines.append(f"  {verdict} {t.name}: {t.metric} {value:.1%} (target {t.threshold:.0%}); bound by "
+                     f"{est.get('bound_engine', '?')}; top critical-path line {top.get('source', '?')} "
+                     f"{top.get('opcode', '')} waited on {top.get('waited_on', '?')}")
+    if not lines:
+        return ""
+    return "\n".join(["issue 5 tuning targets (trn2, cost-model estimates):"] + lines)
 
 
 def _ms(seconds):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ModelConfig", "MODELS", "Case", "sweep", "SWEEPS"]
+__all__ = ["ModelConfig", "MODELS", "Case", "sweep", "SWEEPS", "TuningTarget", "TUNING_TARGETS"]
 
 
 @dataclass(frozen=True)
@@ -152,4 +152,39 @@ def _smoke() -> list[Case]:
     ]
 
 
-SWEEPS = {"default": _default, "full": _full, "smoke": _smoke}
+@dataclass(frozen=True)
+class TuningTarget:
+    """A tuning target of issue 5: ``metric`` of the ``part`` op's kernels on trn2 >= ``threshold``."""
+
+    name: str
+    case: Case
+    part: str          # the op whose kernels are judged (forward or backward op of the call)
+    metric: str        # a key of the bench result's trn2 figures
+    threshold: float
+
+
+TUNING_TARGETS = (
+    TuningTarget("flash-attention forward, S=4096, D=128, bf16 (causal)",
+                 Case("flash_attention", "prefill", "1 head", dict(B=1, Hq=1, Hkv=1, Sq=4096, Sk=4096, D=128,
+                                                                   causal=True)),
+                 "flash_attention", "engine_roofline_fraction", 0.85),
+    TuningTarget("flash-attention backward, S=4096, D=128, bf16 (causal)",
+                 Case("flash_attention", "train", "1 head", dict(B=1, Hq=1, Hkv=1, Sq=4096, Sk=4096, D=128,
+                                                                 causal=True)),
+                 "flash_attention_backward", "engine_roofline_fraction", 0.75),
+    TuningTarget("expert MLP, 512 tokens per expert (qwen3-30b-a3b sizes)",
+                 Case("moe_experts", "prefill", "qwen3-30b-a3b", dict(T=8192, H=2048, I=768, E=128, k=8,
+                                                                      block_size=128)),
+                 "moe_experts", "mfu", 0.80),
+    TuningTarget("decode attention, 8k cache (llama3-8b)",
+                 Case("decode_attention", "decode", "llama3-8b", dict(B=1, Hq=32, Hkv=8, Sq=1, L=8192, D=128)),
+                 "decode_attention", "hbm_roofline_fraction", 0.70),
+)
+
+
+def _targets() -> list[Case]:
+    """The cases of the issue's tuning targets (see :data:`TUNING_TARGETS`)."""
+    return [t.case for t in TUNING_TARGETS]
+
+
+SWEEPS = {"default": _default, "full": _full, "smoke": _smoke, "targets": _targets}

@@ -45,3 +45,22 @@ def test_cli_smoke_writes_jsonl_table_and_plot(tmp_path):
         assert row["instructions"] > 0 and row["cpu_s"]["simulator_first"] > 0
         assert (tmp_path / "roofline_attention.png").exists()
     assert (tmp_path / "bench.txt").read_text().startswith("case")
+
+
+def test_targets_report_judges_the_named_part():
+    from nki_lib.bench.output import targets_report
+    from nki_lib.bench.shapes import TUNING_TARGETS
+
+    bwd = next(t for t in TUNING_TARGETS if t.part == "flash_attention_backward")
+    fig = {"engine_roofline_fraction": 0.8, "bound_engine": "scalar",
+           "hotspots": [{"source": "bwd.py:1", "opcode": "activation (scalar)", "waited_on": "data"}]}
+    row = CaseResult(bwd.case.label, "flash_attention", "train", bwd.case.model, "attention", {}, "bfloat16",
+                     estimates={"trn2": {"parts": {"flash_attention": {**fig, "engine_roofline_fraction": 0.1},
+                                                   "flash_attention_backward": fig}}})
+    text = targets_report([row])
+    assert "MET" in text and "80.0%" in text and "bwd.py:1" in text
+    short = CaseResult(bwd.case.label, "flash_attention", "train", bwd.case.model, "attention", {}, "bfloat16",
+                       estimates={"trn2": {"parts": {"flash_attention_backward": {**fig, "engine_roofline_fraction":
+                                                                                  0.5}}}})
+    assert "SHORT" in targets_report([short])
+    assert targets_report([]) == ""

@@ -65,7 +65,7 @@ def test_model_registry():
         assert m.heads % m.kv_heads == 0 and m.source
         assert m.is_moe == (m.experts > 0) and (not m.is_moe or 1 <= m.top_k <= m.experts)
     assert MODELS["qwen3-30b-a3b"].experts == 128 and MODELS["qwen3-30b-a3b"].top_k == 8
-    for name in ("default", "full", "smoke"):
+    for name in ("default", "full", "smoke", "targets"):
         cases = sweep(name)
         assert cases and len({c.label for c in cases}) == len(cases)
     with pytest.raises(ValueError, match="sweep"):
