@@ -18,9 +18,11 @@ exactly 0 and a row that sees no key (and no sink) ends with ``l = 0``: ``out = 
 
 Work decomposition (compile time, all loops unrolled)::
 
-    group = (batch b, kv head hk, query tile [q0, q0 + qn) with qn <= 128,
-             pass = up to heads_per_pass query heads of hk's GQA group)
-    step  = (group, visible key tile [k0, k0 + kn) with kn <= 512, query head of the pass)
+    group   = (batch b, kv head hk, query tile [q0, q0 + qn) with qn <= 128,
+               pass = up to heads_per_pass query heads of hk's GQA group)
+    section = run of consecutive visible key tiles (kn <= 512 each) of the group's plan, at most
+              KEY_SECTION_BYTES of K^T per partition row (2048 keys in bf16/fp16, 1024 in fp32)
+    step    = (group, section, query head of the pass)
 
 Key tiles no query of the tile can see are skipped (``tiles.plan_row``); masks (one VectorE
 ``range_select`` against per-row key bounds) are applied to partial tiles only. The query heads
@@ -28,25 +30,28 @@ of a pass share each K/V load (GQA/MQA without duplicating K/V).
 
 Per step (engines in brackets)::
 
-    S (qn, kn) PSUM  = sum over D chunks of matmul(q^T (dc, qn), k^T (dc, kn))         [PE]
-    S -> SBUF fp32: scale (+ tanh softcap) (+ mask) + row max                           [DVE/ACT]
-    neg_m, alpha; P = exp(S - m) in the P dtype with the row sum fused                  [DVE, ACT]
-    P^T: one TensorE transpose per 128-key block, evicted by ScalarE                    [PE, ACT]
-    O (qn, D) PSUM   = sum over blocks of matmul(P^T (bn, qn), V (bn, D))               [PE]
-    l = alpha * l + rowsum;  acc = alpha * acc + O                                      [DVE]
+    per score tile of the section:
+      S (qn, kn) PSUM = sum over D chunks of matmul(q^T (dc, qn), k^T (dc, kn))          [PE]
+      -> S_sec SBUF fp32: scale (+ tanh softcap) (+ mask) + partial row max            [DVE/ACT]
+    row max of the section; neg_m, alpha; P = exp(S_sec - m) (qn, slen) in the P dtype with
+      the row sum fused                                                                  [DVE, ACT]
+    P^T: one TensorE transpose per 128-key block into bank-sized PSUM tiles, evicted by
+      ScalarE                                                                            [PE, ACT]
+    O (qn, D) PSUM = sum over the section's blocks of matmul(P^T (bn, qn), V (bn, D))     [PE]
+    l = alpha * l + rowsum;  acc = alpha * acc + O                                       [DVE]
 
 The steps run as a software pipeline (each engine executes its instruction stream in order):
-iteration ``it`` issues the loads of step ``it + PREFETCH_STEPS``, QK^T and scores of step
-``it + SCORE_LEAD``, the softmax of ``it + 1``, the transposes of ``it``, the P^T eviction of
-``it - 1``, P @ V of ``it - 2`` and the l/acc update of ``it - ACC_LAG``. Every tile is a fresh
-allocation, so loads of later steps overlap compute (multi-buffering). A group's output is
-stored after its last acc update; lse is finished in batches of ``LSE_BATCH`` (one ScalarE log
-for the batch, a TensorE transpose so each row is stored contiguously).
+iteration ``it`` loads the K^T of step ``it + SCORE_LEAD + 1`` and the V of ``it + 1``, issues
+the softmax of ``it + 1``, QK^T and scores of ``it + SCORE_LEAD``, the transposes of ``it``, the
+P^T eviction of ``it - 1``, P @ V of ``it - PV_LAG`` and the l/acc update of ``it - ACC_LAG``.
+Every tile is a fresh allocation, so loads of later steps overlap compute (multi-buffering). A
+group's output is stored after its last acc update; lse is finished in batches of ``LSE_BATCH``
+(one ScalarE log per batch, a TensorE transpose so each row is stored contiguously).
 
-DMA layouts: q^T/k^T tiles read contiguous rows of the launcher's (D, S) layouts; K^T of
-consecutive visible key tiles is loaded by one DMA (rows up to ``KEY_SECTION_BYTES``); V is read
-"interleaved" (partition p of block j holds key ``n_full * p + j``) so every partition reads one
-contiguous run, and the transposes pick the matching strided columns of P.
+DMA layouts: q^T/k^T tiles read contiguous rows of the launcher's (D, S) layouts (K^T one DMA
+per section); V of a section is read "interleaved" (partition p of block j holds key
+``s0 + n_full * p + j``) so every partition reads one contiguous run of ``n_full * D``
+elements, and the transposes pick the matching strided columns of P.
 
 Shapes (HBM, prepared by the launcher; transposes are layout glue): q_t (B, Hq, D, Sq),
 k_t (B, Hkv, D, Sk), v (B, Hkv, Sk, D), sinks (Hq,) float32, doc (2, S) float32 with the first
@@ -54,10 +59,10 @@ and last position of each position's document (cu_seqlens). Outputs: out (B, Hq,
 dtype, lse (B, Hq, Sq) float32.
 Dimension legend: B batch, Hq/Hkv query/kv heads, G = Hq / Hkv, Sq/Sk lengths, D head dim,
 dc head-dim chunk (<= 128), qn query rows of a tile (<= 128), kn keys of a tile (<= 512),
-bn keys of a block (<= 128).
+slen keys of a section, s0 its first key, bn keys of a block (<= 128).
 
-Working set: independent of Sq and Sk (a few key tiles in flight plus the pass's per-head state,
-at most a quarter of SBUF); 3 of 8 PSUM banks. Measured peaks per partition are in DESIGN.md.
+Working set: independent of Sq and Sk (a few sections in flight plus the pass's per-head state,
+at most a quarter of SBUF); at most 5 of 8 PSUM banks. Measured peaks are in DESIGN.md.
 
 Limits: dtypes bf16/fp16/fp32 (P is cast to the V dtype for P @ V; fp32 stays fp32 throughout);
 D <= 256 (two head-dim chunks above 128); Sq + Sk < 2**24 (key indices are float32 in the
@@ -85,8 +90,9 @@ _FP32_BYTES = 4
 _HALF_BYTES = 2        # bfloat16 / float16
 SCORE_LEAD = 3         # QK^T and the row max of a step are issued this many iterations before
                        # its P^T, so the PE -> DVE -> ACT chain feeding each exp is covered
+PV_LAG = 2             # P @ V of a step is issued this many iterations after its P^T (its V
+                       # is loaded one iteration before the P^T)
 ACC_LAG = 3            # the acc update of a step is issued this many iterations after its P^T
-PREFETCH_STEPS = 5     # K/V (and group) loads are issued this many steps ahead of the P^T
 LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
                        # ScalarE table switch to log and back per batch, 8 B/partition each
 KEY_SECTION_BYTES = 4096  # K^T of consecutive visible key tiles is loaded by one DMA with rows of
@@ -176,20 +182,22 @@ def _qk(q_tiles, k_tiles, qn, kn):
     return s_psum
 
 
-def _section_scores(s_psums, sub_tiles, s0, scale, softcap, bounds):
+def _section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
     """Final scores (qn, slen) fp32 in SBUF of a key section and their row max (qn, 1).
 
-    One evict per score tile (``sub_tiles`` = ``((k0, kn, masked), ...)``, its PSUM in
-    ``s_psums``): scaled, capped, masked on partial tiles only, each giving a partial row max;
-    unmasked tiles take one VectorE tensor_scalar_reduce (evict + scale + max)."""
-    qn = s_psums[0].shape[0]
+    Per score tile (``sub_tiles`` = ``((k0, kn, masked), ...)``): QK^T into one PSUM bank, then
+    one evict: scaled, capped, masked on partial tiles only, giving a partial row max; unmasked
+    tiles take one VectorE tensor_scalar_reduce (evict + scale + max). The PSUM tile is released
+    right after its evict, so at most two score banks are live."""
+    qn = q_tiles[0].shape[1]
     slen = sub_tiles[-1][0] + sub_tiles[-1][1] - s0
     s_sb = nl.ndarray((qn, slen), dtype=nl.float32, buffer=nl.sbuf)
     partial_max = nl.ndarray((qn, len(sub_tiles)), dtype=nl.float32, buffer=nl.sbuf)
     for i, (k0, kn, masked) in enumerate(sub_tiles):
         s_tile = s_sb[:, k0 - s0:k0 - s0 + kn]
         tile_max = partial_max[:, i:i + 1]
-        src, factor = s_psums[i], scale
+        s_psum = _qk(q_tiles, [k_sb[:, k0 - s0:k0 - s0 + kn] for k_sb in k_tiles], qn, kn)
+        src, factor = s_psum, scale
         if softcap > 0:
             nisa.activation(dst=s_tile, op=nl.tanh, data=src, scale=scale / softcap)
             src, factor = s_tile, softcap
@@ -347,7 +355,7 @@ def _plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys):
                     heads = tuple(hk * group + g for g in range(g0, min(group, g0 + n_pass)))
                     groups.append(_Group(b=b, hk=hk, q0=q0, qn=qn, heads=heads, plan=plan,
                                          sections=_key_sections(plan, section_keys), q_tiles=None,
-                                         states=None, bounds=None, kv=None))
+                                         states=None, bounds=None, k=None, v=None))
     return groups
 
 
@@ -401,22 +409,33 @@ def _section_span(grp, si):
     return s0, grp.plan[last][0] + grp.plan[last][1] - s0, grp.plan[first:last + 1]
 
 
-def _prefetch(ctx, groups, steps, s):
-    """Issue the loads step s needs (group open: q^T, state init, bounds; its K/V section)."""
-    if s >= len(steps):
+def _load_k(ctx, groups, steps, s):
+    """Issue the loads step s needs first: open its group (q^T, state init, mask bounds) and
+    load the K^T of its key section (once per section, shared by the heads of the pass)."""
+    if s < 0 or s >= len(steps):
         return
     gi, si, _ = steps[s]
     grp = groups[gi]
     if grp.states is None:
         grp.q_tiles = [_load_q(ctx.q_t, grp.b, h, grp.q0, grp.qn, ctx.chunks) for h in grp.heads]
         grp.states = [_init_state(ctx.sinks, h, grp.qn, ctx.d, ctx.has_sinks) for h in grp.heads]
-        grp.kv = [None] * len(grp.sections)
+        grp.k = [None] * len(grp.sections)
+        grp.v = [None] * len(grp.sections)
         if any(masked for _, _, masked in grp.plan):
             grp.bounds = row_bounds(ctx.mask, grp.q0, grp.qn, ctx.doc_lo, ctx.doc_hi)
-    if si >= 0 and grp.kv[si] is None:
+    if si >= 0 and grp.k[si] is None:
         s0, slen, _ = _section_span(grp, si)
-        grp.kv[si] = (_load_k_section(ctx.k_t, grp.b, grp.hk, s0, slen, ctx.chunks),
-                      _load_v(ctx.v, grp.b, grp.hk, s0, slen))
+        grp.k[si] = _load_k_section(ctx.k_t, grp.b, grp.hk, s0, slen, ctx.chunks)
+
+
+def _load_v_of(ctx, groups, steps, s):
+    """Load the V of step s's key section (once per section)."""
+    if _real(steps, s):
+        gi, si, _ = steps[s]
+        grp = groups[gi]
+        if grp.v[si] is None:
+            s0, slen, _ = _section_span(grp, si)
+            grp.v[si] = _load_v(ctx.v, grp.b, grp.hk, s0, slen)
 
 
 class _Work(nl.NKIObject):
@@ -428,27 +447,18 @@ def _real(steps, s):
     return 0 <= s < len(steps) and steps[s][1] >= 0
 
 
-def _stage_qk(groups, steps, work, s):
-    """A1: raw scores of step s in PSUM, one bank per score tile [PE]."""
+def _stage_scores(groups, steps, work, s, scale, softcap):
+    """A: final scores of step s in SBUF and their row max: per score tile QK^T into one PSUM
+    bank [PE], then its evict/scale/mask/max [DVE/ACT]; drops K^T after the last head."""
     if _real(steps, s):
         gi, si, hi = steps[s]
         grp = groups[gi]
         s0, _, sub_tiles = _section_span(grp, si)
-        k_tiles = grp.kv[si][0]
-        s_psums = [_qk(grp.q_tiles[hi], [k_sb[:, k0 - s0:k0 - s0 + kn] for k_sb in k_tiles],
-                       grp.qn, kn) for k0, kn, _ in sub_tiles]
-        work[s] = _Work(s_psums=s_psums)
-
-
-def _stage_scores(groups, steps, work, s, scale, softcap):
-    """A2: final scores of step s in SBUF and their row max [DVE/ACT]."""
-    if _real(steps, s):
-        gi, si, _ = steps[s]
-        grp = groups[gi]
-        s0, _, sub_tiles = _section_span(grp, si)
-        w = work[s]
-        w.s_sb, w.rowmax = _section_scores(w.s_psums, sub_tiles, s0, scale, softcap, grp.bounds)
-        w.s_psums = None
+        s_sb, rowmax = _section_scores(grp.q_tiles[hi], grp.k[si], sub_tiles, s0, scale, softcap,
+                                       grp.bounds)
+        work[s] = _Work(s_sb=s_sb, rowmax=rowmax)
+        if hi == len(grp.heads) - 1:
+            grp.k[si] = None
 
 
 def _stage_softmax(groups, steps, work, s, p_dtype):
@@ -484,10 +494,10 @@ def _stage_pv(groups, steps, work, s):
         gi, si, hi = steps[s]
         grp = groups[gi]
         w = work[s]
-        w.o_psum = _p_times_v(w.pt_sb, grp.kv[si][1], _section_span(grp, si)[1])
+        w.o_psum = _p_times_v(w.pt_sb, grp.v[si], _section_span(grp, si)[1])
         w.pt_sb = None
         if hi == len(grp.heads) - 1:
-            grp.kv[si] = None
+            grp.v[si] = None
 
 
 def _stage_acc(groups, steps, work, s, out, pending_lse):
@@ -514,7 +524,7 @@ def _close_group(grp, out, pending_lse):
     for i in range(len(grp.heads)):
         _store_out(grp.states[i], out, grp.b, grp.heads[i], grp.q0)
         pending_lse.append((grp.states[i], grp.b, grp.heads[i], grp.q0))
-    grp.q_tiles, grp.states, grp.bounds, grp.kv = None, None, None, None
+    grp.q_tiles, grp.states, grp.bounds, grp.k, grp.v = None, None, None, None, None
 
 
 @nki.jit
@@ -544,23 +554,22 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
     pending_lse = []
 
     # Software pipeline over the steps. Each engine runs its stream in program order, so
-    # iteration it emits the stages of seven different steps, ordered so that in the steady
-    # state an engine only waits on work emitted in earlier iterations (except for the short
-    # neg_m -> exp and QK -> row max hand-offs):
-    #   loads(it + PREFETCH_STEPS)
-    #   QK^T(it + SCORE_LEAD) [PE]   softmax(it + 1) [DVE, ACT]   scores(it + SCORE_LEAD) [DVE/ACT]
-    #   P^T(it) [PE]   evict P^T(it - 1) [ACT]   P @ V(it - 2) [PE]
-    #   l, acc(it - 3) [DVE] (+ the group's output stores after its last step)
-    for s in range(PREFETCH_STEPS):
-        _prefetch(ctx, groups, steps, s)
+    # iteration it emits the stages of several steps, ordered so that in the steady state an
+    # engine only waits on work emitted in earlier iterations (except the short neg_m -> exp
+    # and QK -> row max hand-offs):
+    #   load K^T(it + SCORE_LEAD + 1), V(it + 1)
+    #   softmax(it + 1) [DVE, ACT]   QK^T + scores(it + SCORE_LEAD) [PE, DVE/ACT]
+    #   P^T(it) [PE]   evict P^T(it - 1) [ACT]   P @ V(it - PV_LAG) [PE]
+    #   l, acc(it - ACC_LAG) [DVE] (+ the group's output stores after its last step)
+    _load_k(ctx, groups, steps, 0)
     for it in nl.sequential_range(-SCORE_LEAD, n_steps + ACC_LAG):
-        _prefetch(ctx, groups, steps, it + PREFETCH_STEPS)
-        _stage_qk(groups, steps, work, it + SCORE_LEAD)
+        _load_k(ctx, groups, steps, it + SCORE_LEAD + 1)
+        _load_v_of(ctx, groups, steps, it + 1)
         _stage_softmax(groups, steps, work, it + 1, v.dtype)
         _stage_scores(groups, steps, work, it + SCORE_LEAD, scale, softcap)
         _stage_transpose(steps, work, it)
         _stage_evict_pt(groups, steps, work, it - 1)
-        _stage_pv(groups, steps, work, it - 2)
+        _stage_pv(groups, steps, work, it - PV_LAG)
         _stage_acc(groups, steps, work, it - ACC_LAG, out, pending_lse)
         if len(pending_lse) >= LSE_BATCH or (it == n_steps + ACC_LAG - 1 and len(pending_lse) > 0):
             _store_lse_batch(pending_lse, lse)
