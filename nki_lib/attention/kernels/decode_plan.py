@@ -37,22 +37,20 @@ __all__ = ["decode_fwd", "plan_splits", "lnc_degree", "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STREAMS_PER_CORE = 16       # independent (sequence, kv head, split) streams wanted: one per DMA engine
-MIN_CHUNKS_PER_SPLIT = 1    # a split streams at least one whole chunk
 CHUNK_BUFFER_BYTES = 8192   # per partition for one K or V chunk buffer: long rows make each gather
                             # descriptor move >= 2 KiB (cost model §7.3)
 MAX_KEYS_PER_PARTITION = 32  # chunk <= 4096 keys: bounds the masked-away compute of a sequence's
                             # last chunk (work follows L_b, not the chunk)
 CONTIGUOUS_UNIT_KEYS = 128   # gather granularity of a contiguous cache: reads stop within 127 keys
                             # of L_b; one unit = one 32 KiB descriptor run at D=128 bf16
-MIN_CHUNKS = 1              # chunks over the capacity, at least (bounds masked-away compute)
 
 
 def keys_per_partition(capacity: int, d: int, itemsize: int) -> int:
     """Chunk depth M (keys per partition; a chunk holds 128*M keys): the largest power of two
     <= MAX_KEYS_PER_PARTITION whose K (or V) chunk fits ``CHUNK_BUFFER_BYTES`` per partition and
-    that keeps at least ``MIN_CHUNKS`` chunks over the capacity (a chunk is computed whole)."""
+    whose chunk is no longer than the capacity (a chunk is computed whole)."""
     by_bytes = CHUNK_BUFFER_BYTES // (d * itemsize)
-    by_capacity = capacity // (nl.tile_size.pmax * MIN_CHUNKS)
+    by_capacity = capacity // nl.tile_size.pmax
     return _floor_pow2(max(1, min(by_bytes, by_capacity, MAX_KEYS_PER_PARTITION)))
 
 
@@ -61,10 +59,10 @@ def _floor_pow2(x: int) -> int:
 
 
 def plan_splits(batch: int, n_kv_heads: int, max_chunks: int, grid: int = 1) -> int:
-    """Number of splits of each sequence: enough streams to occupy the cores, never tiny splits;
+    """Number of splits of each sequence: enough streams to occupy the cores, at least one chunk each;
     a multiple of ``grid`` when the cores share the splits of each (b, hk) (B*Hkv not a multiple)."""
     wanted = -(-STREAMS_PER_CORE * grid // (batch * n_kv_heads))
-    return _cores_share(max(1, min(wanted, max_chunks // MIN_CHUNKS_PER_SPLIT)), batch * n_kv_heads, grid)
+    return _cores_share(max(1, min(wanted, max_chunks)), batch * n_kv_heads, grid)
 
 
 def _cores_share(n_split: int, units: int, grid: int) -> int:
