@@ -1,39 +1,44 @@
 """Fused MoE expert MLP forward over a block plan (NKI kernel + launcher).
 
 Algorithm (one kernel launch, api-contract §4 ``moe_experts``):
+once: the plan's slot ids (token ids a // k and assignment ids a, -1 = padding) are loaded with
+  one contiguous DMA per 128 blocks and PE-transposed so that slots sit on partitions; the block
+  flags valid[b] = (block_expert[b] >= 0) are computed on VectorE.
 for each block b of the plan (static loop over NB, blocks in order):
-  expert e = block_expert[b] is runtime data: ``register_load`` puts it in a register and a
-  dynamic loop with trip count ``valid[b] = (e >= 0)`` (computed on VectorE) runs the block body
-  once, or not at all for unused blocks (no DMA, no matmul for them).
-  1. per slot tile (<= 128 slots): load the slots' token ids and assignment ids, gather the token
-     rows of x with an indirect DMA (``vector_offset``; padding slots hold -1, are skipped and keep
-     the zero fill), gather the routing weights the same way, PE-transpose the rows into
-     xT (H on partitions, slots on the free axis).
-  2. per I tile (128): stream the expert's gate and up weight tiles (selected with
-     ``scalar_offset`` = the expert register) transposed on chip to H on partitions (DMA
-     transpose for bf16/fp16, TensorE transpose for fp32; the weights stay in their nn.Linear
-     layout in HBM), gT/uT = W^T-tile x xT into fp32 PSUM (contraction over H tiles),
-     hT = act(gT) * uT on ScalarE/VectorE -> SBUF (I on partitions, slots free).
-  3. per H chunk (512): stream W_down^T tiles (128 x 512, transposed on chip likewise),
-     y = h x W_down^T into fp32 PSUM
-     (contraction over I tiles), evict with the routing weight as per-partition scale, and write
-     the rows to the fp32 scratch y_slots[a] (indirect DMA scatter, one row per assignment:
-     no read-modify-write, no race, each row written exactly once).
+  ``register_load`` puts the expert id e and the trip count valid[b] in registers; a dynamic loop
+  with that trip count runs the block body once, or not at all for unused blocks (no DMA, no
+  matmul for them). Body:
+  1. per slot tile (<= 128 slots): gather the token rows of x with an indirect DMA
+     (``vector_offset`` = token ids; padding ids -1 are skipped and keep the zero fill), gather
+     the routing weights topk_w[a] the same way, PE-transpose the rows into xT (H on partitions,
+     slots on the free axis).
+  2. per I tile (128): load the expert's gate and up weight rows (``scalar_offset`` = the expert
+     register; nn.Linear layout, long contiguous runs) and PE-transpose them to W^T tiles (H on
+     partitions); gT/uT = W^T-tile x xT into fp32 PSUM (contraction over H tiles, moving free size
+     <= 512 slots); hT = act(gT) * uT on ScalarE/VectorE -> SBUF (I on partitions, slots free).
+  3. per H chunk (<= 512): W_down^T tiles (rows loaded and PE-transposed per span of I tiles),
+     y = h x W_down^T into fp32 PSUM (contraction over I tiles), evicted on ScalarE with the
+     routing weight as per-partition scale into fp32 output rows staged in SBUF; the rows go to
+     the fp32 scratch y_slots[a] with one indirect DMA scatter per slot tile (per H chunk when
+     SBUF is short): one row per assignment, written exactly once, no read-modify-write, no race.
 finally y[t] = sum_j y_slots[t * k + j] in the fixed order j = 0..k-1 (fp32), cast to x's dtype.
 
-Loop structure: blocks (static) > guard (dynamic, 0/1 trips) > {slot tiles; I tiles > H tiles >
-slot chunks; H chunks > I tiles > slot tiles}; then token tiles > H chunks > j.
+Loop structure: ids; blocks (static) > guard (dynamic, 0/1 trips) > {slot tiles; I tiles > H
+tiles > slot chunks; staging groups > H chunks > I spans > slot tiles}; then token tiles > H
+chunks > j.
 
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k
 assignments, NB blocks, B block size (slots per block). Kernel inputs (HBM): x (T, H),
 topk_w (N, 1) fp32, block_expert (NB,) int32, slot_token (NB*B,) int32 (a // k or -1),
 slot_assignment (NB*B,) int32 (a or -1), w_gate_up (E, 2I, H), w_down (E, H, I) (nn.Linear
-layouts, as the op receives them). Output y (T, H) in x's dtype.
+layouts, as the op receives them); compile-time activation, top_k, h_chunk, y_cols.
+Output y (T, H) in x's dtype.
 
-Limits: x and weights bf16/fp16/fp32 (one dtype); B <= 512 (one slot tile per PSUM bank, at
-most 4 slot tiles in flight); SBUF per partition ~ (ceil(H/128) + ceil(I/128)) * B * itemsize +
-H * itemsize + weight tiles (see :func:`sbuf_bytes`) must fit ``nl.tile_size.total_available_sbuf_size``;
-every assignment appears exactly once in the plan (validated by the op).
+Limits: x and weights bf16/fp16/fp32 (one dtype); B <= 512 (one PSUM bank per slot tile, at most
+4 slot tiles in flight); the SBUF estimate :func:`sbuf_bytes` (dominated by xT, hT, the x rows,
+double-buffered W_gate^T/W_up^T tiles and the staged y rows) must fit
+``nl.tile_size.total_available_sbuf_size`` at the narrowest tiling, else the launcher raises
+Unsupported; every assignment appears exactly once in the plan (validated by the op); LNC1.
 """
 
 from __future__ import annotations
