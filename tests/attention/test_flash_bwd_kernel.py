@@ -197,3 +197,17 @@ def test_long_windowed_sequence():
         result = parity(got, oracle[i][:, :, cut], baseline[i][:, :, cut], kind="grad", dtype=torch.float32,
                         name=name)
         assert result.ok, str(result)
+
+
+def _matmuls(**flags):
+    sample = make_sample(1, 1, 1, 1024, 1024, 32, torch.bfloat16, **flags)
+    with collect_runs() as runs:
+        _backward(sample)
+    return sum(1 for e in runs[-1][1].trace if e.opcode == "nc_matmul")
+
+
+def test_whole_tile_skipping():
+    """Causal and windowed runs skip invisible (query tile, key tile) pairs and 128-key blocks."""
+    full = _matmuls()
+    assert _matmuls(causal=True) < 0.6 * full
+    assert _matmuls(causal=True, window=(128, -1)) < 0.3 * full
