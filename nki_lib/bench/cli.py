@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nki-lib bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--sweep", default="default", choices=sorted(SWEEPS), help="which case list to run")
     p.add_argument("--ops", nargs="*", default=None, help="only these ops (registry names)")
-    p.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS) + ["tiny"], help="only these models")
+    p.add_argument("--models", nargs="*", default=None, help=f"only these models ({', '.join(sorted(MODELS))})")
     p.add_argument("--modes", nargs="*", default=None, choices=("prefill", "train", "decode"))
     p.add_argument("--targets", default="trn2,trn3", help="comma-separated: trn2, trn3")
     p.add_argument("--out", default=None, help="output directory (default: no files)")
