@@ -95,9 +95,9 @@ PV_LAG = 2             # P @ V of a step is issued this many iterations after it
 ACC_LAG = 3            # the acc update of a step is issued this many iterations after its P^T
 LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
                        # ScalarE table switch to log and back per batch, 8 B/partition each
-KEY_SECTION_BYTES = 4096  # K^T of consecutive visible key tiles is loaded by one DMA with rows of
-                          # up to this many bytes per partition (past the ~2.4 KiB where a DMA
-                          # row reaches bandwidth): 4 tiles of 512 keys in bf16/fp16, 2 in fp32
+KEY_SECTION_BYTES = 4096  # a step covers consecutive visible key tiles whose K^T (and V) rows
+                          # hold up to this many bytes per partition, past the ~2.4 KiB where a
+                          # DMA row reaches bandwidth: 4 tiles of 512 keys in bf16/fp16, 2 in fp32
 
 
 # --------------------------------------------------------------------------- kernel helpers
