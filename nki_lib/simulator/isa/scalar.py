@@ -10,27 +10,37 @@ import numpy as np
 
 from ..tensor import NkiTensor
 from ._accum import accumulate
-from ._common import INSTRUCTION, as_op, begin, onchip, read_f32, same_pf, scalar_operand, write
+from ._common import INSTRUCTION, as_op, begin, engine_name, onchip, read_f32, same_pf, scalar_operand, write
 from .constants import reduce_cmd as _reduce_cmd
 
 __all__ = ["activation", "activation_reduce"]
 
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None,
-               reduce_cmd=_reduce_cmd.idle, name=None):
-    """``dst = op(data * scale + bias)``; optional add-reduce into the accumulator / ``reduce_res``."""
+               reduce_cmd=_reduce_cmd.idle, engine=None, name=None):
+    """``dst = op(data * scale + bias)``; optional add-reduce into the accumulator / ``reduce_res``.
+
+    ``engine=nisa.gpsimd_engine`` (NC-v4+) runs it on GpSimd: SBUF only, no accumulator.
+    """
     c = begin("activation")
-    return _activation(c, dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd)
+    eng = engine_name(c, engine, "scalar", ("scalar", "gpsimd"))
+    if eng == "gpsimd":
+        c.check(c.spec.gen >= 4, "engine", "activation on GpSimd needs NC-v4+")
+        c.check(reduce_res is None and reduce_op is None and reduce_cmd == _reduce_cmd.idle, "reduce_cmd",
+                "the accumulator exists only on the Scalar engine")
+        for t, nm in ((data, "data"), (dst, "dst")):
+            c.check(not isinstance(t, NkiTensor) or t._st.kind != "psum", nm, "GpSimd cannot access PSUM")
+    return _activation(c, dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd, eng)
 
 
 def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
     """``activation`` with ``reduce_cmd=reset_reduce`` writing the row reduction to ``reduce_res``."""
     c = begin("activation_reduce")
     c.check(isinstance(reduce_res, NkiTensor), "reduce_res", "activation_reduce needs a reduce_res tile")
-    return _activation(c, dst, op, data, bias, scale, reduce_op, reduce_res, _reduce_cmd.reset_reduce)
+    return _activation(c, dst, op, data, bias, scale, reduce_op, reduce_res, _reduce_cmd.reset_reduce, "scalar")
 
 
-def _activation(c, dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd):
+def _activation(c, dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd, eng):
     fn = as_op(c, op, "op")
     c.check(fn.act is not None, "op", f"{fn!r} is not an activation function")
     pf = onchip(c, data, "data")
@@ -59,6 +69,6 @@ def _activation(c, dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd
     row = y.sum(axis=1, dtype=np.float32) if red is not None else None
     accumulate(c, c.scalar_acc, reduce_cmd, red, row, pf[0], reduce_res)
     writes = (dst,) if reduce_res is None else (dst, reduce_res)
-    c.record("scalar", tuple(reads), writes, dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
+    c.record(eng, tuple(reads), writes, dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
              {"func": fn.name, "reduce": red is not None and reduce_cmd != _reduce_cmd.idle})
     return INSTRUCTION
