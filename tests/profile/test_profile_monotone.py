@@ -111,3 +111,11 @@ def test_trn3_moves_large_rows_faster():
     t = Trace()
     e = t.dma(hbm(new_id(), (128, 8192)), onchip(new_id(), "sbuf", (128, 8192)))
     assert _cost(e, "trn3") < _cost(e, "trn2")
+
+
+def test_trn3_background_transpose_is_cheaper():
+    t = Trace()
+    e = t.add("tensor", "nc_transpose", [onchip(new_id(), "sbuf", (128, 128))], [onchip(new_id(), "psum", (128, 128))],
+              (128, 128), "bfloat16")
+    trn2, trn3 = (instruction_cost(e, params(x)).service_ns for x in TARGETS)
+    assert trn3 == pytest.approx(trn2 * params("trn3").pe_transpose_factor) and trn3 < trn2

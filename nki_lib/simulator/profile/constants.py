@@ -58,6 +58,7 @@ _TRN2: dict[str, Param] = {
     "pe_fp32_factor": Param(4, "x", f"{DOC} §2.1 FP32 inputs cost 4x (ISA doc v2.26)", "M"),
     "pe_fp32_transpose_factor": Param(2, "x", f"{DOC} §2.1 v3+ transpose mode: fp32 2x faster than fp32 "
                                       "matmul (trainium2_arch.rst)", "H"),
+    "pe_transpose_factor": Param(1.0, "x", f"{DOC} §2.1 background transpose is NC-v4 only", "H"),
     "pe_result_latency_ns": Param(600.0, "ns", f"{DOC} §7.1 pe_result_latency (issue -> PSUM visible), "
                                   "third-party Trn2 probe 808 ns total - 213 ns service (§2.7)", "L"),
     "pe_throttle_start_frac": Param(0.5, "fraction", f"{DOC} §2.1 dI/dt throttle: TensorE starts at ~50% "
@@ -145,6 +146,8 @@ _TRN3_OVERRIDES: dict[str, Param] = {
         "MAC/cycle", f"{DOC} §1.2 / §7.1 NC-v4 rates (MXFP8/MXFP4 4x bf16)", "H"),
     "dve_width_16bit_sbuf": Param(4, "elem/lane/cycle", f"{DOC} §1.2 VectorE 512 elem/cycle for "
                                   "BF16/FP16/FP8 (trainium3_arch.rst)", "H"),
+    "pe_transpose_factor": Param(0.5, "x", f"{DOC} §7.2 NC-v4 background transpose: charge 0.5x "
+                                 "(overlaps other matmuls; the hardware decides when)", "M"),
     "dve_width_fp32": Param(2, "elem/lane/cycle", f"{DOC} §1.2 VectorE 256 elem/cycle for other dtypes "
                             "(trainium3_arch.rst)", "H"),
     "dve_fast_dtypes": Param(("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3"), "dtypes",

@@ -9,7 +9,7 @@ elements per partition of the streamed operand (the largest non-HBM access of th
 | engine | opcode | engine cycles |
 |---|---|---|
 | tensor | nc_matmul, nc_matmul_mx | r * max(min(64, M), N); r = 4 for fp32 inputs, 2 for fp32 in transpose mode |
-| tensor | nc_transpose | r * max(P_in, min(64, F_in)) (== the matmul rule with an identity moving) |
+| tensor | nc_transpose | r * max(P_in, min(64, F_in)) (== the matmul rule with an identity moving); x0.5 on trn3 (background transpose) |
 | vector | tensor_copy, tensor_scalar, memset | max(64, N / w), w from dtype/memory/contiguity (§2.2) |
 | vector | tensor_tensor | max(64, passes * N / w): passes 1 if one input is in PSUM, else 2 |
 | vector | tensor_reduce | max(64, N) (N/2 for bf16 in and out with add/max) |
@@ -137,13 +137,15 @@ def _pe_cycles(entry, hw: HardwareParams) -> tuple[float, bool]:
     floor = hw.pe_moving_floor_cycles
     if entry.opcode == "nc_transpose":
         src = entry.reads[0].shape if entry.reads else entry.shape
-        rate = hw.pe_fp32_transpose_factor if fp32 else 1
+        rate = (hw.pe_fp32_transpose_factor if fp32 else 1) * hw.pe_transpose_factor
         return rate * max(src[0] if src else 1, min(floor, _free(src))), True
     if entry.opcode in ("nc_matmul", "nc_matmul_mx"):
         m = int(attrs.get("M", entry.shape[0] if entry.shape else 1))
         n = int(attrs.get("N", _free(entry.shape)))
         transpose = bool(attrs.get("is_transpose", False))
         rate = (hw.pe_fp32_transpose_factor if transpose else hw.pe_fp32_factor) if fp32 else 1
+        if transpose:
+            rate *= hw.pe_transpose_factor
         return rate * max(min(floor, m), n), True
     return max(hw.min_ii_cycles, _stream_elems(entry)), False
 
