@@ -87,3 +87,22 @@ def test_element_work_validation():
         ElementWork(1.0, ("tensor",), "exp")
     with pytest.raises(ValueError, match="cores"):
         roofline(OpCost(1, 1), "trn2", cores=0)
+
+
+def test_calibrated_constants_replace_with_a_source():
+    from nki_lib.simulator.profile import Param
+
+    hw = params("trn2")
+    faster = hw.replace(dma_latency_ns=Param(650.0, "ns", "hypothetical probe for this test", "L"))
+    assert faster.dma_latency_ns == 650.0 and hw.dma_latency_ns == params("trn2").dma_latency_ns
+    with pytest.raises(TypeError, match="Param"):
+        hw.replace(dma_latency_ns=650.0)
+    with pytest.raises(ValueError, match="constant"):
+        hw.replace(nope=Param(1, "x", "s", "L"))
+    t = Trace()
+    from profile_tracegen import hbm
+
+    t.dma(hbm(new_id(), (128, 512)), onchip(new_id(), "sbuf", (128, 512)))
+    assert estimate(t.entries, faster).time_ns == pytest.approx(
+        estimate(t.entries, "trn2").time_ns - (hw.dma_latency_ns - 650.0))
+    assert estimate(t.entries, faster).target == "trn2"

@@ -172,11 +172,24 @@ TARGETS: MappingProxyType = MappingProxyType({
 class HardwareParams:
     """Read-only view of one target's table: ``hw.f_pe`` is the value, ``hw.param("f_pe")`` the Param."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, table=None):
         if target not in TARGETS:
             raise ValueError(f"target must be one of {sorted(TARGETS)}, got {target!r}")
         self.target = target
-        self._table = TARGETS[target]
+        self._table = TARGETS[target] if table is None else table
+
+    def replace(self, **changes: Param) -> "HardwareParams":
+        """A copy with some constants replaced, e.g. by calibration on hardware (doc §7.8).
+
+        Each new value must be a :class:`Param` with its own source and confidence; the table
+        in this module stays the reference for what is published.
+        """
+        for name, value in changes.items():
+            if name not in self._table:
+                raise ValueError(f"no cost-model constant {name!r}")
+            if not isinstance(value, Param):
+                raise TypeError(f"{name}: pass a Param(value, unit, source, confidence), got {type(value).__name__}")
+        return HardwareParams(self.target, MappingProxyType({**self._table, **changes}))
 
     def __getattr__(self, name: str) -> Any:
         table = self.__dict__.get("_table")

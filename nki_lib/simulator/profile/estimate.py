@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .constants import params
+from .constants import HardwareParams, params
 from .roofline import OpCost, Roofline, roofline
 from .schedule import ENGINES, schedule_programs
 
@@ -43,6 +43,7 @@ class Estimate:
     unmodelled: dict = field(default_factory=dict)
     timeline: list | None = None
     critical_path: list = field(default_factory=list, repr=False)
+    hw: HardwareParams | None = field(default=None, repr=False)
 
     def hotspots(self, n: int = 5) -> list[tuple[str, str, str, float, float]]:
         """The kernel lines that make up the critical path, most time first.
@@ -78,7 +79,7 @@ class Estimate:
         return max(self.busy_ns, key=self.busy_ns.get)
 
     def roofline(self, cost: OpCost) -> Roofline:
-        return roofline(cost, self.target, self.grid)
+        return roofline(cost, self.hw or self.target, self.grid)
 
     def tflops(self, cost: OpCost) -> float:
         """Useful TFLOP/s at the estimated time."""
@@ -86,7 +87,7 @@ class Estimate:
 
     def mfu(self, cost: OpCost) -> float:
         """Useful FLOPs over TensorE peak (dtype ``cost.pe_dtype``, ``grid`` cores) times time."""
-        peak = params(self.target).pe_peak_flops(cost.pe_dtype) * self.grid
+        peak = (self.hw or params(self.target)).pe_peak_flops(cost.pe_dtype) * self.grid
         return cost.flops / (peak * self.time_ns * 1e-9)
 
     def roofline_fraction(self, cost: OpCost) -> float:
@@ -116,12 +117,14 @@ def _split_programs(trace) -> dict[int, list]:
     return dict(sorted(programs.items()))
 
 
-def estimate(report_or_trace, target: str | None = None, *, keep_timeline: bool = False) -> Estimate:
+def estimate(report_or_trace, target: str | HardwareParams | None = None, *,
+             keep_timeline: bool = False) -> Estimate:
     """Estimate the device time of a simulated kernel.
 
     ``report_or_trace`` is a ``RunReport`` recorded with tracing on (``report.trace`` not None)
     or a list of ``TraceEntry``. ``target`` defaults to the report's target (a bare trace needs
-    it). ``keep_timeline=True`` keeps ``(index, engine, opcode, start, end, done)`` per
+    it); a :class:`HardwareParams` (e.g. ``params("trn2").replace(...)`` with calibrated
+    constants) is used as is. ``keep_timeline=True`` keeps ``(index, engine, opcode, start, end, done)`` per
     instruction of program 0 in ``Estimate.timeline``.
     """
     trace = getattr(report_or_trace, "trace", report_or_trace)
@@ -132,7 +135,8 @@ def estimate(report_or_trace, target: str | None = None, *, keep_timeline: bool 
     target = target or getattr(report_or_trace, "target", None)
     if target is None:
         raise ValueError("target: required when estimating a bare trace")
-    hw = params(target)
+    hw = target if isinstance(target, HardwareParams) else params(target)
+    target = hw.target
     programs = _split_programs(trace)
     results = schedule_programs(programs, hw, keep_timeline=keep_timeline) if programs else []
     launch = hw.kernel_launch_ns
@@ -160,4 +164,5 @@ def estimate(report_or_trace, target: str | None = None, *, keep_timeline: bool 
         unmodelled=dict(unmodelled),
         timeline=results[0].timeline if results else None,
         critical_path=max(results, key=lambda r: r.makespan_ns).critical_path if results else [],
+        hw=hw,
     )

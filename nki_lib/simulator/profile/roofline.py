@@ -170,11 +170,12 @@ class Roofline:
         return max(terms, key=terms.get)
 
 
-def roofline(cost: OpCost, target: str, cores: int = 1) -> Roofline:
+def roofline(cost: OpCost, target: str | HardwareParams, cores: int = 1) -> Roofline:
     """The classical and engine-aware roofline times of ``cost`` on ``cores`` cores of ``target``."""
     if cores < 1:
         raise ValueError(f"cores must be >= 1, got {cores}")
-    hw = params(target)
+    hw = target if isinstance(target, HardwareParams) else params(target)
+    target = hw.target
     pe_ns = cost.flops / (hw.pe_peak_flops(cost.pe_dtype) * cores) * 1e9
     hbm_ns = cost.hbm_bytes / (hw.dma_bandwidth() * cores)
     return Roofline(target, cores, pe_ns, hbm_ns, element_time_ns(cost.work, hw, cores))
