@@ -31,7 +31,6 @@ is reported with that status and no device estimate: nothing is filled in.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -282,8 +281,3 @@ def _baseline(case: Case, args, kwargs):
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         torch.autograd.grad(first, leaves, torch.ones_like(first), allow_unused=True)
     return out
-
-
-def geometric_mean(values) -> float:
-    values = [v for v in values if v and v > 0]
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
