@@ -34,8 +34,9 @@ DMA (§7.3): ``E_used = min(16, ceil(P / 8))`` engines, each moving ``ceil(P / E
 BW is the per-engine bandwidth, capped at the core's HBM share / 16 when HBM is involved; DMA
 transposes run at 90 % (from HBM) or 50 % (SBUF->SBUF) of it. Consumers see the data
 ``dma_latency`` (1.3 us) after the transfer ends. Descriptor generation costs 600 ns on the
-triggering engine for ``hwdge``, ~1 us + 50 ns per descriptor on GpSimd for ``swdge`` (and for
-indirect gathers/scatters), ~0.1 us (no engine) otherwise.
+triggering engine for ``hwdge``, ~1 us + 50 ns per descriptor (one per contiguous chunk) on
+GpSimd for ``swdge`` (which indirect gathers/scatters require), ~0.1 us (no engine) for static
+or unspecified descriptor generation.
 """
 
 from __future__ import annotations
