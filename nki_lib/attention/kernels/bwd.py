@@ -141,9 +141,10 @@ def _store_kv_grads(dk, dv, b, hk, k0, blocks, dk_psum, dv_psum, started, cfg):
 def _probs(s_psum, stat, q0, k0, qn, kn, tile_masked, cfg, mm_dtype):
     """P (qn, kn) in the matmul dtype; under softcap also tanh^2 (fp32, for the chain rule).
 
-    Masks of partial tiles: document bounds (data) by a VectorE ``range_select`` on the scores
-    before exp; causal/window (affine in row and key) by GpSimd ``affine_select`` on P after exp,
-    selecting 0 (a select, so whatever exp produced at masked positions is discarded)."""
+    Masks of partial tiles: with documents, the per-row bounds (documents, causal and window
+    together) by a VectorE ``range_select`` on the scores before exp; otherwise causal/window
+    (affine in row and key) by GpSimd ``affine_select`` on P after exp, selecting 0 (a select,
+    so whatever exp produced at masked positions is discarded)."""
     pmax = nl.tile_size.pmax
     kw = tiles.key_tile_width()
     neg_lse = stat[:qn, NEG_LSE]
@@ -165,7 +166,7 @@ def _probs(s_psum, stat, q0, k0, qn, kn, tile_masked, cfg, mm_dtype):
             _doc_mask(sm_sb[:qn, :kn], src, stat, k0, qn)
             src = sm_sb[:qn, :kn]
         nisa.activation(dst=p_sb[:qn, :kn], op=nl.exp, data=src, scale=cfg.scale, bias=neg_lse)
-    if tile_masked:
+    if tile_masked and not doc_masked:  # (document bounds already include causal/window)
         for offset, row_step, key_step in _affine_conditions(cfg.mask, q0, qn, k0, kn):
             nisa.affine_select(dst=p_sb[:qn, :kn], pattern=[[key_step, kn]], channel_multiplier=row_step,
                                on_true_tile=p_sb[:qn, :kn], on_false_value=0.0, cmp_op=nl.greater_equal,
