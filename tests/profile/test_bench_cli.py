@@ -2,10 +2,12 @@
 
 import json
 
+import pytest
+
 from nki_lib.bench.cli import main
 from nki_lib.bench.harness import CaseResult, run_case
 from nki_lib.bench.output import SCHEMA, table
-from nki_lib.bench.shapes import Case
+from nki_lib.bench.shapes import Case, sweep
 
 
 def test_unregistered_op_is_reported_not_estimated(monkeypatch):
@@ -64,3 +66,17 @@ def test_targets_report_judges_the_named_part():
                                                                                   0.5}}}})
     assert "SHORT" in targets_report([short])
     assert targets_report([]) == ""
+
+
+def test_train_case_reports_forward_and_backward_apart():
+    case = next(c for c in sweep("smoke") if c.mode == "train" and c.op == "flash_attention")
+    res = run_case(case, ("trn2",), steady=False, cpu_paths=False)
+    if res.status != "ok":  # no backward kernel on this checkout: reported, not estimated
+        assert res.status.startswith("fallback") and res.estimates == {}
+        return
+    est = res.estimates["trn2"]
+    parts = est["parts"]
+    assert set(parts) == {"flash_attention", "flash_attention_backward"}
+    assert sum(p["time_us"] for p in parts.values()) == pytest.approx(est["time_us"])
+    for p in parts.values():
+        assert 0 < p["engine_roofline_fraction"] <= 1 and p["hotspots"]
