@@ -119,3 +119,20 @@ def test_trn3_background_transpose_is_cheaper():
               (128, 128), "bfloat16")
     trn2, trn3 = (instruction_cost(e, params(x)).service_ns for x in TARGETS)
     assert trn3 == pytest.approx(trn2 * params("trn3").pe_transpose_factor) and trn3 < trn2
+
+
+@given(widths=st.lists(st.tuples(st.sampled_from([64, 512, 2048]), st.sampled_from([64, 512, 2048])),
+                       min_size=1, max_size=4))
+def test_lnc2_barriers_only_delay(widths):
+    """Two cores that meet at barriers take at least as long as either core alone, within the bounds."""
+    traces = [Trace(0), Trace(1)]
+    shared = new_id()
+    for w0, w1 in widths:
+        for t, w in zip(traces, (w0, w1)):
+            t.activation(onchip(new_id(), "sbuf", (128, w)), onchip(new_id(), "sbuf", (128, w)), func="exp")
+            t.add("sync", "core_barrier", [hbm(shared, (2, 128))], [], (1,), "bfloat16")
+    both = estimate(traces[0].entries + traces[1].entries, "trn2")
+    assert both.lower_bound_ns <= both.time_ns * (1 + 1e-12) <= both.upper_bound_ns * (1 + 1e-12)
+    for t in traces:
+        alone = [e for e in t.entries if e.opcode != "core_barrier"]
+        assert both.time_ns >= estimate(alone, "trn2").time_ns
