@@ -7,9 +7,12 @@ N = T * k assignments (assignment ``a = t * k + j`` for ``topk_ids[t, j]``),
 NB = ceil(N / block_size) + E - 1. Each expert owns consecutive blocks, experts ascending, its
 assignments ascending within; unused blocks (expert -1) sit at the end, padding slots are -1.
 
-This is bookkeeping, not math: it is PyTorch ops on every path (allowed by the MoE issue), with
-no ``.item()`` and no data-dependent shapes, so it compiles without graph breaks. The only data
-check (ids in [0, E)) runs in the real implementation, never in the fake.
+Paths: the NKI kernel ``kernels/router_plan.py`` on simulator/device (int32 ids, E <= 512,
+power-of-two block_size; otherwise a visible fallback), the PyTorch reference
+(``reference.moe_plan``: stable sort, one-hot counts, cumsums; no ``.item()``, no data-dependent
+shapes) on the reference path. The op is opaque to torch.compile, so it compiles without graph
+breaks either way. The only data check (ids in [0, E)) runs in the real implementation, never in
+the fake.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from nki_lib import registry
-from nki_lib.coverage import LEDGER
+from nki_lib.dispatch import dispatch
 from nki_lib.moe import reference
 from nki_lib.registry import OpSpec, Sample
 
@@ -57,8 +60,16 @@ def moe_plan_op(topk_ids: torch.Tensor, *, num_experts: int, block_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     validate(topk_ids, num_experts=num_experts, block_size=block_size)
     validate_ids_values(topk_ids, num_experts)
-    LEDGER.record_call("moe_plan", "reference")
-    outs = reference.moe_plan(topk_ids, num_experts=num_experts, block_size=block_size)
+    flags = dict(num_experts=num_experts, block_size=block_size)
+    if topk_ids.numel() == 0:           # nothing routed: all blocks unused, all slots padding
+        return reference.moe_plan(topk_ids, **flags)
+
+    def kernel():
+        from nki_lib.moe.kernels import router_plan
+        return router_plan.router_plan(topk_ids, **flags)
+
+    outs = dispatch("moe_plan", (topk_ids,), kernel=kernel,
+                    reference=lambda: reference.moe_plan(topk_ids, **flags))
     return tuple(o.contiguous() for o in outs)
 
 

@@ -1,6 +1,8 @@
-"""moe_plan properties (hypothesis): every assignment exactly once, experts own consecutive blocks in
-ascending order with ascending assignments, padding -1, NB the static bound, counts right; edges
-(all tokens to one expert, experts with no tokens, T * k < block_size, T = 0); bad ids rejected."""
+"""moe_plan properties (hypothesis), on the reference path and on the NKI kernel (simulator,
+strict): every assignment exactly once, experts own consecutive blocks in ascending order with
+ascending assignments, padding -1, NB the static bound, counts right; edges (all tokens to one
+expert, experts with no tokens, T * k < block_size, T = 0); kernel == reference exactly; what
+the kernel cannot serve falls back visibly; bad ids rejected."""
 
 from __future__ import annotations
 
@@ -9,16 +11,20 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+import nki_lib
 import nki_lib.moe  # noqa: F401  (registers the ops)
+from nki_lib.moe import plan as plan_ops
 from nki_lib.moe import reference
+from nki_lib.numerics.oppar import op_parity
 
 
-def plan(ids, e, block_size):
-    return torch.ops.nki.moe_plan(ids, num_experts=e, block_size=block_size)
+def plan(ids, e, block_size, path="reference"):
+    with nki_lib.use_backend(path), nki_lib.strict(path != "reference"):
+        return torch.ops.nki.moe_plan(ids, num_experts=e, block_size=block_size)
 
 
-def check_plan(ids: torch.Tensor, e: int, block_size: int):
-    block_expert, slots, counts = plan(ids, e, block_size)
+def check_plan(ids: torch.Tensor, e: int, block_size: int, path="reference"):
+    block_expert, slots, counts = plan(ids, e, block_size, path)
     t, k = ids.shape
     n = t * k
     nb = -(-n // block_size) + e - 1
@@ -75,12 +81,37 @@ def plan_cases(draw):
 @example((torch.zeros((0, 2), dtype=torch.int32), 4, 8))            # T = 0
 @example((torch.tensor([[1], [1], [1]], dtype=torch.int32), 2, 1))   # expert 0 empty
 def test_plan_properties(case):
-    check_plan(*case)
+    ids, e, block_size = case
+    check_plan(ids, e, block_size)
+    check_plan(ids.to(torch.int32), e, block_size, "simulator")
+
+
+@pytest.mark.parametrize("sample", plan_ops.SPEC.samples(torch.int32, False), ids=lambda s: s.label)
+def test_kernel_equals_reference(sample):
+    result = op_parity(plan_ops.SPEC, sample)
+    assert result.ok, str(result)
+
+
+@pytest.mark.parametrize("ids, e, block_size, reason", [
+    (torch.zeros(4, 2, dtype=torch.int64), 3, 4, "int32"),
+    (torch.zeros(4, 2, dtype=torch.int32), 3, 6, "power of two"),
+    (torch.zeros(4, 2, dtype=torch.int32), 600, 4, "PSUM bank"),
+])
+def test_kernel_limits_fall_back_visibly(ids, e, block_size, reason):
+    nki_lib.reset_coverage()
+    with nki_lib.use_backend("simulator"):
+        got = torch.ops.nki.moe_plan(ids, num_experts=e, block_size=block_size)
+    for a, b in zip(got, reference.moe_plan(ids, num_experts=e, block_size=block_size)):
+        assert torch.equal(a, b)
+    assert reason in str(nki_lib.coverage())
+    with pytest.raises(nki_lib.NKIFallbackError, match=reason):
+        plan(ids, e, block_size, "simulator")
 
 
 def test_plan_matches_fake_shapes_under_compile():
     ids = torch.randint(0, 6, (10, 2), dtype=torch.int32)
-    compiled = torch.compile(lambda i: plan(i, 6, 4), fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(lambda i: torch.ops.nki.moe_plan(i, num_experts=6, block_size=4), fullgraph=True,
+                             backend="aot_eager")
     for got, want in zip(compiled(ids), plan(ids, 6, 4)):
         assert torch.equal(got, want)
 
