@@ -18,6 +18,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     """
     if not (isinstance(window, (tuple, list)) and len(window) == 2):
         raise ValueError(f"window must be a pair (left, right), got {window!r}")
+    if not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
+        raise TypeError(f"window must hold two ints (-1 for unbounded), got {window!r}")
     out, lse = torch.ops.nki.flash_attention(q, k, v, sinks, cu_seqlens, causal=causal, scale=scale,
                                              window_left=window[0], window_right=window[1],
                                              softcap=softcap)
