@@ -177,6 +177,8 @@ class HardwareParams:
             raise ValueError(f"target must be one of {sorted(TARGETS)}, got {target!r}")
         self.target = target
         self._table = TARGETS[target] if table is None else table
+        for name, param in self._table.items():  # plain attributes: the cost rules read them often
+            setattr(self, name, param.value)
 
     def replace(self, **changes: Param) -> "HardwareParams":
         """A copy with some constants replaced, e.g. by calibration on hardware (doc §7.8).
