@@ -65,7 +65,7 @@ def cases(draw) -> Case:
     group = draw(st.integers(1, 3))
     packed = draw(st.booleans())
     sq = draw(st.integers(1, 300))
-    sk = sq if packed else draw(st.integers(1, 300))
+    sk = sq if packed else draw(st.one_of(st.integers(1, 300), st.integers(513, 2200)))
     cu = None
     if packed:
         cuts = draw(st.lists(st.integers(0, sq), max_size=4))
@@ -99,6 +99,9 @@ def _assert_parity(case: Case):
                    cu_seqlens=(0, 60, 200), scale=-0.7, softcap=5.0))
 @example(case=Case(hq=36, hkv=1, sq=40, sk=70, d=256, dtype=torch.float32, causal=True,
                    sinks=True))                                              # 3 GQA passes
+@example(case=Case(sq=200, sk=1100, d=64, causal=True))           # section of 3 tiles, last 76 keys
+@example(case=Case(sq=130, sk=2600, d=32, dtype=torch.float32, window=(700, 100)))  # skips, fp32
+@example(case=Case(hq=2, hkv=2, sq=129, sk=2100, d=128, dtype=torch.float16, sinks=True))  # 4+1
 def test_forward_parity(case):
     _assert_parity(case)
 
