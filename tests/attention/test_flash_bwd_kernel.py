@@ -211,3 +211,18 @@ def test_whole_tile_skipping():
     full = _matmuls()
     assert _matmuls(causal=True) < 0.6 * full
     assert _matmuls(causal=True, window=(128, -1)) < 0.3 * full
+
+
+@pytest.mark.parametrize("hkv", [2, 1])
+def test_lnc2_matches_lnc1(monkeypatch, hkv):
+    """Under LNC2 the programs split the kv heads; the result is bitwise that of LNC1."""
+    sample = make_sample(1, 4, hkv, 150, 300, 32, torch.bfloat16, causal=True, sinks=True)
+    results = []
+    for lnc in ("1", "2"):
+        monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", lnc)
+        with collect_runs() as runs:
+            grads, _ = _backward(sample)
+        assert runs[-1][1].grid == int(lnc)
+        results.append(grads)
+    for a, b in zip(*results):
+        assert torch.equal(_bits(a), _bits(b))

@@ -44,6 +44,10 @@ same PSUM tiles. Deterministic: one fixed accumulation order, no atomics. Whole-
 and masks follow ``tiles.plan_row`` / ``tiles.row_bounds`` exactly like the forward; 128-key
 blocks no query of the tile sees also skip the dV/dK/dQ matmuls.
 
+LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two programs split the kv heads (hk % 2), each with
+its GQA group's query heads, so every output row and dsinks entry has one writer and no
+barrier is needed; with a single kv head the second program idles.
+
 Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile TensorE does S, dP,
 4 x (dV, dK, dS^T, dQ); ScalarE the exp and all PSUM evictions of dS^T/Q/dO; VectorE dS and
 the dQ accumulation; GpSimd (otherwise idle) the causal/window masks of diagonal tiles. The
@@ -71,6 +75,8 @@ most negative float32 before exp), else ``Unsupported``.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -444,13 +450,19 @@ def flash_bwd_kernel(dout, dout_t, dlse, q, q_t, k, k_t, v_t, out, lse, sinks, d
     dq_acc = nl.ndarray((batch, num_heads, (len(q_tiles) + per - 1) // per, pmax, per, head_dim),
                         dtype=nl.float32, buffer=nl.private_hbm)
 
-    bwd_prep.prepare(dout, dlse, out, lse, sinks, doc, mask, dsinks, stats_hbm)
+    # LNC2: the programs split the kv heads (each owns its GQA group's dq/dk/dv rows and dsinks)
+    num_progs = nl.num_programs(0) if nl.program_ndim() > 0 else 1
+    pid = nl.program_id(0) if num_progs > 1 else 0
+    kv_heads = list(range(pid, num_kv_heads, num_progs))
+    heads = [hk * group + g for hk in kv_heads for g in range(group)]
+    bwd_prep.prepare(dout, dlse, out, lse, sinks, doc, mask, dsinks, stats_hbm, heads,
+                     zero_dsinks=sinks is None and pid == 0)
 
     plans = [tiles.plan_row(mask, q0, qn) for q0, qn in q_tiles]
     acc_free = _acc_stride(head_dim)
     ins = (dout, dout_t, q, q_t, dq, dq_acc)
     for b in nl.sequential_range(batch):
-        for hk in nl.sequential_range(num_kv_heads):
+        for hk in kv_heads:
             for k0, kn in tiles.key_tiles(seqlen_k):
                 blocks = tiles.key_blocks(kn)
                 visits = _visits(plans, k0)
@@ -468,7 +480,7 @@ def flash_bwd_kernel(dout, dout_t, dlse, q, q_t, k, k_t, v_t, out, lse, sinks, d
                     nisa.dma_copy(dst=stats_sb, src=stats_hbm[b, h])
                     _head_pass(ins, kv, stats_sb, b, h, visits, k0, kn, plans, cfg)
                 _store_kv_grads(dk, dv, b, hk, k0, blocks, dk_psum, dv_psum, started, cfg)
-        for h in nl.sequential_range(num_heads):
+        for h in heads:
             for t, (q0, qn) in enumerate(q_tiles):
                 if not plans[t]:
                     zeros_sb = nl.ndarray((pmax, head_dim), dtype=dq.dtype, buffer=nl.sbuf)
@@ -478,6 +490,15 @@ def flash_bwd_kernel(dout, dout_t, dlse, q, q_t, k, k_t, v_t, out, lse, sinks, d
 
 
 # --------------------------------------------------------------------------- launcher
+
+def lnc_degree() -> int:
+    """Logical NeuronCore degree to launch with: ``NEURON_LOGICAL_NC_CONFIG`` (1 or 2, the
+    runtime's setting that a kernel launch must match), 1 when unset."""
+    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1").strip()
+    if value not in ("1", "2"):
+        raise ValueError(f"NEURON_LOGICAL_NC_CONFIG must be 1 or 2, got {value!r}")
+    return int(value)
+
 
 def flash_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale, window_left,
               window_right, softcap):
@@ -491,10 +512,11 @@ def flash_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale
         raise Unsupported(f"Sq + Sk = {q.shape[2] + k.shape[2]} >= 2**24 (key indices are float32 in the kernel)")
     if cu_seqlens is not None and softcap == 0 and scale <= 0:
         raise Unsupported("scale <= 0 with cu_seqlens: document-masked scores would not vanish under exp")
+    grid = lnc_degree()
     transposed = lambda t: t.transpose(2, 3).contiguous()  # noqa: E731
     doc = None if cu_seqlens is None else tiles.document_bounds(cu_seqlens, q.shape[2])
     return call_kernel(flash_bwd_kernel, dout.contiguous(), transposed(dout), dlse.contiguous(), q.contiguous(),
                        transposed(q), k.contiguous(), transposed(k), transposed(v), out.contiguous(),
                        lse.contiguous(), None if sinks is None else sinks.contiguous(), doc,
                        causal=bool(causal), scale=float(scale), window_left=int(window_left),
-                       window_right=int(window_right), softcap=float(softcap))
+                       window_right=int(window_right), softcap=float(softcap), grid=grid)

@@ -100,8 +100,9 @@ def _columns(vec, seqlen_q):
     return cols_sb
 
 
-def prepare(dout, dlse, out, lse, sinks, doc, mask, dsinks, stats_hbm):
-    """Fill stats_hbm and dsinks; see the module docstring."""
+def prepare(dout, dlse, out, lse, sinks, doc, mask, dsinks, stats_hbm, heads, zero_dsinks):
+    """Fill stats_hbm and dsinks for the query ``heads`` of this program (all of them under LNC1);
+    ``zero_dsinks``: write the whole dsinks with zeros (no sinks; one program does it)."""
     batch, num_heads, seqlen_q, head_dim = out.shape
     pmax = nl.tile_size.pmax
     num_q_tiles = (seqlen_q + pmax - 1) // pmax
@@ -111,13 +112,13 @@ def prepare(dout, dlse, out, lse, sinks, doc, mask, dsinks, stats_hbm):
     nisa.memset(dst=zero_col, value=0.0)
     ones_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones_sb, value=1.0)
-    if sinks is None:
+    if zero_dsinks:
         zeros_sb = nl.ndarray((1, num_heads), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=zeros_sb, value=0.0)
         nisa.dma_copy(dst=dsinks, src=zeros_sb)
 
     doc_rows = (None, None) if doc is None else (doc[0], doc[1])
-    for h in nl.sequential_range(num_heads):
+    for h in heads:
         if sinks is not None:
             sink_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=sink_sb, src=sinks.ap([[0, pmax], [1, 1]], offset=h))
