@@ -171,3 +171,39 @@ def test_nan_and_inf_propagate_like_the_reference():
     for ref, got in zip(outs["reference"], outs["simulator"]):
         assert torch.isnan(ref).any() or torch.isinf(ref).any()
         assert torch.equal(torch.isnan(ref), torch.isnan(got)) and torch.equal(torch.isinf(ref), torch.isinf(got))
+
+
+@pytest.mark.parametrize("block_size", [None, 16])
+def test_invisible_slots_never_poison_the_result(block_size):
+    """NaN in read-but-invisible slots (past L_b inside the last unit, before the window inside the
+    first unit) and a legitimate inf in another sequence: non-finite outputs exactly where the
+    reference has them."""
+    lengths, sq, window = [300, 150], 2, 40
+    sample = make_sample(2, 2, 1, sq, 16, lengths, torch.float32, block_size=block_size, capacity_=512,
+                         window_left=window)
+    q, k, v, seqlens, table, sinks = sample.args
+    k, v = k.clone(), v.clone()
+
+    def slot(b, pos):           # (index into the cache's first two dims, row) of position pos of b
+        if table is None:
+            return (b, 0), pos
+        return (int(table[b, pos // block_size]), 0), pos % block_size
+
+    for b, length in enumerate(lengths):
+        first = length - sq - window
+        unit = block_size or decode_plan.CONTIGUOUS_UNIT_KEYS
+        invisible = list(range(first // unit * unit, first)) + list(range(length, -(-length // unit) * unit))
+        for pos in invisible:
+            idx, row = slot(b, pos)
+            k[idx + (row,)] = float("nan")
+            v[idx + (row,)] = float("nan")
+    idx, row = slot(0, lengths[0] - 1)
+    v[idx + (row, 0)] = float("inf")
+    outs = {}
+    for path in ("reference", "simulator"):
+        with nki_lib.use_backend(path), nki_lib.strict():
+            outs[path] = torch.ops.nki.decode_attention(q, k, v, seqlens, table, sinks, window_left=window)
+    ref_out, got_out = outs["reference"][0], outs["simulator"][0]
+    assert torch.isfinite(ref_out[1]).all() and not torch.isfinite(ref_out[0]).all()
+    assert torch.equal(torch.isfinite(ref_out), torch.isfinite(got_out))
+    assert torch.equal(torch.isfinite(outs["reference"][1]), torch.isfinite(outs["simulator"][1]))

@@ -37,10 +37,10 @@ One chunk (``u`` keys per gathered unit, ``M`` keys per partition)::
     per block: P = exp(S - m) (ScalarE, row sums per block), P^T (128, n*rn) by n transposes,
       O (rn, D) PSUM          += matmul(P^T_c (128, rn), V[:, slot c] (128, D)) for every slot
 
-Contiguous caches: a chunk made only of needed units is one contiguous HBM run per kv head and
-loads with one hardware-DGE DMA per K/V (``.ap(scalar_offset=col)``, no GpSimd descriptor
-generation); each split visits three chunk ranges in key order -- gathered, direct, gathered
-(``split_bounds`` (B, S, 6)), so only a sequence's first (window) and last chunks gather.
+Each split visits three chunk ranges in key order (``split_bounds`` (B, S, 6)): edge chunks,
+interior chunks (every key inside ``[first, L_b)``), edge chunks. For a contiguous cache an
+interior chunk is one contiguous HBM run per kv head and loads with one hardware-DGE DMA per K/V
+(``.ap(scalar_offset=col)``, no GpSimd descriptor generation); everything else gathers.
 
 Only needed units are read: the launcher replaces the ids of units that hold no key of
 ``[first, L_b)`` by an out-of-range sentinel and the indirect DMA skips them (their SBUF rows keep
@@ -52,8 +52,9 @@ Loop structure::
 
     for b, hk (static):                          q^T (dc, rn) per row tile and head-dim chunk
       for split s (static):                      6 registers <- split_bounds[b, s]
-        for range in (gathered, direct, gathered):   (direct: contiguous caches only)
-          for col in dynamic_range(lo, hi, C/u):     one chunk (above), every row tile
+        for range in (edge, interior, edge):
+          for col in dynamic_range(lo, hi, C/u):     load (edge: + zero V rows outside
+                                                     [first, L_b)), one chunk (above), every row tile
       merge splits + sink; store out (rn, D) and lse (rn, 1) per row tile
 
 K/V chunk buffers: pairs rotate over the (b, hk, split) streams (as many pairs as fit
@@ -66,17 +67,20 @@ states with ``sendrecv`` and both merge; core p stores the row tiles t with t % 
 Shapes (HBM): q (B, Hq, Sq, D); k_units/v_units (N_units, row_stride) -- the cache viewed as rows
 of gatherable units (paged: one block of all kv heads per row, head hk at ``hk * head_offset``;
 contiguous: ``u`` keys of one head per row, ``seq_units`` rows per sequence); unit_table (B, n_cols) int32 unit ids of kv head 0;
-split_bounds (B, S, 6) int32: three [start, stop) ranges in unit columns; row_bounds (B, S, R, 2) float32
+split_bounds (B, S, 6) int32: three [start, stop) ranges in unit columns; key_window (B, S, 2)
+float32 [first, L_b) relative to the split's first key; row_bounds (B, S, R, 2) float32
 (lo, hi) relative to the split's first key; sink_rows (Hkv, R) float32 or None.
 Outputs: out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32.
 Dimension legend: B batch, Hq/Hkv heads, G = Hq/Hkv, Sq new tokens, D head dim, R = G*Sq rows,
 rn rows of a row tile (<= 128), dc head-dim chunk (<= 128), M keys per partition of a chunk,
 C = 128*M keys per chunk, n slots of a score block (<= 4), u keys per unit, S splits.
 
+Garbage is harmless: K rows of keys outside ``[first, L_b)`` only produce masked scores (masking
+is a select), and edge chunks zero the V rows of such keys (``key_window``), so NaN/inf in unused
+slots, in stale rows of skipped units or outside the window never reach P @ V (0 * NaN).
+
 Limits: bf16/fp16/fp32 (P in the input dtype for P @ V); D <= 256; R any (row tiles of 128);
-positions < 2**24 (float32 bounds); unit size u a power of two with C/u <= 128. Cache slots between
-L_b and the end of the last needed unit (and before ``first`` inside the first needed unit) are
-read and masked, so they must hold finite values: 0 * NaN in P @ V would leak.
+positions < 2**24 (float32 bounds); unit size u a power of two with C/u <= 128.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ from nki_lib.attention.kernels.tiles import STAT_INIT
 
 __all__ = ["decode_kernel", "block_slots"]
 
-DIRECT_RANGE = 1                  # split_bounds ranges: gather, direct (hardware DGE), gather
+INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
 CHUNK_BUFFER_BUDGET = 96 * 1024   # SBUF bytes per partition for K/V chunk buffers; streams (one per
                                   # (b, hk, split)) rotate over the pairs that fit, so consecutive
                                   # streams load and compute concurrently
@@ -314,11 +318,12 @@ def _merge_and_store(states, sink_rows, hk, r0, out, lse, row0, dtype):
     nisa.dma_copy(dst=lse.ap([[1, rn], [1, 1]], offset=row0), src=lse_sb)
 
 
-def _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, b, s, head_offset,
-            seq_offset, unit_keys, chunk_pair, blocks, d_spans, scale, softcap, dtype):
+def _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, key_window, key_slots,
+            b, s, head_offset, seq_offset, unit_keys, chunk_pair, blocks, d_spans, scale, softcap, dtype):
     """One (b, hk, split) stream: three device loops over the split's chunks, in key order --
-    gathered chunks, chunks loaded by one hardware-DGE DMA (contiguous caches, chunks made only of
-    needed units; ``seq_offset`` is None for paged caches), gathered chunks."""
+    edge chunks (gathered; V rows of keys outside [first, L_b) zeroed, so garbage or stale
+    NaN/inf there cannot reach P @ V), interior chunks (one hardware-DGE DMA per K/V for a
+    contiguous cache, ``seq_offset`` is None for paged caches, else gathered), edge chunks."""
     pmax = nl.tile_size.pmax
     m = split_states[0].bounds.shape[1]
     d = split_states[0].acc.shape[1]
@@ -333,10 +338,12 @@ def _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, b, s,
         nisa.register_load(reg, bounds_sb[0:1, i:i + 1])
         regs.append(reg)
     n_cols = unit_table.shape[1]
+    window_sb = nl.ndarray((pmax, 2), dtype=nl.float32, buffer=nl.sbuf)     # [first, L) per partition
+    n_split = key_window.shape[1]
+    nisa.dma_copy(dst=window_sb, src=key_window.ap([[0, pmax], [1, 2]], offset=(b * n_split + s) * 2))
     for r in range(n_ranges):
-        direct = r == DIRECT_RANGE
-        if direct and seq_offset is None:
-            continue
+        interior = r == INTERIOR_RANGE
+        direct = interior and seq_offset is not None
         for col in nl.dynamic_range(regs[2 * r], regs[2 * r + 1], units_per_chunk):
             if direct:
                 for cache, buf in ((k_units, k_chunk), (v_units, v_chunk)):
@@ -350,8 +357,23 @@ def _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, b, s,
                                                             indirect_dim=1))
                 _gather_chunk(k_units, idx_sb, head_offset, unit_keys * d, k_chunk)
                 _gather_chunk(v_units, idx_sb, head_offset, unit_keys * d, v_chunk)
+                if not interior:
+                    _zero_invisible_rows(v_chunk, key_slots, window_sb)
             _chunk(split_states, q_t, k_chunk, v_chunk, blocks, d_spans, m, k_units.dtype, scale,
                    softcap, dtype)
+            nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
+
+
+def _zero_invisible_rows(v_chunk, key_slots, window_sb):
+    """V rows of keys outside [first, L) (relative to the chunk) -> 0: their probabilities are 0,
+    but 0 * NaN (garbage past L_b, or stale rows of skipped units) would poison P @ V."""
+    pmax, m = key_slots.shape
+    outside = nl.ndarray((pmax, m), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=outside, data=key_slots, op0=nl.greater_equal, operand0=window_sb[:, 1:2])
+    nisa.scalar_tensor_tensor(dst=outside, data=key_slots, op0=nl.less, operand0=window_sb[:, 0:1],
+                              op1=nl.maximum, operand1=outside)
+    d = v_chunk.shape[1] // m
+    nisa.tensor_copy_predicated(dst=v_chunk, src=0.0, predicate=outside.expand_dim(2).broadcast(2, d))
 
 
 def _chunk(split_states, q_t, k_chunk, v_chunk, blocks, d_spans, m, kv_dtype, scale, softcap, dtype):
@@ -386,7 +408,7 @@ def _exchange(states, pid, first_pipe):
 
 
 @nki.jit
-def decode_kernel(q, k_units, v_units, unit_table, split_bounds, row_bounds, sink_rows,
+def decode_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, row_bounds, sink_rows,
                   n_kv_heads, head_offset, seq_units, unit_keys, keys_per_partition, scale, softcap):
     """Decode attention; see the module docstring for shapes and the algorithm."""
     pmax = nl.tile_size.pmax
@@ -403,6 +425,8 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, row_bounds, sin
     lse = nl.ndarray((batch, n_q_heads, sq), dtype=nl.float32, buffer=nl.shared_hbm)
 
     slot_offsets = _slot_offsets(m)
+    key_slots = nl.ndarray((pmax, m), dtype=nl.float32, buffer=nl.sbuf)   # [p, c] = key p*M + c
+    nisa.iota(dst=key_slots, pattern=[[1, m]], offset=0, channel_multiplier=m)
     pair_bytes = m * d * (k_units.itemsize + v_units.itemsize)
     n_pairs = max(1, min(batch * n_kv_heads * n_split, CHUNK_BUFFER_BUDGET // pair_bytes))
     chunk_bufs = []                  # K/V buffer pairs, zeroed once (rows skipped by a gather stay finite)
@@ -428,7 +452,7 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, row_bounds, sin
         for s in my_splits:
             split_states = [_init_state(row_bounds, b, s, r0, rn, d, m, slot_offsets) for r0, rn in row_spans]
             seq_offset = None if seq_units is None else b * seq_units * k_units.shape[1]
-            _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, b, s,
+            _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, key_window, key_slots, b, s,
                     hk * head_offset, seq_offset, unit_keys, chunk_bufs[stream % n_pairs], blocks,
                     d_spans, scale, softcap, dtype)
             states.append(split_states)

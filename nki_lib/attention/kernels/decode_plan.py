@@ -10,8 +10,10 @@ Host work here is layout glue and small index metadata only (no attention math):
   range ``[max(0, L_b - Sq - window_left), L_b)`` replaced by an out-of-range sentinel (the
   kernel's indirect DMA skips it);
 * ``split_bounds`` (B, S, 6) int32: each split's chunk range in unit columns, as three ranges in
-  key order -- gathered, direct (contiguous caches: chunks made only of needed units, one
-  hardware-DGE DMA each), gathered;
+  key order -- edge chunks, interior chunks (every key inside ``[first, L_b)``: no cleaning, and
+  for a contiguous cache one hardware-DGE DMA per K/V), edge chunks;
+* ``key_window`` (B, S, 2) float32: ``[first, L_b)`` relative to the split's first key (edge
+  chunks zero the V rows of keys outside it);
 * ``row_bounds`` (B, S, R, 2) float32: per query row the visible key interval [lo, hi]
   (position ``L_b - Sq + t`` and the window) relative to the split's first key;
 * ``sink_rows`` (Hkv, R) float32: the sink logit of each query row (an expand of ``sinks``).
@@ -91,20 +93,19 @@ def _unit_view(cache, block_table, unit_keys):
     return rows, per_head * unit_keys * d, table, b * hkv * per_head
 
 
-def _direct_chunks(first, lengths, unit_keys, chunk, paged):
-    """Chunks [lo, hi) of each sequence that consist only of needed units of a contiguous cache:
-    one hardware-DGE DMA loads them whole. Empty (lo = hi = last chunk end) for paged caches."""
+def _interior_chunks(first, lengths, chunk):
+    """Chunks [lo, hi) of each sequence whose keys are all visible to some new token (inside
+    [first, L_b)): no slot needs cleaning, and for a contiguous cache one hardware-DGE DMA loads
+    them whole. Empty (lo = hi = end of the last chunk) when there is none."""
     end = (lengths + chunk - 1) // chunk
-    if paged:
-        return end, end
-    lo = -(-(first // unit_keys * unit_keys) // chunk)
-    hi = (lengths + unit_keys - 1) // unit_keys * unit_keys // chunk
+    lo = (first + chunk - 1) // chunk
+    hi = lengths // chunk
     none = hi <= lo
     return torch.where(none, end, lo), torch.where(none, end, hi)
 
 
 def _split_ranges(edges, direct_lo, direct_hi):
-    """(B, S, 6) chunk ranges of each split, in key order: gathered, direct, gathered."""
+    """(B, S, 6) chunk ranges of each split, in key order: edge, interior, edge."""
     start, stop = edges[:, :-1], edges[:, 1:]
     lo = torch.minimum(torch.maximum(direct_lo[:, None], start), stop)
     hi = torch.minimum(torch.maximum(direct_hi[:, None], lo), stop)
@@ -159,8 +160,9 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale,
     n_chunks = (lengths + chunk - 1) // chunk - c0
     s_idx = torch.arange(n_split + 1, device=dev)
     edges = c0[:, None] + (s_idx[None, :] * n_chunks[:, None]) // n_split          # (B, S+1) chunks
-    split_bounds = _split_ranges(edges, *_direct_chunks(first, lengths, unit_keys, chunk, paged))
-    split_bounds = split_bounds * units_per_chunk
+    split_bounds = _split_ranges(edges, *_interior_chunks(first, lengths, chunk)) * units_per_chunk
+    split_key0 = edges[:, :-1] * chunk                                              # (B, S)
+    key_window = torch.stack([first[:, None] - split_key0, lengths[:, None] - split_key0], dim=-1)
     rows = hq // hkv * sq
     t = torch.arange(rows, device=dev) % sq
     pos = (lengths[:, None] - sq + t[None, :]).to(torch.float32)                      # (B, R)
@@ -173,6 +175,7 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale,
         sink_rows = sink_rows.reshape(hkv, rows).contiguous()
 
     return call_kernel(decode_kernel, q.contiguous(), k_units, v_units, unit_table,
-                       split_bounds.to(torch.int32).contiguous(), row_bounds, sink_rows,
+                       split_bounds.to(torch.int32).contiguous(),
+                       key_window.to(torch.float32).contiguous(), row_bounds, sink_rows,
                        hkv, head_offset, None if paged else n_rows // b, unit_keys, m,
                        resolve_scale(scale, d), float(softcap), grid=grid)
