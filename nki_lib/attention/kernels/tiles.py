@@ -17,9 +17,14 @@ Two kinds of helpers live here:
   which ``range_select`` requires), so ``exp(MASK_FILL - m)`` is exactly 0 for any running max
   ``m >= STAT_INIT``.
 
-Conventions (both kernels): queries on partitions, keys on the free axis; key indices are
-float32 inside the kernel, so sequence lengths must stay below ``MAX_INDEX`` (2**24).
-Dimension legend: Sq/Sk query/key lengths, D head dim, qn/kn rows/keys of one tile.
+Conventions (both kernels): queries on partitions, keys on the free axis.
+Shapes: query tiles (qn <= pmax = 128 rows), score tiles (qn, kn) with kn <= 512 keys (the matmul
+moving size and one fp32 PSUM bank), 128-key blocks for P @ V, head-dim chunks of <= 128; mask
+bounds are (qn, 1) float32 columns; document bounds in HBM are float32 vectors (S,).
+Dimension legend: Sq/Sk query/key lengths, S packed length, D head dim, qn/kn rows/keys of one
+tile.
+Limits: key indices are float32 inside the kernels, so Sq + Sk must stay below ``MAX_INDEX``
+(2**24); ``range_select`` needs NC-v3+ (trn2/trn3).
 """
 
 from __future__ import annotations
@@ -151,7 +156,9 @@ def row_bounds(mask: MaskSpec, q0: int, qn: int, doc_lo=None, doc_hi=None):
         lo_sb = _diagonal_column(qn, diag - mask.window_left)
     else:
         lo_sb = _constant_column(qn, 0.0)
-    hi_shifts = ([0] if mask.causal else []) + ([mask.window_right] if mask.window_right >= 0 else [])
+    hi_shifts = [0] if mask.causal else []
+    if mask.window_right >= 0:
+        hi_shifts.append(mask.window_right)
     if hi_shifts:
         hi_sb = _diagonal_column(qn, diag + min(hi_shifts))
     else:
