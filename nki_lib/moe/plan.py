@@ -109,5 +109,4 @@ SPEC = registry.register(OpSpec(
     report_samples=_report_samples,
     differentiable=False,
     dtypes=(torch.int32,),
-    has_kernel=False,
 ))

@@ -97,7 +97,7 @@ def test_tiny_transformer_converges_and_paths_agree():
     simulated = train(copy.deepcopy(model), "simulator", strict=True)
 
     ledger = str(nki_lib.coverage())
-    for op in ("flash_attention", "moe_router", "moe_experts", "moe_router_backward"):
+    for op in ("flash_attention", "moe_router", "moe_router_backward", "moe_plan", "moe_experts"):
         assert op in ledger
     result = parity(simulated, oracle, baseline, kind="output", dtype=torch.float32, name="loss curve")
     assert result.ok, f"{result}\nsimulator {simulated.tolist()}\noracle {oracle.tolist()}"
