@@ -86,7 +86,10 @@ def test_plan_properties(case):
     check_plan(ids.to(torch.int32), e, block_size, "simulator")
 
 
-@pytest.mark.parametrize("sample", plan_ops.SPEC.samples(torch.int32, False), ids=lambda s: s.label)
+@pytest.mark.parametrize("sample", plan_ops.SPEC.samples(torch.int32, False) + [
+    plan_ops.make_sample(300, 8, 512, 128, seed=3),       # E at the PSUM-row limit, several tiles
+    plan_ops.make_sample(130, 1, 1, 1),                   # E = 1, block_size = 1
+], ids=lambda s: s.label)
 def test_kernel_equals_reference(sample):
     result = op_parity(plan_ops.SPEC, sample)
     assert result.ok, str(result)
