@@ -2,8 +2,10 @@
 
 Gradient parity runs the registered op forward and backward on the simulator through
 ``op_parity`` (q, k, v, sinks gradients, with the loss using both ``out`` and ``lse``), judged
-against the fp64 oracle with the tolerances of ``nki_lib.numerics``. Plus bitwise determinism,
-the ``Unsupported`` fallback reasons of the launcher, and the Sq = Sk = 16384 capacity case.
+against the fp64 oracle with the tolerances of ``nki_lib.numerics``; the kernel alone (fed the
+reference forward) against the fp64 reference backward. Plus bitwise determinism (repeat, and
+LNC1 vs LNC2), whole-tile skipping, the ``Unsupported`` reason of the launcher, and two slow
+cases: the Sq = Sk = 16384 capacity case and a windowed Sq = Sk = 16500 sequence.
 """
 
 import math
