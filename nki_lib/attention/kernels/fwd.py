@@ -218,15 +218,15 @@ def _section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
 
 
 def _softmax_step(state, s_sb, rowmax, p_dtype):
-    """Update neg_m with the tile; returns P = exp(s - m_new) (qn, kn), alpha = exp(m - m_new)
+    """Update neg_m with the section; returns P = exp(s - m_new) (qn, slen), alpha = exp(m - m_new)
     and the row sum of P (qn, 1) (l is updated later, with acc, by :func:`_stage_acc`)."""
-    qn, kn = s_sb.shape
+    qn, slen = s_sb.shape
     neg_m_new = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
                        op1=nl.minimum, operand1=state.neg_m)
     alpha = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, scale=-1.0, bias=neg_m_new)
-    p_sb = nl.ndarray((qn, kn), dtype=p_dtype, buffer=nl.sbuf)
+    p_sb = nl.ndarray((qn, slen), dtype=p_dtype, buffer=nl.sbuf)
     rowsum = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=p_sb, op=nl.exp, data=s_sb, bias=neg_m_new, reduce_op=nl.add,
                     reduce_res=rowsum, reduce_cmd=nisa.reduce_cmd.reset_reduce)
@@ -274,11 +274,11 @@ def _evict_pt(pt_tiles, slen):
     return pt_sb
 
 
-def _p_times_v(pt_sb, v_sb, kn):
+def _p_times_v(pt_sb, v_sb, slen):
     """O (qn, D) fp32 PSUM = P @ V, contracting the 128-key blocks of P^T on TensorE."""
     qn = pt_sb.shape[2]
     o_psum = nl.ndarray((qn, v_sb.shape[2]), dtype=nl.float32, buffer=nl.psum)
-    for j, (_, bn) in enumerate(key_blocks(kn)):
+    for j, (_, bn) in enumerate(key_blocks(slen)):
         nisa.nc_matmul(dst=o_psum, stationary=pt_sb[0:bn, j, :], moving=v_sb[0:bn, j, :],
                        accumulate=j > 0)
     return o_psum
