@@ -4,6 +4,8 @@ QUADRANT = 32                       # partitions per VectorE shuffle / transpose
 VECTOR_TRANSPOSE_MAX = 32           # VectorE nc_transpose: P, F <= 32
 GPSIMD_CORE_PARTITIONS = 16         # GpSimd: 8 cores x 16 partitions
 MAX_FREE_DIMS = 4                   # free dims of one hardware access pattern
+FREE_MAX_SBUF = 65536               # compute-engine operand: elements per partition in SBUF
+FREE_MAX_PSUM = 4096                # compute-engine operand: elements per partition in PSUM
 TOPK_WIDTH = 8                      # max8 / nc_find_index8 values per partition
 TOPK_MAX_FREE = 16384               # max8 / nc_find_index8: elements per partition
 SHUFFLE_KEEP = 255                  # nc_stream_shuffle mask entry that leaves dst unchanged

@@ -364,3 +364,21 @@ def test_var_and_rms_norm_wrappers_match_fp64():
     rms = lambda a, b: a * torch.rsqrt(a.pow(2).mean(1, keepdim=True) + 1e-6) * b  # noqa: E731
     assert_parity(torch.from_numpy(got_rms), rms(x64, w64), rms(x32, w32), kind="output", dtype=torch.float32,
                   name="rms_norm")
+
+
+def test_trn3_bf16_matmul_result_may_exceed_the_vector_psum_free_limit():
+    @jit
+    def wide(s_hbm, m_hbm):
+        s_sb = nl.load(s_hbm)
+        m_sb = nl.load(m_hbm)
+        acc_psum = nl.ndarray((s_hbm.shape[1], m_hbm.shape[1]), dtype=nl.bfloat16, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc_psum, stationary=s_sb, moving=m_sb)
+        return s_hbm
+
+    before = get_target()
+    try:
+        set_target("trn3")
+        simulate(wide)(np.ones((4, 2), BF16), np.ones((4, 8192), BF16))
+        assert last_run().trace[-1].attrs["N"] == 8192
+    finally:
+        set_target(before)

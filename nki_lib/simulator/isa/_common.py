@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import cast_to, is_int, to_f32
-from ..hw import MAX_FREE_DIMS
+from ..hw import FREE_MAX_PSUM, FREE_MAX_SBUF, MAX_FREE_DIMS
 from ..ops import Op, lookup_op
 from ..state import Program, current
 from ..tensor import NkiTensor
@@ -46,8 +46,11 @@ def engine_name(c: Program, eng, default: str, allowed: tuple) -> str:
     return name
 
 
-def onchip(c: Program, t, operand: str, sbuf=True, psum=True, why="") -> tuple[int, int]:
-    """Check ``t`` is an on-chip tile in an allowed memory; returns (P, elements per partition)."""
+def onchip(c: Program, t, operand: str, sbuf=True, psum=True, why="", free_limit=True) -> tuple[int, int]:
+    """Check ``t`` is an on-chip tile in an allowed memory; returns (P, elements per partition).
+
+    ``free_limit``: apply the Vector/Scalar/GpSimd elements-per-partition limits (not for TensorE results).
+    """
     if not isinstance(t, NkiTensor):
         c.fail(operand, f"expected an NkiTensor tile, got {type(t).__name__}")
     kind = t._st.kind
@@ -65,7 +68,11 @@ def onchip(c: Program, t, operand: str, sbuf=True, psum=True, why="") -> tuple[i
     p = t._shape[0]
     if p > c.spec.pmax:
         c.fail(operand, f"partition dimension {p} exceeds maximum {c.spec.pmax}")
-    return p, t._size // p
+    f = t._size // p
+    if free_limit and f > (FREE_MAX_SBUF if kind == "sbuf" else FREE_MAX_PSUM):
+        c.fail(operand, f"{f} elements per partition exceed the compute-engine limit for {kind.upper()} "
+                        f"operands ({FREE_MAX_SBUF if kind == 'sbuf' else FREE_MAX_PSUM})")
+    return p, f
 
 
 def same_pf(c: Program, ref: tuple, t, operand: str, sbuf=True, psum=True, why="") -> tuple[int, int]:

@@ -35,7 +35,7 @@ def _check_inputs(c, stationary, moving):
 
 
 def _psum_dst(c, dst, n, transpose):
-    pf = onchip(c, dst, "dst", sbuf=False, why=" (nc_matmul writes PSUM)")
+    pf = onchip(c, dst, "dst", sbuf=False, why=" (nc_matmul writes PSUM)", free_limit=False)
     allowed = ("float32", "bfloat16") if c.spec.gen >= 4 else ("float32",)
     c.check(transpose or dst._dtype in allowed, "dst",
             f"matmul PSUM result must be {' or '.join(allowed)} on {c.spec.name}, got {dst._dtype}")
