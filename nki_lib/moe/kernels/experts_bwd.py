@@ -207,40 +207,46 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols):
             scatter_rows(dx_slots, asg_sb, dx_sb, g0)
 
 
+def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_reg, c0, cn, activation,
+             dg_t, du_t, acc_gu, acc_d):
+    """One I chunk of a block (all its tiles die on return): g, u, dhy per slot tile (contraction
+    over H tiles in PSUM), the elementwise gradients, dg/du transposed into dgT/duT, and the
+    chunk's weight gradients accumulated into the expert's fp32 rows."""
+    pmax = nl.tile_size.pmax
+    inter = w_down.shape[2]
+    h_tiles = tiles(w_down.shape[1], pmax)
+    weights = (load_expert_t(w_gate_up, expert_reg, h_tiles, c0, cn),
+               load_expert_t(w_gate_up, expert_reg, h_tiles, inter + c0, cn),
+               load_expert_cols(w_down, expert_reg, h_tiles, c0, cn))
+    chunk = []
+    for (s0, ps, _, _, w_col, _), dw_acc in zip(slot_tiles, dw_accs):
+        psums = [nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum) for _ in weights]
+        for ht, (h0, hs) in enumerate(h_tiles):
+            for dst, src_t, w_sb in zip(psums, (x_t, x_t, dy_t), weights):
+                nisa.nc_matmul(dst=dst, stationary=src_t[:hs, ht, s0:s0 + ps], moving=w_sb[:hs, ht, :],
+                               accumulate=ht > 0)
+        grads = _mlp_grads(*psums, w_col, activation, x_t.dtype, dw_acc, c0 == 0)
+        it0 = c0 // pmax
+        n_sub = len(tiles(cn, pmax))
+        transpose_rows(dg_t[:, it0:it0 + n_sub, :], grads[1], s0)
+        transpose_rows(du_t[:, it0:it0 + n_sub, :], grads[2], s0)
+        chunk.append(grads)
+    _chunk_weight_grads(slot_tiles, do_rows, chunk, acc_gu, acc_d, expert_reg, c0, inter)
+
+
 def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
                i_chunk, dx_cols, acc_gu, acc_d, dx_slots, dtopk):
     pmax = nl.tile_size.pmax
-    hidden = x.shape[1]
     inter = w_down.shape[2]
-    h_tiles = tiles(hidden, pmax)
     slot_tiles, x_t = load_block_inputs(x, topk_w, tok_ids, asg_ids, b, block)
     do_rows, dy_t = _load_grad_rows(dy, slot_tiles, block)
     n_it = len(tiles(inter, pmax))
     dg_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     du_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     dw_accs = [nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
-    for ci, (c0, cn) in enumerate(tiles(inter, i_chunk)):
-        wg_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, c0, cn)
-        wu_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, inter + c0, cn)
-        wd_sb = load_expert_cols(w_down, expert_reg, h_tiles, c0, cn)
-        chunk = []
-        for (s0, ps, _, _, w_col, _), dw_acc in zip(slot_tiles, dw_accs):
-            g_psum = nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum)
-            u_psum = nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum)
-            dhy_psum = nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum)
-            for ht, (h0, hs) in enumerate(h_tiles):
-                for dst, src_t, w_sb in ((g_psum, x_t, wg_sb), (u_psum, x_t, wu_sb), (dhy_psum, dy_t, wd_sb)):
-                    nisa.nc_matmul(dst=dst, stationary=src_t[:hs, ht, s0:s0 + ps], moving=w_sb[:hs, ht, :],
-                                   accumulate=ht > 0)
-            grads = _mlp_grads(g_psum, u_psum, dhy_psum, w_col, activation, x.dtype, dw_acc, ci == 0)
-            del g_psum, u_psum, dhy_psum
-            it0 = c0 // pmax
-            n_sub = len(tiles(cn, pmax))
-            transpose_rows(dg_t[:, it0:it0 + n_sub, :], grads[1], s0)
-            transpose_rows(du_t[:, it0:it0 + n_sub, :], grads[2], s0)
-            chunk.append(grads)
-        del wg_sb, wu_sb, wd_sb
-        _chunk_weight_grads(slot_tiles, do_rows, chunk, acc_gu, acc_d, expert_reg, c0, inter)
+    for c0, cn in tiles(inter, i_chunk):
+        _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_reg, c0, cn, activation,
+                 dg_t, du_t, acc_gu, acc_d)
     _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols)
     for (_, _, _, asg_sb, _, _), dw_acc in zip(slot_tiles, dw_accs):
         scatter_rows(dtopk, asg_sb, dw_acc, 0)
@@ -280,16 +286,19 @@ def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_blocks):
     """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` and dx staging
-    width ``dx_cols`` (upper bound)."""
+    width ``dx_cols`` (upper bound): the block's resident tiles plus the largest of its three
+    phases (loading rows, I chunks, dx), whose tiles are freed before the next phase."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
-    slot_tiles = st * (3 * hidden * itemsize + 4 * 4)            # x, dy, do rows; ids, weight, d weight
+    slot_tiles = st * (2 * hidden * itemsize + 4 * 4)            # x, do rows; ids, weight, d weight
     resident = (2 * ht + 2 * it) * block * itemsize             # xT, dyT, dgT, duT
-    staging = 2 * min(hidden, WEIGHT_SPAN) * itemsize                # natural W rows before transposes
-    streamed = 3 * ht * i_chunk * itemsize + staging                 # W_gate^T, W_up^T, W_down columns
-    chunk = st * 3 * i_chunk * itemsize + 2 * _FP32_TEMPS * i_chunk * 4   # h, dg, du; fp32 temporaries
-    tails = 2 * fmax * 4 + 2 * fmax * itemsize + staged_bytes(dx_cols, hidden, st)   # RMW, W rows, dx rows
-    body = slot_tiles + resident + streamed + chunk + tails
+    load = 2 * hidden * itemsize                                # phase 1: dy rows (two generations)
+    staging = 2 * min(hidden, WEIGHT_SPAN) * itemsize           # natural W rows before transposes
+    streamed = 3 * ht * i_chunk * itemsize + staging            # W_gate^T, W_up^T, W_down columns
+    chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * _FP32_TEMPS * i_chunk * 4   # h, dg, du; fp32 temps
+    chunks = streamed + chunk + 2 * fmax * 4                    # phase 2, with the RMW tile
+    dx = 2 * fmax * itemsize + staged_bytes(dx_cols, hidden, st)   # phase 3: W rows, dx rows
+    body = slot_tiles + resident + max(load, chunks, dx)
     return flags_sbuf_bytes(n_blocks, block) + fmax * 4 + max(body, tail_sbuf_bytes(top_k, itemsize))
 
 
