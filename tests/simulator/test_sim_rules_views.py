@@ -171,3 +171,25 @@ def test_matmul_fp32_with_fp8_operand():
         return x_hbm
 
     check_rule_error(_raise(fp32_with_fp8, ONE), fp32_with_fp8, MARK, instruction="nc_matmul")
+
+
+SBUF_FREE_MAX = 64 * 1024   # Vector/Scalar free elements per partition for SBUF operands (§3.5)
+PSUM_FREE_MAX = 4 * 1024    # ... and for PSUM operands
+
+
+def test_compute_free_size_limits():
+    def sbuf_too_long(x_hbm):
+        a_sb = nl.ndarray((1, SBUF_FREE_MAX + 2), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=a_sb[:, 0:SBUF_FREE_MAX], value=0.0)
+        nisa.memset(dst=a_sb, value=0.0)  # VIOLATION
+        return x_hbm
+
+    check_rule_error(_raise(sbuf_too_long, ONE), sbuf_too_long, MARK, instruction="memset", operand="dst")
+
+    def psum_too_long(x_hbm):
+        a_psum = nl.ndarray((1, PSUM_FREE_MAX + 2), dtype=nl.bfloat16, buffer=nl.psum)
+        nisa.memset(dst=a_psum[:, 0:PSUM_FREE_MAX], value=0.0)
+        nisa.memset(dst=a_psum, value=0.0)  # VIOLATION
+        return x_hbm
+
+    check_rule_error(_raise(psum_too_long, ONE), psum_too_long, MARK, instruction="memset", operand="dst")
