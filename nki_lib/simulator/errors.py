@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["NKIRuleError", "kernel_source"]
+__all__ = ["NKIRuleError", "kernel_source", "fail"]
 
 
 
@@ -46,3 +46,8 @@ class NKIRuleError(ValueError):
 
     def __reduce__(self):
         return (type(self), (self.instruction, self.operand, self.rule, self.source))
+
+
+def fail(instruction: str, operand: str, rule: str):
+    """Raise an NKIRuleError for the innermost kernel line."""
+    raise NKIRuleError(instruction, operand, rule, kernel_source(2))

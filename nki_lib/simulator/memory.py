@@ -22,17 +22,36 @@ from __future__ import annotations
 
 import threading
 import weakref
+from enum import Enum
 
 import numpy as np
 
 from .dtypes import NkiDType, is_float, is_int, np_dtype
 from .target import TargetSpec
 
-__all__ = ["Storage", "MemoryTracker", "ONCHIP", "HBM_KINDS"]
+__all__ = ["Storage", "MemoryTracker", "MemoryRegion", "KIND_TO_REGION", "ONCHIP", "HBM_KINDS"]
 
 ONCHIP = ("sbuf", "psum")
 HBM_KINDS = ("hbm", "private_hbm", "shared_hbm")
 _INT_SENTINEL = 4
+
+
+class MemoryRegion(str, Enum):
+    """``nl.sbuf`` / ``nl.psum`` / ``nl.private_hbm`` (= ``nl.hbm``) / ``nl.shared_hbm``."""
+
+    sbuf = "sbuf"
+    psum = "psum"
+    private_hbm = "private_hbm"
+    shared_hbm = "shared_hbm"
+
+    def __str__(self) -> str:
+        return self.value
+
+    hbm = "private_hbm"  # alias (Enum makes it the same member)
+
+
+KIND_TO_REGION = {"sbuf": MemoryRegion.sbuf, "psum": MemoryRegion.psum, "hbm": MemoryRegion.private_hbm,
+                   "private_hbm": MemoryRegion.private_hbm, "shared_hbm": MemoryRegion.shared_hbm}
 
 
 class Storage:
