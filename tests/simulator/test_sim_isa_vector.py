@@ -10,6 +10,8 @@ For IEEE add/sub/mul/max/min/compare this is bit-exact, so these tests compare b
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
@@ -462,3 +464,38 @@ def test_activation_reduce_legacy_form(rng):
     y, row_sum = run_tiles(act_reduce, x)
     np.testing.assert_array_equal(y, x * x)
     np.testing.assert_array_equal(row_sum, (x * x).sum(axis=1, keepdims=True))
+
+
+_ALU = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply, "maximum": np.maximum,
+        "minimum": np.minimum}
+
+
+@given(
+    p=st.integers(1, 128), f=st.integers(1, 200),
+    op0=st.sampled_from(sorted(_ALU)), op1=st.sampled_from([None] + sorted(_ALU)),
+    reverse0=st.booleans(), reverse1=st.booleans(),
+    in_dtype=st.sampled_from(FLOAT_DTYPES), out_dtype=st.sampled_from(FLOAT_DTYPES),
+    tile_operand=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_tensor_scalar_matches_the_fp32_model(p, f, op0, op1, reverse0, reverse1, in_dtype, out_dtype, tile_operand,
+                                              seed):
+    rng = np.random.default_rng(seed)
+    x = _rand(rng, (p, f), in_dtype)
+    s0 = _rand(rng, (p, 1), FP32) if tile_operand else np.float32(rng.uniform(-2, 2))
+    s1 = np.float32(rng.uniform(-2, 2))
+
+    def body(x_sb, *operands):
+        y_sb = _out(x_sb, out_dtype)
+        operand0 = operands[0] if tile_operand else float(s0)
+        nisa.tensor_scalar(dst=y_sb, data=x_sb, op0=getattr(nl, op0), operand0=operand0, reverse0=reverse0,
+                           op1=getattr(nl, op1) if op1 else None, operand1=float(s1) if op1 else None,
+                           reverse1=reverse1)
+        return y_sb
+
+    t = x.astype(np.float32)
+    t = _ALU[op0](s0, t) if reverse0 else _ALU[op0](t, s0)
+    if op1:
+        t = _ALU[op1](s1, t) if reverse1 else _ALU[op1](t, s1)
+    expected = t.astype(np.float32).astype(out_dtype)
+    args = (x, s0) if tile_operand else (x,)
+    np.testing.assert_array_equal(bits(run_tiles(body, *args)), bits(expected))
