@@ -93,6 +93,8 @@ SCORE_LEAD = 3         # QK^T and the row max of a step are issued this many ite
 PV_LAG = 2             # P @ V of a step is issued this many iterations after its P^T (its V
                        # is loaded one iteration before the P^T)
 ACC_LAG = 3            # the acc update of a step is issued this many iterations after its P^T
+QUERY_SECTION_TILES = 4  # q^T of this many consecutive query tiles is loaded by one DMA per head
+                         # (1 KiB rows in bf16 instead of 256 B)
 LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
                        # ScalarE table switch to log and back per batch, 8 B/partition each
 KEY_SECTION_BYTES = 4096  # a step covers consecutive visible key tiles whose K^T (and V) rows
@@ -110,7 +112,7 @@ class _RowState(nl.NKIObject):
 
 
 def _load_q(q_t, b, h, q0, qn, chunks):
-    """q^T tiles (dc, qn) of head h, one per head-dim chunk."""
+    """q^T tiles (dc, qn) of head h for the queries [q0, q0 + qn), one per head-dim chunk."""
     q_tiles = []
     for c0, dc in chunks:
         q_sb = nl.ndarray((dc, qn), dtype=q_t.dtype, buffer=nl.sbuf)
@@ -340,22 +342,38 @@ class _Ctx(nl.NKIObject):
     """Kernel-wide inputs, outputs and compile-time flags, passed to the step helpers."""
 
 
+class _QuerySection(nl.NKIObject):
+    """q^T of up to QUERY_SECTION_TILES consecutive query tiles of the same heads, loaded by one
+    DMA per head and chunk, shared by the groups of those tiles (released after the last)."""
+
+
 class _Group(nl.NKIObject):
     """One query tile [q0, q0 + qn) of one pass over (part of) the GQA group of kv head hk: the
     query heads it serves, its key-tile plan, and once opened its resident tiles."""
 
 
 def _plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys):
+    q_spans = query_tiles(mask.sq)
+    n_tiles = len(q_spans)
     groups = []
     for b in range(n_batch):
         for hk in range(n_kv_heads):
-            for q0, qn in query_tiles(mask.sq):
+            passes = [tuple(hk * group + g for g in range(g0, min(group, g0 + n_pass)))
+                      for g0 in range(0, group, n_pass)]
+            q_secs = []
+            for t0 in range(0, n_tiles, QUERY_SECTION_TILES):
+                t1 = min(n_tiles, t0 + QUERY_SECTION_TILES)
+                first = q_spans[t0][0]
+                span = q_spans[t1 - 1][0] + q_spans[t1 - 1][1] - first
+                q_secs.append([_QuerySection(q0=first, length=span, users=t1 - t0, tiles=None)
+                               for _ in passes])
+            for t, (q0, qn) in enumerate(q_spans):
                 plan = plan_row(mask, q0, qn)
-                for g0 in range(0, group, n_pass):
-                    heads = tuple(hk * group + g for g in range(g0, min(group, g0 + n_pass)))
+                for pi, heads in enumerate(passes):
                     groups.append(_Group(b=b, hk=hk, q0=q0, qn=qn, heads=heads, plan=plan,
-                                         sections=_key_sections(plan, section_keys), q_tiles=None,
-                                         states=None, bounds=None, k=None, v=None))
+                                         sections=_key_sections(plan, section_keys),
+                                         q_sec=q_secs[t // QUERY_SECTION_TILES][pi],
+                                         q_tiles=None, states=None, bounds=None, k=None, v=None))
     return groups
 
 
@@ -417,7 +435,13 @@ def _load_k(ctx, groups, steps, s):
     gi, si, _ = steps[s]
     grp = groups[gi]
     if grp.states is None:
-        grp.q_tiles = [_load_q(ctx.q_t, grp.b, h, grp.q0, grp.qn, ctx.chunks) for h in grp.heads]
+        sec = grp.q_sec
+        if sec.tiles is None:
+            sec.tiles = [_load_q(ctx.q_t, grp.b, h, sec.q0, sec.length, ctx.chunks)
+                         for h in grp.heads]
+        off = grp.q0 - sec.q0
+        grp.q_tiles = [[q_sb[:, off:off + grp.qn] for q_sb in head_tiles]
+                       for head_tiles in sec.tiles]
         grp.states = [_init_state(ctx.sinks, h, grp.qn, ctx.d, ctx.has_sinks) for h in grp.heads]
         grp.k = [None] * len(grp.sections)
         grp.v = [None] * len(grp.sections)
@@ -524,6 +548,9 @@ def _close_group(grp, out, pending_lse):
     for i in range(len(grp.heads)):
         _store_out(grp.states[i], out, grp.b, grp.heads[i], grp.q0)
         pending_lse.append((grp.states[i], grp.b, grp.heads[i], grp.q0))
+    grp.q_sec.users -= 1
+    if grp.q_sec.users == 0:
+        grp.q_sec.tiles = None
     grp.q_tiles, grp.states, grp.bounds, grp.k, grp.v = None, None, None, None, None
 
 
@@ -539,7 +566,8 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
                     window_right=window_right, has_docs=has_docs)
     chunks = head_dim_chunks(d)
     q_bytes = _FP32_BYTES if q_t.dtype == nl.float32 else _HALF_BYTES
-    state_bytes = len(chunks) * nl.tile_size.pmax * q_bytes + (d + 2) * _FP32_BYTES
+    state_bytes = (len(chunks) * QUERY_SECTION_TILES * nl.tile_size.pmax * q_bytes
+                   + (d + 2) * _FP32_BYTES)
     group = n_q_heads // n_kv_heads
     n_pass = heads_per_pass(group, state_bytes,
                             nl.tile_size.total_available_sbuf_size // STATE_SBUF_SHARE)
