@@ -105,3 +105,12 @@ def requested_path(tensors: Iterable[torch.Tensor | None]) -> str:
         return backend
     on_neuron = any(t is not None and t.device.type == "neuron" for t in tensors)
     return "device" if on_neuron and device_available() else "reference"
+
+
+def lnc_degree() -> int:
+    """Logical NeuronCore degree for kernel launches: ``NEURON_LOGICAL_NC_CONFIG`` (1 or 2;
+    default 1), the variable the Neuron runtime and compiler read (nki-api.md §2.1)."""
+    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1").strip()
+    if value not in ("1", "2"):
+        raise ValueError(f"NEURON_LOGICAL_NC_CONFIG must be 1 or 2, got {value!r}")
+    return int(value)

@@ -31,7 +31,7 @@ weight^T (H x E) plus one token tile (checked by the launcher against ``sbuf_fma
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.attention.kernels.decode_plan import lnc_degree
+from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import Unsupported, call_kernel
 from nki_lib.moe.kernels import router_common as rc
 

@@ -32,7 +32,7 @@ Limits: SBUF holds weight (E x H) and the fp32 dweight accumulator (E x H) plus 
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.attention.kernels.decode_plan import lnc_degree
+from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import Unsupported, call_kernel
 from nki_lib.moe.kernels import router_common as rc
 
