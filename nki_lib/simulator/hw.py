@@ -12,3 +12,5 @@ SHUFFLE_KEEP = 255                  # nc_stream_shuffle mask entry that leaves d
 GPSIMD_DMA_BYTES = {4: 1024, 2: 512, 1: 256}   # sendrecv gpsimd_dma: bytes per partition by itemsize
 MATMUL_TILE_SIZES = (32, 64, 128)   # nc_matmul tile_size entries (32 needs NC-v3+)
 LOCAL_GATHER_ELEMS = (1, 2, 4, 8, 16, 32)
+DGE_TRANSPOSE_ROWS = 16             # dma_transpose on the HW DGE: source rows (2-d) / row granule (3/4-d)
+DGE_TRANSPOSE_MAX_LAST = 128        # dma_transpose on the HW DGE: max elements of the source's last dim

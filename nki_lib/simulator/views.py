@@ -159,7 +159,8 @@ class ViewMethods:
                 _fail("flatten_dims", self._name, f"dims {start_dim}..{end_dim} are not contiguous")
         count = int(np.prod(self._shape[start_dim:end_dim + 1]))
         return self._derive(self._offset, list(self._shape[:start_dim]) + [count] + list(self._shape[end_dim + 1:]),
-                            list(self._strides[:start_dim]) + [self._strides[end_dim]] + list(self._strides[end_dim + 1:]),
+                            list(self._strides[:start_dim]) + [self._strides[end_dim]]
+                            + list(self._strides[end_dim + 1:]),
                             "flatten_dims")
 
     def rearrange(self, src_pattern, dst_pattern, fixed_sizes=None):

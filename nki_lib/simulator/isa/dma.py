@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import cast_to, is_packed, to_f32
+from ..hw import DGE_TRANSPOSE_MAX_LAST, DGE_TRANSPOSE_ROWS
 from ..memory import ONCHIP
 from ..tensor import NkiTensor
 from ._common import INSTRUCTION, as_op, begin
@@ -100,6 +101,8 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=_dge_mode.unknown
     c.check(tuple(dst._shape) == want, "dst", f"shape {dst._shape} must equal the permuted src shape {want}")
     if dge_mode == _dge_mode.hwdge or src._dyn is not None:
         c.check(src._dtype.itemsize == 2, "src", "the hwdge / indirect dma_transpose paths need 2-byte dtypes")
+    if dge_mode == _dge_mode.hwdge:
+        _hwdge_transpose_shape(c, src._shape)
     vals, rows = src._gather(c.opcode, "src", skip)
     if vals is None:
         c.record("dma", (src,), (dst,), dst._shape, dst._dtype, 0, 0, _attrs(src, dst, skipped=True))
@@ -109,6 +112,21 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=_dge_mode.unknown
     c.record("dma", (src,), (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
              _attrs(src, dst, axes=axes, dge_mode=dge_mode.name))
     return INSTRUCTION
+
+
+def _hwdge_transpose_shape(c, shape):
+    """HW-DGE transpose shapes (nki-api.md §8.10): rows 16 (2-D) or a power of two <= 16 with
+    rows * shape[-2] a multiple of 16 (3/4-D); at most 128 elements in the last dim."""
+    rows = shape[0]
+    if len(shape) == 2:
+        c.check(rows == DGE_TRANSPOSE_ROWS, "src",
+                f"hwdge 2-d transpose needs {DGE_TRANSPOSE_ROWS} source rows, got {rows}")
+    else:
+        c.check(rows in (1, 2, 4, 8, DGE_TRANSPOSE_ROWS) and rows * shape[-2] % DGE_TRANSPOSE_ROWS == 0, "src",
+                f"hwdge transpose needs shape[0] in 1..{DGE_TRANSPOSE_ROWS} (power of two) and shape[0] * shape[-2] "
+                f"a multiple of {DGE_TRANSPOSE_ROWS}, got {shape}")
+    c.check(shape[-1] <= DGE_TRANSPOSE_MAX_LAST, "src",
+            f"hwdge transpose needs shape[-1] <= {DGE_TRANSPOSE_MAX_LAST}, got {shape[-1]}")
 
 
 def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=_oob_mode.error, name=None):

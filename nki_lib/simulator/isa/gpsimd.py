@@ -28,7 +28,8 @@ def _affine(c, pattern, offset, channel_multiplier, p, f):
         c.check(isinstance(pair, (list, tuple)) and len(pair) == 2, "pattern", f"bad pattern entry {pair!r}")
         steps.append(int(pair[0]))
         nums.append(int(pair[1]))
-    c.check(int(np.prod(nums)) == f, "pattern", f"pattern covers {int(np.prod(nums))} elements, dst has {f} per partition")
+    covered = int(np.prod(nums))
+    c.check(covered == f, "pattern", f"pattern covers {covered} elements, dst has {f} per partition")
     vals = np.full((p,) + tuple(nums), int(offset), dtype=np.int64)
     vals += (np.arange(p, dtype=np.int64) * int(channel_multiplier)).reshape((p,) + (1,) * len(nums))
     for d, (s, n) in enumerate(zip(steps, nums)):

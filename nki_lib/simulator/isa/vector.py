@@ -305,7 +305,8 @@ def max8(dst, src, name=None):
     c = begin("max8")
     pf = onchip(c, src, "src")
     c.check(len(src._shape) <= 3, "src", "src may have at most 3 dims")
-    c.check(TOPK_WIDTH <= pf[1] <= TOPK_MAX_FREE, "src", f"needs {TOPK_WIDTH}..{TOPK_MAX_FREE} elements per partition, has {pf[1]}")
+    c.check(TOPK_WIDTH <= pf[1] <= TOPK_MAX_FREE, "src",
+            f"needs {TOPK_WIDTH}..{TOPK_MAX_FREE} elements per partition, has {pf[1]}")
     dpf = onchip(c, dst, "dst")
     c.check(dpf == (pf[0], TOPK_WIDTH), "dst", f"dst must be ({pf[0]}, {TOPK_WIDTH})")
     x = read_f32(c, src, "src", pf)
@@ -319,7 +320,8 @@ def nc_find_index8(dst, data, vals, name=None):
     """Index of the first occurrence of each of 8 ``vals`` per partition (duplicates: successive matches)."""
     c = begin("nc_find_index8")
     pf = onchip(c, data, "data")
-    c.check(TOPK_WIDTH <= pf[1] <= TOPK_MAX_FREE, "data", f"needs {TOPK_WIDTH}..{TOPK_MAX_FREE} elements per partition, has {pf[1]}")
+    c.check(TOPK_WIDTH <= pf[1] <= TOPK_MAX_FREE, "data",
+            f"needs {TOPK_WIDTH}..{TOPK_MAX_FREE} elements per partition, has {pf[1]}")
     c.check(onchip(c, vals, "vals") == (pf[0], TOPK_WIDTH), "vals", f"vals must be ({pf[0]}, {TOPK_WIDTH})")
     c.check(onchip(c, dst, "dst") == (pf[0], TOPK_WIDTH), "dst", f"dst must be ({pf[0]}, {TOPK_WIDTH})")
     c.check(dst._dtype in ("uint32", "uint16"), "dst", f"dst must be uint32 or uint16, got {dst._dtype}")
