@@ -321,3 +321,45 @@ def test_accumulate_true_onto_a_fresh_psum_tile_reads_its_nan(rng):
         return _evict(acc_psum)
 
     assert np.isnan(run_tiles(fresh, stationary, moving)).all()
+
+
+_PSUM_COLS = 64
+_column_range = st.tuples(st.integers(0, _PSUM_COLS - 1), st.integers(1, _PSUM_COLS)).map(
+    lambda r: (min(r[0], r[1] - 1), max(r[0] + 1, r[1])))
+_psum_step = st.one_of(
+    st.tuples(st.just("matmul"), _column_range, st.sampled_from([None, True, False])),
+    st.tuples(st.just("memset"), _column_range, st.integers(-3, 3)),
+)
+
+
+@given(steps=st.lists(_psum_step, min_size=1, max_size=6), seed=st.integers(0, 2**16))
+def test_psum_write_sequences_follow_the_accumulate_model(steps, seed):
+    # model of §8.8 / §14.1: per-location "written by a matmul" flag; auto mode overwrites where
+    # unset and adds where set; any non-TensorE write clears the flag; fresh PSUM reads NaN
+    rng = np.random.default_rng(seed)
+    stationary = _ints(rng, (32, 16), BF16)
+    moving = _ints(rng, (32, _PSUM_COLS), BF16)
+    product = _product(stationary, moving)
+    value = np.full((16, _PSUM_COLS), np.nan, np.float32)
+    started = np.zeros((16, _PSUM_COLS), bool)
+    for kind, (lo, hi), arg in steps:
+        cols = slice(lo, hi)
+        if kind == "memset":
+            value[:, cols], started[:, cols] = arg, False
+            continue
+        if arg is None:
+            value[:, cols] = np.where(started[:, cols], value[:, cols] + product[:, cols], product[:, cols])
+        else:
+            value[:, cols] = value[:, cols] + product[:, cols] if arg else product[:, cols]
+        started[:, cols] = True
+
+    def sequence(s_sb, m_sb):
+        acc_psum = nl.ndarray((16, _PSUM_COLS), dtype=nl.float32, buffer=nl.psum)
+        for kind, (lo, hi), arg in steps:
+            if kind == "memset":
+                nisa.memset(dst=acc_psum[:, lo:hi], value=float(arg))
+            else:
+                nisa.nc_matmul(dst=acc_psum[:, lo:hi], stationary=s_sb, moving=m_sb[:, lo:hi], accumulate=arg)
+        return _evict(acc_psum)
+
+    np.testing.assert_array_equal(run_tiles(sequence, stationary, moving), value)
