@@ -365,7 +365,7 @@ def _plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys):
                 t1 = min(n_tiles, t0 + QUERY_SECTION_TILES)
                 first = q_spans[t0][0]
                 span = q_spans[t1 - 1][0] + q_spans[t1 - 1][1] - first
-                q_secs.append([_QuerySection(q0=first, length=span, users=t1 - t0, tiles=None)
+                q_secs.append([_QuerySection(q0=first, length=span, users=0, tiles=None)
                                for _ in passes])
             for t, (q0, qn) in enumerate(q_spans):
                 plan = plan_row(mask, q0, qn)
@@ -576,6 +576,10 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
     section_keys = max(key_tile_width(), KEY_SECTION_BYTES // q_bytes)
     groups = _program_share(_plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys),
                             nl.num_programs(axes=0), nl.program_id(axis=0))
+    for grp in groups:              # query sections are released after their last group here
+        grp.q_sec.users = 0
+    for grp in groups:
+        grp.q_sec.users += 1
     steps = _plan_steps(groups)
     n_steps = len(steps)
     work = [None] * n_steps
