@@ -49,9 +49,10 @@ group's output is stored after its last acc update; lse is finished in batches o
 (one ScalarE log per batch, a TensorE transpose so each row is stored contiguously).
 
 DMA layouts: q^T/k^T tiles read contiguous rows of the launcher's (D, S) layouts (q^T one DMA
-per head for QUERY_SECTION_TILES consecutive query tiles, K^T one DMA per section); V of a section is read "interleaved" (partition p of block j holds key
-``s0 + n_full * p + j``) so every partition reads one contiguous run of ``n_full * D``
-elements, and the transposes pick the matching strided columns of P.
+per head for QUERY_SECTION_TILES consecutive query tiles, K^T one DMA per section); V of a
+section is read "interleaved" (partition p of block j holds key ``s0 + n_full * p + j``) so
+every partition reads one contiguous run of ``n_full * D`` elements, and the transposes pick
+the matching strided columns of P.
 
 Shapes (HBM, prepared by the launcher; transposes are layout glue): q_t (B, Hq, D, Sq),
 k_t (B, Hkv, D, Sk), v (B, Hkv, Sk, D), sinks (Hq,) float32, doc (2, S) float32 with the first
