@@ -13,7 +13,8 @@ one query tile x key tile pair), ``bwd_prep`` (phase 0: per-row statistics, dsin
 
 Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace time):
 
-    phase 0 (bwd_prep): per (h, b, query tile): delta, -lse, mask bounds -> stats scratch; dsinks
+    phase 0 (bwd_prep): per (h, b, query tile): delta, -lse (and the per-row key bounds with
+                        documents) -> stats scratch; dsinks
     for b, kv head hk, key tile [k0, k0 + kn), kn <= 512 (one fp32 PSUM bank of scores):
         load K (keys on partitions), K^T and V^T (head dim on partitions)
         dK, dV accumulators of the key tile stay in PSUM (fp32) until the tile is done
