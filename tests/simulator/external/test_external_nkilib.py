@@ -56,3 +56,38 @@ def test_cascaded_max_library_axis_is_rejected(load_kernels, rng):
     err = info.value
     assert (err.instruction, err.operand) == ("tensor_reduce", "axis")
     assert err.source.startswith("kernels_nkilib_cascaded_max.py:")
+
+
+# ---- cross_entropy_forward (activation exp/log, tensor_reduce, -inf memset, dynamic DMA with
+#      scalar_offset/indirect_dim, nki.dtype argument, name= kwargs, LNC2 remainder split) -----
+
+@pytest.mark.parametrize("grid", [1, 2])
+def test_cross_entropy_forward(load_kernels, rng, trn2, grid):
+    k = load_kernels("kernels_nkilib_cross_entropy")
+    nl = sim.language
+    num_positions, vocab = 7, 300
+    logits = (3 * rng.standard_normal((num_positions, vocab))).astype(np.float32)
+    targets = rng.integers(0, vocab, size=num_positions).astype(np.int32)
+    kernel = k.cross_entropy_forward if grid == 1 else k.cross_entropy_forward[grid]
+    loss, lse = sim.simulate(kernel)(logits, targets, positions_per_batch=2, chunk_size=128, dtype=nl.float32)
+
+    x64 = logits.astype(np.float64)
+    lse_oracle = np.log(np.exp(x64 - x64.max(axis=1, keepdims=True)).sum(axis=1)) + x64.max(axis=1)
+    loss_oracle = lse_oracle - x64[np.arange(num_positions), targets]
+    lse_base = torch.logsumexp(torch.from_numpy(logits), dim=1)
+    loss_base = lse_base - torch.from_numpy(logits)[torch.arange(num_positions), torch.from_numpy(targets).long()]
+    assert_parity(torch.from_numpy(lse), torch.from_numpy(lse_oracle), lse_base, kind="output",
+                  dtype=torch.float32, name="lse")
+    assert_parity(torch.from_numpy(loss), torch.from_numpy(loss_oracle), loss_base, kind="output",
+                  dtype=torch.float32, name="loss")
+    report = sim.last_run()
+    gathers = [e for e in report.trace if e.opcode == "dma_copy" and e.reads[0].shape == (1, 1)
+               and e.reads[0].memory != "sbuf"]
+    assert report.grid == grid and len(gathers) == num_positions  # one target-logit gather per row
+
+
+def test_cross_entropy_platform_target_jit_option_is_refused(nki_modules):
+    """The library's ``@nki.jit(platform_target="trn2")`` spelling: removed in NKI 0.3 (§2.1)."""
+    nki, _, _ = nki_modules
+    with pytest.raises(TypeError, match="platform_target"):
+        nki.jit(platform_target="trn2")
