@@ -91,3 +91,38 @@ def test_cross_entropy_platform_target_jit_option_is_refused(nki_modules):
     nki, _, _ = nki_modules
     with pytest.raises(TypeError, match="platform_target"):
         nki.jit(platform_target="trn2")
+
+
+# ---- gen_mask_tkg (iota with channel_multiplier, stride-0 .ap() replication on the Scalar
+#      engine, tensor_scalar nl.less with a (P,1) operand, 5-D memset, .ap() batch select,
+#      stride-0 HBM partition broadcast DMA, LNC2 s_prior sharding) -----------------------------
+
+def _expected_mask(pos_ids, n_tile, q_head, s_active, block_len, strided, program_id):
+    p = np.arange(sim.tile_size.pmax)[:, None]
+    f = np.arange(n_tile)[None, :]
+    base = program_id * sim.tile_size.pmax * n_tile
+    if block_len:
+        key = base + (f // block_len) * sim.tile_size.pmax * block_len + p * block_len + f % block_len
+    elif strided:
+        key = base + p * n_tile + f
+    else:
+        key = base + p + f * sim.tile_size.pmax
+    first_pos = pos_ids[0, ::s_active]                                   # [bs]
+    mask = key[:, :, None] < first_pos[None, None, :]                    # [P, n_tile, bs]
+    return np.broadcast_to(mask[..., None, None], mask.shape + (q_head, s_active))
+
+
+@pytest.mark.parametrize("layout", [dict(block_len=0, strided_mm1=True), dict(block_len=0, strided_mm1=False),
+                                    dict(block_len=2, strided_mm1=True)], ids=["flat-strided", "flat", "block2"])
+@pytest.mark.parametrize("grid", [1, 2])
+def test_gen_mask_tkg(load_kernels, rng, layout, grid):
+    k = load_kernels("kernels_nkilib_gen_mask")
+    n_tile, q_head, s_active, bs = 4, 2, 2, 3
+    pos_ids = rng.integers(0, 2 * sim.tile_size.pmax * n_tile, size=(1, bs * s_active)).astype(np.float32)
+    kernel = k.gen_mask_kernel if grid == 1 else k.gen_mask_kernel[grid]
+    mask = sim.simulate(kernel)(pos_ids, n_tile, q_head, s_active, **layout)
+    assert mask.shape == (grid, sim.tile_size.pmax, n_tile, bs, q_head, s_active)
+    for program_id in range(grid):
+        expected = _expected_mask(pos_ids, n_tile, q_head, s_active, layout["block_len"],
+                                  layout["strided_mm1"], program_id)
+        np.testing.assert_array_equal(mask[program_id], expected.astype(np.float32))
