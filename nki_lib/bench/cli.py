@@ -4,6 +4,7 @@ Usage::
 
     nki-lib bench [--sweep default|full|smoke|targets] [--ops OP ...] [--models NAME ...]
                   [--targets trn2,trn3] [--out DIR] [--no-steady] [--no-cpu] [--no-plot] [--limit N]
+                  [--lnc 1|2]
 
 Writes ``DIR/bench.jsonl`` (schema in benchmarks/README.md), ``DIR/bench.txt`` (the table),
 ``DIR/roofline_<family>.png`` and ``DIR/command.txt``; prints the table, with a progress bar on
@@ -35,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cpu", action="store_true", help="skip the CPU reference / baseline timings")
     p.add_argument("--no-plot", action="store_true", help="skip the roofline PNGs")
     p.add_argument("--limit", type=int, default=None, help="run only the first N cases")
+    p.add_argument("--lnc", type=int, choices=(1, 2), default=None,
+                   help="logical NeuronCore degree the kernels launch with (sets NEURON_LOGICAL_NC_CONFIG; "
+                        "default: the environment's, else 1)")
     return p
 
 
@@ -63,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     from nki_lib.bench.output import Progress, plot_rooflines, table, targets_report, write_jsonl
     from nki_lib.bench.shapes import sweep
 
+    if args.lnc is not None:
+        os.environ["NEURON_LOGICAL_NC_CONFIG"] = str(args.lnc)
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     for t in targets:
         if t not in ("trn2", "trn3"):
@@ -87,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         command = "nki-lib bench " + " ".join(argv if argv is not None else sys.argv[1:])
         header = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                  "sweep": args.sweep, "targets": list(targets), "torch": torch.__version__,
+                  "sweep": args.sweep, "targets": list(targets),
+                  "lnc": os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1"), "torch": torch.__version__,
                   "python": platform.python_version(), "machine": platform.machine(),
                   "nki_lib": getattr(nki_lib, "__version__", "?")}
         write_jsonl(os.path.join(args.out, "bench.jsonl"), results, header)
