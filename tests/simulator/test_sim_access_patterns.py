@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from nki_lib.simulator import NKIRuleError, jit, simulate
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import BF16, bits, run_tiles
+from sim_helpers import BF16, FLOAT_DTYPES, INT_DTYPES, bits, run_tiles
 
 
 def _hbm_kernel(body):
@@ -373,3 +373,35 @@ def test_hbm_ap_matches_the_flat_storage_model(case):
     grids = np.meshgrid(*[np.arange(c) for _, c in pattern], indexing="ij")
     index = offset + sum(stride * g for (stride, _), g in zip(pattern, grids))
     np.testing.assert_array_equal(_hbm_kernel(read_pattern)(storage), storage[index].reshape(1, count))
+
+
+def _via_fp32(values, dst_dtype):
+    """Spec model of a copy (§6.3, §8.1, §14.2): equal dtypes move bits; otherwise src -> fp32 ->
+    dst, RNE for floats, round-half-even then saturate for integers."""
+    if values.dtype == dst_dtype:
+        return values
+    f32 = values.astype(np.float32)
+    if dst_dtype.kind in "iu":
+        info = np.iinfo(dst_dtype)
+        return np.clip(np.rint(f32.astype(np.float64)), info.min, info.max).astype(dst_dtype)
+    return f32.astype(dst_dtype)
+
+
+_ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES
+
+
+@given(src_dtype=st.sampled_from(_ALL_DTYPES), dst_dtype=st.sampled_from(_ALL_DTYPES), seed=st.integers(0, 2**16))
+def test_dma_copy_converts_through_fp32(src_dtype, dst_dtype, seed):
+    rng = np.random.default_rng(seed)
+    if src_dtype.kind in "iu":
+        info = np.iinfo(src_dtype)
+        x = rng.integers(info.min, info.max, size=(8, 16), endpoint=True).astype(src_dtype)
+    else:
+        x = (rng.standard_normal((8, 16)) * 300).astype(np.float32).astype(src_dtype)
+
+    def convert(x_hbm):
+        y_sb = nl.ndarray((8, 16), dtype=dst_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=y_sb, src=x_hbm)
+        return y_sb
+
+    np.testing.assert_array_equal(bits(_hbm_kernel(convert)(x)), bits(_via_fp32(x, dst_dtype)))
