@@ -374,3 +374,29 @@ def test_unwritten_sbuf_and_psum_read_as_nan(dtype):
     assert (a32[:, :4] == 0).all()
     assert np.isnan(a32[:, 4:]).all()
     assert np.isnan(b32).all()
+
+
+def test_rule_error_in_one_lnc2_program_does_not_deadlock_the_other():
+    import threading
+
+    def one_bad_program(x_hbm):
+        out = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+        if nl.program_id(axis=0) == 1:
+            acc_psum = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.psum)
+            nisa.dma_copy(dst=acc_psum, src=x_hbm)  # VIOLATION
+        nisa.core_barrier(out, (0, 1))  # program 0 waits here for program 1
+        return out
+
+    outcome = {}
+
+    def launch():
+        try:
+            simulate(jit(one_bad_program)[2])(np.zeros((4, 4), np.float32))
+        except NKIRuleError as err:
+            outcome["err"] = err
+
+    runner = threading.Thread(target=launch, daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "LNC2 run deadlocked after a rule error in one program"
+    check_rule_error(outcome["err"], one_bad_program, MARK, instruction="dma_copy", operand="dst")
