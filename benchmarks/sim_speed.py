@@ -8,9 +8,10 @@ off) with seconds, executed instructions, the simulated matmul throughput and th
 setting, and judges the result against an fp64 oracle with ``nki_lib.numerics.parity`` (the
 baseline is NumPy's fp32 product rounded to bf16), so a fast wrong answer cannot pass unnoticed.
 
-Note: the tile matmuls are small (at most 128 x 128 x 512); on a loaded machine a multi-threaded
-OpenBLAS spends most of its time waiting for threads (measured here: 62 ms per tile with the
-default threads vs 1.3 ms with ``OPENBLAS_NUM_THREADS=1``), so compare both settings.
+Note: the tile matmuls are small (at most 128 x 128 x 512); on an overloaded machine a
+multi-threaded OpenBLAS spends most of its time waiting for threads (measured here at load
+average 15 on 2 cores: 62 ms per tile with the default threads vs 1.3 ms with
+``OPENBLAS_NUM_THREADS=1``; the 2048^3 run took 19.5 s vs 2.0 s), so compare both settings.
 
 Kernel (dimension legend: M, N output rows/columns, K contraction; tile sizes from
 ``nl.tile_size``): for each N tile of gemm_moving_fmax columns the moving tiles of all K blocks
