@@ -126,3 +126,22 @@ def test_gen_mask_tkg(load_kernels, rng, layout, grid):
         expected = _expected_mask(pos_ids, n_tile, q_head, s_active, layout["block_len"],
                                   layout["strided_mm1"], program_id)
         np.testing.assert_array_equal(mask[program_id], expected.astype(np.float32))
+
+
+# ---- cross_partition_copy (nc_stream_shuffle with the 255 keep-mask, partition-offset copies) --
+
+@pytest.mark.parametrize("src_start, dst_start, count", [
+    (0, 32, 40),    # dst quadrant-aligned: one tensor_copy
+    (5, 37, 10),    # inside one dst quadrant: one shuffle
+    (10, 10, 50),   # spans quadrants, remaining src aligned
+    (3, 50, 60),    # spans quadrants, remaining src unaligned across two src quadrants
+    (20, 33, 20),   # spans quadrants, remaining src unaligned within one src quadrant
+])
+def test_cross_partition_copy(load_kernels, rng, src_start, dst_start, count):
+    k = load_kernels("kernels_nkilib_cross_partition_copy")
+    src = rng.standard_normal((sim.tile_size.pmax, 24)).astype(np.float32)
+    dst = rng.standard_normal((sim.tile_size.pmax, 24)).astype(np.float32)
+    out = sim.simulate(k.cross_partition_copy_kernel)(src, dst, src_start, dst_start, count)
+    expected = dst.copy()
+    expected[dst_start:dst_start + count] = src[src_start:src_start + count]
+    np.testing.assert_array_equal(out, expected)
