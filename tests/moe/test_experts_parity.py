@@ -95,3 +95,9 @@ def test_narrow_tilings(monkeypatch):
     monkeypatch.setattr(experts_fwd, "tiling", lambda *a, **k: narrow)
     monkeypatch.setattr(experts_bwd, "tiling", lambda *a, **k: narrow)
     check(sample(6, 300, 2 * 128 + 44, 3, 2, 8, torch.bfloat16, "gelu_tanh"))
+
+
+def test_expert_spanning_many_blocks():
+    """First, middle and last blocks of one expert: fp32 weight-gradient accumulation across blocks."""
+    ids = torch.tensor([[1, 0]] * 13)                                 # expert 1: 13 slots -> 4 blocks
+    check(sample(13, 24, 16, 3, 2, 4, torch.bfloat16, topk_ids=ids))

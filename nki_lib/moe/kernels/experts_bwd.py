@@ -56,6 +56,7 @@ from nki_lib.moe.kernels.experts_fwd import (
 from nki_lib.moe.reference_experts import _GELU_TANH_A, _GELU_TANH_C
 
 ACT_GRAD_FN = {"silu": "silu_dx", "gelu": "gelu_dx"}   # ScalarE derivative functions
+ACC_MODES = ("only", "first", "middle", "last")          # a block's place among its expert's blocks
 _FP32_TEMPS = 10    # fp32 (slots x I chunk) temporaries of _mlp_grads / _gelu_tanh_grad, upper bound
 
 
@@ -120,32 +121,100 @@ def _mlp_grads(g_psum, u_psum, dhy_psum, w_col, activation, dtype, dw_acc, first
 
 # --------------------------------------------------------------------------- accumulators
 
-def zero_fill(acc):
-    """acc (E, R, C) fp32 in HBM = 0."""
-    experts, rows, cols = acc.shape
-    pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
-    zero_sb = nl.ndarray((pmax, min(cols, fmax)), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=zero_sb, value=0.0)
-    for r0, rs in tiles(experts * rows, pmax):
-        for c0, cn in tiles(cols, fmax):
-            nisa.dma_copy(dst=acc.ap([[cols, rs], [1, cn]], offset=r0 * cols + c0), src=zero_sb[:rs, :cn])
+def accumulation_modes(expert_sb):
+    """(1, 4, NB) int32 flags per block, one of them 1 for a used block: the block is its expert's
+    only / first / middle / last block (the plan keeps an expert's blocks consecutive)."""
+    n_blocks = expert_sb.shape[1]
+    edges_sb = nl.ndarray((1, 4, n_blocks), dtype=nl.int32, buffer=nl.sbuf)   # first, last, not f., not l.
+    nisa.memset(dst=edges_sb[:, 0, 0:1], value=1)
+    nisa.memset(dst=edges_sb[:, 1, n_blocks - 1:n_blocks], value=1)
+    if n_blocks > 1:
+        nisa.tensor_tensor(dst=edges_sb[:, 0, 1:], data1=expert_sb[:, 1:], data2=expert_sb[:, :n_blocks - 1],
+                           op=nl.not_equal)
+        nisa.tensor_tensor(dst=edges_sb[:, 1, :n_blocks - 1], data1=expert_sb[:, :n_blocks - 1],
+                           data2=expert_sb[:, 1:], op=nl.not_equal)
+    for i in (0, 1):
+        nisa.tensor_scalar(dst=edges_sb[:, 2 + i, :], data=edges_sb[:, i, :], op0=nl.multiply, operand0=-1,
+                           op1=nl.add, operand1=1)
+    modes_sb = nl.ndarray((1, len(ACC_MODES), n_blocks), dtype=nl.int32, buffer=nl.sbuf)
+    for m, (a, b) in enumerate(((0, 1), (0, 3), (2, 3), (2, 1))):   # only, first, middle, last
+        nisa.tensor_tensor(dst=modes_sb[:, m, :], data1=edges_sb[:, a, :], data2=edges_sb[:, b, :],
+                           op=nl.multiply)
+    return modes_sb
 
 
-def accumulate_rows(acc, expert_reg, r0, c0, part_psum):
-    """acc[e, r0 : r0 + rs, c0 : c0 + cn] += part (fp32 read-modify-write in HBM)."""
+def mode_registers(modes_sb, b):
+    regs = []
+    for m in range(len(ACC_MODES)):
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, modes_sb[0:1, m, b:b + 1])
+        regs.append(reg)
+    return regs
+
+
+def _store(dst_view, part_psum, dtype):
+    out_sb = nl.ndarray(part_psum.shape, dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=out_sb, src=part_psum)
+    nisa.dma_copy(dst=dst_view, src=out_sb)
+
+
+def _add_store(dst_view, acc_view, part_psum, dtype):
+    old_sb = nl.ndarray(part_psum.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=old_sb, src=acc_view)
+    out_sb = nl.ndarray(part_psum.shape, dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=out_sb, data1=old_sb, data2=part_psum, op=nl.add)
+    nisa.dma_copy(dst=dst_view, src=out_sb)
+
+
+def accumulate_rows(acc, out, mode_regs, expert_reg, r0, c0, part_psum):
+    """Add part (rs, cn) into the expert's gradient rows [r0 : r0 + rs, c0 : c0 + cn], by the
+    block's mode (dynamic loops of 0/1 trips): only -> out = part; first -> acc = part;
+    middle -> acc += part; last -> out = acc + part (acc fp32 in HBM, out in the weights' dtype).
+    An expert with one block never touches the fp32 accumulator."""
     rs, cn = part_psum.shape
     cols = acc.shape[2]
-    acc_view = acc.ap([[cols, rs], [1, cn]], offset=r0 * cols + c0, scalar_offset=expert_reg, indirect_dim=0)
-    old_sb = nl.ndarray((rs, cn), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=old_sb, src=acc_view)
-    nisa.tensor_tensor(dst=old_sb, data1=old_sb, data2=part_psum, op=nl.add)
-    nisa.dma_copy(dst=acc_view, src=old_sb)
+
+    def rows(t):
+        return t.ap([[cols, rs], [1, cn]], offset=r0 * cols + c0, scalar_offset=expert_reg, indirect_dim=0)
+
+    only_reg, first_reg, middle_reg, last_reg = mode_regs
+    for _ in nl.dynamic_range(0, only_reg):
+        _store(rows(out), part_psum, out.dtype)
+    for _ in nl.dynamic_range(0, first_reg):
+        _store(rows(acc), part_psum, nl.float32)
+    for _ in nl.dynamic_range(0, middle_reg):
+        _add_store(rows(acc), rows(acc), part_psum, nl.float32)
+    for _ in nl.dynamic_range(0, last_reg):
+        _add_store(rows(out), rows(acc), part_psum, out.dtype)
 
 
-def cast_out(acc, out):
-    """out (E, R, C) = acc (fp32), one DMA (with dtype conversion) per expert."""
-    for e in nl.affine_range(acc.shape[0]):
-        nisa.dma_copy(dst=out[e], src=acc[e])
+def zero_idle_experts(block_expert, outs):
+    """outs[i][e] = 0 for every expert e that owns no block (dynamic loops of 0/1 trips)."""
+    pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    n_blocks = block_expert.shape[0]
+    experts = outs[0].shape[0]
+    for e0, et in tiles(experts, pmax):
+        be_sb = nl.ndarray((et, n_blocks), dtype=nl.int32, buffer=nl.sbuf)   # block experts, per partition
+        nisa.dma_copy(dst=be_sb, src=block_expert.ap([[0, et], [1, n_blocks]], offset=0))
+        ids_sb = nl.ndarray((et, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.iota(dst=ids_sb, pattern=[[0, 1]], offset=e0, channel_multiplier=1)
+        hits_sb = nl.ndarray((et, n_blocks), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=hits_sb, data=be_sb, op0=nl.equal, operand0=ids_sb)
+        count_sb = nl.ndarray((et, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=count_sb, op=nl.add, data=hits_sb, axis=1)
+        idle_sb = nl.ndarray((et, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=idle_sb, data=count_sb, op0=nl.equal, operand0=0.0)
+        for e in range(e0, e0 + et):
+            idle_reg = nisa.register_alloc()
+            nisa.register_load(idle_reg, idle_sb[e - e0:e - e0 + 1, 0:1])
+            for _ in nl.dynamic_range(0, idle_reg):
+                for out in outs:
+                    rows, cols = out.shape[1], out.shape[2]
+                    zero_sb = nl.ndarray((pmax, min(cols, fmax)), dtype=out.dtype, buffer=nl.sbuf)
+                    nisa.memset(dst=zero_sb, value=0.0)
+                    for r0, rs in tiles(rows, pmax):
+                        for c0, cn in tiles(cols, fmax):
+                            nisa.dma_copy(dst=out[e, r0:r0 + rs, c0:c0 + cn], src=zero_sb[:rs, :cn])
 
 
 # --------------------------------------------------------------------------- block phases
@@ -165,16 +234,17 @@ def _load_grad_rows(dy, slot_tiles, block):
     return do_rows, dy_t
 
 
-def _chunk_weight_grads(slot_tiles, do_rows, chunk, acc_gu, acc_d, expert_reg, c0, inter):
+def _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter):
     """dW_down[:, chunk] += do^T h; dW_gate/up[chunk, :] += dg^T x / du^T x (over the slots)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    (acc_gu, dw_gate_up), (acc_d, dw_down) = grad_bufs
     hidden = acc_d.shape[1]
     cn = chunk[0][0].shape[1]
     for h0, hs in tiles(hidden, pmax):
         part_psum = nl.ndarray((hs, cn), dtype=nl.float32, buffer=nl.psum)
         for st, (do_sb, (hx_sb, _, _)) in enumerate(zip(do_rows, chunk)):
             nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=hx_sb, accumulate=st > 0)
-        accumulate_rows(acc_d, expert_reg, h0, c0, part_psum)
+        accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, h0, c0, part_psum)
     for which, row0 in ((1, c0), (2, inter + c0)):
         for i0, isz in tiles(cn, pmax):
             for h0, hn in tiles(hidden, fmax):
@@ -182,7 +252,7 @@ def _chunk_weight_grads(slot_tiles, do_rows, chunk, acc_gu, acc_d, expert_reg, c
                 for st, ((*_, x_rows), grads) in enumerate(zip(slot_tiles, chunk)):
                     nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
                                    moving=x_rows[:, h0:h0 + hn], accumulate=st > 0)
-                accumulate_rows(acc_gu, expert_reg, row0 + i0, h0, part_psum)
+                accumulate_rows(acc_gu, dw_gate_up, mode_regs, expert_reg, row0 + i0, h0, part_psum)
 
 
 def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols):
@@ -208,7 +278,7 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols):
 
 
 def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_reg, c0, cn, activation,
-             dg_t, du_t, acc_gu, acc_d):
+             dg_t, du_t, grad_bufs, mode_regs):
     """One I chunk of a block (all its tiles die on return): g, u, dhy per slot tile (contraction
     over H tiles in PSUM), the elementwise gradients, dg/du transposed into dgT/duT, and the
     chunk's weight gradients accumulated into the expert's fp32 rows."""
@@ -231,11 +301,11 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_
         transpose_rows(dg_t[:, it0:it0 + n_sub, :], grads[1], s0)
         transpose_rows(du_t[:, it0:it0 + n_sub, :], grads[2], s0)
         chunk.append(grads)
-    _chunk_weight_grads(slot_tiles, do_rows, chunk, acc_gu, acc_d, expert_reg, c0, inter)
+    _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter)
 
 
-def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
-               i_chunk, dx_cols, acc_gu, acc_d, dx_slots, dtopk):
+def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, mode_regs, b, block,
+               activation, i_chunk, dx_cols, grad_bufs, dx_slots, dtopk):
     pmax = nl.tile_size.pmax
     inter = w_down.shape[2]
     slot_tiles, x_t = load_block_inputs(x, topk_w, tok_ids, asg_ids, b, block)
@@ -246,7 +316,7 @@ def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b
     dw_accs = [nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for c0, cn in tiles(inter, i_chunk):
         _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_reg, c0, cn, activation,
-                 dg_t, du_t, acc_gu, acc_d)
+                 dg_t, du_t, grad_bufs, mode_regs)
     _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols)
     for (_, _, _, asg_sb, _, _), dw_acc in zip(slot_tiles, dw_accs):
         scatter_rows(dtopk, asg_sb, dw_acc, 0)
@@ -266,19 +336,19 @@ def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_
     dx_slots = nl.ndarray((topk_w.shape[0], x.shape[1]), dtype=nl.float32, buffer=nl.private_hbm)
     acc_gu = nl.ndarray(w_gate_up.shape, dtype=nl.float32, buffer=nl.private_hbm)
     acc_d = nl.ndarray(w_down.shape, dtype=nl.float32, buffer=nl.private_hbm)
-    zero_fill(acc_gu)
-    zero_fill(acc_d)
+    grad_bufs = ((acc_gu, dw_gate_up), (acc_d, dw_down))
+    zero_idle_experts(block_expert, (dw_gate_up, dw_down))
     expert_sb, valid_sb = block_flags(block_expert)
+    modes_sb = accumulation_modes(expert_sb)
     tok_ids = load_all_ids(slot_token, n_blocks, block)
     asg_ids = load_all_ids(slot_assignment, n_blocks, block)
     for b in nl.sequential_range(n_blocks):      # weight-gradient accumulation: blocks in order
         expert_reg, trips_reg = block_registers(expert_sb, valid_sb, b)
+        mode_regs = mode_registers(modes_sb, b)
         for _ in nl.dynamic_range(0, trips_reg):
-            _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
-                       i_chunk, dx_cols, acc_gu, acc_d, dx_slots, dtopk)
+            _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, mode_regs, b, block,
+                       activation, i_chunk, dx_cols, grad_bufs, dx_slots, dtopk)
     reduce_assignments(dx_slots, dx, top_k)
-    cast_out(acc_gu, dw_gate_up)
-    cast_out(acc_d, dw_down)
     return dx, dtopk, dw_gate_up, dw_down
 
 
@@ -296,10 +366,12 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     staging = 2 * min(hidden, WEIGHT_SPAN) * itemsize           # natural W rows before transposes
     streamed = 3 * ht * i_chunk * itemsize + staging            # W_gate^T, W_up^T, W_down columns
     chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * _FP32_TEMPS * i_chunk * 4   # h, dg, du; fp32 temps
-    chunks = streamed + chunk + 2 * fmax * 4                    # phase 2, with the RMW tile
+    chunks = streamed + chunk + 2 * fmax * (4 + itemsize)       # phase 2, with the accumulate tiles
     dx = 2 * fmax * itemsize + staged_bytes(dx_cols, hidden, st)   # phase 3: W rows, dx rows
     body = slot_tiles + resident + max(load, chunks, dx)
-    return flags_sbuf_bytes(n_blocks, block) + fmax * 4 + max(body, tail_sbuf_bytes(top_k, itemsize))
+    modes = (4 + len(ACC_MODES)) * n_blocks * 4                  # block edges and modes
+    idle = 2 * n_blocks * 4 + fmax * itemsize                   # idle-expert count tiles, zero tile
+    return flags_sbuf_bytes(n_blocks, block) + modes + max(body, idle, tail_sbuf_bytes(top_k, itemsize))
 
 
 def tiling(hidden, inter, block, itemsize, **counts):
