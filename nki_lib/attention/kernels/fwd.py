@@ -76,10 +76,10 @@ from __future__ import annotations
 import torch
 
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.attention import masks
-from nki_lib.attention.kernels.tiles import (MAX_INDEX, STAT_INIT, MaskSpec, head_dim_chunks,
-                                             heads_per_pass, key_blocks, key_tile_width,
-                                             mask_scores, plan_row, query_tiles, row_bounds)
+from nki_lib.attention.kernels.tiles import (MAX_INDEX, STAT_INIT, MaskSpec, document_bounds,
+                                             head_dim_chunks, heads_per_pass, key_blocks,
+                                             key_tile_width, mask_scores, plan_row, query_tiles,
+                                             row_bounds)
 from nki_lib.attention.kernels.decode_plan import lnc_degree
 from nki_lib.dispatch import Unsupported, call_kernel
 
@@ -612,13 +612,6 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
 
 # --------------------------------------------------------------------------- launcher
 
-def _document_bounds(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
-    """(2, S) float32: first and last position of the document of every position."""
-    cu = cu_seqlens.to(torch.int64)
-    seg = masks.segment_ids(cu, length)
-    return torch.stack([cu[seg], cu[seg + 1] - 1]).to(torch.float32).contiguous()
-
-
 def flash_fwd(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_right, softcap):
     """Launch :func:`flash_fwd_kernel` for ``nki::flash_attention`` (arguments already validated,
     ``scale`` resolved). Returns ``(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32)``."""
@@ -630,7 +623,7 @@ def flash_fwd(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_
     q_t = q.transpose(2, 3).contiguous()
     k_t = k.transpose(2, 3).contiguous()
     sinks_c = None if sinks is None else sinks.contiguous()
-    doc = None if cu_seqlens is None else _document_bounds(cu_seqlens, sq)
+    doc = None if cu_seqlens is None else document_bounds(cu_seqlens, sq)
     return call_kernel(flash_fwd_kernel, q_t, k_t, v.contiguous(), sinks_c, doc,
                        sinks is not None, cu_seqlens is not None, bool(causal), float(scale),
                        int(window_left), int(window_right), float(softcap), grid=lnc_degree())
