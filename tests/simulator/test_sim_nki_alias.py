@@ -198,3 +198,26 @@ def test_instruction_names_dependencies_and_schedules(nki_modules):
     scheduled = scaled.with_schedule([("scale", "store"), ("load", ["scale", "store"])])
     np.testing.assert_array_equal(nki.simulate(scheduled)(x=x), 3 * x)
     np.testing.assert_array_equal(nki.simulate(scaled)(x), 3 * x)
+
+
+def test_lnc2_in_place_argument_and_returned_argument(nki_modules):
+    nki, nl, nisa = nki_modules
+
+    @nki.jit
+    def halves_in_place(x):
+        rows = x.shape[0] // nl.num_programs(axes=0)
+        part = nl.ds(nl.program_id(axis=0) * rows, rows)
+        t_sb = nl.ndarray((rows, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t_sb, src=x[part, :])
+        nisa.tensor_scalar(dst=t_sb, data=t_sb, op0=nl.add, operand0=1.0)
+        nisa.dma_copy(dst=x[part, :], src=t_sb)
+        return x
+
+    x = np.arange(16, dtype=np.float32).reshape(4, 4)
+    expected = x + 1
+    returned = nki.simulate(halves_in_place[2])(x)
+    np.testing.assert_array_equal(x, expected)          # written back into the caller's array
+    np.testing.assert_array_equal(returned, expected)
+    xt = torch.zeros(4, 4)
+    nki.simulate(halves_in_place[2])(xt)
+    assert torch.equal(xt, torch.ones(4, 4))
