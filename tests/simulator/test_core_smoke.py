@@ -382,3 +382,23 @@ def test_trn3_bf16_matmul_result_may_exceed_the_vector_psum_free_limit():
         assert last_run().trace[-1].attrs["N"] == 8192
     finally:
         set_target(before)
+
+
+def test_matmul_elements_do_not_depend_on_the_tile_width():
+    """Like the systolic array, an output element is the same whatever N (fp32 BLAS blocking is not)."""
+    @jit
+    def widths(s_hbm, m_hbm):
+        s_sb, m_sb = nl.load(s_hbm), nl.load(m_hbm)
+        out_hbm = nl.ndarray((3, s_hbm.shape[1], 7), dtype=nl.float32, buffer=nl.shared_hbm)
+        for i, n in enumerate((7, 100, m_hbm.shape[1])):
+            acc_psum = nl.ndarray((s_hbm.shape[1], n), dtype=nl.float32, buffer=nl.psum)
+            nisa.nc_matmul(dst=acc_psum, stationary=s_sb, moving=m_sb[:, 0:n])
+            res_sb = nl.ndarray((s_hbm.shape[1], 7), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=res_sb, src=acc_psum[:, 0:7])
+            nisa.dma_copy(dst=out_hbm[i], src=res_sb)
+        return out_hbm
+
+    rng = np.random.default_rng(4)
+    out = simulate(widths)(_bf16(rng, (128, 128)), _bf16(rng, (128, 512)))
+    np.testing.assert_array_equal(out[0], out[1])
+    np.testing.assert_array_equal(out[0], out[2])

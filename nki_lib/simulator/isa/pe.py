@@ -1,7 +1,10 @@
 """Tensor-engine (PE) instructions: nc_matmul, nc_transpose (nki-api.md §8.6, §8.8).
 
-``nc_matmul``: stationary (K, M), moving (K, N) in SBUF -> dst (M, N) in PSUM, ``dst = S.T @ V``
-with fp32 products (exact for bf16/fp16/fp8 inputs) and fp32 accumulation (NumPy fp32 BLAS).
+``nc_matmul``: stationary (K, M), moving (K, N) in SBUF -> dst (M, N) in PSUM, ``dst = S.T @ V``.
+Each instruction's dot products are summed in fp64 BLAS (products of NKI inputs are exact there) and
+rounded once to fp32, so an element's value never depends on the tile's N or M (fp32 BLAS results do,
+through its blocking at tile edges; the systolic array's do not); PSUM accumulation across
+instructions is fp32.
 Accumulation: ``accumulate=None`` overwrites PSUM elements not yet written by a matmul since the
 allocation (or since a non-TensorE write) and adds onto the others; True adds; False overwrites.
 ``nc_transpose``: TensorE (P, F <= 128, SBUF -> PSUM, bit-exact) or VectorE (P, F <= 32).
@@ -106,13 +109,15 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         c.record("tensor", (stationary, moving), (dst,), (m, n), dst._dtype, m * n, m * n * dst.itemsize,
                  {"K": k, "M": m, "N": n, "accumulate": False, "is_transpose": True})
         return INSTRUCTION
-    s = read_f32(c, stationary, "stationary", spf)
-    v = read_f32(c, moving, "moving", mpf)
+    # products are exact in fp64; the fp64 sum rounded once to fp32 does not depend on the BLAS blocking
+    # (fp32 BLAS results change with N at tile edges; the systolic array's do not)
+    s = read_f32(c, stationary, "stationary", spf).astype(np.float64)
+    v = read_f32(c, moving, "moving", mpf).astype(np.float64)
     if double:
         result = np.matmul(s.reshape(k, 2, m).transpose(1, 0, 2).reshape(2 * k, m).T,
-                           v.reshape(k, 2, n).transpose(1, 0, 2).reshape(2 * k, n))
+                           v.reshape(k, 2, n).transpose(1, 0, 2).reshape(2 * k, n)).astype(np.float32)
     else:
-        result = np.matmul(s.T, v)
+        result = np.matmul(s.T, v).astype(np.float32)
     mask = dst._mask_view(dst._offset) if dst._dyn is None else None
     if accumulate is False:
         out, accumulated = result, False
