@@ -40,7 +40,6 @@ class OpSpec:
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     backward_name: str | None = None                  # torch.ops.nki.<backward_name>, if any
     cost: Callable[[Sample], Any] | None = None       # FLOP/byte/element formulas (nki_lib.bench.flops)
-    has_kernel: bool = True                           # False: PyTorch on every path by design (moe_plan)
 
     @property
     def op(self):
