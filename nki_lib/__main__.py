@@ -1,21 +1,28 @@
-"""Command line: ``python -m nki_lib report`` (the main job) and ``python -m nki_lib bench``."""
+"""Command line: ``nki-lib report`` (the main job: parity and estimated device performance of
+every kernel) and ``nki-lib bench`` (microbenchmarks on real model shapes).
+``python -m nki_lib <command>`` is the same."""
 
 from __future__ import annotations
 
-import argparse
 import sys
+
+USAGE = "usage: nki-lib {report,bench} [options]   (nki-lib <command> --help for its options)"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="nki-lib", description=__doc__)
-    parser.add_argument("command", choices=("report", "bench"), help="what to run")
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "report":
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\n" + USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "report":
         from nki_lib.report import main as report_main
         return report_main(rest)
-    from nki_lib.bench.cli import main as bench_main
-    return bench_main(rest)
+    if command == "bench":
+        from nki_lib.bench.cli import main as bench_main
+        return bench_main(rest)
+    print(f"nki-lib: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
