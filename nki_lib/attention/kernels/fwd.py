@@ -80,7 +80,7 @@ from nki_lib.attention.kernels.tiles import (MAX_INDEX, STAT_INIT, MaskSpec, doc
                                              head_dim_chunks, heads_per_pass, key_blocks,
                                              key_tile_width, mask_scores, plan_row, query_tiles,
                                              row_bounds)
-from nki_lib.attention.kernels.decode_plan import lnc_degree
+from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import Unsupported, call_kernel
 
 __all__ = ["flash_fwd", "flash_fwd_kernel", "KERNEL_DTYPES"]
