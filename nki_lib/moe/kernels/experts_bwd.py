@@ -9,9 +9,11 @@ w_a = topk_weights[t, j] and dy_t the output gradient (reference_experts.moe_exp
 h is recomputed from x (the op saves only its inputs): one extra gate/up projection per block,
 no activation memory.
 
-Algorithm (one launch): zero the fp32 weight-gradient accumulators (HBM scratch); load the
-plan's slot ids and block flags as in the forward; for each block b (static loop, guarded by a
-dynamic loop of 0/1 trips as in the forward):
+Algorithm (one launch): zero the weight gradients of experts that own no block (per expert, a
+dynamic loop whose 0/1 trip count comes from a VectorE count of the plan); load the plan's slot
+ids and block flags as in the forward, and each block's accumulation mode (its expert's only,
+first, middle or last block: the plan keeps an expert's blocks consecutive); for each block b
+(static loop, guarded by a dynamic loop of 0/1 trips as in the forward):
   1. per slot tile (<= 128): gather x and dy rows (indirect DMA, padding slots skipped -> zero),
      routing weights; do = w_a * dy rows; PE-transpose x and dy into xT / dyT (H on partitions).
   2. per I chunk (<= 512, narrowed to fit SBUF): W_gate^T/W_up^T columns (rows loaded, then
@@ -21,17 +23,19 @@ dynamic loop of 0/1 trips as in the forward):
      act, act' (silu_dx / gelu_dx; the tanh-GELU derivative composed from nl.tanh and VectorE
      ops), h, the partial d topk_weights, dg, du; PE-transpose dg/du into dgT/duT (I on
      partitions). Weight gradients of the chunk: contraction over the block's slots in PSUM
-     (dW_down = do^T h, dW_gate = dg^T x, dW_up = du^T x), then a read-modify-write of the
-     expert's fp32 accumulator rows in HBM (blocks in order: deterministic).
+     (dW_down = do^T h, dW_gate = dg^T x, dW_up = du^T x), then by the block's mode (nested
+     dynamic loops of 0/1 trips): only -> write the gradient rows in the weights' dtype; first ->
+     write fp32 accumulator rows (HBM scratch); middle -> fp32 read-modify-write; last -> read,
+     add, cast and write the gradient rows. Blocks in order: deterministic; an expert with one
+     block never touches the fp32 scratch.
   3. dx rows = dgT^T W_gate + duT^T W_up per H chunk (contraction over I tiles in PSUM; natural
      weight rows), staged in SBUF and scattered to the fp32 scratch dx_slots[a]; d topk_weights[a]
      scattered directly (one row per assignment, written once).
-finally dx[t] = sum_j dx_slots[t * k + j] (fp32, fixed order) and the weight accumulators are cast
-to the weights' dtype by DMA (one per expert).
+finally dx[t] = sum_j dx_slots[t * k + j] (fp32, fixed order).
 
-Loop structure: zero-fill; ids; blocks (static) > guard (dynamic) > {slot tiles; I chunks >
-(slot tiles > H tiles) + weight-grad tiles; staging groups > H chunks > I tiles > slot tiles};
-then reductions.
+Loop structure: idle experts (static > dynamic guard); ids; blocks (static) > guard (dynamic) >
+{slot tiles; I chunks > (slot tiles > H tiles) + weight-grad tiles > mode guards (dynamic);
+staging groups > H chunks > I tiles > slot tiles}; then the k-reduction of dx.
 
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k, NB
 blocks, B block size. Kernel inputs (HBM): dy, x (T, H); topk_w (N, 1) fp32; block_expert (NB,),
@@ -40,9 +44,10 @@ layouts as given); compile-time activation, top_k, i_chunk, dx_cols. Outputs: dx
 dtopk (N, 1) fp32, dw_gate_up (E, 2I, H), dw_down (E, H, I).
 
 Limits: as the forward (bf16/fp16/fp32, B <= 512, LNC1) with the SBUF estimate :func:`sbuf_bytes`
-(x, dy, do rows and xT, dyT, dgT, duT of one block are resident, plus one I chunk of three weight
-column tiles); every assignment appears exactly once in the plan (validated by the op). HBM
-scratch: dx_slots N x H fp32, weight-gradient accumulators 3 x E x H x I fp32.
+(x, do rows and xT, dyT, dgT, duT of one block are resident, plus one I chunk of three weight
+column tiles); every assignment appears exactly once in the plan (validated by the op); the
+mode guards nest dynamic loops inside the block guard (NKI >= 0.6). HBM scratch: dx_slots N x H fp32, fp32 weight-gradient accumulators
+3 x E x H x I (touched only by experts with several blocks).
 """
 
 from __future__ import annotations
