@@ -90,7 +90,7 @@ def test_paged_reads_only_used_blocks():
     assert result.ok, str(result)
 
 
-@pytest.mark.parametrize("window_left, cap, length", [(-1, 8192, 7000), (9000, 16384, 15000)])
+@pytest.mark.parametrize("window_left, cap, length", [(-1, 24576, 20000), (22000, 40960, 38000)])
 def test_contiguous_interior_chunks_use_one_hwdge_dma(window_left, cap, length):
     """Chunks made only of needed units load with one hardware-DGE DMA each; edge chunks gather."""
     sample = make_sample(2, 4, 1, 2, 128, [length, 130], torch.bfloat16, capacity_=cap,
@@ -104,11 +104,11 @@ def test_contiguous_interior_chunks_use_one_hwdge_dma(window_left, cap, length):
 def test_work_follows_lengths_not_capacity():
     """Same lengths, 2x the capacity: the same instructions run (device loops over needed chunks)."""
     counts = []
-    for cap in (4096, 8192):
+    for cap in (8192, 16384):
         sample = make_sample(1, 2, 1, 1, 16, [300], torch.bfloat16, block_size=64, capacity_=cap)
         _, report = _launch(sample, num_splits=1)
         counts.append(report.instructions)
-    longer = make_sample(1, 2, 1, 1, 16, [4200], torch.bfloat16, block_size=64, capacity_=8192)
+    longer = make_sample(1, 2, 1, 1, 16, [9000], torch.bfloat16, block_size=64, capacity_=16384)
     _, report = _launch(longer, num_splits=1)
     assert counts[0] == counts[1] < report.instructions
 

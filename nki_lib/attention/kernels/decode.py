@@ -88,17 +88,32 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.attention.kernels.tiles import STAT_INIT
 
-__all__ = ["decode_kernel", "block_slots"]
+__all__ = ["decode_kernel", "block_slots", "chunk_plan"]
 
 INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
-CHUNK_BUFFER_BUDGET = 96 * 1024   # SBUF bytes per partition for K/V chunk buffers; streams (one per
+STEP_SCORE_ELEMS = 4096           # fp32 scores per partition of one softmax step (16 KiB of SBUF)
+CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers; streams (one per
                                   # (b, hk, split)) rotate over the pairs that fit, so consecutive
                                   # streams load and compute concurrently
 
 
 def block_slots() -> int:
-    """Key slots per score block: a block's fp32 score row (128 keys per slot) fills one PSUM bank."""
+    """Key slots per K^T block: 128 keys per slot, one PSUM bank of fp32-sized columns."""
     return nl.tile_size.psum_bank_fmax // nl.tile_size.pmax
+
+
+def _floor_pow2(x):
+    return 1 << (max(1, int(x)).bit_length() - 1)
+
+
+def chunk_plan(m, rows_max):
+    """(step slots, score-block slots, K^T-block slots) for a chunk of M slots and row tiles of at
+    most ``rows_max`` rows; all powers of two dividing M. A score block's fp32 S^T (128, n*rn) fills
+    at most one PSUM bank; a softmax step's scores fill at most ``STEP_SCORE_ELEMS`` per partition."""
+    kt = min(m, block_slots())
+    blk = max(kt, min(m, _floor_pow2(nl.tile_size.psum_bank_fmax // rows_max)))
+    step = max(blk, min(m, _floor_pow2(STEP_SCORE_ELEMS // rows_max)))
+    return step, blk, kt
 
 
 def _spans(length, width):
@@ -112,7 +127,8 @@ class _SplitState(nl.NKIObject):
     acc: object      # (rn, D) unnormalised output            = packed[:, :D]
     neg_m: object    # (rn, 1) negated running max            = packed[:, D]
     l: object        # (rn, 1) running sum                    = packed[:, D + 1]  # noqa: E741
-    bounds: object   # (rn, M, 2) per slot c: ((lo - c) / M, (hi - c) / M), lo/hi relative to the chunk
+    bounds: object   # (128, rn, 2) per partition p and row r: (lo_r - p*M, hi_r - p*M), lo/hi
+                     # relative to the chunk start: the visible slots of partition p
 
 
 def _state_views(packed, bounds=None):
@@ -136,26 +152,19 @@ def _load_q_t(q, row0, rn, d_spans, dtype):
     return q_t
 
 
-def _slot_offsets(m):
-    """(128, M, 2) float32 constant: -c / M for slot c (both bound columns)."""
+def _init_state(row_bounds, b, s, r0, rn, d, part_keys):
+    """Fresh state; the row bounds (lo, hi) of rows r0 .. r0 + rn are broadcast to every partition
+    (one DMA with partition stride 0) and shifted by the partition's first key p*M."""
     pmax = nl.tile_size.pmax
-    offsets = nl.ndarray((pmax, m, 2), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.iota(dst=offsets, pattern=[[-1, m], [0, 2]], offset=0, channel_multiplier=0)
-    nisa.tensor_scalar(dst=offsets, data=offsets, op0=nl.multiply, operand0=1.0 / m)
-    return offsets
-
-
-def _init_state(row_bounds, b, s, r0, rn, d, m, slot_offsets):
     state = _state_views(nl.ndarray((rn, d + 2), dtype=nl.float32, buffer=nl.sbuf),
-                         nl.ndarray((rn, m, 2), dtype=nl.float32, buffer=nl.sbuf))
+                         nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf))
     nisa.memset(dst=state.neg_m, value=-STAT_INIT)
     nisa.memset(dst=state.l, value=0.0)
     nisa.memset(dst=state.acc, value=0.0)
-    bounds_sb = nl.ndarray((rn, 2), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=bounds_sb, src=row_bounds[b, s, r0:r0 + rn, :])
-    per_slot = bounds_sb.expand_dim(1).broadcast(1, m)                     # (rn, M, 2), stride 0
-    nisa.scalar_tensor_tensor(dst=state.bounds, data=per_slot, op0=nl.multiply, operand0=1.0 / m,
-                              op1=nl.add, operand1=slot_offsets[0:rn])
+    n_split, rows = row_bounds.shape[1], row_bounds.shape[2]
+    nisa.dma_copy(dst=state.bounds, src=row_bounds.ap([[0, pmax], [1, rn * 2]],
+                                                      offset=((b * n_split + s) * rows + r0) * 2))
+    nisa.tensor_scalar(dst=state.bounds, data=state.bounds, op0=nl.subtract, operand0=part_keys)
     return state
 
 
@@ -169,103 +178,97 @@ def _gather_chunk(cache_units, idx_sb, head_offset, unit_elems, chunk_sb):
 
 
 def _block_keys_transposed(k_chunk, block, d_spans, m, dtype):
-    """K^T chunks (dc, 128 * n) of one score block (slots c0 .. c0 + n): column j*128 + p is key
+    """K^T chunks (dc, 128 * n) of one K^T block (slots c0 .. c0 + n): column j*128 + p is key
     p*M + c0 + j of the chunk."""
     pmax = nl.tile_size.pmax
-    slots = tuple(range(block[0], block[0] + block[1]))
+    c0, n = block
     d = k_chunk.shape[1] // m
     k_t = []
     for d0, dn in d_spans:
-        k_t_psum = nl.ndarray((dn, len(slots) * pmax), dtype=dtype, buffer=nl.psum)
-        for j, c in enumerate(slots):
+        k_t_psum = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.psum)
+        for j in range(n):
+            c = c0 + j
             nisa.nc_transpose(dst=k_t_psum[:, j * pmax:(j + 1) * pmax],
                               data=k_chunk[:, c * d + d0:c * d + d0 + dn])
-        k_t_sb = nl.ndarray((dn, len(slots) * pmax), dtype=dtype, buffer=nl.sbuf)
+        k_t_sb = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=k_t_sb, src=k_t_psum)
         k_t.append(k_t_sb)
     return k_t
 
 
-def _block_scores(s_sb, col0, q_t, k_t, scale, softcap):
-    """Scores of one block into ``s_sb[:, col0 : col0 + width]`` (scale and softcap applied)."""
-    rn = s_sb.shape[0]
-    width = k_t[0].shape[1]
-    s_psum = nl.ndarray((rn, width), dtype=nl.float32, buffer=nl.psum)
-    for i in range(len(q_t)):
-        nisa.nc_matmul(dst=s_psum, stationary=q_t[i], moving=k_t[i], accumulate=(i > 0))
-    s_blk = s_sb[:, col0:col0 + width]
+def _evict_scores(s_view, s_psum, scale, softcap):
+    """S^T block PSUM -> SBUF with the scale (and softcap) applied (ScalarE)."""
     if softcap > 0:
-        nisa.activation(dst=s_blk, op=nl.tanh, data=s_psum, scale=scale / softcap)
-        nisa.tensor_scalar(dst=s_blk, data=s_blk, op0=nl.multiply, operand0=softcap)
+        nisa.activation(dst=s_view, op=nl.tanh, data=s_psum, scale=scale / softcap)
+        nisa.tensor_scalar(dst=s_view, data=s_view, op0=nl.multiply, operand0=softcap)
     else:
-        nisa.activation(dst=s_blk, op=nl.copy, data=s_psum, scale=scale)
+        nisa.activation(dst=s_view, op=nl.copy, data=s_psum, scale=scale)
 
 
-def _mask_rowmax(state, s_sb, rowmax):
-    """Scores of keys outside [lo, hi] -> MASK_FILL and ``rowmax`` = row max, one VectorE
-    range_select per slot (column p of slot c is key p*M + c: visible iff
-    (lo - c)/M <= p <= (hi - c)/M); the slots chain through the Vector accumulator."""
+def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap):
+    """S^T (128, n, rn) of every row tile for the slots of one softmax step: element [p, j, r] is
+    the score of row r with key p*M + c0 + j. One matmul per slot and head-dim chunk
+    (stationary K^T slot (dc, 128), moving q^T (dc, rn)); K^T blocks are software-pipelined
+    (block i+1's transposes are issued before block i's matmuls)."""
     pmax = nl.tile_size.pmax
-    m = state.bounds.shape[1]
-    for c in range(m):
-        cmd = nisa.reduce_cmd.reset_reduce if c == 0 else nisa.reduce_cmd.reduce
-        cols = s_sb[:, c * pmax:(c + 1) * pmax]
-        nisa.range_select(dst=cols, on_true_tile=cols, comp_op0=nl.greater_equal, comp_op1=nl.less_equal,
-                          bound0=state.bounds[:, c, 0:1], bound1=state.bounds[:, c, 1:2],
-                          reduce_cmd=cmd, reduce_res=rowmax if c == m - 1 else None,
-                          reduce_op=nl.maximum, range_start=0)
+    c0, n = step
+    _, blk_slots, kt_slots = plan
+    for b0, bn in _spans(n, blk_slots):
+        s_psum = [nl.ndarray((pmax, bn, s.shape[2]), dtype=nl.float32, buffer=nl.psum) for s in s_sb]
+        kt_blocks = _spans(bn, kt_slots)
+        k_t_next = _block_keys_transposed(k_chunk, (c0 + b0, kt_blocks[0][1]), d_spans, m, kv_dtype)
+        for i, (k0, kn) in enumerate(kt_blocks):
+            k_t = k_t_next
+            if i + 1 < len(kt_blocks):
+                k_t_next = _block_keys_transposed(k_chunk, (c0 + b0 + kt_blocks[i + 1][0], kt_blocks[i + 1][1]),
+                                                  d_spans, m, kv_dtype)
+            for t in range(len(s_sb)):
+                for j in range(kn):
+                    for h in range(len(q_t[t])):
+                        nisa.nc_matmul(dst=s_psum[t][:, k0 + j, :], stationary=k_t[h][:, j * pmax:(j + 1) * pmax],
+                                       moving=q_t[t][h], accumulate=(h > 0))
+        for t in range(len(s_sb)):
+            _evict_scores(s_sb[t][:, b0:b0 + bn, :], s_psum[t], scale, softcap)
 
 
-def _block_probs_transposed(p_sb, block, dtype):
-    """P^T (128, n*rn) of one block of slots: column group j = slot c0 + j (keys {p*M + c})."""
-    pmax = nl.tile_size.pmax
-    rn = p_sb.shape[0]
-    c0, n = block
-    p_t_psum = nl.ndarray((pmax, n * rn), dtype=dtype, buffer=nl.psum)
-    for j in range(n):
-        c = c0 + j
-        nisa.nc_transpose(dst=p_t_psum[:, j * rn:(j + 1) * rn], data=p_sb[:, c * pmax:(c + 1) * pmax])
-    p_t_sb = nl.ndarray((pmax, n * rn), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=p_t_sb, src=p_t_psum)
-    return p_t_sb
+def _step_softmax_pv(state, s_sb, v_chunk, c0, ones_col, dtype):
+    """Fold the scores S^T (128, n, rn) of slots c0 .. c0 + n into ``state``.
 
-
-def _chunk_softmax_pv(state, s_sb, v_chunk, dtype):
-    """Fold the scores ``s_sb`` (rn, 128*M) of one chunk (masked here) into ``state``. Program
-    order is software-pipelined per block: exp of block i+1 (ACT) and its P^T transposes (PE,
-    evicted by DVE) are issued before the P @ V matmuls of block i."""
+    mask + per-partition row max: one range_select per row r over its n slots (slot c of
+      partition p is key p*M + c: visible iff lo_r - p*M <= c <= hi_r - p*M)
+    row max across partitions: PE transpose (128, rn) -> (rn, 128), VectorE max
+    -m broadcast to the partitions: PE transpose of a stride-0 (rn, 128) view -> (128, rn)
+    P^T = exp(S^T - m) (VectorE add, ScalarE exp) in the input dtype
+    O (rn, D) = sum_j matmul(P^T slot j (128, rn), V slot j (128, D)); row sums (rn, 1) likewise
+      with a ones column as the moving operand (TensorE has room; VectorE does not)"""
     pmax = nl.tile_size.pmax
     rn, d = state.acc.shape
-    m = state.bounds.shape[1]
-    blocks = _spans(m, block_slots())
+    n = s_sb.shape[1]
+    part_max = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
+    for r in range(rn):
+        nisa.range_select(dst=s_sb[:, :, r], on_true_tile=s_sb[:, :, r], comp_op0=nl.greater_equal,
+                          comp_op1=nl.less_equal, bound0=state.bounds[:, r, 0:1], bound1=state.bounds[:, r, 1:2],
+                          reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=part_max[:, r:r + 1],
+                          reduce_op=nl.maximum, range_start=c0)
+    part_max_t = nl.ndarray((rn, pmax), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=part_max_t, data=part_max)
     rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    _mask_rowmax(state, s_sb, rowmax)
+    nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
     neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
                        op1=nl.minimum, operand1=state.neg_m)
-    p_sb = nl.ndarray((rn, m * pmax), dtype=dtype, buffer=nl.sbuf)
-    block_sums = nl.ndarray((rn, len(blocks)), dtype=nl.float32, buffer=nl.sbuf)
-
-    def exp_block(i):
-        c0, n = blocks[i]
-        cols = slice(c0 * pmax, (c0 + n) * pmax)
-        nisa.activation(dst=p_sb[:, cols], op=nl.exp, data=s_sb[:, cols], bias=neg_m_new,
-                        reduce_op=nl.add, reduce_res=block_sums[:, i:i + 1],
-                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        return _block_probs_transposed(p_sb, blocks[i], dtype)
-
+    neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
+    nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(1).broadcast(1, n), op=nl.add)
+    p_t = nl.ndarray((pmax, n, rn), dtype=dtype, buffer=nl.sbuf)
+    nisa.activation(dst=p_t, op=nl.exp, data=s_sb)
+    rowsum = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.psum)
     o_psum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.psum)
-    p_t_next = exp_block(0)
-    for i, (c0, n) in enumerate(blocks):
-        p_t_sb = p_t_next
-        if i + 1 < len(blocks):
-            p_t_next = exp_block(i + 1)
-        for j in range(n):
-            c = c0 + j
-            nisa.nc_matmul(dst=o_psum, stationary=p_t_sb[:, j * rn:(j + 1) * rn],
-                           moving=v_chunk[:, c * d:(c + 1) * d], accumulate=(c > 0))
-    rowsum = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=rowsum, op=nl.add, data=block_sums, axis=1)
+    for j in range(n):
+        c = c0 + j
+        nisa.nc_matmul(dst=o_psum, stationary=p_t[:, j, :], moving=v_chunk[:, c * d:(c + 1) * d],
+                       accumulate=(j > 0))
+        nisa.nc_matmul(dst=rowsum, stationary=p_t[:, j, :], moving=ones_col, accumulate=(j > 0))
     alpha = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, bias=neg_m_new, scale=-1.0)
     nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=alpha,
@@ -273,7 +276,6 @@ def _chunk_softmax_pv(state, s_sb, v_chunk, dtype):
     nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
     nisa.scalar_tensor_tensor(dst=state.acc, data=state.acc, op0=nl.multiply, operand0=alpha,
                               op1=nl.add, operand1=o_psum)
-    nisa.tensor_scalar(dst=state.bounds, data=state.bounds, op0=nl.add, operand0=-float(pmax))
 
 
 def _merge_and_store(states, sink_rows, hk, r0, out, lse, row0, dtype):
@@ -319,13 +321,13 @@ def _merge_and_store(states, sink_rows, hk, r0, out, lse, row0, dtype):
 
 
 def _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, key_window, key_slots,
-            b, s, head_offset, seq_offset, unit_keys, chunk_pair, blocks, d_spans, scale, softcap, dtype):
+            b, s, head_offset, seq_offset, unit_keys, chunk_pair, plan, ones_col, d_spans, scale, softcap, dtype):
     """One (b, hk, split) stream: three device loops over the split's chunks, in key order --
     edge chunks (gathered; V rows of keys outside [first, L_b) zeroed, so garbage or stale
     NaN/inf there cannot reach P @ V), interior chunks (one hardware-DGE DMA per K/V for a
     contiguous cache, ``seq_offset`` is None for paged caches, else gathered), edge chunks."""
     pmax = nl.tile_size.pmax
-    m = split_states[0].bounds.shape[1]
+    m = key_slots.shape[1]
     d = split_states[0].acc.shape[1]
     units_per_chunk = m * pmax // unit_keys
     k_chunk, v_chunk = chunk_pair
@@ -359,7 +361,7 @@ def _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, key_w
                 _gather_chunk(v_units, idx_sb, head_offset, unit_keys * d, v_chunk)
                 if not interior:
                     _zero_invisible_rows(v_chunk, key_slots, window_sb)
-            _chunk(split_states, q_t, k_chunk, v_chunk, blocks, d_spans, m, k_units.dtype, scale,
+            _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, k_units.dtype, scale,
                    softcap, dtype)
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
 
@@ -376,20 +378,18 @@ def _zero_invisible_rows(v_chunk, key_slots, window_sb):
     nisa.tensor_copy_predicated(dst=v_chunk, src=0.0, predicate=outside.expand_dim(2).broadcast(2, d))
 
 
-def _chunk(split_states, q_t, k_chunk, v_chunk, blocks, d_spans, m, kv_dtype, scale, softcap, dtype):
-    """Scores, mask, softmax and P @ V of one loaded chunk for every row tile."""
+def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
+    """Scores, mask, softmax and P @ V of one loaded chunk for every row tile, one softmax step
+    (``plan[0]`` slots) at a time; then the row bounds move to the next chunk (-128*M keys)."""
     pmax = nl.tile_size.pmax
-    s_sb = [nl.ndarray((st.acc.shape[0], m * pmax), dtype=nl.float32, buffer=nl.sbuf)
-            for st in split_states]
-    k_t_next = _block_keys_transposed(k_chunk, blocks[0], d_spans, m, kv_dtype)
-    for i, (c0, n) in enumerate(blocks):
-        k_t = k_t_next
-        if i + 1 < len(blocks):                     # software pipeline: next transposes first
-            k_t_next = _block_keys_transposed(k_chunk, blocks[i + 1], d_spans, m, kv_dtype)
-        for t in range(len(split_states)):
-            _block_scores(s_sb[t], c0 * pmax, q_t[t], k_t, scale, softcap)
-    for t in range(len(split_states)):
-        _chunk_softmax_pv(split_states[t], s_sb[t], v_chunk, dtype)
+    for step in _spans(m, plan[0]):
+        s_sb = [nl.ndarray((pmax, step[1], st.acc.shape[0]), dtype=nl.float32, buffer=nl.sbuf)
+                for st in split_states]
+        _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap)
+        for t, st in enumerate(split_states):
+            _step_softmax_pv(st, s_sb[t], v_chunk, step[0], ones_col, dtype)
+    for st in split_states:
+        nisa.tensor_scalar(dst=st.bounds, data=st.bounds, op0=nl.add, operand0=-float(m * pmax))
 
 
 def _exchange(states, pid, first_pipe):
@@ -420,21 +420,21 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, row
     dtype = q.dtype
     row_spans = _spans(rows, pmax)
     d_spans = _spans(d, pmax)
-    blocks = _spans(m, block_slots())
+    plan = chunk_plan(m, row_spans[0][1])
     out = nl.ndarray((batch, n_q_heads, sq, d), dtype=dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((batch, n_q_heads, sq), dtype=nl.float32, buffer=nl.shared_hbm)
 
-    slot_offsets = _slot_offsets(m)
     key_slots = nl.ndarray((pmax, m), dtype=nl.float32, buffer=nl.sbuf)   # [p, c] = key p*M + c
     nisa.iota(dst=key_slots, pattern=[[1, m]], offset=0, channel_multiplier=m)
+    ones_col = nl.ndarray((pmax, 1), dtype=dtype, buffer=nl.sbuf)         # row sums of P by matmul
+    nisa.memset(dst=ones_col, value=1.0)
     pair_bytes = m * d * (k_units.itemsize + v_units.itemsize)
     n_pairs = max(1, min(batch * n_kv_heads * n_split, CHUNK_BUFFER_BUDGET // pair_bytes))
-    chunk_bufs = []                  # K/V buffer pairs, zeroed once (rows skipped by a gather stay finite)
+    chunk_bufs = []   # K/V buffer pairs, never cleared: rows a gather skips only hold keys that every row
+                      # masks by selection, and edge chunks zero those V rows (0 * NaN)
     for _ in range(n_pairs):
         pair = (nl.ndarray((pmax, m * d), dtype=k_units.dtype, buffer=nl.sbuf),
                 nl.ndarray((pmax, m * d), dtype=v_units.dtype, buffer=nl.sbuf))
-        for buf in pair:
-            nisa.memset(dst=buf, value=0.0)
         chunk_bufs.append(pair)
 
     n_prog = nl.num_programs(0)
@@ -450,11 +450,11 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, row
         q_t = [_load_q_t(q, row_base + r0, rn, d_spans, dtype) for r0, rn in row_spans]
         states = []
         for s in my_splits:
-            split_states = [_init_state(row_bounds, b, s, r0, rn, d, m, slot_offsets) for r0, rn in row_spans]
+            split_states = [_init_state(row_bounds, b, s, r0, rn, d, key_slots[:, 0:1]) for r0, rn in row_spans]
             seq_offset = None if seq_units is None else b * seq_units * k_units.shape[1]
             _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, key_window, key_slots, b, s,
-                    hk * head_offset, seq_offset, unit_keys, chunk_bufs[stream % n_pairs], blocks,
-                    d_spans, scale, softcap, dtype)
+                    hk * head_offset, seq_offset, unit_keys, chunk_bufs[stream % n_pairs], plan,
+                    ones_col, d_spans, scale, softcap, dtype)
             states.append(split_states)
             stream += 1
         if not shard_units:

@@ -39,9 +39,10 @@ __all__ = ["decode_fwd", "plan_splits", "lnc_degree", "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STREAMS_PER_CORE = 16       # independent (sequence, kv head, split) streams wanted: one per DMA engine
-CHUNK_BUFFER_BYTES = 8192   # per partition for one K or V chunk buffer: long rows make each gather
-                            # descriptor move >= 2 KiB (cost model §7.3)
-MAX_KEYS_PER_PARTITION = 32  # chunk <= 4096 keys: bounds the masked-away compute of a sequence's
+CHUNK_BUFFER_BYTES = 32768  # per partition for one K or V chunk buffer: each gather descriptor moves
+                            # one partition's row, and GpSimd pays ~50 ns per descriptor (cost model
+                            # §7.3), so 32 KiB rows keep descriptor generation below the DMA time
+MAX_KEYS_PER_PARTITION = 128  # chunk <= 16384 keys: bounds the masked-away compute of a sequence's
                             # last chunk (work follows L_b, not the chunk)
 CONTIGUOUS_UNIT_KEYS = 128   # gather granularity of a contiguous cache: reads stop within 127 keys
                             # of L_b; one unit = one 32 KiB descriptor run at D=128 bf16
