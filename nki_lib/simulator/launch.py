@@ -283,7 +283,7 @@ def _report(run: Run, programs) -> RunReport:
 
 
 # ---------------------------------------------------------------- sys.modules aliasing
-_ALIASES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.typing")
+_ALIASES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.typing", "nki.tensor")
 
 
 def _typing_module():
@@ -300,21 +300,24 @@ def _typing_module():
 
 def install_as_nki() -> None:
     """Make ``import nki`` / ``nki.language`` / ``nki.isa`` / ``nki.isa.constants`` resolve to the simulator."""
-    from . import isa, language
+    from . import isa, language, tensor
 
     package = sys.modules[__package__]
     typing_mod = _typing_module()
     package.typing = typing_mod
+    # `import nki.tensor as ntensor` binds the package attribute `tensor`, i.e. tensor.py, which
+    # re-exports the trace-time constant constructors of trace_tensor.py
     sys.modules.update({"nki": package, "nki.language": language, "nki.isa": isa,
-                        "nki.isa.constants": isa.constants, "nki.typing": typing_mod})
+                        "nki.isa.constants": isa.constants, "nki.typing": typing_mod, "nki.tensor": tensor})
 
 
 def uninstall_nki() -> None:
     """Remove the aliases installed by ``install_as_nki`` (only those pointing at the simulator)."""
     package = sys.modules[__package__]
-    from . import isa, language
+    from . import isa, language, tensor
 
-    ours = {"nki": package, "nki.language": language, "nki.isa": isa, "nki.isa.constants": isa.constants}
+    ours = {"nki": package, "nki.language": language, "nki.isa": isa, "nki.isa.constants": isa.constants,
+            "nki.tensor": tensor}
     for name in _ALIASES:
         module = sys.modules.get(name)
         if module is not None and (ours.get(name) is module or name == "nki.typing"

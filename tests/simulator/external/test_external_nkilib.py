@@ -145,3 +145,66 @@ def test_cross_partition_copy(load_kernels, rng, src_start, dst_start, count):
     expected = dst.copy()
     expected[dst_start:dst_start + count] = src[src_start:src_start + count]
     np.testing.assert_array_equal(out, expected)
+
+
+# ---- RoPE (nki.tensor.identity + nl.shared_constant, stride-2 and stride-0 .ap() views,
+#      permutation matmuls, activation copy out of PSUM, LNC2 sequence sharding) ---------------
+
+def _rope_oracle(x, cos, sin, contiguous):
+    x64, c64, s64 = (t.astype(np.float64) for t in (x, cos, sin))
+    half = x.shape[0] // 2
+    even, odd = (x64[:half], x64[half:]) if contiguous else (x64[0::2], x64[1::2])
+    c, s = c64[:, :, None, :], s64[:, :, None, :]
+    out_even, out_odd = even * c - odd * s, odd * c + even * s
+    if contiguous:
+        return np.concatenate([out_even, out_odd])
+    out = np.empty_like(x64)
+    out[0::2], out[1::2] = out_even, out_odd
+    return out
+
+
+def _rope_baseline(x, cos, sin, contiguous, dtype):
+    tx, tc, ts = (torch.from_numpy(t.astype(np.float32)).to(dtype) for t in (x, cos, sin))
+    half = x.shape[0] // 2
+    even, odd = (tx[:half], tx[half:]) if contiguous else (tx[0::2], tx[1::2])
+    c, s = tc[:, :, None, :], ts[:, :, None, :]
+    out_even, out_odd = even * c - odd * s, odd * c + even * s
+    if contiguous:
+        return torch.cat([out_even, out_odd])
+    out = torch.empty_like(tx)
+    out[0::2], out[1::2] = out_even, out_odd
+    return out
+
+
+@pytest.mark.parametrize("mode", [dict(contiguous_layout=True), dict(contiguous_layout=False),
+                                  dict(contiguous_layout=False, relayout_in_sbuf=True)],
+                         ids=["contiguous", "interleaved-dma", "interleaved-matmul"])
+@pytest.mark.parametrize("grid", [1, 2])
+def test_rope(load_kernels, rng, mode, grid):
+    k = load_kernels("kernels_nkilib_rope")
+    d_head, b, heads, s = 64, 2, 3, 8
+    x = rng.standard_normal((d_head, b, heads, s)).astype(np.float32)
+    angle = rng.uniform(-np.pi, np.pi, size=(d_head // 2, b, s))
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    kernel = k.RoPE if grid == 1 else k.RoPE[grid]
+    out = sim.simulate(kernel)(x, cos, sin, lnc_shard=grid > 1, **mode)
+    contiguous = mode["contiguous_layout"]
+    assert_parity(torch.from_numpy(out), torch.from_numpy(_rope_oracle(x, cos, sin, contiguous)),
+                  _rope_baseline(x, cos, sin, contiguous, torch.float32), kind="output",
+                  dtype=torch.float32, name="rope")
+    if mode.get("relayout_in_sbuf"):
+        assert sum(e.opcode == "nc_matmul" for e in sim.last_run().trace) == 2 * grid
+
+
+def test_nki_tensor_trace_time_constants(nki_modules):
+    """``nki.tensor.identity`` / ``zeros`` (the trace-time data ``nl.shared_constant`` takes)."""
+    import nki.tensor as ntensor
+    from nki.tensor import identity, zeros
+
+    _, nl, _ = nki_modules
+    eye = ntensor.identity(4, dtype=nl.int8)
+    assert identity is ntensor.identity and eye.dtype == np.int8
+    np.testing.assert_array_equal(eye, np.eye(4))
+    assert zeros((2, 3), nl.bfloat16).dtype == BF16 and not zeros(5, nl.float32).any()
+    with pytest.raises(ValueError, match="n must be"):
+        ntensor.identity(0, nl.float32)
