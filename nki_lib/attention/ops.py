@@ -231,6 +231,8 @@ def _report_samples():
         _make((1, 2, 256, 64), (1, 2, 256, 64), bf16, True, causal=True,
               cu_seqlens=[0, 100, 130, 256]),
         _make((1, 2, 200, 256), (1, 2, 136, 256), torch.float32, True),
+        _make((1, 2, 333, 96), (1, 2, 333, 96), torch.float16, True, window_left=64, window_right=64),
+        _make((1, 1, 4096, 128), (1, 1, 4096, 128), bf16, True, causal=True),
     ]
 
 
