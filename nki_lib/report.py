@@ -1,10 +1,11 @@
 """The kernel report (the main job): every registered op on representative shapes through the
-simulator, in strict mode, with parity against the fp64 oracle and the simulator's statistics.
+simulator, in strict mode, with parity against the fp64 oracle and estimated device performance.
 
-Per op and shape it prints the path taken, the max error and its ratio to the error of plain
-PyTorch in the same precision (pass/fail per the numerics table), the number of simulated
-instructions, the peak SBUF/PSUM use and, when the cost model is available, the estimated trn2
-time of the kernels launched. Exit status is non-zero on any failure.
+Per op and shape it prints the path taken, the worst check and its error ratio to plain PyTorch
+in the same precision (pass/fail per the numerics table), the simulated instructions, the peak
+SBUF/PSUM use, and from the trn2 cost model (``nki_lib.simulator.profile``) the estimated time of
+the forward kernels, its fraction of the engine-aware roofline (``nki_lib.bench.flops``), and the
+estimated time of the backward kernels. Exit status is non-zero on any failure.
 """
 
 from __future__ import annotations
@@ -17,23 +18,40 @@ from nki_lib import registry
 from nki_lib.dispatch import collect_runs
 from nki_lib.numerics.oppar import op_parity
 
+TARGET = "trn2"
+COLUMNS = (("op", 18), ("case", 62), ("path", 9), ("worst", 11), ("ratio", 6), ("ok", 4),
+           ("instr", 7), ("sbuf KiB/p", 10), ("psum bk", 7), ("fwd us", 8), ("fwd roof", 8),
+           ("bwd us", 8), ("wall s", 6))
 
-def _estimate_us(runs) -> str:
-    try:
-        from nki_lib.simulator.profile import estimate
-    except ImportError:
-        return "n/a"
-    total = 0.0
-    for _, report in runs:
+
+def _row(values) -> str:
+    return " ".join(str(v)[:w].ljust(w) if i < 4 else str(v).rjust(w)
+                    for i, ((_, w), v) in enumerate(zip(COLUMNS, values)))
+
+
+def _estimates(spec, sample, runs) -> tuple[str, str, str]:
+    """(forward us, forward engine-aware roofline fraction, backward us) from the cost model."""
+    from nki_lib.bench.flops import cost_of
+    from nki_lib.simulator.profile import estimate
+
+    times = {spec.name: 0.0, spec.backward_name: 0.0}
+    for op, report in runs:
         if report is None or report.trace is None:
-            return "n/a"
-        total += estimate(report, target="trn2").time_us
-    return f"{total:.1f}"
+            return "n/a", "n/a", "n/a"
+        times[op] = times.get(op, 0.0) + estimate(report, target=TARGET).time_us
+    fwd_us = times[spec.name]
+    cost = cost_of(spec.name, sample)
+    fraction = "-"
+    if cost is not None and fwd_us > 0:
+        from nki_lib.simulator.profile import roofline
+        fraction = f"{roofline(cost, TARGET).engine_aware_ns / (fwd_us * 1e3):.0%}"
+    bwd = f"{times[spec.backward_name]:.1f}" if spec.backward_name else "-"
+    return f"{fwd_us:.1f}", fraction, bwd
 
 
 def run_report(ops: list[str] | None = None) -> bool:
     specs = [s for s in registry.all_specs() if not ops or s.name in ops]
-    header = f"{'op':<22} {'case':<64} {'path':<9} {'worst':<14} {'ratio':>6} {'ok':<4} {'instr':>8} {'sbuf KiB/p':>10} {'psum banks':>10} {'trn2 us':>9} {'wall s':>7}"
+    header = _row([name for name, _ in COLUMNS])
     print(header)
     print("-" * len(header))
     all_ok = True
@@ -46,24 +64,27 @@ def run_report(ops: list[str] | None = None) -> bool:
                     result = op_parity(spec, sample, path="simulator")
             except Exception as exc:  # a failing kernel is a report line, not a crash
                 all_ok = False
-                print(f"{spec.name:<22} {sample.label[:64]:<64} ERROR {type(exc).__name__}: {exc}")
+                print(f"{spec.name:<18} {sample.label[:62]:<62} ERROR {type(exc).__name__}: {exc}")
                 continue
             wall = time.perf_counter() - start
             cov = nki_lib.coverage()
             paths = sorted({p for op in cov.values() for p, st in op.items() if st.calls})
             worst = max(result.checks, key=lambda c: c.ratio, default=None)
             sims = [r for _, r in runs if r is not None]
-            instr = sum(r.instructions for r in sims)
-            sbuf = max((r.peak_sbuf_bytes for r in sims), default=0) / 1024
-            banks = max((r.peak_psum_banks for r in sims), default=0)
             ok = result.ok and paths == ["simulator"]
             all_ok &= ok
-            print(f"{spec.name:<22} {sample.label[:64]:<64} {','.join(paths):<9} "
-                  f"{(worst.name if worst else '-'):<14} {(worst.ratio if worst else 0):>6.2f} "
-                  f"{'yes' if ok else 'NO':<4} {instr:>8} {sbuf:>10.1f} {banks:>10} "
-                  f"{_estimate_us(runs):>9} {wall:>7.1f}")
+            print(_row([spec.name, sample.label, ",".join(paths), worst.name if worst else "-",
+                        f"{worst.ratio:.2f}" if worst else "-", "yes" if ok else "NO",
+                        sum(r.instructions for r in sims),
+                        f"{max((r.peak_sbuf_bytes for r in sims), default=0) / 1024:.1f}",
+                        max((r.peak_psum_banks for r in sims), default=0),
+                        *_estimates(spec, sample, runs), f"{wall:.1f}"]))
             if not result.ok:
                 print(result)
+    print(f"\nratio: kernel error / error of plain PyTorch in the same dtype, both vs an fp64 oracle "
+          f"(allowed: 2x outputs, 3x gradients, plus a noise floor). Times: {TARGET} cost-model "
+          f"estimates (one NeuronCore), not measurements; 'fwd roof' = engine-aware roofline time "
+          f"over the estimated forward time.")
     print("\nall kernels pass" if all_ok else "\nFAILURES above")
     return all_ok
 
