@@ -29,7 +29,8 @@ def core_barrier(data, cores=(0, 1), engine=None, name=None):
     """Barrier between the two cores of an LNC2 launch (no-op under LNC1)."""
     c = begin("core_barrier")
     c.check(isinstance(data, NkiTensor), "data", "core_barrier needs the shared tensor it orders")
-    c.check(tuple(cores) == (0, 1), "cores", "cores must be (0, 1)")
+    c.check(isinstance(cores, (tuple, list)) and tuple(cores) == (0, 1), "cores",
+            f"cores must be (0, 1), got {cores!r}")
     if c.run.grid == 2:
         _wait(c)
     c.record("sync", (data,), (), (), data._dtype, 0, 0, {"cores": tuple(cores)})
