@@ -9,19 +9,20 @@ for each block b of the plan (static loop over NB, blocks in order):
   with that trip count runs the block body once, or not at all for unused blocks (no DMA, no
   matmul for them). Body:
   1. per slot tile (<= 128 slots): gather the token rows of x with an indirect DMA
-     (``vector_offset`` = token ids; padding ids -1 are skipped and keep the zero fill), gather
-     the routing weights topk_w[a] the same way, PE-transpose the rows into xT (H on partitions,
-     slots on the free axis).
+     (``vector_offset`` = token ids; padding ids -1 are skipped and keep the zero fill),
+     PE-transpose the rows into xT (H on partitions, slots on the free axis).
   2. per I tile (128): load the expert's gate and up weight rows (``scalar_offset`` = the expert
      register; nn.Linear layout, long contiguous runs) and PE-transpose them to W^T tiles (H on
      partitions); gT/uT = W^T-tile x xT into fp32 PSUM (contraction over H tiles, moving free size
      <= 512 slots); hT = act(gT) * uT on ScalarE/VectorE -> SBUF (I on partitions, slots free).
   3. per H chunk (<= 512): W_down^T tiles (rows loaded and PE-transposed per span of I tiles),
-     y = h x W_down^T into fp32 PSUM (contraction over I tiles), evicted on ScalarE with the
-     routing weight as per-partition scale into fp32 output rows staged in SBUF; the rows go to
-     the fp32 scratch y_slots[a] with one indirect DMA scatter per slot tile (per H chunk when
-     SBUF is short): one row per assignment, written exactly once, no read-modify-write, no race.
-finally y[t] = sum_j y_slots[t * k + j] in the fixed order j = 0..k-1 (fp32), cast to x's dtype.
+     o = h x W_down^T into fp32 PSUM (contraction over I tiles), evicted on ScalarE into fp32
+     rows staged in SBUF; the rows go to the fp32 scratch y_slots[a] with one indirect DMA
+     scatter per slot tile (per H chunk when SBUF is short): one row per assignment, written
+     exactly once, no read-modify-write, no race.
+finally, per 128 tokens: y[t] = sum_j topk_weights[t, j] * y_slots[t * k + j] in the fixed order
+j = 0..k-1 (fp32; the routing weights are read in token order, so no per-slot gather), cast to
+x's dtype.
 
 Loop structure: ids; blocks (static) > guard (dynamic, 0/1 trips) > {slot tiles; I tiles > H
 tiles > slot chunks; staging groups > H chunks > I spans > slot tiles}; then token tiles > H
@@ -134,7 +135,8 @@ def block_registers(expert_sb, valid_sb, b):
 
 def load_block_inputs(x, topk_w, tok_ids, asg_ids, b, block):
     """Per slot tile of block b: (s0, ps, token ids, assignment ids (ps, 1) views of the
-    ``load_all_ids`` tiles, routing weights (ps, 1) fp32, token rows (ps, H)); and xT (P, HT, B)."""
+    ``load_all_ids`` tiles, routing weights (ps, 1) fp32 gathered from topk_w (N, 1) or None when
+    topk_w is None, token rows (ps, H)); and xT (P, HT, B)."""
     pmax = nl.tile_size.pmax
     hidden = x.shape[1]
     x_t = nl.ndarray((pmax, len(tiles(hidden, pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
@@ -144,7 +146,8 @@ def load_block_inputs(x, topk_w, tok_ids, asg_ids, b, block):
         asg_sb = asg_ids[:ps, st, b:b + 1]
         x_rows = gather_rows(x, tok_sb, ps)
         transpose_rows(x_t, x_rows, s0)
-        slot_tiles.append((s0, ps, tok_sb, asg_sb, gather_rows(topk_w, asg_sb, ps), x_rows))
+        w_col = None if topk_w is None else gather_rows(topk_w, asg_sb, ps)
+        slot_tiles.append((s0, ps, tok_sb, asg_sb, w_col, x_rows))
     return slot_tiles, x_t
 
 
@@ -198,23 +201,32 @@ def load_expert_t(w, expert_reg, col_tiles, row0, nrows):
     return w_t
 
 
-def reduce_assignments(src_slots, dst, top_k):
-    """dst[t] = sum_j src_slots[t * k + j] (fp32, j ascending), cast to dst's dtype."""
+def reduce_assignments(src_slots, dst, top_k, topk_w=None):
+    """dst[t] = sum_j w[t, j] * src_slots[t * k + j] (fp32, j ascending; w = 1 when topk_w is
+    None, else topk_w (N, 1) fp32, read in token order: no gather), cast to dst's dtype."""
     t_len, hidden = dst.shape
     for t0, tp in tiles(t_len, nl.tile_size.pmax):
+        w_sb = None
+        if topk_w is not None:
+            w_sb = nl.ndarray((tp, top_k), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=w_sb, src=topk_w.ap([[top_k, tp], [1, top_k]], offset=t0 * top_k))
         for h0, hn in tiles(hidden, nl.tile_size.gemm_moving_fmax):
             parts_sb = nl.ndarray((tp, top_k, hn), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=parts_sb, src=src_slots.ap([[top_k * hidden, tp], [hidden, top_k], [1, hn]],
                                                          offset=t0 * top_k * hidden + h0))
             out_sb = nl.ndarray((tp, hn), dtype=dst.dtype, buffer=nl.sbuf)
-            if top_k == 1:
-                nisa.tensor_copy(dst=out_sb, src=parts_sb[:, 0, :])
+            acc_sb = out_sb if top_k == 1 else nl.ndarray((tp, hn), dtype=nl.float32, buffer=nl.sbuf)
+            if w_sb is None:
+                nisa.tensor_copy(dst=acc_sb, src=parts_sb[:, 0, :])
             else:
-                acc_sb = nl.ndarray((tp, hn), dtype=nl.float32, buffer=nl.sbuf)
-                for j in range(1, top_k):
-                    nisa.tensor_tensor(dst=out_sb if j == top_k - 1 else acc_sb,
-                                       data1=parts_sb[:, 0, :] if j == 1 else acc_sb,
-                                       data2=parts_sb[:, j, :], op=nl.add)
+                nisa.tensor_scalar(dst=acc_sb, data=parts_sb[:, 0, :], op0=nl.multiply, operand0=w_sb[:, 0:1])
+            for j in range(1, top_k):
+                step_sb = out_sb if j == top_k - 1 else acc_sb
+                if w_sb is None:
+                    nisa.tensor_tensor(dst=step_sb, data1=acc_sb, data2=parts_sb[:, j, :], op=nl.add)
+                else:
+                    nisa.scalar_tensor_tensor(dst=step_sb, data=parts_sb[:, j, :], op0=nl.multiply,
+                                              operand0=w_sb[:, j:j + 1], op1=nl.add, operand1=acc_sb)
             nisa.dma_copy(dst=dst[t0:t0 + tp, h0:h0 + hn], src=out_sb)
 
 
@@ -254,17 +266,17 @@ def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols
                     for (s0, ps, *_), y_psum in zip(slot_tiles, y_psums):
                         nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps],
                                        moving=wd_t[:isz, si, :], accumulate=it > 0)
-            for (_, _, _, _, w_col, _), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
-                nisa.activation(dst=y_sb[:, h0:h0 + hn], op=nl.copy, data=y_psum, scale=w_col)
+            for y_psum, y_sb in zip(y_psums, y_rows):
+                nisa.activation(dst=y_sb[:, h0:h0 + hn], op=nl.copy, data=y_psum)
         for (_, _, _, asg_sb, _, _), y_sb in zip(slot_tiles, y_rows):
             scatter_rows(y_slots, asg_sb, y_sb, g0)
 
 
-def _block_fwd(x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
+def _block_fwd(x, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
                h_chunk, y_cols, y_slots):
     pmax = nl.tile_size.pmax
     h_tiles, i_tiles = tiles(x.shape[1], pmax), tiles(w_down.shape[2], pmax)
-    slot_tiles, x_t = load_block_inputs(x, topk_w, tok_ids, asg_ids, b, block)
+    slot_tiles, x_t = load_block_inputs(x, None, tok_ids, asg_ids, b, block)
     h_t = nl.ndarray((pmax, len(i_tiles), block), dtype=x.dtype, buffer=nl.sbuf)
     _gate_up(x_t, w_gate_up, expert_reg, h_tiles, block, activation, h_t)
     _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols)
@@ -284,9 +296,9 @@ def moe_experts_fwd(x, topk_w, block_expert, slot_token, slot_assignment, w_gate
     for b in nl.affine_range(n_blocks):
         expert_reg, trips_reg = block_registers(expert_sb, valid_sb, b)
         for _ in nl.dynamic_range(0, trips_reg):
-            _block_fwd(x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
+            _block_fwd(x, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
                        h_chunk, y_cols, y_slots)
-    reduce_assignments(y_slots, y, top_k)
+    reduce_assignments(y_slots, y, top_k, topk_w)
     return y
 
 
@@ -295,7 +307,7 @@ def moe_experts_fwd(x, topk_w, block_expert, slot_token, slot_assignment, w_gate
 def tail_sbuf_bytes(top_k, itemsize):
     """SBUF bytes per partition of the final k-reduction (after the blocks; two generations)."""
     fmax = nl.tile_size.gemm_moving_fmax
-    return 2 * ((top_k + 1) * fmax * 4 + fmax * itemsize)
+    return 2 * ((top_k + 1) * fmax * 4 + fmax * itemsize + top_k * 4)
 
 
 def flags_sbuf_bytes(n_blocks, block):
@@ -330,12 +342,12 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     and y staging width ``y_cols`` (upper bound: two generations of every streamed tile)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
-    slot_tiles = st * (hidden * itemsize + 3 * 4)                # x rows, ids, routing weight
+    slot_tiles = st * (hidden * itemsize + 2 * 4)                # x rows, ids
     resident = (ht + it) * block * itemsize                     # xT, hT
     staging = 2 * min(max(hidden, inter), WEIGHT_SPAN) * itemsize   # natural weight rows before transposes
     gate_up = 2 * (2 * ht * pmax * itemsize + fmax * 4)         # W_gate^T/W_up^T tiles, act
     span_tiles = min(it, WEIGHT_SPAN // pmax)
-    down = 2 * span_tiles * h_chunk * itemsize + staged_bytes(y_cols, hidden, st)   # W_down^T span, y rows
+    down = 2 * span_tiles * h_chunk * itemsize + staged_bytes(y_cols, hidden, st)   # W_down^T span, o rows
     body = slot_tiles + resident + staging + gate_up + down
     return flags_sbuf_bytes(n_blocks, block) + max(body, tail_sbuf_bytes(top_k, itemsize))
 
