@@ -208,3 +208,34 @@ def test_nki_tensor_trace_time_constants(nki_modules):
     assert zeros((2, 3), nl.bfloat16).dtype == BF16 and not zeros(5, nl.float32).any()
     with pytest.raises(ValueError, match="n must be"):
         ntensor.identity(0, nl.float32)
+
+
+# ---- MLP normalisations (activation_reduce, activation with (P,1) bias and tile scale,
+#      bn_stats / bn_aggr, two-operand tensor_scalar) -----------------------------------------
+
+EPS = 1e-5
+
+
+@pytest.mark.parametrize("shape", [(100, 1000), (128, 64)])
+def test_mlp_rms_norm(load_kernels, rng, shape):
+    k = load_kernels("kernels_nkilib_norm")
+    x = rng.standard_normal(shape).astype(np.float32)
+    out = sim.simulate(k.rms_norm_kernel)(x, EPS)
+    x64 = x.astype(np.float64)
+    oracle = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + EPS)
+    tx = torch.from_numpy(x)
+    baseline = tx * torch.rsqrt(tx.square().mean(dim=1, keepdim=True) + EPS)
+    assert_parity(torch.from_numpy(out), torch.from_numpy(oracle), baseline, kind="output",
+                  dtype=torch.float32, name="rms_norm")
+
+
+@pytest.mark.parametrize("shape", [(100, 1000), (128, 64)])
+def test_mlp_layer_norm(load_kernels, rng, shape):
+    k = load_kernels("kernels_nkilib_norm")
+    x = (rng.standard_normal(shape) + 3.0).astype(np.float32)
+    out = sim.simulate(k.layer_norm_kernel)(x, EPS)
+    x64 = x.astype(np.float64)
+    oracle = (x64 - x64.mean(axis=1, keepdims=True)) / np.sqrt(x64.var(axis=1, keepdims=True) + EPS)
+    baseline = torch.nn.functional.layer_norm(torch.from_numpy(x), (shape[1],), eps=EPS)
+    assert_parity(torch.from_numpy(out), torch.from_numpy(oracle), baseline, kind="output",
+                  dtype=torch.float32, name="layer_norm")
