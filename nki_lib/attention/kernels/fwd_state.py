@@ -1,0 +1,89 @@
+"""Online-softmax state of the flash-attention forward kernel (``fwd.py``): per (query head,
+query tile) the running -max ``neg_m`` (qn, 1), denominator ``l`` (qn, 1) and unnormalised
+output ``acc`` (qn, D), all fp32 SBUF; their initialisation (with sinks) and the finalisation
+``out = acc / max(l, 1)``, ``lse = m + log(l)`` (``-inf`` for rows with ``l = 0``).
+
+Dimension legend: qn query rows of a tile (<= 128), D head dim, n (head, query tile) pairs of
+one lse batch (<= 128).
+"""
+
+from __future__ import annotations
+
+from nki_lib._nki import nisa, nl
+from nki_lib.attention.kernels.tiles import STAT_INIT
+
+__all__ = ["RowState", "init_state", "store_out", "store_lse_batch"]
+
+
+class RowState(nl.NKIObject):
+    """Online-softmax state of one query head over one query tile (all fp32 SBUF)."""
+    neg_m: object   # (qn, 1) -running max
+    l: object       # (qn, 1) running denominator  # noqa: E741
+    acc: object     # (qn, D) unnormalised output
+
+
+def init_state(sinks, h, qn, d, has_sinks):
+    neg_m = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    l_sb = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if has_sinks:
+        sink_sb = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sink_sb, src=sinks.ap(pattern=[[0, qn], [1, 1]], offset=h))
+        nisa.tensor_scalar(dst=neg_m, data=sink_sb, op0=nl.maximum, operand0=STAT_INIT,
+                           op1=nl.multiply, operand1=-1.0)
+        nisa.activation(dst=l_sb, op=nl.exp, data=sink_sb, bias=neg_m)
+    else:
+        nisa.memset(dst=neg_m, value=-STAT_INIT)
+        nisa.memset(dst=l_sb, value=0.0)
+    acc = nl.ndarray((qn, d), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=acc, value=0.0)
+    return RowState(neg_m=neg_m, l=l_sb, acc=acc)
+
+
+def store_out(state, out, b, h, q0):
+    """out = acc / max(l, 1) (rows with l = 0 have acc = 0 and get 0); frees acc."""
+    qn, d = state.acc.shape
+    l_safe = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=l_safe, data=state.l, op0=nl.maximum, operand0=1.0)
+    recip = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=recip, data=l_safe)
+    out_sb = nl.ndarray((qn, d), dtype=out.dtype, buffer=nl.sbuf)
+    nisa.activation(dst=out_sb, op=nl.copy, data=state.acc, scale=recip)
+    nisa.dma_copy(dst=out[b, h, q0:q0 + qn, :], src=out_sb)
+    state.acc = None
+
+
+def store_lse_batch(pending, lse):
+    """lse = log(max(l, 1)) + m for a batch of (state, b, h, q0); rows with l = 0 get -inf.
+
+    The statistics are gathered as columns of one (128, n) tile so that the ScalarE log runs
+    once per batch, then transposed on TensorE so that each (head, query tile) is stored as one
+    contiguous row (a single-partition DMA) instead of qn 4-byte pieces."""
+    pmax = nl.tile_size.pmax
+    n = len(pending)
+    l_all = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
+    neg_m_all = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=l_all, value=0.0)
+    nisa.memset(dst=neg_m_all, value=0.0)
+    for i in range(n):
+        state = pending[i][0]
+        qn = state.l.shape[0]
+        nisa.tensor_copy(dst=l_all[0:qn, i:i + 1], src=state.l)
+        nisa.tensor_copy(dst=neg_m_all[0:qn, i:i + 1], src=state.neg_m)
+    l_safe = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=l_safe, data=l_all, op0=nl.maximum, operand0=1.0)
+    lse_all = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=lse_all, op=nl.log, data=l_safe)
+    nisa.tensor_tensor(dst=lse_all, data1=lse_all, data2=neg_m_all, op=nl.subtract)
+    empty = nl.ndarray((pmax, n), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=empty, data=l_all, op0=nl.equal, operand0=0.0)
+    neg_inf = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=neg_inf, value=float("-inf"))
+    nisa.tensor_copy_predicated(dst=lse_all, src=neg_inf, predicate=empty)
+    lse_t_psum = nl.ndarray((n, pmax), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=lse_t_psum, data=lse_all, engine=nisa.engine.tensor)
+    lse_t = nl.ndarray((n, pmax), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=lse_t, src=lse_t_psum)
+    for i in range(n):
+        state, b, h, q0 = pending[i]
+        qn = state.l.shape[0]
+        nisa.dma_copy(dst=lse[b, h, q0:q0 + qn], src=lse_t[i:i + 1, 0:qn])
