@@ -92,26 +92,29 @@ __all__ = ["decode_kernel", "block_slots", "chunk_plan"]
 
 INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
 STEP_SCORE_ELEMS = 4096           # fp32 scores per partition of one softmax step (16 KiB of SBUF)
+KT_LOOKAHEAD = 2                  # K^T blocks transposed ahead of their score matmuls
+KT_SCALAR_EVERY = 3               # every 3rd K^T eviction on ScalarE (VectorE carries the masks)
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers; streams (one per
                                   # (b, hk, split)) rotate over the pairs that fit, so consecutive
                                   # streams load and compute concurrently
 
 
-def block_slots() -> int:
-    """Key slots per K^T block: 128 keys per slot, one PSUM bank of fp32-sized columns."""
-    return nl.tile_size.psum_bank_fmax // nl.tile_size.pmax
+def block_slots(itemsize: int = 4) -> int:
+    """Key slots per K^T block: 128 keys per slot, one PSUM bank of ``itemsize``-byte K^T columns."""
+    return nl.tile_size.psum_bank_fmax_bytes // (itemsize * nl.tile_size.pmax)
 
 
 def _floor_pow2(x):
     return 1 << (max(1, int(x)).bit_length() - 1)
 
 
-def chunk_plan(m, rows_max):
-    """(step slots, score-block slots, K^T-block slots) for a chunk of M slots and row tiles of at
-    most ``rows_max`` rows; all powers of two dividing M. A score block's fp32 S^T (128, n*rn) fills
-    at most one PSUM bank; a softmax step's scores fill at most ``STEP_SCORE_ELEMS`` per partition."""
-    kt = min(m, block_slots())
-    blk = max(kt, min(m, _floor_pow2(nl.tile_size.psum_bank_fmax // rows_max)))
+def chunk_plan(m, rows_max, itemsize):
+    """(step slots, score-block slots, K^T-block slots) for a chunk of M slots, row tiles of at
+    most ``rows_max`` rows and K/V of ``itemsize`` bytes; all powers of two dividing M. A score
+    block's fp32 S^T (128, n*rn) fills at most one PSUM bank, so does a K^T block; a softmax step's
+    scores fill at most ``STEP_SCORE_ELEMS`` per partition."""
+    blk = min(m, max(1, _floor_pow2(nl.tile_size.psum_bank_fmax // rows_max)))
+    kt = min(blk, block_slots(itemsize))
     step = max(blk, min(m, _floor_pow2(STEP_SCORE_ELEMS // rows_max)))
     return step, blk, kt
 
@@ -177,9 +180,9 @@ def _gather_chunk(cache_units, idx_sb, head_offset, unit_elems, chunk_sb):
     nisa.dma_copy(dst=chunk_sb, src=src, oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
 
 
-def _block_keys_transposed(k_chunk, block, d_spans, m, dtype):
+def _block_keys_transposed(k_chunk, block, d_spans, m, dtype, on_scalar):
     """K^T chunks (dc, 128 * n) of one K^T block (slots c0 .. c0 + n): column j*128 + p is key
-    p*M + c0 + j of the chunk."""
+    p*M + c0 + j of the chunk. Evicted from PSUM by ScalarE when ``on_scalar``, else VectorE."""
     pmax = nl.tile_size.pmax
     c0, n = block
     d = k_chunk.shape[1] // m
@@ -191,7 +194,7 @@ def _block_keys_transposed(k_chunk, block, d_spans, m, dtype):
             nisa.nc_transpose(dst=k_t_psum[:, j * pmax:(j + 1) * pmax],
                               data=k_chunk[:, c * d + d0:c * d + d0 + dn])
         k_t_sb = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=k_t_sb, src=k_t_psum)
+        nisa.tensor_copy(dst=k_t_sb, src=k_t_psum, engine=nisa.engine.scalar if on_scalar else nisa.engine.vector)
         k_t.append(k_t_sb)
     return k_t
 
@@ -208,27 +211,38 @@ def _evict_scores(s_view, s_psum, scale, softcap):
 def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap):
     """S^T (128, n, rn) of every row tile for the slots of one softmax step: element [p, j, r] is
     the score of row r with key p*M + c0 + j. One matmul per slot and head-dim chunk
-    (stationary K^T slot (dc, 128), moving q^T (dc, rn)); K^T blocks are software-pipelined
-    (block i+1's transposes are issued before block i's matmuls)."""
+    (stationary K^T slot (dc, 128), moving q^T (dc, rn)) into a score block's PSUM tile, evicted
+    with the scale when the block is complete. K^T blocks are software-pipelined
+    ``KT_LOOKAHEAD`` blocks deep (their transposes are issued that far ahead of their matmuls,
+    hiding the PE -> eviction -> PE latency); every ``KT_SCALAR_EVERY``-th eviction runs on ScalarE."""
     pmax = nl.tile_size.pmax
     c0, n = step
     _, blk_slots, kt_slots = plan
-    for b0, bn in _spans(n, blk_slots):
-        s_psum = [nl.ndarray((pmax, bn, s.shape[2]), dtype=nl.float32, buffer=nl.psum) for s in s_sb]
-        kt_blocks = _spans(bn, kt_slots)
-        k_t_next = _block_keys_transposed(k_chunk, (c0 + b0, kt_blocks[0][1]), d_spans, m, kv_dtype)
-        for i, (k0, kn) in enumerate(kt_blocks):
-            k_t = k_t_next
-            if i + 1 < len(kt_blocks):
-                k_t_next = _block_keys_transposed(k_chunk, (c0 + b0 + kt_blocks[i + 1][0], kt_blocks[i + 1][1]),
-                                                  d_spans, m, kv_dtype)
-            for t in range(len(s_sb)):
-                for j in range(kn):
-                    for h in range(len(q_t[t])):
-                        nisa.nc_matmul(dst=s_psum[t][:, k0 + j, :], stationary=k_t[h][:, j * pmax:(j + 1) * pmax],
-                                       moving=q_t[t][h], accumulate=(h > 0))
+    kt_blocks = tuple((b0 + k0, kn) for b0, bn in _spans(n, blk_slots) for k0, kn in _spans(bn, kt_slots))
+
+    def transposed(i):
+        k0, kn = kt_blocks[i]
+        return _block_keys_transposed(k_chunk, (c0 + k0, kn), d_spans, m, kv_dtype,
+                                      on_scalar=i % KT_SCALAR_EVERY == KT_SCALAR_EVERY - 1)
+
+    pending = [transposed(i) for i in range(min(KT_LOOKAHEAD, len(kt_blocks)))]
+    s_psum = None
+    for i, (k0, kn) in enumerate(kt_blocks):
+        k_t = pending.pop(0)
+        if i + KT_LOOKAHEAD < len(kt_blocks):
+            pending.append(transposed(i + KT_LOOKAHEAD))
+        b0 = k0 - k0 % blk_slots
+        bn = min(blk_slots, n - b0)
+        if k0 == b0:
+            s_psum = [nl.ndarray((pmax, bn, s.shape[2]), dtype=nl.float32, buffer=nl.psum) for s in s_sb]
         for t in range(len(s_sb)):
-            _evict_scores(s_sb[t][:, b0:b0 + bn, :], s_psum[t], scale, softcap)
+            for j in range(kn):
+                for h in range(len(q_t[t])):
+                    nisa.nc_matmul(dst=s_psum[t][:, k0 - b0 + j, :], stationary=k_t[h][:, j * pmax:(j + 1) * pmax],
+                                   moving=q_t[t][h], accumulate=(h > 0))
+        if k0 + kn == b0 + bn:
+            for t in range(len(s_sb)):
+                _evict_scores(s_sb[t][:, b0:b0 + bn, :], s_psum[t], scale, softcap)
 
 
 def _step_softmax_pv(state, s_sb, v_chunk, c0, ones_col, dtype):
@@ -420,7 +434,7 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, row
     dtype = q.dtype
     row_spans = _spans(rows, pmax)
     d_spans = _spans(d, pmax)
-    plan = chunk_plan(m, row_spans[0][1])
+    plan = chunk_plan(m, row_spans[0][1], k_units.itemsize)
     out = nl.ndarray((batch, n_q_heads, sq, d), dtype=dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((batch, n_q_heads, sq), dtype=nl.float32, buffer=nl.shared_hbm)
 
