@@ -239,3 +239,30 @@ def test_mlp_layer_norm(load_kernels, rng, shape):
     baseline = torch.nn.functional.layer_norm(torch.from_numpy(x), (shape[1],), eps=EPS)
     assert_parity(torch.from_numpy(out), torch.from_numpy(oracle), baseline, kind="output",
                   dtype=torch.float32, name="layer_norm")
+
+
+# ---- MoE block gather + PE transpose (vector_offset gather with oob_mode, get_nc_version,
+#      shared_identity_matrix, nc_matmul(is_transpose=True) into 16-bit PSUM slices) -----------
+
+@pytest.mark.parametrize("skip_token", [False, True])
+def test_moe_block_gather_transpose(load_kernels, rng, any_target, skip_token):
+    k = load_kernels("kernels_nkilib_moe_block")
+    tokens, hidden, block = 300, 256, 256
+    x = rng.standard_normal((tokens, hidden)).astype(BF16)
+    ids = rng.integers(0, tokens, size=block).astype(np.int32)
+    if skip_token:
+        ids[::7] = tokens + 5                      # out of range: rows skipped, tile keeps its zeros
+    out = sim.simulate(k.moe_block_gather_transpose)(x, ids, skip_token=skip_token)
+    expected = np.where((ids < tokens)[None, :], x[np.minimum(ids, tokens - 1)].T.astype(np.float32), 0.0)
+    np.testing.assert_array_equal(out.astype(np.float32), expected)
+    transposes = [e for e in sim.last_run().trace if e.opcode == "nc_matmul"]
+    assert len(transposes) == 4 and all(e.attrs["is_transpose"] for e in transposes)
+
+
+def test_moe_block_gather_out_of_range_token_raises_without_skip(load_kernels, rng):
+    k = load_kernels("kernels_nkilib_moe_block")
+    x = rng.standard_normal((300, 128)).astype(BF16)
+    ids = np.full(128, 400, dtype=np.int32)
+    with pytest.raises(sim.NKIRuleError) as info:
+        sim.simulate(k.moe_block_gather_transpose)(x, ids)
+    assert info.value.instruction == "dma_copy"
