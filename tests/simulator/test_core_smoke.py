@@ -402,3 +402,22 @@ def test_matmul_elements_do_not_depend_on_the_tile_width():
     out = simulate(widths)(_bf16(rng, (128, 128)), _bf16(rng, (128, 512)))
     np.testing.assert_array_equal(out[0], out[1])
     np.testing.assert_array_equal(out[0], out[2])
+
+
+def test_int32_tensor_tensor_is_exact_on_gpsimd_and_fp32_on_vector():
+    @jit
+    def add_ints(x_hbm):
+        x_sb = nl.load(x_hbm)
+        out_hbm = nl.ndarray((3,) + x_hbm.shape, dtype=nl.int32, buffer=nl.shared_hbm)
+        for i, eng in enumerate((None, nisa.gpsimd_engine, nisa.vector_engine)):
+            r_sb = nl.ndarray(x_hbm.shape, dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=r_sb, data1=x_sb, data2=x_sb, op=nl.add, engine=eng)
+            nisa.dma_copy(dst=out_hbm[i], src=r_sb)
+        return out_hbm
+
+    x = np.array([[2**24 + 1, 3]], dtype=np.int32)
+    out = simulate(add_ints)(x)
+    np.testing.assert_array_equal(out[0], 2 * x)
+    np.testing.assert_array_equal(out[1], 2 * x)
+    np.testing.assert_array_equal(out[2], (2 * x).astype(np.float32).astype(np.int32))   # fp32 rounding
+    assert [e.engine for e in last_run().trace if e.opcode == "tensor_tensor"] == ["gpsimd", "gpsimd", "vector"]

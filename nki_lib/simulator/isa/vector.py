@@ -15,6 +15,7 @@ from ..tensor import NkiTensor
 from ._accum import accumulate
 from ._common import (INSTRUCTION, as_op, begin, engine_name, onchip, read_f32, read_raw, same_pf,
                       scalar_operand, write)
+from .constants import engine as _engine
 from .constants import reduce_cmd as _reduce_cmd
 
 __all__ = ["tensor_copy", "memset", "tensor_tensor", "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce",
@@ -85,6 +86,7 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
     alu = as_op(c, op, "op")
     c.check(alu.alu is not None and not alu.unary, "op", f"{alu!r} is not a binary ALU operator")
     eng = engine_name(c, engine, "vector", ("vector", "gpsimd"))
+    engine_given = engine is not None and engine != _engine.unknown
     pf = onchip(c, data1, "data1")
     same_pf(c, pf, data2, "data2")
     same_pf(c, pf, dst, "dst")
@@ -95,7 +97,9 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
         for t, nm in ((data1, "data1"), (data2, "data2"), (dst, "dst")):
             c.check(t._st.kind != "psum", nm, "operand may not be in PSUM" + _NO_PSUM_GPSIMD)
         eng = "gpsimd"
-    int_path = ints32 and not any(in_psum) and dst._st.kind != "psum" and engine is None
+    # exact integer math on GpSimd: all int32/uint32, nothing in PSUM, engine GpSimd or left to the compiler
+    exact_ints = ints32 and not any(in_psum) and dst._st.kind != "psum"
+    int_path = exact_ints and (eng == "gpsimd" or not engine_given)
     if int_path:
         eng = "gpsimd"
     if alu.bitvec:
