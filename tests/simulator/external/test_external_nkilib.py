@@ -266,3 +266,21 @@ def test_moe_block_gather_out_of_range_token_raises_without_skip(load_kernels, r
     with pytest.raises(sim.NKIRuleError) as info:
         sim.simulate(k.moe_block_gather_transpose)(x, ids)
     assert info.value.instruction == "dma_copy"
+
+
+# ---- rmsnorm_tkg [T, H] with H sharded over LNC2 (sendrecv on the GpSimd DMA, immediate bias) --
+
+@pytest.mark.parametrize("grid", [1, 2])
+def test_rmsnorm_tkg_shard_on_h(load_kernels, rng, trn2, grid):
+    k = load_kernels("kernels_nkilib_rmsnorm_tkg")
+    x = rng.standard_normal((150, 512)).astype(np.float32)
+    kernel = k.rmsnorm_tkg_shard_on_h if grid == 1 else k.rmsnorm_tkg_shard_on_h[grid]
+    out = sim.simulate(kernel)(x, EPS)
+    x64 = x.astype(np.float64)
+    oracle = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + EPS)
+    tx = torch.from_numpy(x)
+    baseline = tx * torch.rsqrt(tx.square().mean(dim=1, keepdim=True) + EPS)
+    assert_parity(torch.from_numpy(out), torch.from_numpy(oracle), baseline, kind="output",
+                  dtype=torch.float32, name="rmsnorm_tkg")
+    exchanges = [e for e in sim.last_run().trace if e.opcode == "sendrecv"]
+    assert len(exchanges) == (0 if grid == 1 else 2 * 2)  # two T tiles on each of the two cores
