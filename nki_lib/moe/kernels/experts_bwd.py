@@ -201,7 +201,7 @@ def zero_idle_experts(block_expert, outs):
     for e0, et in tiles(experts, pmax):
         be_sb = nl.ndarray((et, n_blocks), dtype=nl.int32, buffer=nl.sbuf)   # block experts, per partition
         nisa.dma_copy(dst=be_sb, src=block_expert.ap([[0, et], [1, n_blocks]], offset=0))
-        ids_sb = nl.ndarray((et, 1), dtype=nl.int32, buffer=nl.sbuf)
+        ids_sb = nl.ndarray((et, 1), dtype=nl.float32, buffer=nl.sbuf)        # fp32 per-partition operand
         nisa.iota(dst=ids_sb, pattern=[[0, 1]], offset=e0, channel_multiplier=1)
         hits_sb = nl.ndarray((et, n_blocks), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=hits_sb, data=be_sb, op0=nl.equal, operand0=ids_sb)
