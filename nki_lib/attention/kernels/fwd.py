@@ -104,6 +104,8 @@ PV_LAG = 2             # P @ V of a step is issued this many iterations after it
 ACC_LAG = 3            # the acc update of a step is issued this many iterations after its P^T
 LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
                        # ScalarE table switch to log and back per batch, 8 B/partition each
+K_CACHE_SBUF_SHARE = 4  # K^T of a whole kv head stays resident (loaded once, reused by every
+                        # query tile) when it needs at most 1/4 of SBUF per partition
 KEY_SECTION_BYTES = 4096  # a step covers consecutive visible key tiles whose K^T (and V) rows
                           # hold up to this many bytes per partition, past the ~2.4 KiB where a
                           # DMA row reaches bandwidth: 4 tiles of 512 keys in bf16/fp16, 2 in fp32
@@ -129,6 +131,12 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
     ctx = Ctx(q_t=q_t, k_t=k_t, v=v, sinks=sinks, has_sinks=has_sinks, d=d, chunks=chunks,
               mask=mask, doc_lo=doc[0] if has_docs else None, doc_hi=doc[1] if has_docs else None)
     section_keys = max(key_tile_width(), KEY_SECTION_BYTES // q_bytes)
+    n_spans = -(-sk // section_keys)
+    k_fits = (len(chunks) * sk * q_bytes
+              <= nl.tile_size.total_available_sbuf_size // K_CACHE_SBUF_SHARE)
+    ctx.section_keys = section_keys
+    ctx.k_cache = [None] * n_spans if k_fits else None
+    ctx.k_owner = None
     groups = program_share(plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys),
                            nl.num_programs(axes=0), nl.program_id(axis=0))
     for grp in groups:              # query sections are released after their last group here

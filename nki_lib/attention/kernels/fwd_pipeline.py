@@ -14,7 +14,7 @@ from nki_lib.attention.kernels.fwd_step import (evict_pt, load_k_section, load_q
                                                 transpose_p)
 from nki_lib.attention.kernels.tiles import row_bounds
 
-__all__ = ["load_k", "load_v_of", "stage_scores", "stage_softmax", "stage_transpose",
+__all__ = ["load_k", "section_k", "load_v_of", "stage_scores", "stage_softmax", "stage_transpose",
            "stage_evict_pt", "stage_pv", "stage_acc"]
 
 
@@ -40,7 +40,27 @@ def load_k(ctx, groups, steps, s):
             grp.bounds = row_bounds(ctx.mask, grp.q0, grp.qn, ctx.doc_lo, ctx.doc_hi)
     if si >= 0 and grp.k[si] is None:
         s0, slen, _ = section_span(grp, si)
-        grp.k[si] = load_k_section(ctx.k_t, grp.b, grp.hk, s0, slen, ctx.chunks)
+        grp.k[si] = section_k(ctx, grp, s0, slen)
+
+
+def section_k(ctx, grp, s0, slen):
+    """K^T tiles (dc, slen) of the keys [s0, s0 + slen) of a section of ``grp``.
+
+    With ``ctx.k_cache`` (K^T of the whole key range fits its SBUF budget) K^T is loaded once
+    per (batch, kv head) in aligned spans of ``ctx.section_keys`` keys, one DMA per span and
+    chunk, and every query tile and head of that kv head slices it; the cache is dropped when
+    the kv head changes. Without it, each group loads its own sections."""
+    if ctx.k_cache is None:
+        return load_k_section(ctx.k_t, grp.b, grp.hk, s0, slen, ctx.chunks)
+    if ctx.k_owner != (grp.b, grp.hk):
+        ctx.k_cache = [None] * len(ctx.k_cache)
+        ctx.k_owner = (grp.b, grp.hk)
+    a = s0 // ctx.section_keys
+    a0 = a * ctx.section_keys
+    if ctx.k_cache[a] is None:
+        span = min(ctx.mask.sk, a0 + ctx.section_keys) - a0
+        ctx.k_cache[a] = load_k_section(ctx.k_t, grp.b, grp.hk, a0, span, ctx.chunks)
+    return [k_sb[:, s0 - a0:s0 - a0 + slen] for k_sb in ctx.k_cache[a]]
 
 
 def load_v_of(ctx, groups, steps, s):

@@ -55,14 +55,16 @@ def plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys):
 
 
 def key_sections(plan, max_keys):
-    """Key sections of a plan: runs of consecutive visible tiles (adjacent keys, at most
-    ``max_keys``), the unit of one step. Returns ``((first tile, last tile), ...)``."""
+    """Key sections of a plan: runs of consecutive visible tiles (adjacent keys) within one
+    aligned span ``[a * max_keys, (a + 1) * max_keys)`` of keys, the unit of one step (aligned,
+    so that a section is a slice of the K^T span cached by ``fwd_pipeline.section_k``).
+    Returns ``((first tile, last tile), ...)``."""
     sections = []
     for ti in range(len(plan)):
         if len(sections) > 0:
             first, last = sections[-1]
             adjacent = plan[last][0] + plan[last][1] == plan[ti][0]
-            if adjacent and plan[ti][0] + plan[ti][1] - plan[first][0] <= max_keys:
+            if adjacent and plan[ti][0] // max_keys == plan[first][0] // max_keys:
                 sections[-1] = (first, ti)
                 continue
         sections.append((ti, ti))
