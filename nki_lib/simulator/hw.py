@@ -1,5 +1,7 @@
 """Fixed hardware constants used by instruction checks (nki-api.md §3, §8); per-target sizes are in target.py."""
 
+import math
+
 QUADRANT = 32                       # partitions per VectorE shuffle / transpose quadrant
 VECTOR_TRANSPOSE_MAX = 32           # VectorE nc_transpose: P, F <= 32
 GPSIMD_CORE_PARTITIONS = 16         # GpSimd: 8 cores x 16 partitions
@@ -14,3 +16,6 @@ MATMUL_TILE_SIZES = (32, 64, 128)   # nc_matmul tile_size entries (32 needs NC-v
 LOCAL_GATHER_ELEMS = (1, 2, 4, 8, 16, 32)
 DGE_TRANSPOSE_ROWS = 16             # dma_transpose on the HW DGE: source rows (2-d) / row granule (3/4-d)
 DGE_TRANSPOSE_MAX_LAST = 128        # dma_transpose on the HW DGE: max elements of the source's last dim
+# Scalar-engine activations whose hardware approximation is only valid on a narrow input range
+# (nki-api.md §7.3): outside it the hardware returns garbage (e.g. sin has no range reduction)
+ACTIVATION_RANGES = {"sin": (-math.pi, math.pi), "arctan": (-math.pi / 2, math.pi / 2)}

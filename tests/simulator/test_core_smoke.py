@@ -421,3 +421,19 @@ def test_int32_tensor_tensor_is_exact_on_gpsimd_and_fp32_on_vector():
     np.testing.assert_array_equal(out[1], 2 * x)
     np.testing.assert_array_equal(out[2], (2 * x).astype(np.float32).astype(np.int32))   # fp32 rounding
     assert [e.engine for e in last_run().trace if e.opcode == "tensor_tensor"] == ["gpsimd", "gpsimd", "vector"]
+
+
+def test_sin_outside_its_valid_range_is_rejected():
+    @jit
+    def sine(x_hbm):
+        x_sb = nl.load(x_hbm)
+        y_sb = nl.ndarray(x_hbm.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=y_sb, op=nl.sin, data=x_sb)
+        out_hbm = nl.ndarray(x_hbm.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out_hbm, src=y_sb)
+        return out_hbm
+
+    inside = np.linspace(-np.pi, np.pi, 8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(simulate(sine)(inside), np.sin(inside))
+    with pytest.raises(NKIRuleError, match="valid range"):
+        simulate(sine)(np.full((2, 4), 9.0, np.float32))

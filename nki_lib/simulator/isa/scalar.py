@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..hw import ACTIVATION_RANGES
 from ..tensor import NkiTensor
 from ._accum import accumulate
 from ._common import INSTRUCTION, as_op, begin, engine_name, onchip, read_f32, same_pf, scalar_operand, write
@@ -59,6 +60,13 @@ def _activation(c, dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd
         x = x * s + scalar_operand(c, bias, pf[0], "bias")
     elif not (isinstance(s, np.float32) and s == 1.0):
         x = x * s
+    if fn.name in ACTIVATION_RANGES:
+        lo, hi = (np.float32(v) for v in ACTIVATION_RANGES[fn.name])   # fp32 limits, as the engine sees them
+        bad = ~((x >= lo) & (x <= hi)) & ~np.isnan(x)
+        if bad.any():
+            c.fail("data", f"nl.{fn.name} input {float(x[bad].flat[0])!r} is outside its valid range "
+                           f"[{lo:.6g}, {hi:.6g}] on the Scalar engine (the hardware result would be garbage; "
+                           "reduce the argument first)")
     y = np.asarray(fn.act(x), dtype=np.float32)
     red = as_op(c, reduce_op, "reduce_op", allow_none=True)
     if red is not None:
