@@ -92,6 +92,8 @@ __all__ = ["decode_kernel", "block_slots", "chunk_plan"]
 
 INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
 STEP_SCORE_ELEMS = 4096           # fp32 scores per partition of one softmax step (16 KiB of SBUF)
+STEP_SLOTS = 128                  # slots per softmax step: >= 64 keeps the per-row range_select at
+                                  # one element per cycle; a chunk has >= 2 steps to pipeline
 KT_LOOKAHEAD = 2                  # K^T blocks transposed ahead of their score matmuls
 KT_SCALAR_EVERY = 3               # every 3rd K^T eviction on ScalarE (VectorE carries the masks)
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers; streams (one per
@@ -112,10 +114,10 @@ def chunk_plan(m, rows_max, itemsize):
     """(step slots, score-block slots, K^T-block slots) for a chunk of M slots, row tiles of at
     most ``rows_max`` rows and K/V of ``itemsize`` bytes; all powers of two dividing M. A score
     block's fp32 S^T (128, n*rn) fills at most one PSUM bank, so does a K^T block; a softmax step's
-    scores fill at most ``STEP_SCORE_ELEMS`` per partition."""
+    covers at most ``STEP_SLOTS`` slots and ``STEP_SCORE_ELEMS`` fp32 scores per partition."""
     blk = min(m, max(1, _floor_pow2(nl.tile_size.psum_bank_fmax // rows_max)))
     kt = min(blk, block_slots(itemsize))
-    step = max(blk, min(m, _floor_pow2(STEP_SCORE_ELEMS // rows_max)))
+    step = max(blk, min(m, STEP_SLOTS, _floor_pow2(STEP_SCORE_ELEMS // rows_max)))
     return step, blk, kt
 
 
@@ -209,8 +211,9 @@ def _evict_scores(s_view, s_psum, scale, softcap):
 
 
 def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap):
-    """S^T (128, n, rn) of every row tile for the slots of one softmax step: element [p, j, r] is
-    the score of row r with key p*M + c0 + j. One matmul per slot and head-dim chunk
+    """S^T (128, rn, n) of every row tile for the slots of one softmax step: element [p, r, j] is
+    the score of row r with key p*M + c0 + j (rows outermost, so each row's slots are one
+    contiguous run for its range_select). One matmul per slot and head-dim chunk
     (stationary K^T slot (dc, 128), moving q^T (dc, rn)) into a score block's PSUM tile, evicted
     with the scale when the block is complete. K^T blocks are software-pipelined
     ``KT_LOOKAHEAD`` blocks deep (their transposes are issued that far ahead of their matmuls,
@@ -234,7 +237,7 @@ def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, so
         b0 = k0 - k0 % blk_slots
         bn = min(blk_slots, n - b0)
         if k0 == b0:
-            s_psum = [nl.ndarray((pmax, bn, s.shape[2]), dtype=nl.float32, buffer=nl.psum) for s in s_sb]
+            s_psum = [nl.ndarray((pmax, bn, s.shape[1]), dtype=nl.float32, buffer=nl.psum) for s in s_sb]
         for t in range(len(s_sb)):
             for j in range(kn):
                 for h in range(len(q_t[t])):
@@ -242,25 +245,24 @@ def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, so
                                    moving=q_t[t][h], accumulate=(h > 0))
         if k0 + kn == b0 + bn:
             for t in range(len(s_sb)):
-                _evict_scores(s_sb[t][:, b0:b0 + bn, :], s_psum[t], scale, softcap)
+                _evict_scores(s_sb[t][:, :, b0:b0 + bn].permute((0, 2, 1)), s_psum[t], scale, softcap)
 
 
-def _step_softmax_pv(state, s_sb, v_chunk, c0, ones_col, dtype):
-    """Fold the scores S^T (128, n, rn) of slots c0 .. c0 + n into ``state``.
+def _step_probs(state, s_sb, c0, dtype):
+    """P^T (128, n, rn) = exp(S^T - m_new) of the scores S^T (128, rn, n) of slots c0 .. c0 + n, and
+    -m_new (rn, 1).
 
     mask + per-partition row max: one range_select per row r over its n slots (slot c of
       partition p is key p*M + c: visible iff lo_r - p*M <= c <= hi_r - p*M)
     row max across partitions: PE transpose (128, rn) -> (rn, 128), VectorE max
     -m broadcast to the partitions: PE transpose of a stride-0 (rn, 128) view -> (128, rn)
-    P^T = exp(S^T - m) (VectorE add, ScalarE exp) in the input dtype
-    O (rn, D) = sum_j matmul(P^T slot j (128, rn), V slot j (128, D)); row sums (rn, 1) likewise
-      with a ones column as the moving operand (TensorE has room; VectorE does not)"""
+    P^T = exp(S^T - m) (VectorE add, ScalarE exp) in the input dtype"""
     pmax = nl.tile_size.pmax
     rn, d = state.acc.shape
-    n = s_sb.shape[1]
+    n = s_sb.shape[2]
     part_max = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
     for r in range(rn):
-        nisa.range_select(dst=s_sb[:, :, r], on_true_tile=s_sb[:, :, r], comp_op0=nl.greater_equal,
+        nisa.range_select(dst=s_sb[:, r, :], on_true_tile=s_sb[:, r, :], comp_op0=nl.greater_equal,
                           comp_op1=nl.less_equal, bound0=state.bounds[:, r, 0:1], bound1=state.bounds[:, r, 1:2],
                           reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=part_max[:, r:r + 1],
                           reduce_op=nl.maximum, range_start=c0)
@@ -273,9 +275,18 @@ def _step_softmax_pv(state, s_sb, v_chunk, c0, ones_col, dtype):
                        op1=nl.minimum, operand1=state.neg_m)
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
-    nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(1).broadcast(1, n), op=nl.add)
+    nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(2).broadcast(2, n), op=nl.add)
     p_t = nl.ndarray((pmax, n, rn), dtype=dtype, buffer=nl.sbuf)
-    nisa.activation(dst=p_t, op=nl.exp, data=s_sb)
+    nisa.activation(dst=p_t.permute((0, 2, 1)), op=nl.exp, data=s_sb)
+    return p_t, neg_m_new
+
+
+def _step_pv(state, p_t, neg_m_new, v_chunk, c0, ones_col):
+    """O (rn, D) = sum_j matmul(P^T slot j (128, rn), V slot j (128, D)) and the row sums (rn, 1)
+    likewise with a ones column as the moving operand (TensorE has room, VectorE does not); then
+    the online-softmax update of ``state``."""
+    rn, d = state.acc.shape
+    n = p_t.shape[1]
     rowsum = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.psum)
     o_psum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.psum)
     for j in range(n):
@@ -394,16 +405,34 @@ def _zero_invisible_rows(v_chunk, key_slots, window_sb):
 
 def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
     """Scores, mask, softmax and P @ V of one loaded chunk for every row tile, one softmax step
-    (``plan[0]`` slots) at a time; then the row bounds move to the next chunk (-128*M keys)."""
+    (``plan[0]`` slots) at a time, software-pipelined: the P @ V of step i is issued after the scores
+    of step i+1 (TensorE transposes and multiplies while VectorE/ScalarE finish the exp of step i);
+    then the row bounds move to the next chunk (-128*M keys)."""
     pmax = nl.tile_size.pmax
-    for step in _spans(m, plan[0]):
-        s_sb = [nl.ndarray((pmax, step[1], st.acc.shape[0]), dtype=nl.float32, buffer=nl.sbuf)
+    steps = _spans(m, plan[0])
+
+    def scores(step):
+        s_sb = [nl.ndarray((pmax, st.acc.shape[0], step[1]), dtype=nl.float32, buffer=nl.sbuf)
                 for st in split_states]
         _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap)
-        for t, st in enumerate(split_states):
-            _step_softmax_pv(st, s_sb[t], v_chunk, step[0], ones_col, dtype)
+        return s_sb
+
+    pending = None                  # (step, P^T and -m_new per row tile) awaiting P @ V
+    for step in steps:
+        s_sb = scores(step)
+        probs = [_step_probs(st, s_sb[t], step[0], dtype) for t, st in enumerate(split_states)]
+        if pending is not None:
+            _flush_pv(split_states, pending, v_chunk, ones_col)
+        pending = (step, probs)
+    _flush_pv(split_states, pending, v_chunk, ones_col)
     for st in split_states:
         nisa.tensor_scalar(dst=st.bounds, data=st.bounds, op0=nl.add, operand0=-float(m * pmax))
+
+
+def _flush_pv(split_states, pending, v_chunk, ones_col):
+    step, probs = pending
+    for st, (p_t, neg_m_new) in zip(split_states, probs):
+        _step_pv(st, p_t, neg_m_new, v_chunk, step[0], ones_col)
 
 
 def _exchange(states, pid, first_pipe):
