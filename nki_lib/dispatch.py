@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from nki_lib import backend
-from nki_lib._blas import single_threaded_blas
 from nki_lib.coverage import LEDGER
 
 T = TypeVar("T")
@@ -185,8 +184,7 @@ def call_kernel(kernel: Any, *args: Any, grid: int = 1, **kwargs: Any) -> Any:
 
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     convert = lambda v: to_numpy(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
-    with single_threaded_blas():
-        outputs = nki.simulate(launchable)(*(convert(a) for a in args), **{k: convert(v) for k, v in kwargs.items()})
+    outputs = nki.simulate(launchable)(*(convert(a) for a in args), **{k: convert(v) for k, v in kwargs.items()})
     last_run = getattr(nki, "last_run", None)
     report = last_run() if last_run is not None else None
     launch.runs.append(report)
