@@ -2,12 +2,14 @@
 
 Each returns a fresh tile (SBUF unless noted; ``matmul``/``transpose`` return PSUM tiles) of the
 input's shape; ``dtype=`` picks the result dtype (default: the input's). Functions with no single
-ISA equivalent (cos, tan, ceil, floor, trunc, fmod, mod) raise NotImplementedError.
+ISA equivalent (tan, ceil, floor, trunc, fmod, mod) raise NotImplementedError; ``sin``/``cos`` reduce the
+argument to [-pi, pi] first (the Scalar-engine ``sin`` activation has no range reduction).
 """
 
 from __future__ import annotations
 
 import builtins
+import math
 
 import numpy as np
 
@@ -18,7 +20,8 @@ from .tensor import MemoryRegion, NkiTensor
 __all__ = ["load", "store", "load_transpose2d", "matmul", "transpose", "sum", "max", "min", "mean", "prod",
            "all", "var", "rms_norm", "softmax", "where", "broadcast_to", "expand_dims"]
 
-_NO_ISA = ("cos", "tan", "ceil", "floor", "trunc", "fmod", "mod")
+_NO_ISA = ("tan", "ceil", "floor", "trunc", "fmod", "mod")
+_TWO_PI = 2.0 * math.pi
 
 
 def _new(shape, dtype, buffer=MemoryRegion.sbuf):
@@ -87,7 +90,9 @@ def _elementwise(op: Op, *args, dtype=None, **kwargs):
     if op.unary:
         (x,) = args
         out = _new(x.shape, dtype or x.dtype)
-        if op.name == "negative":
+        if op.name in ("sin", "cos"):
+            _sin_reduced(out, x, math.pi / 2 if op.name == "cos" else 0.0)
+        elif op.name == "negative":
             isa.tensor_scalar(dst=out, data=x, op0=OPS["multiply"], operand0=-1.0)
         elif op.name == "logical_not":
             isa.tensor_scalar(dst=out, data=x, op0=OPS["equal"], operand0=0.0)
@@ -118,6 +123,40 @@ def _elementwise(op: Op, *args, dtype=None, **kwargs):
 
 
 Op.wrapper = staticmethod(_elementwise)
+
+
+def _split_constant(value, parts, bits):
+    """``value`` as ``parts`` fp32 constants of ``bits`` significant bits each (Cody-Waite)."""
+    out, rest = [], value
+    for _ in range(parts - 1):
+        exp = math.floor(math.log2(abs(rest)))
+        step = 2.0 ** (exp - bits + 1)
+        head = math.floor(rest / step) * step
+        out.append(head)
+        rest -= head
+    return out + [rest]
+
+
+_TWO_PI_PARTS = _split_constant(_TWO_PI, 3, 12)   # k * part is exact in fp32 for |k| < 2**12
+
+
+def _sin_reduced(out, x, phase):
+    """``out = sin(x + phase)`` with range reduction to [-pi, pi] (the ScalarE sin has none):
+    k = rint((x + phase) / 2pi) through an int32 tile, r = x - 2pi k in three Cody-Waite steps
+    (exact products), then r + phase, clamped to +-pi."""
+    shape = x.shape
+    turns = _new(shape, "int32")
+    isa.tensor_scalar(dst=turns, data=x, op0=OPS["multiply"], operand0=1.0 / _TWO_PI, op1=OPS["add"],
+                      operand1=phase / _TWO_PI)
+    reduced = _new(shape, "float32")
+    isa.tensor_copy(dst=reduced, src=x)
+    for part in _TWO_PI_PARTS:
+        isa.scalar_tensor_tensor(dst=reduced, data=turns, op0=OPS["multiply"], operand0=-part, op1=OPS["add"],
+                                 operand1=reduced)
+    isa.tensor_scalar(dst=reduced, data=reduced, op0=OPS["add"], operand0=phase, op1=OPS["minimum"],
+                      operand1=math.pi)
+    isa.tensor_scalar(dst=reduced, data=reduced, op0=OPS["maximum"], operand0=-math.pi)
+    isa.activation(dst=out, op=OPS["sin"], data=reduced)
 
 
 def _reduce(opname, x, axis, dtype, keepdims):

@@ -437,3 +437,20 @@ def test_sin_outside_its_valid_range_is_rejected():
     np.testing.assert_array_equal(simulate(sine)(inside), np.sin(inside))
     with pytest.raises(NKIRuleError, match="valid range"):
         simulate(sine)(np.full((2, 4), 9.0, np.float32))
+
+
+def test_nl_sin_and_cos_tile_functions_reduce_the_argument():
+    @jit
+    def trig(x_hbm):
+        x_sb = nl.load(x_hbm)
+        out_hbm = nl.ndarray((2,) + x_hbm.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        nl.store(out_hbm[0], nl.sin(x_sb))
+        nl.store(out_hbm[1], nl.cos(x_sb))
+        return out_hbm
+
+    x = np.linspace(-40.0, 40.0, 64, dtype=np.float32).reshape(4, 16)
+    out = simulate(trig)(x)
+    x64 = torch.from_numpy(x).double()
+    x32 = torch.from_numpy(x)
+    assert_parity(torch.from_numpy(out[0]), x64.sin(), x32.sin(), kind="output", dtype=torch.float32, name="sin")
+    assert_parity(torch.from_numpy(out[1]), x64.cos(), x32.cos(), kind="output", dtype=torch.float32, name="cos")
