@@ -374,9 +374,9 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     chunks = streamed + chunk + 2 * fmax * (4 + itemsize)       # phase 2, with the accumulate tiles
     dx = 2 * fmax * itemsize + staged_bytes(dx_cols, hidden, st)   # phase 3: W rows, dx rows
     body = slot_tiles + resident + max(load, chunks, dx)
-    modes = (4 + len(ACC_MODES)) * n_blocks * 4                  # block edges and modes
-    idle = 2 * n_blocks * 4 + fmax * itemsize                   # idle-expert count tiles, zero tile
-    return flags_sbuf_bytes(n_blocks, block) + modes + max(body, idle, tail_sbuf_bytes(top_k, itemsize))
+    modes = len(ACC_MODES) * n_blocks * 4                       # block accumulation modes
+    setup = max(4 * n_blocks * 4, 2 * n_blocks * 4 + fmax * itemsize)   # edges; idle-expert count, zeros
+    return flags_sbuf_bytes(n_blocks, block) + modes + max(body, setup, tail_sbuf_bytes(top_k, itemsize))
 
 
 def tiling(hidden, inter, block, itemsize, **counts):
