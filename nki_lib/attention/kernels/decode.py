@@ -94,6 +94,7 @@ INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
 STEP_SCORE_ELEMS = 4096           # fp32 scores per partition of one softmax step (16 KiB of SBUF)
 STEP_SLOTS = 128                  # slots per softmax step: >= 64 keeps the per-row range_select at
                                   # one element per cycle; a chunk has >= 2 steps to pipeline
+EXP_SLOTS = 32                    # slots per exp piece (P @ V of a piece starts after its exp)
 KT_LOOKAHEAD = 2                  # K^T blocks transposed ahead of their score matmuls
 KT_SCALAR_EVERY = 3               # every 3rd K^T eviction on ScalarE (VectorE carries the masks)
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers; streams (one per
@@ -275,25 +276,35 @@ def _step_probs(state, s_sb, c0, dtype):
                        op1=nl.minimum, operand1=state.neg_m)
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
-    nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(2).broadcast(2, n), op=nl.add)
     p_t = nl.ndarray((pmax, n, rn), dtype=dtype, buffer=nl.sbuf)
-    nisa.activation(dst=p_t.permute((0, 2, 1)), op=nl.exp, data=s_sb)
+    for k0, kn in _spans(n, EXP_SLOTS):              # pieces: P @ V of piece k starts after its exp
+        shifted = nl.ndarray((pmax, rn, kn), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=shifted, data1=s_sb[:, :, k0:k0 + kn],
+                           data2=neg_m_cols.expand_dim(2).broadcast(2, kn), op=nl.add)
+        nisa.activation(dst=p_t[:, k0:k0 + kn, :].permute((0, 2, 1)), op=nl.exp, data=shifted)
     return p_t, neg_m_new
 
 
-def _step_pv(state, p_t, neg_m_new, v_chunk, c0, ones_col):
-    """O (rn, D) = sum_j matmul(P^T slot j (128, rn), V slot j (128, D)) and the row sums (rn, 1)
-    likewise with a ones column as the moving operand (TensorE has room, VectorE does not); then
-    the online-softmax update of ``state``."""
+def _step_pv(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
+    """O^T (dc, rn) = sum_j matmul(V slot j (128, dc), P^T slot j (128, rn)) per head-dim chunk (the
+    wide V slot is the stationary operand, so each matmul streams only rn columns), transposed
+    back to O (rn, D); the row sums (rn, 1) likewise with a ones column as the moving operand
+    (TensorE has room, VectorE does not); then the online-softmax update of ``state``."""
     rn, d = state.acc.shape
     n = p_t.shape[1]
     rowsum = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.psum)
-    o_psum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.psum)
+    o_t = [nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.psum) for _, dn in d_spans]
     for j in range(n):
         c = c0 + j
-        nisa.nc_matmul(dst=o_psum, stationary=p_t[:, j, :], moving=v_chunk[:, c * d:(c + 1) * d],
-                       accumulate=(j > 0))
+        for h, (d0, dn) in enumerate(d_spans):
+            nisa.nc_matmul(dst=o_t[h], stationary=v_chunk[:, c * d + d0:c * d + d0 + dn], moving=p_t[:, j, :],
+                           accumulate=(j > 0))
         nisa.nc_matmul(dst=rowsum, stationary=p_t[:, j, :], moving=ones_col, accumulate=(j > 0))
+    o_psum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.psum)
+    for h, (d0, dn) in enumerate(d_spans):
+        o_t_sb = nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=o_t_sb, src=o_t[h])
+        nisa.nc_transpose(dst=o_psum[:, d0:d0 + dn], data=o_t_sb)
     alpha = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, bias=neg_m_new, scale=-1.0)
     nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=alpha,
@@ -422,17 +433,17 @@ def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_d
         s_sb = scores(step)
         probs = [_step_probs(st, s_sb[t], step[0], dtype) for t, st in enumerate(split_states)]
         if pending is not None:
-            _flush_pv(split_states, pending, v_chunk, ones_col)
+            _flush_pv(split_states, pending, v_chunk, ones_col, d_spans)
         pending = (step, probs)
-    _flush_pv(split_states, pending, v_chunk, ones_col)
+    _flush_pv(split_states, pending, v_chunk, ones_col, d_spans)
     for st in split_states:
         nisa.tensor_scalar(dst=st.bounds, data=st.bounds, op0=nl.add, operand0=-float(m * pmax))
 
 
-def _flush_pv(split_states, pending, v_chunk, ones_col):
+def _flush_pv(split_states, pending, v_chunk, ones_col, d_spans):
     step, probs = pending
     for st, (p_t, neg_m_new) in zip(split_states, probs):
-        _step_pv(st, p_t, neg_m_new, v_chunk, step[0], ones_col)
+        _step_pv(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans)
 
 
 def _exchange(states, pid, first_pipe):
