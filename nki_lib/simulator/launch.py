@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import sys
 import threading
 import types
@@ -216,6 +217,7 @@ def _run(kernel: Kernel, grid, args, kwargs):
     spec = TARGETS[get_target()]
     run = Run(kernel.__qualname__, spec, grid or 1, grid is not None, getattr(_caller, "recording", True))
     conv = _Args(run)
+    _check_signature(kernel.fn)
     try:
         bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
         names = list(bound.arguments)
@@ -267,6 +269,20 @@ def _run(kernel: Kernel, grid, args, kwargs):
         raise failure.with_traceback(failure.__traceback__)
     conv.finish()
     return _convert_result(results[0], run, conv.torch)
+
+
+def _check_signature(fn):
+    """NKI 0.3+ rejects keyword-only parameters (a ``*`` separator) in a kernel signature."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    for param in params:
+        if param.kind == inspect.Parameter.KEYWORD_ONLY:
+            code = getattr(fn, "__code__", None)
+            where = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}" if code else "<kernel>"
+            raise NKIRuleError("jit", param.name, "keyword-only kernel parameters (a '*' separator) are not "
+                                                  "allowed since NKI 0.3", where)
 
 
 def _report(run: Run, programs) -> RunReport:

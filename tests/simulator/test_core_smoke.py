@@ -454,3 +454,11 @@ def test_nl_sin_and_cos_tile_functions_reduce_the_argument():
     x32 = torch.from_numpy(x)
     assert_parity(torch.from_numpy(out[0]), x64.sin(), x32.sin(), kind="output", dtype=torch.float32, name="sin")
     assert_parity(torch.from_numpy(out[1]), x64.cos(), x32.cos(), kind="output", dtype=torch.float32, name="cos")
+
+
+def test_keyword_only_kernel_parameters_are_rejected():
+    def kw_only(x_hbm, *, scale):
+        return x_hbm
+
+    with pytest.raises(NKIRuleError, match="keyword-only"):
+        simulate(kw_only)(np.zeros((2, 2), np.float32), scale=1.0)
