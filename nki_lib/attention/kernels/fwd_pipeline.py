@@ -33,7 +33,8 @@ def load_k(ctx, groups, steps, s):
         off = grp.q0 - sec.q0
         grp.q_tiles = [[q_sb[:, off:off + grp.qn] for q_sb in head_tiles]
                        for head_tiles in sec.tiles]
-        grp.states = [init_state(ctx.sinks, h, grp.qn, ctx.d, ctx.has_sinks) for h in grp.heads]
+        grp.states = [init_state(ctx.sinks, h, grp.qn, ctx.d, ctx.has_sinks,
+                                 len(grp.sections) == 0) for h in grp.heads]
         grp.k = [None] * len(grp.sections)
         grp.v = [None] * len(grp.sections)
         if any(masked for _, _, masked in grp.plan):
@@ -89,9 +90,9 @@ def stage_scores(groups, steps, work, s, scale, softcap):
         gi, si, hi = steps[s]
         grp = groups[gi]
         s0, _, sub_tiles = section_span(grp, si)
-        s_sb, rowmax = section_scores(grp.q_tiles[hi], grp.k[si], sub_tiles, s0, scale, softcap,
-                                      grp.bounds)
-        work[s] = Work(s_sb=s_sb, rowmax=rowmax)
+        s_sb, tile_max = section_scores(grp.q_tiles[hi], grp.k[si], sub_tiles, s0, scale,
+                                        softcap, grp.bounds)
+        work[s] = Work(s_sb=s_sb, tile_max=tile_max)
         if hi == len(grp.heads) - 1:
             grp.k[si] = None
 
@@ -101,9 +102,9 @@ def stage_softmax(groups, steps, work, s, p_dtype):
     if real(steps, s):
         gi, _, hi = steps[s]
         w = work[s]
-        w.p_sb, w.alpha, w.rowsum = softmax_step(groups[gi].states[hi], w.s_sb, w.rowmax,
+        w.p_sb, w.alpha, w.rowsum = softmax_step(groups[gi].states[hi], w.s_sb, w.tile_max,
                                                  p_dtype)
-        w.s_sb, w.rowmax = None, None
+        w.s_sb, w.tile_max = None, None
 
 
 def stage_transpose(steps, work, s):
@@ -136,8 +137,8 @@ def stage_pv(groups, steps, work, s):
 
 
 def stage_acc(groups, steps, work, s, out, pending_lse):
-    """B3: l = alpha * l + rowsum and acc = alpha * acc + O of step s [DVE]; closes the group
-    after its last step."""
+    """B3: l = alpha * l + rowsum [GpSimd] and acc = alpha * acc + O of step s [DVE]; closes the
+    group after its last step."""
     if s < 0 or s >= len(steps):
         return
     gi, si, hi = steps[s]
@@ -145,10 +146,13 @@ def stage_acc(groups, steps, work, s, out, pending_lse):
     if si >= 0:
         w = work[s]
         state = grp.states[hi]
-        nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=w.alpha,
-                                  op1=nl.add, operand1=w.rowsum)
-        nisa.scalar_tensor_tensor(dst=state.acc, data=state.acc, op0=nl.multiply,
-                                  operand0=w.alpha, op1=nl.add, operand1=w.o_psum)
+        nisa.tensor_scalar(dst=state.l, data=state.l, op0=nl.multiply, operand0=w.alpha,
+                           op1=nl.add, operand1=w.rowsum, engine=nisa.engine.gpsimd)
+        if si == 0:     # first section: acc is uninitialised, alpha * 0 + O = O
+            nisa.tensor_copy(dst=state.acc, src=w.o_psum)
+        else:
+            nisa.scalar_tensor_tensor(dst=state.acc, data=state.acc, op0=nl.multiply,
+                                      operand0=w.alpha, op1=nl.add, operand1=w.o_psum)
         work[s] = None
     if si == len(grp.sections) - 1 and (si < 0 or hi == len(grp.heads) - 1):
         close_group(grp, out, pending_lse)

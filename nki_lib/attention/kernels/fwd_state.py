@@ -22,32 +22,39 @@ class RowState(nl.NKIObject):
     acc: object     # (qn, D) unnormalised output
 
 
-def init_state(sinks, h, qn, d, has_sinks):
+def init_state(sinks, h, qn, d, has_sinks, zero_acc):
+    """State before the first key section. acc is only zeroed (``zero_acc``) for a group with
+    no visible key: otherwise its first update overwrites it (``fwd_pipeline.stage_acc``).
+    The small SBUF-only ops run on GpSimd (VectorE and ScalarE carry the per-key work)."""
+    gpsimd = nisa.engine.gpsimd
     neg_m = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     l_sb = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     if has_sinks:
         sink_sb = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=sink_sb, src=sinks.ap(pattern=[[0, qn], [1, 1]], offset=h))
         nisa.tensor_scalar(dst=neg_m, data=sink_sb, op0=nl.maximum, operand0=STAT_INIT,
-                           op1=nl.multiply, operand1=-1.0)
+                           op1=nl.multiply, operand1=-1.0, engine=gpsimd)
         nisa.activation(dst=l_sb, op=nl.exp, data=sink_sb, bias=neg_m)
     else:
-        nisa.memset(dst=neg_m, value=-STAT_INIT)
-        nisa.memset(dst=l_sb, value=0.0)
+        nisa.memset(dst=neg_m, value=-STAT_INIT, engine=gpsimd)
+        nisa.memset(dst=l_sb, value=0.0, engine=gpsimd)
     acc = nl.ndarray((qn, d), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=acc, value=0.0)
+    if zero_acc:
+        nisa.memset(dst=acc, value=0.0, engine=gpsimd)
     return RowState(neg_m=neg_m, l=l_sb, acc=acc)
 
 
 def store_out(state, out, b, h, q0):
-    """out = acc / max(l, 1) (rows with l = 0 have acc = 0 and get 0); frees acc."""
+    """out = acc / max(l, 1) (rows with l = 0 have acc = 0 and get 0); frees acc. The clamp and
+    the scaling run on GpSimd, the reciprocal on VectorE (its only engine)."""
+    gpsimd = nisa.engine.gpsimd
     qn, d = state.acc.shape
     l_safe = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=l_safe, data=state.l, op0=nl.maximum, operand0=1.0)
+    nisa.tensor_scalar(dst=l_safe, data=state.l, op0=nl.maximum, operand0=1.0, engine=gpsimd)
     recip = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(dst=recip, data=l_safe)
     out_sb = nl.ndarray((qn, d), dtype=out.dtype, buffer=nl.sbuf)
-    nisa.activation(dst=out_sb, op=nl.copy, data=state.acc, scale=recip)
+    nisa.tensor_scalar(dst=out_sb, data=state.acc, op0=nl.multiply, operand0=recip, engine=gpsimd)
     nisa.dma_copy(dst=out[b, h, q0:q0 + qn, :], src=out_sb)
     state.acc = None
 
@@ -60,24 +67,25 @@ def store_lse_batch(pending, lse):
     contiguous row (a single-partition DMA) instead of qn 4-byte pieces."""
     pmax = nl.tile_size.pmax
     n = len(pending)
+    gpsimd = nisa.engine.gpsimd
     l_all = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
     neg_m_all = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=l_all, value=0.0)
-    nisa.memset(dst=neg_m_all, value=0.0)
+    nisa.memset(dst=l_all, value=0.0, engine=gpsimd)
+    nisa.memset(dst=neg_m_all, value=0.0, engine=gpsimd)
     for i in range(n):
         state = pending[i][0]
         qn = state.l.shape[0]
-        nisa.tensor_copy(dst=l_all[0:qn, i:i + 1], src=state.l)
-        nisa.tensor_copy(dst=neg_m_all[0:qn, i:i + 1], src=state.neg_m)
+        nisa.tensor_copy(dst=l_all[0:qn, i:i + 1], src=state.l, engine=gpsimd)
+        nisa.tensor_copy(dst=neg_m_all[0:qn, i:i + 1], src=state.neg_m, engine=gpsimd)
     l_safe = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=l_safe, data=l_all, op0=nl.maximum, operand0=1.0)
+    nisa.tensor_scalar(dst=l_safe, data=l_all, op0=nl.maximum, operand0=1.0, engine=gpsimd)
     lse_all = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=lse_all, op=nl.log, data=l_safe)
     nisa.tensor_tensor(dst=lse_all, data1=lse_all, data2=neg_m_all, op=nl.subtract)
     empty = nl.ndarray((pmax, n), dtype=nl.uint8, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=empty, data=l_all, op0=nl.equal, operand0=0.0)
+    nisa.tensor_scalar(dst=empty, data=l_all, op0=nl.equal, operand0=0.0, engine=gpsimd)
     neg_inf = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=neg_inf, value=float("-inf"))
+    nisa.memset(dst=neg_inf, value=float("-inf"), engine=gpsimd)
     nisa.tensor_copy_predicated(dst=lse_all, src=neg_inf, predicate=empty)
     lse_t_psum = nl.ndarray((n, pmax), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=lse_t_psum, data=lse_all, engine=nisa.engine.tensor)

@@ -20,6 +20,10 @@ __all__ = ["FP32_BYTES", "HALF_BYTES", "load_q", "load_k_section", "load_v", "se
 
 FP32_BYTES = 4
 HALF_BYTES = 2        # bfloat16 / float16
+PT_DVE_SHARE = 0.3    # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
+                      # Per 2048-key bf16 section (trn2 rates) ScalarE has ~1.8 us fixed work
+                      # (exp) and VectorE ~2.7 us (score evicts + max, acc), and a P^T block costs
+                      # ScalarE 0.107 us, VectorE 0.067 us (16-bit PSUM at 2x): 0.3 balances them
 
 
 def load_q(q_t, b, h, q0, qn, chunks):
@@ -79,7 +83,8 @@ def qk(q_tiles, k_tiles, qn, kn):
 
 
 def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
-    """Final scores (qn, slen) fp32 in SBUF of a key section and their row max (qn, 1).
+    """Final scores (qn, slen) fp32 in SBUF of a key section and their row max per score tile
+    (qn, tiles).
 
     Per score tile (``sub_tiles`` = ``((k0, kn, masked), ...)``): QK^T into one PSUM bank, then
     one evict: scaled, capped, masked on partial tiles only, giving a partial row max; unmasked
@@ -106,20 +111,24 @@ def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
         else:
             nisa.tensor_scalar_reduce(dst=s_tile, data=src, op0=nl.multiply, operand0=factor,
                                       reduce_op=nl.maximum, reduce_res=tile_max)
-    if len(sub_tiles) == 1:
-        return s_sb, partial_max
-    rowmax = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=partial_max, axis=1)
-    return s_sb, rowmax
+    return s_sb, partial_max
 
 
-def softmax_step(state, s_sb, rowmax, p_dtype):
-    """Update neg_m with the section; returns P = exp(s - m_new) (qn, slen), alpha = exp(m - m_new)
-    and the row sum of P (qn, 1) (l is updated later, with acc, by :func:`stage_acc`)."""
+def softmax_step(state, s_sb, partial_max, p_dtype):
+    """Update neg_m with the section's per-tile row maxima ``partial_max`` (qn, tiles): their
+    negated max on VectorE (skipped for one tile), the min with neg_m on GpSimd. Returns
+    P = exp(s - m_new) (qn, slen), alpha = exp(m - m_new) and the row sum of P (qn, 1) (l is
+    updated later, with acc, by ``fwd_pipeline.stage_acc``)."""
     qn, slen = s_sb.shape
     neg_m_new = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
-                       op1=nl.minimum, operand1=state.neg_m)
+    if partial_max.shape[1] == 1:
+        nisa.tensor_scalar(dst=neg_m_new, data=partial_max, op0=nl.multiply, operand0=-1.0,
+                           op1=nl.minimum, operand1=state.neg_m, engine=nisa.engine.gpsimd)
+    else:
+        neg_rowmax = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=neg_rowmax, op=nl.maximum, data=partial_max, axis=1, negate=True)
+        nisa.tensor_scalar(dst=neg_m_new, data=neg_rowmax, op0=nl.minimum, operand0=state.neg_m,
+                           engine=nisa.engine.gpsimd)
     alpha = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, scale=-1.0, bias=neg_m_new)
     p_sb = nl.ndarray((qn, slen), dtype=p_dtype, buffer=nl.sbuf)
@@ -152,18 +161,26 @@ def transpose_p(p_sb):
 
 
 def evict_pt(pt_tiles, slen):
-    """P^T to SBUF (128, blocks, qn) on ScalarE, one instruction per PSUM tile (the remainder
-    block only its rows)."""
+    """P^T to SBUF (128, blocks, qn), one instruction per PSUM tile and engine: the first full
+    blocks of the section on ScalarE, the last ``round(PT_DVE_SHARE * blocks)`` on VectorE (the
+    remainder block, only its rows, on ScalarE)."""
     pmax = nl.tile_size.pmax
     n_blocks = len(key_blocks(slen))
     n_full = slen // pmax
+    cut = n_full - min(n_full, int(PT_DVE_SHARE * n_blocks + 0.5))   # first block on VectorE
     qn = pt_tiles[0][1].shape[2]
     pt_sb = nl.ndarray((pmax, n_blocks, qn), dtype=pt_tiles[0][1].dtype, buffer=nl.sbuf)
     for j0, pt_psum in pt_tiles:
-        full = min(n_full, j0 + pt_psum.shape[1]) - j0
-        if full > 0:
-            nisa.activation(dst=pt_sb[:, j0:j0 + full, :], op=nl.copy, data=pt_psum[:, 0:full, :])
-        if full < pt_psum.shape[1]:
+        full_end = min(n_full, j0 + pt_psum.shape[1])
+        act_end = max(j0, min(cut, full_end))
+        if act_end > j0:
+            nisa.activation(dst=pt_sb[:, j0:act_end, :], op=nl.copy,
+                            data=pt_psum[:, 0:act_end - j0, :])
+        if full_end > act_end:
+            nisa.tensor_copy(dst=pt_sb[:, act_end:full_end, :],
+                             src=pt_psum[:, act_end - j0:full_end - j0, :],
+                             engine=nisa.engine.vector)
+        if full_end < j0 + pt_psum.shape[1]:
             bn = slen - n_full * pmax
             nisa.activation(dst=pt_sb[0:bn, n_full, :], op=nl.copy,
                             data=pt_psum[0:bn, n_full - j0, :])
