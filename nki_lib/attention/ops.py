@@ -19,21 +19,14 @@ from nki_lib.attention import reference
 from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
+from nki_lib.validation import FLOAT_DTYPES
+from nki_lib.validation import check_int
+from nki_lib.validation import check_tensor as _check_tensor
 
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
 
 
 # --------------------------------------------------------------------------- validation
-
-def _check_tensor(name, t, *, rank, dtypes=FLOAT_DTYPES):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != rank:
-        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-
 
 def validate(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_right, softcap):
     """Shape/dtype/argument checks (no data access: safe under fake tensors)."""
@@ -60,10 +53,7 @@ def validate(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_r
     if sq < 1 or k.shape[2] < 1:
         raise ValueError(f"q and k sequence lengths must be >= 1, got Sq={sq}, Sk={k.shape[2]}")
     for name, w in (("window_left", window_left), ("window_right", window_right)):
-        if not isinstance(w, (int, torch.SymInt)) or isinstance(w, bool):
-            raise TypeError(f"{name} must be an int, got {type(w).__name__}")
-        if w < -1:
-            raise ValueError(f"{name} must be -1 (unbounded) or >= 0, got {w}")
+        check_int(name, w, low=-1)  # -1: unbounded
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):

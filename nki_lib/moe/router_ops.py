@@ -18,28 +18,12 @@ from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.dispatch import dispatch
 from nki_lib.moe import reference
 from nki_lib.registry import OpSpec, Sample
-
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+from nki_lib.validation import FLOAT_DTYPES
+from nki_lib.validation import check_int as _check_int
+from nki_lib.validation import check_tensor as _check_tensor
 
 
 # --------------------------------------------------------------------------- validation
-
-def _check_tensor(name, t, *, rank, dtypes=FLOAT_DTYPES):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != rank:
-        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-
-
-def _check_int(name, value, *, low, high=None):
-    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be in {bound}, got {value}")
-
 
 def _aux_dtype(x):
     """dtype of logits/topk_weights/expert_bias: float32, or float64 for float64 inputs."""

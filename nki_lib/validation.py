@@ -1,0 +1,28 @@
+"""Argument checks shared by every op: errors name the argument and what was expected
+(api-contract §5). They read only metadata, so they are safe inside fake (meta) kernels, and they
+accept symbolic ints (``torch.SymInt``), which is what int arguments become under
+``torch.compile(dynamic=True)``."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def check_tensor(name: str, t, *, rank: int, dtypes=FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+def check_int(name: str, value, *, low: int | None = None, high: int | None = None) -> None:
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bound = (f"[{low}, {high}]" if low is not None and high is not None
+                 else f">= {low}" if low is not None else f"<= {high}")
+        raise ValueError(f"{name} must be in {bound}, got {value}")
