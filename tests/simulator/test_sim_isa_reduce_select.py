@@ -4,6 +4,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import jit, simulate
@@ -328,3 +330,32 @@ def test_dma_compute_sums_hbm_sources(rng):
         return out_hbm
 
     np.testing.assert_array_equal(simulate(add_hbm)(a, b), a + b)
+
+
+_REDUCERS = {"add": np.add, "maximum": np.maximum, "minimum": np.minimum, "multiply": np.multiply}
+
+
+@given(
+    p=st.integers(1, 128), free=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    reduced=st.integers(1, 3), op=st.sampled_from(sorted(_REDUCERS)), negate=st.booleans(),
+    out_dtype=st.sampled_from([np.dtype(np.float32), BF16]), seed=st.integers(0, 2**16),
+)
+def test_tensor_reduce_matches_the_fp32_model(p, free, reduced, op, negate, out_dtype, seed):
+    reduced = min(reduced, len(free))
+    axes = tuple(range(1 + len(free) - reduced, 1 + len(free)))      # trailing free axes
+    shape = (p, *free)
+    bound = 1 if op == "multiply" else 3          # products stay finite whatever the order
+    x = np.random.default_rng(seed).integers(-bound, bound, size=shape, endpoint=True).astype(np.float32)
+    kept = shape[:1 + len(free) - reduced]
+
+    def body(x_sb):
+        x_nd = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=x_nd, src=x_sb)
+        r_sb = nl.ndarray(kept if len(kept) > 1 else (p, 1), dtype=out_dtype, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=r_sb, op=getattr(nl, op), data=x_nd, axis=axes, negate=negate)
+        return r_sb
+
+    expected = _REDUCERS[op].reduce(x.reshape(*kept, -1), axis=-1)
+    expected = (-expected if negate else expected).astype(np.float32).astype(out_dtype)
+    out = run_tiles(body, x.reshape(p, -1))
+    np.testing.assert_array_equal(bits(out.reshape(expected.shape)), bits(expected))
