@@ -94,9 +94,7 @@ INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
 STEP_SCORE_ELEMS = 4096           # fp32 scores per partition of one softmax step (16 KiB of SBUF)
 STEP_SLOTS = 128                  # slots per softmax step: >= 64 keeps the per-row range_select at
                                   # one element per cycle; a chunk has >= 2 steps to pipeline
-EXP_SLOTS = 32                    # slots per exp piece (P @ V of a piece starts after its exp)
 KT_LOOKAHEAD = 2                  # K^T blocks transposed ahead of their score matmuls
-KT_SCALAR_EVERY = 3               # every 3rd K^T eviction on ScalarE (VectorE carries the masks)
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers; streams (one per
                                   # (b, hk, split)) rotate over the pairs that fit, so consecutive
                                   # streams load and compute concurrently
@@ -183,9 +181,9 @@ def _gather_chunk(cache_units, idx_sb, head_offset, unit_elems, chunk_sb):
     nisa.dma_copy(dst=chunk_sb, src=src, oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
 
 
-def _block_keys_transposed(k_chunk, block, d_spans, m, dtype, on_scalar):
+def _block_keys_transposed(k_chunk, block, d_spans, m, dtype):
     """K^T chunks (dc, 128 * n) of one K^T block (slots c0 .. c0 + n): column j*128 + p is key
-    p*M + c0 + j of the chunk. Evicted from PSUM by ScalarE when ``on_scalar``, else VectorE."""
+    p*M + c0 + j of the chunk (evicted from PSUM by VectorE)."""
     pmax = nl.tile_size.pmax
     c0, n = block
     d = k_chunk.shape[1] // m
@@ -197,7 +195,7 @@ def _block_keys_transposed(k_chunk, block, d_spans, m, dtype, on_scalar):
             nisa.nc_transpose(dst=k_t_psum[:, j * pmax:(j + 1) * pmax],
                               data=k_chunk[:, c * d + d0:c * d + d0 + dn])
         k_t_sb = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=k_t_sb, src=k_t_psum, engine=nisa.engine.scalar if on_scalar else nisa.engine.vector)
+        nisa.tensor_copy(dst=k_t_sb, src=k_t_psum, engine=nisa.engine.vector)
         k_t.append(k_t_sb)
     return k_t
 
@@ -218,7 +216,7 @@ def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, so
     (stationary K^T slot (dc, 128), moving q^T (dc, rn)) into a score block's PSUM tile, evicted
     with the scale when the block is complete. K^T blocks are software-pipelined
     ``KT_LOOKAHEAD`` blocks deep (their transposes are issued that far ahead of their matmuls,
-    hiding the PE -> eviction -> PE latency); every ``KT_SCALAR_EVERY``-th eviction runs on ScalarE."""
+    hiding the PE -> eviction -> PE latency)."""
     pmax = nl.tile_size.pmax
     c0, n = step
     _, blk_slots, kt_slots = plan
@@ -226,8 +224,7 @@ def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, so
 
     def transposed(i):
         k0, kn = kt_blocks[i]
-        return _block_keys_transposed(k_chunk, (c0 + k0, kn), d_spans, m, kv_dtype,
-                                      on_scalar=i % KT_SCALAR_EVERY == KT_SCALAR_EVERY - 1)
+        return _block_keys_transposed(k_chunk, (c0 + k0, kn), d_spans, m, kv_dtype)
 
     pending = [transposed(i) for i in range(min(KT_LOOKAHEAD, len(kt_blocks)))]
     s_psum = None
@@ -257,7 +254,8 @@ def _step_probs(state, s_sb, c0, dtype):
       partition p is key p*M + c: visible iff lo_r - p*M <= c <= hi_r - p*M)
     row max across partitions: PE transpose (128, rn) -> (rn, 128), VectorE max
     -m broadcast to the partitions: PE transpose of a stride-0 (rn, 128) view -> (128, rn)
-    P^T = exp(S^T - m) (VectorE add, ScalarE exp) in the input dtype"""
+    P^T = exp(S^T - m): one ScalarE exp per row r with the per-partition bias -m_r (column r of
+      the broadcast), written in the input dtype"""
     pmax = nl.tile_size.pmax
     rn, d = state.acc.shape
     n = s_sb.shape[2]
@@ -276,12 +274,11 @@ def _step_probs(state, s_sb, c0, dtype):
                        op1=nl.minimum, operand1=state.neg_m)
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
-    p_t = nl.ndarray((pmax, n, rn), dtype=dtype, buffer=nl.sbuf)
-    for k0, kn in _spans(n, EXP_SLOTS):              # pieces: P @ V of piece k starts after its exp
-        shifted = nl.ndarray((pmax, rn, kn), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=shifted, data1=s_sb[:, :, k0:k0 + kn],
-                           data2=neg_m_cols.expand_dim(2).broadcast(2, kn), op=nl.add)
-        nisa.activation(dst=p_t[:, k0:k0 + kn, :].permute((0, 2, 1)), op=nl.exp, data=shifted)
+    neg_m_bias = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=neg_m_bias, src=neg_m_cols, engine=nisa.engine.scalar)
+    p_t = nl.ndarray((pmax, rn, n), dtype=dtype, buffer=nl.sbuf)
+    for r in range(rn):                         # column r of neg_m_bias is -m_r on every partition
+        nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1])
     return p_t, neg_m_new
 
 
@@ -291,15 +288,15 @@ def _step_pv(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
     back to O (rn, D); the row sums (rn, 1) likewise with a ones column as the moving operand
     (TensorE has room, VectorE does not); then the online-softmax update of ``state``."""
     rn, d = state.acc.shape
-    n = p_t.shape[1]
+    n = p_t.shape[2]
     rowsum = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.psum)
     o_t = [nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.psum) for _, dn in d_spans]
     for j in range(n):
         c = c0 + j
         for h, (d0, dn) in enumerate(d_spans):
-            nisa.nc_matmul(dst=o_t[h], stationary=v_chunk[:, c * d + d0:c * d + d0 + dn], moving=p_t[:, j, :],
+            nisa.nc_matmul(dst=o_t[h], stationary=v_chunk[:, c * d + d0:c * d + d0 + dn], moving=p_t[:, :, j],
                            accumulate=(j > 0))
-        nisa.nc_matmul(dst=rowsum, stationary=p_t[:, j, :], moving=ones_col, accumulate=(j > 0))
+        nisa.nc_matmul(dst=rowsum, stationary=p_t[:, :, j], moving=ones_col, accumulate=(j > 0))
     o_psum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.psum)
     for h, (d0, dn) in enumerate(d_spans):
         o_t_sb = nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.sbuf)
