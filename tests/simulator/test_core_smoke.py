@@ -96,7 +96,12 @@ def test_lnc2_programs_split_a_shared_output_and_exchange_tiles():
     x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
     out = simulate(halves[2])(x)
     np.testing.assert_array_equal(out, np.concatenate([x[4:], x[:4]]))
-    assert last_run().grid == 2
+    report = last_run()
+    assert report.grid == 2 and report.instructions == len(report.trace)
+    for pid in (0, 1):
+        entries = [e for e in report.trace if e.program_id == pid]
+        assert [e.index for e in entries] == list(range(len(entries)))
+        assert [e.opcode for e in entries] == ["dma_copy", "sendrecv", "dma_copy", "core_barrier"]
     np.testing.assert_array_equal(simulate(halves)[2](x), out)
 
 
