@@ -303,5 +303,7 @@ def no_reorder():
 from .wrappers import (all, broadcast_to, expand_dims, load, load_transpose2d, matmul, max, mean, min,  # noqa: E402
                        prod, rms_norm, softmax, store, sum, transpose, var, where)
 
-__all__ = [n for n in list(globals()) if not n.startswith("_") and n not in ("annotations", "contextlib", "np")]
+_INTERNAL = {"builtins", "contextlib", "np", "annotations", "ALL_DTYPES", "NkiDType", "as_dtype", "is_float",
+             "NKIRuleError", "kernel_source", "ONCHIP", "Storage", "OPS", "Op", "current", "VirtualRegister"}
+__all__ = [n for n in list(globals()) if not n.startswith("_") and n not in _INTERNAL]
 del Op
