@@ -1,8 +1,9 @@
 """Decode-attention NKI kernel: a few new tokens per sequence over a contiguous or paged KV cache.
 
-Algorithm (flash-decoding). For every (sequence b, kv head hk) the ``R = G * Sq`` query rows of the
-GQA group (all query heads of hk and all new tokens, row ``r = g * Sq + t``) sit on the partitions
-and share every K/V byte read. The sequence's needed key range ``[first, L_b)`` (``first =
+Algorithm (flash-decoding, keys on partitions). For every (sequence b, kv head hk) the
+``R = G * Sq`` query rows of the GQA group (all query heads of hk and all new tokens, row
+``r = g * Sq + t``) share every K/V byte read; the *keys* sit on the 128 partitions and the rows on
+the free axis (scores are S^T), so VectorE/ScalarE use all lanes even when R is 8. The sequence's needed key range ``[first, L_b)`` (``first =
 max(0, L_b - Sq - window_left)``, 0 without a window) is cut into ``S`` contiguous splits; each split
 streams its chunks of ``C = 128 * M`` keys through a *device loop* (``nl.dynamic_range``) whose
 bounds are runtime registers loaded from ``split_bounds``, keeping the online-softmax state
@@ -10,7 +11,7 @@ bounds are runtime registers loaded from ``split_bounds``, keeping the online-so
 
     s     = scale * q @ k^T          (softcap: softcap * tanh(s / softcap)); keys outside [lo, hi]
                                      of the row -> MASK_FILL (range_select, which also gives rowmax)
-    m_new = max(m, rowmax(s));  alpha = exp(m - m_new);  p = exp(s - m_new)  (row sum fused)
+    m_new = max(m, rowmax(s));  alpha = exp(m - m_new);  p = exp(s - m_new)
     l     = alpha * l + rowsum(p);   acc = alpha * acc + p @ v
 
 The splits are merged exactly through their maxima and sums, together with the sink (a virtual key
@@ -28,14 +29,20 @@ One chunk (``u`` keys per gathered unit, ``M`` keys per partition)::
     K, V chunk (128, M*D)     <- one indirect DMA each (vector_offset = unit ids, oob_mode.skip):
                                  unit i lands on keys [i*u, (i+1)*u), key k on partition k // M,
                                  slot k % M: each partition receives one contiguous run of M*D
-    per score block (<= 4 slots = one PSUM bank of fp32 scores; software-pipelined):
-      K^T (dc, 128*n) PSUM    <- n TensorE transposes of slots c (keys {p*M + c}), copied to SBUF
-      S (rn, 128*n) PSUM      =  sum over head-dim chunks of matmul(q^T (dc, rn), K^T (dc, 128*n))
-                                 evicted by ScalarE with scale (and tanh for softcap)
-    mask + row max            :  one range_select per slot c: column p is key p*M + c, visible iff
-                                 (lo - c)/M <= p <= (hi - c)/M; the slots chain the row max
-    per block: P = exp(S - m) (ScalarE, row sums per block), P^T (128, n*rn) by n transposes,
-      O (rn, D) PSUM          += matmul(P^T_c (128, rn), V[:, slot c] (128, D)) for every slot
+    per softmax step of n slots (``chunk_plan``: n*rn <= 4096 fp32, n <= 128):
+      K^T (dc, 128*nk) PSUM   <- nk TensorE transposes of slots c (keys {p*M + c}) per K^T block
+                                 (one PSUM bank), evicted by VectorE, issued 2 blocks ahead
+      S^T[:, :, c] (128, rn)  =  sum over head-dim chunks of matmul(K^T slot c (dc, 128), q^T (dc, rn))
+                                 into a score block (one PSUM bank), evicted by ScalarE with the
+                                 scale (and tanh for softcap) into S^T (128, rn, n) (rows outermost)
+      mask + partial max      :  one range_select per row r over its n slots: slot c of partition p
+                                 is key p*M + c, visible iff lo_r - p*M <= c <= hi_r - p*M
+      row max                 :  partial max (128, rn) -> PE transpose -> VectorE max -> (rn, 1);
+                                 -m_new broadcast to (128, rn) by a PE transpose of a stride-0 view
+      P^T (128, rn, n)        =  exp(S^T + (-m_r)): one ScalarE exp per row (per-partition bias)
+      O^T (dc, rn) PSUM       += matmul(V slot c (128, dc), P^T slot c (128, rn)); row sums (rn, 1)
+                                 += matmul(P^T slot c, ones (128, 1)); O^T -> O (rn, D) by a PE
+                                 transpose; issued after the next step's scores
 
 Each split visits three chunk ranges in key order (``split_bounds`` (B, S, 6)): edge chunks,
 interior chunks (every key inside ``[first, L_b)``), edge chunks. For a contiguous cache an
@@ -44,9 +51,9 @@ interior chunk is one contiguous HBM run per kv head and loads with one hardware
 
 Only needed units are read: the launcher replaces the ids of units that hold no key of
 ``[first, L_b)`` by an out-of-range sentinel and the indirect DMA skips them (their SBUF rows keep
-finite stale data, zero at first use, which the mask removes). The device loops visit only the
-chunks of ``[first, L_b)``, so traffic and work follow ``L_b``, not the capacity. Row bounds
-``[lo, hi]`` per slot, relative to the chunk start and divided by M, move by ``-128`` per chunk.
+stale or never-written data, which the mask and the V cleaning remove). The device loops visit only
+the chunks of ``[first, L_b)``, so traffic and work follow ``L_b``, not the capacity. Row bounds
+(128, rn, 2): ``(lo_r - p*M, hi_r - p*M)`` relative to the chunk start, moved by ``-C`` per chunk.
 
 Loop structure::
 
@@ -73,7 +80,8 @@ float32 [first, L_b) relative to the split's first key; row_bounds (B, S, R, 2) 
 Outputs: out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32.
 Dimension legend: B batch, Hq/Hkv heads, G = Hq/Hkv, Sq new tokens, D head dim, R = G*Sq rows,
 rn rows of a row tile (<= 128), dc head-dim chunk (<= 128), M keys per partition of a chunk,
-C = 128*M keys per chunk, n slots of a score block (<= 4), u keys per unit, S splits.
+C = 128*M keys per chunk (M <= 128), n slots of a softmax step, nk slots of a K^T block (one PSUM
+bank), u keys per unit, S splits.
 
 Garbage is harmless: K rows of keys outside ``[first, L_b)`` only produce masked scores (masking
 is a select), and edge chunks zero the V rows of such keys (``key_window``), so NaN/inf in unused
