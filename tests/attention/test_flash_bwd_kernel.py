@@ -141,9 +141,10 @@ def test_unsupported_before_launch():
                       causal=True, scale=-0.5, window_left=-1, window_right=-1, softcap=0.0)
 
 
-# SBUF bytes per partition the backward may use at Sq = 16384 (bwd.py docstring: about 18 KiB
-# plus 16 B of statistics per query tile of one head).
-SBUF_BUDGET_BYTES = 24 * 1024
+# SBUF bytes per partition the backward may use at Sq = 16384 (bwd.py docstring: about 28 KiB
+# -- the software pipeline keeps up to three query groups and six pairs in flight -- plus 16 B
+# of statistics per query tile of one head).
+SBUF_BUDGET_BYTES = 32 * 1024
 
 
 @pytest.mark.slow

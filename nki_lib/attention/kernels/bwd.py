@@ -87,13 +87,12 @@ import torch
 
 from nki_lib._nki import nki, nisa, nl
 from nki_lib.attention.kernels import bwd_prep, tiles
-from nki_lib.attention.kernels.bwd_tile import Config, grads_step, scores_step
+from nki_lib.attention.kernels.bwd_tile import (Config, Pair, acc_stage, dk_stage, dq_stage, dscores_stage, dv_stage,
+                                                evict_stage, probs_stage, scores_stage)
 from nki_lib.dispatch import Unsupported, call_kernel
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256
-PIPELINE_DEPTH = 1   # scores halves issued ahead of the gradients half (software pipelining;
-                     # 2 measured 3% faster in the cost model for +6 KiB SBUF at Sq = 16384)
 
 
 def _acc_stride(head_dim: int) -> int:
@@ -104,15 +103,32 @@ def _acc_stride(head_dim: int) -> int:
 
 # --------------------------------------------------------------------------- K/V tile
 
-def _load_kv(k, k_t, v_t, b, hk, k0, kn, head_dim):
+def _full_blocks(blocks):
+    """Number of leading full (pmax-row) blocks; a partial last block moves on its own."""
+    pmax = nl.tile_size.pmax
+    return sum(1 for _, sn in blocks if sn == pmax)
+
+
+def _move_rows(hbm_rows, sb, blocks, to_sbuf):
+    """A key tile's rows in row-group layout ``(pmax, nblocks, D)`` between HBM and SBUF: one DMA for
+    the full blocks (one contiguous run per partition), one for a partial last block."""
+    nfull = _full_blocks(blocks)
+    pairs = [(hbm_rows[:, :nfull, :], sb[:, :nfull, :])] if nfull else []
+    if nfull < len(blocks):
+        sn = blocks[nfull][1]
+        pairs.append((hbm_rows[:sn, nfull, :], sb[:sn, nfull, :]))
+    for hbm, tile in pairs:
+        nisa.dma_copy(dst=tile if to_sbuf else hbm, src=hbm if to_sbuf else tile)
+
+
+def _load_kv(k_rows, k_t, v_t, b, hk, kt, k0, kn, head_dim):
     """K as ``(pmax, nblocks, D)`` (keys on partitions, one 128-key block per middle index) for
     dQ; K^T and V^T as ``(pmax, nchunks, kn)`` (head dim on partitions) for S and dP."""
     pmax = nl.tile_size.pmax
     blocks = tiles.key_blocks(kn)
     chunks = tiles.head_dim_chunks(head_dim)
-    k_sb = nl.ndarray((pmax, len(blocks), head_dim), dtype=k.dtype, buffer=nl.sbuf)
-    for c, (s0, sn) in enumerate(blocks):
-        nisa.dma_copy(dst=k_sb[:sn, c, :], src=k[b, hk, k0 + s0:k0 + s0 + sn, :])
+    k_sb = nl.ndarray((pmax, len(blocks), head_dim), dtype=k_rows.dtype, buffer=nl.sbuf)
+    _move_rows(k_rows[b, hk, kt], k_sb, blocks, True)
     kT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=k_t.dtype, buffer=nl.sbuf)
     vT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=v_t.dtype, buffer=nl.sbuf)
     for ch, (d0, dc) in enumerate(chunks):
@@ -121,28 +137,31 @@ def _load_kv(k, k_t, v_t, b, hk, k0, kn, head_dim):
     return k_sb, kT_sb, vT_sb
 
 
-def _store_kv_grads(dk, dv, b, hk, k0, blocks, dk_psum, dv_psum, started, cfg):
-    """dK = scale * acc (ScalarE), dV = acc (VectorE); blocks no query saw get zeros."""
+def _store_kv_grads(dk, dv, b, hk, kt, blocks, dk_psum, dv_psum, dk_started, dv_started, cfg):
+    """dK = scale * acc (ScalarE), dV = acc (VectorE), one DMA each per key tile; blocks no query saw
+    get zeros."""
     pmax = nl.tile_size.pmax
     d = cfg.head_dim
+    dk_sb = nl.ndarray((pmax, len(blocks), d), dtype=dk.dtype, buffer=nl.sbuf)
+    dv_sb = nl.ndarray((pmax, len(blocks), d), dtype=dv.dtype, buffer=nl.sbuf)
     for c, (s0, sn) in enumerate(blocks):
-        dk_sb = nl.ndarray((pmax, d), dtype=dk.dtype, buffer=nl.sbuf)
-        dv_sb = nl.ndarray((pmax, d), dtype=dv.dtype, buffer=nl.sbuf)
-        if started[c]:
-            nisa.activation(dst=dk_sb[:sn, :], op=nl.copy, data=dk_psum[:sn, c, :d], scale=cfg.scale)
-            nisa.tensor_copy(dst=dv_sb[:sn, :], src=dv_psum[:sn, c, :d], engine=nisa.engine.vector)
+        if dk_started[c]:
+            nisa.activation(dst=dk_sb[:sn, c, :], op=nl.copy, data=dk_psum[:sn, c, :d], scale=cfg.scale)
         else:
-            nisa.memset(dst=dk_sb[:sn, :], value=0.0)
-            nisa.memset(dst=dv_sb[:sn, :], value=0.0)
-        nisa.dma_copy(dst=dk[b, hk, k0 + s0:k0 + s0 + sn, :], src=dk_sb[:sn, :])
-        nisa.dma_copy(dst=dv[b, hk, k0 + s0:k0 + s0 + sn, :], src=dv_sb[:sn, :])
+            nisa.memset(dst=dk_sb[:sn, c, :], value=0.0)
+        if dv_started[c]:
+            nisa.tensor_copy(dst=dv_sb[:sn, c, :], src=dv_psum[:sn, c, :d], engine=nisa.engine.vector)
+        else:
+            nisa.memset(dst=dv_sb[:sn, c, :], value=0.0)
+    _move_rows(dk[b, hk, kt], dk_sb, blocks, False)
+    _move_rows(dv[b, hk, kt], dv_sb, blocks, False)
 
 
 # --------------------------------------------------------------------------- query groups
 
 def _q_groups(visits):
     """``((group id, visits of the group), ...)`` by aligned query group (``_group_tiles`` query
-    tiles each): one DMA moves a group's Q^T, dO^T or dQ rows (>= 1 KiB per partition)."""
+    tiles each): one DMA moves a group's Q^T, dO^T, Q, dO or dQ rows (>= 1 KiB per partition)."""
     per = _group_tiles()
     gids = []
     for t, _ in visits:
@@ -152,8 +171,9 @@ def _q_groups(visits):
 
 
 def _group_tiles():
-    """Query tiles per group: as many 128-row tiles as one matmul moving operand is wide."""
-    return nl.tile_size.gemm_moving_fmax // nl.tile_size.pmax
+    """Query tiles per group: as many 128-row tiles as a key tile has 128-key blocks (queries and
+    keys share the row-group HBM layout of :func:`row_groups`)."""
+    return tiles.key_tile_width() // nl.tile_size.pmax
 
 
 def _runs(slots, partial_slot):
@@ -167,10 +187,13 @@ def _runs(slots, partial_slot):
     return runs
 
 
-def _load_q_group(q_t, dout_t, b, h, gid, seqlen_q, head_dim):
-    """Q^T and dO^T of the group's rows, ``(pmax, nchunks, group rows)``, one DMA per chunk."""
+def _load_q_group(ins, b, h, gid, seqlen_q, head_dim):
+    """Q^T, dO^T ``(pmax, nchunks, group rows)`` (one DMA per chunk) and Q, dO rows-on-partitions
+    ``(pmax, group tiles, D)`` (one DMA each, from the row-group copies)."""
+    dout_rows, dout_t, q_rows, q_t = ins[:4]
     pmax = nl.tile_size.pmax
-    width = _group_tiles() * pmax
+    per = _group_tiles()
+    width = per * pmax
     g0 = gid * width
     gn = min(width, seqlen_q - g0)
     chunks = tiles.head_dim_chunks(head_dim)
@@ -179,16 +202,20 @@ def _load_q_group(q_t, dout_t, b, h, gid, seqlen_q, head_dim):
     for ch, (d0, dc) in enumerate(chunks):
         nisa.dma_copy(dst=qT_sb[:dc, ch, :gn], src=q_t[b, h, d0:d0 + dc, g0:g0 + gn])
         nisa.dma_copy(dst=doT_sb[:dc, ch, :gn], src=dout_t[b, h, d0:d0 + dc, g0:g0 + gn])
-    return qT_sb, doT_sb
+    q_sb = nl.ndarray((pmax, per, head_dim), dtype=q_rows.dtype, buffer=nl.sbuf)
+    do_sb = nl.ndarray((pmax, per, head_dim), dtype=dout_rows.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=q_sb, src=q_rows[b, h, gid])
+    nisa.dma_copy(dst=do_sb, src=dout_rows[b, h, gid])
+    return qT_sb, doT_sb, q_sb, do_sb
 
 
-def _move_dq(dq_grp, dq_acc, b, h, gid, runs, q_tiles, to_sbuf):
-    """dQ group accumulator <-> fp32 scratch ``(B, Hq, NG, pmax, group_tiles, D)``, one DMA per run
-    of slots (each partition moves one contiguous run)."""
+def _move_dq(dq_grp, hbm_grp, runs, q_tiles, gid, to_sbuf):
+    """Group rows ``(pmax, group tiles, D)`` <-> a row-group HBM tensor (the fp32 scratch or dq),
+    one DMA per run of slots (each partition moves one contiguous run)."""
     per = _group_tiles()
     for s0, s1 in runs:
         rows = q_tiles[gid * per + s0][1]
-        hbm = dq_acc[b, h, gid, :rows, s0:s1, :]
+        hbm = hbm_grp[:rows, s0:s1, :]
         sb = dq_grp[:rows, s0:s1, :]
         nisa.dma_copy(dst=sb if to_sbuf else hbm, src=hbm if to_sbuf else sb)
 
@@ -205,66 +232,100 @@ def _group_flags(group, gid, k0, plans, num_q_tiles, last_rows):
     return slots, first, last, partial
 
 
-def _load_group(ins, b, h, gid, group, k0, plans, cfg):
-    """Q^T, dO^T and the dQ accumulator (tiles visited before) of one query group."""
-    dout, dout_t, q, q_t, dq, dq_acc = ins
-    q_tiles = tiles.query_tiles(q.shape[2])
-    slots, first, _, partial = _group_flags(group, gid, k0, plans, len(q_tiles), q_tiles[-1][1])
-    qT_sb, doT_sb = _load_q_group(q_t, dout_t, b, h, gid, q.shape[2], cfg.head_dim)
+def _load_group(ins, b, h, gid, flags, cfg):
+    """Q^T, dO^T, Q, dO and the dQ accumulator (tiles visited before) of one query group."""
+    seqlen_q = ins[3].shape[3]
+    dq_acc = ins[5]
+    q_tiles = tiles.query_tiles(seqlen_q)
+    slots, first, _, partial = flags
+    loaded = _load_q_group(ins, b, h, gid, seqlen_q, cfg.head_dim)
     dq_grp = nl.ndarray((nl.tile_size.pmax, _group_tiles(), cfg.head_dim), dtype=nl.float32, buffer=nl.sbuf)
     loads = _runs([s for s, f in zip(slots, first) if not f], partial)
-    _move_dq(dq_grp, dq_acc, b, h, gid, loads, q_tiles, True)
-    return qT_sb, doT_sb, dq_grp
+    _move_dq(dq_grp, dq_acc[b, h, gid], loads, q_tiles, gid, True)
+    return (*loaded, dq_grp)
 
 
-def _finish_tile(ins, loaded, b, h, t, slot, qn, cfg):
-    """The tile's last key tile is done: dq (output dtype) leaves from the group accumulator."""
-    dq = ins[4]
-    pmax = nl.tile_size.pmax
-    dq_sb = nl.ndarray((pmax, cfg.head_dim), dtype=dq.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=dq_sb[:qn, :], src=loaded[2][:qn, slot, :], engine=nisa.engine.scalar)
-    nisa.dma_copy(dst=dq[b, h, t * pmax:t * pmax + qn, :], src=dq_sb[:qn, :])
+def _finish_group(ins, loaded, b, h, gid, flags, q_tiles, cfg):
+    """After the group's last pair on this key tile: dq (scale applied, output dtype) leaves for
+    the tiles whose last key tile this is; the other accumulators return to the fp32 scratch."""
+    dq, dq_acc = ins[4], ins[5]
+    slots, _, last, partial = flags
+    per = _group_tiles()
+    dq_grp = loaded[4]
+    done = [s for s, f in zip(slots, last) if f]
+    if done:
+        out_sb = nl.ndarray((nl.tile_size.pmax, per, cfg.head_dim), dtype=dq.dtype, buffer=nl.sbuf)
+        for s in done:
+            qn = q_tiles[gid * per + s][1]
+            nisa.activation(dst=out_sb[:qn, s, :], op=nl.copy, data=dq_grp[:qn, s, :], scale=cfg.scale)
+        _move_dq(out_sb, dq[b, h, gid], _runs(done, partial), q_tiles, gid, False)
+    stores = _runs([s for s, f in zip(slots, last) if not f], partial)
+    _move_dq(dq_grp, dq_acc[b, h, gid], stores, q_tiles, gid, False)
+
+
+# Software pipeline: the stage of pair j issued at step j + lag. Per step, the program order below
+# puts each engine's work whose inputs were produced in earlier steps first, so no in-order engine
+# queue waits behind a result of the same step (PSUM tiles are consumed before new ones are made:
+# at most dK, dV, S, dP, dS^T and dQ tiles are live, 6 banks).
+STAGES = (  # (lag, stage)
+    (5, "acc"),       # VectorE/ScalarE: dQ_part into the group accumulator (then a group may finish)
+    (3, "evict"),     # VectorE: dS^T PSUM -> SBUF
+    (1, "probs"),     # ScalarE: P = exp(...), dP - delta; GpSimd masks
+    (1, "dscores"),   # VectorE: dS
+    (0, "scores"),    # TensorE: S, dP
+    (2, "dv"),        # TensorE: dV += P^T dO
+    (4, "dq"),        # TensorE: dQ_part = dS K
+    (2, "dk"),        # TensorE: dK += dS^T Q, dS^T
+)
+PIPELINE_LAG = max(lag for lag, _ in STAGES)
 
 
 def _head_pass(ins, kv, stats_sb, b, h, visits, k0, kn, plans, cfg):
-    """All visits of query head h to the key tile ``k0``, software-pipelined twice over: a query
-    group's loads are issued when the previous group starts, and the scores halves of the next
-    ``PIPELINE_DEPTH`` tile pairs are issued before the gradients half of a pair (so TensorE
-    computes S, dP of the next tile while ScalarE/VectorE finish P and dS). dq of tiles whose last key tile this is
-    leaves in the output dtype; the other group accumulators go back to the fp32 scratch."""
-    q = ins[2]
-    dq_acc = ins[5]
-    q_tiles = tiles.query_tiles(q.shape[2])
+    """All visits of query head h to the key tile ``k0``, software-pipelined over the (query tile,
+    key tile) pairs by :data:`STAGES`; a query group's loads are issued when its predecessor's
+    first pair is scored, and it finishes (dq out / accumulators back) after its last pair."""
+    seqlen_q = ins[3].shape[3]
+    q_tiles = tiles.query_tiles(seqlen_q)
     groups = _q_groups(visits)
     flags = [_group_flags(grp, gid, k0, plans, len(q_tiles), q_tiles[-1][1]) for gid, grp in groups]
     order = [(n, i) for n, (_, grp) in enumerate(groups) for i in range(len(grp))]
     loaded = [None] * len(groups)
-    loaded[0] = _load_group(ins, b, h, *groups[0], k0, plans, cfg)
-    in_flight = []
-    for step in range(len(order) + PIPELINE_DEPTH):
-        current = None
-        if step < len(order):
-            n, i = order[step]
-            t, tile_masked = groups[n][1][i]
-            slot = flags[n][0][i]
-            current = (n, i, scores_step(loaded[n], kv, stats_sb, slot, t, q_tiles[t][1], tile_masked, k0, kn,
-                                          cfg))
-            in_flight.append(current)
-        if in_flight and (len(in_flight) > PIPELINE_DEPTH or step >= len(order)):
-            n, i, scores = in_flight.pop(0)
-            gid, grp = groups[n]
-            slots, first, last, partial = flags[n]
-            t = grp[i][0]
-            grads_step(scores, loaded[n], kv, slots[i], t, q_tiles[t][1], k0, kn, first[i], cfg)
-            if last[i]:
-                _finish_tile(ins, loaded[n], b, h, t, slots[i], q_tiles[t][1], cfg)
-            if i == len(grp) - 1:
-                stores = _runs([s for s, f in zip(slots, last) if not f], partial)
-                _move_dq(loaded[n][2], dq_acc, b, h, gid, stores, q_tiles, False)
-                loaded[n] = None
-        if current is not None and current[1] == 0 and current[0] + 1 < len(groups):
-            n = current[0] + 1
-            loaded[n] = _load_group(ins, b, h, *groups[n], k0, plans, cfg)
+    pairs = [None] * len(order)
+
+    def ensure(n):
+        if n < len(groups) and loaded[n] is None:
+            loaded[n] = _load_group(ins, b, h, groups[n][0], flags[n], cfg)
+
+    for step in range(len(order) + PIPELINE_LAG):
+        for lag, stage in STAGES:
+            j = step - lag
+            if not 0 <= j < len(order):
+                continue
+            n, i = order[j]
+            if stage == "scores":
+                ensure(n)
+                ensure(n + 1)
+                t, tile_masked = groups[n][1][i]
+                pairs[j] = Pair(loaded[n], flags[n][0][i], t, q_tiles[t][1], tile_masked, flags[n][1][i])
+                scores_stage(pairs[j], kv, k0, kn, cfg)
+            elif stage == "probs":
+                probs_stage(pairs[j], stats_sb, k0, kn, cfg)
+            elif stage == "dscores":
+                dscores_stage(pairs[j], kn)
+            elif stage == "dv":
+                dv_stage(pairs[j], kv, k0, kn, cfg)
+            elif stage == "dk":
+                dk_stage(pairs[j], kv, k0, kn, cfg)
+            elif stage == "evict":
+                evict_stage(pairs[j], k0, kn, cfg)
+            elif stage == "dq":
+                dq_stage(pairs[j], kv, k0, kn, cfg)
+            else:
+                acc_stage(pairs[j])
+                pairs[j] = None
+                if i == len(groups[n][1]) - 1:
+                    _finish_group(ins, loaded[n], b, h, groups[n][0], flags[n], q_tiles, cfg)
+                    loaded[n] = None
 
 
 # --------------------------------------------------------------------------- kernel
@@ -275,63 +336,63 @@ def _visits(plans, k0):
 
 
 @nki.jit
-def flash_bwd_kernel(dout, dout_t, dlse, q, q_t, k, k_t, v_t, out, lse, sinks, doc, causal, scale,
-                     window_left, window_right, softcap):
-    """Returns ``(dq, dk, dv, dsinks)``; see the module docstring."""
-    batch, num_heads, seqlen_q, head_dim = q.shape
-    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+def flash_bwd_kernel(dout_rows, dout_t, dlse, q_rows, q_t, k_rows, k_t, v_t, out_rows, lse, sinks, doc, causal,
+                     scale, window_left, window_right, softcap):
+    """Returns ``(dq, dk, dv, dsinks)`` (dq, dk, dv in row-group layout); see the module docstring."""
+    batch, num_heads, head_dim, seqlen_q = q_t.shape
+    num_kv_heads, seqlen_k = k_t.shape[1], k_t.shape[3]
     group = num_heads // num_kv_heads
     pmax = nl.tile_size.pmax
     mask = tiles.MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right, doc is not None)
     cfg = Config(mask, scale, softcap, head_dim, bwd_prep.num_stats(mask.has_docs))
     q_tiles = tiles.query_tiles(seqlen_q)
-    per = _group_tiles()
 
-    dq = nl.ndarray(q.shape, dtype=q.dtype, buffer=nl.shared_hbm)
-    dk = nl.ndarray(k.shape, dtype=k.dtype, buffer=nl.shared_hbm)
-    dv = nl.ndarray(k.shape, dtype=v_t.dtype, buffer=nl.shared_hbm)
+    dq = nl.ndarray(q_rows.shape, dtype=q_rows.dtype, buffer=nl.shared_hbm)
+    dk = nl.ndarray(k_rows.shape, dtype=k_rows.dtype, buffer=nl.shared_hbm)
+    dv = nl.ndarray(k_rows.shape, dtype=v_t.dtype, buffer=nl.shared_hbm)
     dsinks = nl.ndarray((num_heads,), dtype=nl.float32, buffer=nl.shared_hbm)
     stats_hbm = nl.ndarray((batch, num_heads, pmax, len(q_tiles), cfg.num_stats), dtype=nl.float32,
                            buffer=nl.private_hbm)
-    dq_acc = nl.ndarray((batch, num_heads, (len(q_tiles) + per - 1) // per, pmax, per, head_dim),
-                        dtype=nl.float32, buffer=nl.private_hbm)
+    dq_acc = nl.ndarray(q_rows.shape, dtype=nl.float32, buffer=nl.private_hbm)
 
     # LNC2: the programs split the kv heads (each owns its GQA group's dq/dk/dv rows and dsinks)
     num_progs = nl.num_programs(0) if nl.program_ndim() > 0 else 1
     pid = nl.program_id(0) if num_progs > 1 else 0
     kv_heads = list(range(pid, num_kv_heads, num_progs))
     heads = [hk * group + g for hk in kv_heads for g in range(group)]
-    bwd_prep.prepare(dout, dlse, out, lse, sinks, doc, mask, dsinks, stats_hbm, heads,
+    bwd_prep.prepare(dout_rows, dlse, out_rows, lse, sinks, doc, mask, dsinks, stats_hbm, heads,
                      zero_dsinks=sinks is None and pid == 0)
 
     plans = [tiles.plan_row(mask, q0, qn) for q0, qn in q_tiles]
     acc_free = _acc_stride(head_dim)
-    ins = (dout, dout_t, q, q_t, dq, dq_acc)
+    ins = (dout_rows, dout_t, q_rows, q_t, dq, dq_acc)
+    per = _group_tiles()
     for b in nl.sequential_range(batch):
         for hk in kv_heads:
-            for k0, kn in tiles.key_tiles(seqlen_k):
+            for kt, (k0, kn) in enumerate(tiles.key_tiles(seqlen_k)):
                 blocks = tiles.key_blocks(kn)
                 visits = _visits(plans, k0)
-                started = [False] * len(blocks)
+                dk_started = [False] * len(blocks)
+                dv_started = [False] * len(blocks)
                 if not visits:
-                    _store_kv_grads(dk, dv, b, hk, k0, blocks, None, None, started, cfg)
+                    _store_kv_grads(dk, dv, b, hk, kt, blocks, None, None, dk_started, dv_started, cfg)
                     continue
-                kv_tiles = _load_kv(k, k_t, v_t, b, hk, k0, kn, head_dim)
+                kv_tiles = _load_kv(k_rows, k_t, v_t, b, hk, kt, k0, kn, head_dim)
                 dk_psum = nl.ndarray((pmax, len(blocks), acc_free), dtype=nl.float32, buffer=nl.psum)
                 dv_psum = nl.ndarray((pmax, len(blocks), acc_free), dtype=nl.float32, buffer=nl.psum)
-                kv = (*kv_tiles, dk_psum, dv_psum, started)
+                kv = (*kv_tiles, dk_psum, dv_psum, dk_started, dv_started)
                 for g in nl.sequential_range(group):
                     h = hk * group + g
                     stats_sb = nl.ndarray((pmax, len(q_tiles), cfg.num_stats), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.dma_copy(dst=stats_sb, src=stats_hbm[b, h])
                     _head_pass(ins, kv, stats_sb, b, h, visits, k0, kn, plans, cfg)
-                _store_kv_grads(dk, dv, b, hk, k0, blocks, dk_psum, dv_psum, started, cfg)
+                _store_kv_grads(dk, dv, b, hk, kt, blocks, dk_psum, dv_psum, dk_started, dv_started, cfg)
         for h in heads:
             for t, (q0, qn) in enumerate(q_tiles):
                 if not plans[t]:
                     zeros_sb = nl.ndarray((pmax, head_dim), dtype=dq.dtype, buffer=nl.sbuf)
                     nisa.memset(dst=zeros_sb[:qn, :], value=0.0)
-                    nisa.dma_copy(dst=dq[b, h, q0:q0 + qn, :], src=zeros_sb[:qn, :])
+                    nisa.dma_copy(dst=dq[b, h, t // per, :qn, t % per, :], src=zeros_sb[:qn, :])
     return dq, dk, dv, dsinks
 
 
@@ -361,8 +422,27 @@ def flash_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale
     grid = lnc_degree()
     transposed = lambda t: t.transpose(2, 3).contiguous()  # noqa: E731
     doc = None if cu_seqlens is None else tiles.document_bounds(cu_seqlens, q.shape[2])
-    return call_kernel(flash_bwd_kernel, dout.contiguous(), transposed(dout), dlse.contiguous(), q.contiguous(),
-                       transposed(q), k.contiguous(), transposed(k), transposed(v), out.contiguous(),
-                       lse.contiguous(), None if sinks is None else sinks.contiguous(), doc,
-                       causal=bool(causal), scale=float(scale), window_left=int(window_left),
-                       window_right=int(window_right), softcap=float(softcap), grid=grid)
+    dq, dk, dv, dsinks = call_kernel(
+        flash_bwd_kernel, row_groups(dout), transposed(dout), dlse.contiguous(), row_groups(q), transposed(q),
+        row_groups(k), transposed(k), transposed(v), row_groups(out), lse.contiguous(),
+        None if sinks is None else sinks.contiguous(), doc, causal=bool(causal), scale=float(scale),
+        window_left=int(window_left), window_right=int(window_right), softcap=float(softcap), grid=grid)
+    return from_row_groups(dq, q.shape[2]), from_row_groups(dk, k.shape[2]), from_row_groups(dv, k.shape[2]), dsinks
+
+
+def row_groups(x):
+    """Layout glue: ``(B, H, S, D)`` -> ``(B, H, NG, pmax, per, D)`` with
+    ``[.., g, p, s, :] = x[.., (g * per + s) * pmax + p, :]`` (zero rows past S), so one DMA moves a
+    group of ``per`` row tiles with one contiguous run per partition."""
+    per, pmax = _group_tiles(), nl.tile_size.pmax
+    b, h, s, d = x.shape
+    ng = -(-s // (per * pmax))
+    padded = x.new_zeros((b, h, ng * per * pmax, d))
+    padded[:, :, :s] = x
+    return padded.reshape(b, h, ng, per, pmax, d).transpose(3, 4).contiguous()
+
+
+def from_row_groups(y, s):
+    """Inverse of :func:`row_groups` (drops the padding rows)."""
+    b, h, ng, pmax, per, d = y.shape
+    return y.transpose(3, 4).reshape(b, h, ng * per * pmax, d)[:, :, :s].contiguous()

@@ -2,28 +2,34 @@
 
 Called from ``bwd.flash_bwd_kernel`` (plain NKI helper functions, inlined at trace time).
 
-Per (head h, batch b, query tile t of R <= pmax rows):
+Per (head h, batch b), on all NT query tiles at once (``(pmax, NT)`` columns, row t * pmax + p
+on partition p, column t):
 
-* ``delta = rowsum(dO * O) - dlse``                      VectorE (multiply, reduce, subtract)
-* ``neg_lse = -lse``, and 0 where ``lse = -inf``         VectorE (rows with no visible key and no
-  sink: their probabilities are masked to 0 anyway; the exp bias must stay finite)
+* ``neg_delta = dlse - rowsum(dO * O)`` (= -delta): per query group (``per`` tiles in the
+  row-group layout, one DMA each for O and dO) one VectorE product and one reduce; then one
+  subtract for the head. Stored negated so the main loop subtracts delta as the bias of its
+  ScalarE PSUM eviction of dP.
+* ``neg_lse = -lse``, and 0 where ``lse = -inf`` (rows with no visible key and no sink: their
+  probabilities are masked to 0 anyway; the exp bias must stay finite): three VectorE ops.
 * ``lo``, ``hi``: the visible-key interval of the row (causal, window and document masks, from
-  ``tiles.row_bounds``; only with documents: causal/window masks need no per-row data)
-* ``dsinks[h] = -sum_{b,i} exp(sink_h - lse_i) * delta_i``: per-partition partial sums on
-  ScalarE (exp) and VectorE (fused multiply-add), one ones-vector matmul on TensorE for the
+  ``tiles.row_bounds``, per tile; only with documents: causal/window masks need no per-row data)
+* ``dsinks[h] = sum_{b,i} exp(sink_h - lse_i) * neg_delta_i``: ScalarE exp, VectorE product and
+  row reduce into a per-partition accumulator, one ones-vector matmul on TensorE for the
   cross-partition sum. Without sinks, dsinks is zero-filled.
 
-DMAs: O and dO per query tile; lse and dlse per (h, b) as contiguous rows of up to pmax query
-tiles, put on partitions by TensorE transposes; the statistics leave once per (h, b).
+lse and dlse arrive per (h, b) as contiguous rows of up to pmax query tiles per DMA, put on
+partitions by TensorE transposes; the statistics leave once per (h, b). Rows past Sq hold 0
+(zero rows of the row-group copies, zero-filled lse/dlse columns).
 
 Output layout (private HBM scratch, read by the main loop):
-  stats_hbm (B, Hq, pmax, NT, NSTAT) fp32: [b, h, p, t, s] = statistic s of row t * pmax + p
-  (rows past Sq hold 0), so the main loop loads all statistics of a head with one DMA.
+  stats_hbm (B, Hq, pmax, NT, NSTAT) fp32: [b, h, p, t, s] = statistic s of row t * pmax + p,
+  so the main loop loads all statistics of a head with one DMA.
 
-Shapes: dout, out (B, Hq, Sq, D); lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32; doc (2, Sq).
+Shapes: dout_rows, out_rows (B, Hq, NG, pmax, per, D) (``bwd.row_groups``); lse, dlse (B, Hq, Sq)
+fp32; sinks (Hq,) fp32; doc (2, Sq).
 Dimension legend: B batch, Hq query heads, Sq query length, D head dim, NT = ceil(Sq / pmax),
-R rows of the current query tile, NSTAT statistics per row (2, or 4 with documents).
-Limits: one pass over dO and O; the per-row work is tiny next to the main loop.
+NG query groups of ``per`` tiles, NSTAT statistics per row (2, or 4 with documents).
+Limits: one pass over dO and O; SBUF (pmax, NT) fp32 columns (a few per head).
 """
 
 from __future__ import annotations
@@ -37,43 +43,63 @@ FP32_MAX = float(np.finfo(np.float32).max)
 
 # statistic channels of stats_hbm
 NEG_LSE = 0
-DELTA = 1
+NEG_DELTA = 1
 LO = 2
 HI = 3
 
 
 def num_stats(with_documents):
-    return HI + 1 if with_documents else DELTA + 1
+    return HI + 1 if with_documents else NEG_DELTA + 1
 
 
-def _row_stats(stat_sb, o_sb, do_sb, lse_sb, dlse_sb, zero_col, rows, head_dim):
-    """stat_sb[:R, NEG_LSE] and stat_sb[:R, DELTA] from one query tile."""
-    prod_sb = nl.ndarray(o_sb.shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=prod_sb[:rows, :head_dim], data1=do_sb[:rows, :head_dim],
-                       data2=o_sb[:rows, :head_dim], op=nl.multiply)
-    rowsum_sb = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=rowsum_sb, op=nl.add, data=prod_sb[:rows, :head_dim], axis=1)
-    nisa.tensor_tensor(dst=stat_sb[:rows, DELTA], data1=rowsum_sb, data2=dlse_sb[:rows, :], op=nl.subtract)
-    nisa.tensor_scalar(dst=stat_sb[:rows, NEG_LSE], data=lse_sb[:rows, :], op0=nl.multiply, operand0=-1.0)
-    empty_row = nl.ndarray((rows, 1), dtype=nl.uint8, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=empty_row, data=lse_sb[:rows, :], op0=nl.less, operand0=-FP32_MAX)
-    nisa.tensor_copy_predicated(dst=stat_sb[:rows, NEG_LSE], src=zero_col[:rows, :], predicate=empty_row)
+def _neg_delta(stats_sb, dout_rows, out_rows, dlse_cols, b, h):
+    """stats_sb[:, :, NEG_DELTA] = dlse - rowsum(dO * O), one product and one reduce per group."""
+    pmax = nl.tile_size.pmax
+    _, _, num_groups, _, per, head_dim = out_rows.shape
+    num_q_tiles = stats_sb.shape[1]
+    rowsum_sb = nl.ndarray((pmax, num_groups * per), dtype=nl.float32, buffer=nl.sbuf)
+    for g in nl.sequential_range(num_groups):
+        o_grp = nl.ndarray((pmax, per, head_dim), dtype=out_rows.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=o_grp, src=out_rows[b, h, g])
+        do_grp = nl.ndarray((pmax, per, head_dim), dtype=dout_rows.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=do_grp, src=dout_rows[b, h, g])
+        prod_sb = nl.ndarray((pmax, per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod_sb, data1=do_grp, data2=o_grp, op=nl.multiply)
+        nisa.tensor_reduce(dst=rowsum_sb[:, g * per:(g + 1) * per], op=nl.add, data=prod_sb, axis=2)
+    nisa.tensor_tensor(dst=stats_sb[:, :, NEG_DELTA], data1=dlse_cols, data2=rowsum_sb[:, :num_q_tiles],
+                       op=nl.subtract)
 
 
-def _dsink_partial(acc_sb, lse_sb, stat_sb, sink_sb, rows):
-    """acc_sb[:R] += exp(sink - lse) * delta  (ScalarE exp, VectorE fused multiply-add)."""
-    p_sink = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=p_sink, op=nl.exp, data=lse_sb[:rows, :], scale=-1.0, bias=sink_sb[:rows, :])
-    nisa.scalar_tensor_tensor(dst=acc_sb[:rows, :], data=p_sink, op0=nl.multiply,
-                              operand0=stat_sb[:rows, DELTA], op1=nl.add, operand1=acc_sb[:rows, :])
+def _neg_lse(stats_sb, lse_cols, zeros_sb):
+    """stats_sb[:, :, NEG_LSE] = -lse, 0 where lse = -inf."""
+    pmax = nl.tile_size.pmax
+    num_q_tiles = stats_sb.shape[1]
+    nisa.tensor_scalar(dst=stats_sb[:, :, NEG_LSE], data=lse_cols, op0=nl.multiply, operand0=-1.0)
+    empty_sb = nl.ndarray((pmax, num_q_tiles), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=empty_sb, data=lse_cols, op0=nl.less, operand0=-FP32_MAX)
+    nisa.tensor_copy_predicated(dst=stats_sb[:, :, NEG_LSE], src=zeros_sb, predicate=empty_sb)
+
+
+def _dsink_partial(acc_sb, lse_cols, stats_sb, sink_sb):
+    """acc_sb += rowsum(exp(sink - lse) * neg_delta) over the head's columns (ScalarE exp, VectorE
+    product and reduce, VectorE add)."""
+    pmax = nl.tile_size.pmax
+    num_q_tiles = stats_sb.shape[1]
+    p_sink = nl.ndarray((pmax, num_q_tiles), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=p_sink, op=nl.exp, data=lse_cols, scale=-1.0, bias=sink_sb)
+    weighted = nl.ndarray((pmax, num_q_tiles), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=weighted, data1=p_sink, data2=stats_sb[:, :, NEG_DELTA], op=nl.multiply)
+    part_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=part_sb, op=nl.add, data=weighted, axis=1)
+    nisa.tensor_tensor(dst=acc_sb, data1=acc_sb, data2=part_sb, op=nl.add)
 
 
 def _store_dsink(dsinks, h, acc_sb, ones_sb):
-    """dsinks[h] = -sum over partitions of acc_sb (ones-vector matmul on TensorE)."""
+    """dsinks[h] = sum over partitions of acc_sb (ones-vector matmul on TensorE)."""
     total_psum = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_matmul(dst=total_psum, stationary=acc_sb, moving=ones_sb, accumulate=False)
     total_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=total_sb, op=nl.copy, data=total_psum, scale=-1.0)
+    nisa.tensor_copy(dst=total_sb, src=total_psum, engine=nisa.engine.scalar)
     nisa.dma_copy(dst=dsinks[h:h + 1], src=total_sb)
 
 
@@ -100,22 +126,22 @@ def _columns(vec, seqlen_q):
     return cols_sb
 
 
-def prepare(dout, dlse, out, lse, sinks, doc, mask, dsinks, stats_hbm, heads, zero_dsinks):
+def prepare(dout_rows, dlse, out_rows, lse, sinks, doc, mask, dsinks, stats_hbm, heads, zero_dsinks):
     """Fill stats_hbm and dsinks for the query ``heads`` of this program (all of them under LNC1);
     ``zero_dsinks``: write the whole dsinks with zeros (no sinks; one program does it)."""
-    batch, num_heads, seqlen_q, head_dim = out.shape
+    batch, num_heads, seqlen_q = lse.shape
     pmax = nl.tile_size.pmax
     num_q_tiles = (seqlen_q + pmax - 1) // pmax
     nstat = stats_hbm.shape[-1]
 
-    zero_col = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=zero_col, value=0.0)
+    zeros_sb = nl.ndarray((pmax, num_q_tiles), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=zeros_sb, value=0.0)
     ones_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones_sb, value=1.0)
     if zero_dsinks:
-        zeros_sb = nl.ndarray((1, num_heads), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=zeros_sb, value=0.0)
-        nisa.dma_copy(dst=dsinks, src=zeros_sb)
+        zero_row = nl.ndarray((1, num_heads), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=zero_row, value=0.0)
+        nisa.dma_copy(dst=dsinks, src=zero_row)
 
     doc_rows = (None, None) if doc is None else (doc[0], doc[1])
     for h in heads:
@@ -128,24 +154,19 @@ def prepare(dout, dlse, out, lse, sinks, doc, mask, dsinks, stats_hbm, heads, ze
             lse_cols = _columns(lse[b, h], seqlen_q)
             dlse_cols = _columns(dlse[b, h], seqlen_q)
             stats_sb = nl.ndarray((pmax, num_q_tiles, nstat), dtype=nl.float32, buffer=nl.sbuf)
-            if seqlen_q % pmax:
-                nisa.memset(dst=stats_sb, value=0.0)
-            for t in nl.sequential_range(num_q_tiles):
-                q0 = t * pmax
-                rows = min(pmax, seqlen_q - q0)
-                o_sb = nl.ndarray((pmax, head_dim), dtype=out.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=o_sb[:rows, :], src=out[b, h, q0:q0 + rows, :])
-                do_sb = nl.ndarray((pmax, head_dim), dtype=dout.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=do_sb[:rows, :], src=dout[b, h, q0:q0 + rows, :])
-                stat_sb = stats_sb[:, t, :]
-                lse_col, dlse_col = lse_cols[:, t:t + 1], dlse_cols[:, t:t + 1]
-                _row_stats(stat_sb, o_sb, do_sb, lse_col, dlse_col, zero_col, rows, head_dim)
-                if nstat > LO:
+            _neg_delta(stats_sb, dout_rows, out_rows, dlse_cols, b, h)
+            _neg_lse(stats_sb, lse_cols, zeros_sb)
+            if nstat > LO:
+                if seqlen_q % pmax:
+                    nisa.memset(dst=stats_sb[:, num_q_tiles - 1, LO:], value=0.0)
+                for t in nl.sequential_range(num_q_tiles):
+                    q0 = t * pmax
+                    rows = min(pmax, seqlen_q - q0)
                     lo_sb, hi_sb = tiles.row_bounds(mask, q0, rows, *doc_rows)
-                    nisa.tensor_copy(dst=stat_sb[:rows, LO], src=lo_sb, engine=nisa.engine.vector)
-                    nisa.tensor_copy(dst=stat_sb[:rows, HI], src=hi_sb, engine=nisa.engine.vector)
-                if sinks is not None:
-                    _dsink_partial(acc_sb, lse_col, stat_sb, sink_sb, rows)
+                    nisa.tensor_copy(dst=stats_sb[:rows, t, LO], src=lo_sb, engine=nisa.engine.vector)
+                    nisa.tensor_copy(dst=stats_sb[:rows, t, HI], src=hi_sb, engine=nisa.engine.vector)
+            if sinks is not None:
+                _dsink_partial(acc_sb, lse_cols, stats_sb, sink_sb)
             nisa.dma_copy(dst=stats_hbm[b, h], src=stats_sb)
         if sinks is not None:
             _store_dsink(dsinks, h, acc_sb, ones_sb)

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels import tiles
-from nki_lib.attention.kernels.bwd_prep import DELTA, HI, LO, NEG_LSE
+from nki_lib.attention.kernels.bwd_prep import HI, LO, NEG_DELTA, NEG_LSE
 
-__all__ = ["Config", "natural_rows", "scores_step", "grads_step"]
+__all__ = ["Config", "Pair", "seen_blocks", "scores_stage", "probs_stage", "dscores_stage", "dv_stage",
+           "dk_stage", "evict_stage", "dq_stage", "acc_stage"]
 
 
 class Config(nl.NKIObject):
@@ -43,19 +44,6 @@ class Config(nl.NKIObject):
         self.softcap = softcap
         self.head_dim = head_dim
         self.num_stats = num_stats
-
-
-def natural_rows(xT_sb, cols, qn, head_dim, engine):
-    """(pmax, D) rows-on-partitions copy of the (D, qn) columns ``cols`` of a transposed tile
-    (TensorE transposes, bit-exact, evicted on ``engine``)."""
-    pmax = nl.tile_size.pmax
-    t_psum = nl.ndarray((pmax, head_dim), dtype=xT_sb.dtype, buffer=nl.psum)
-    for ch, (d0, dc) in enumerate(tiles.head_dim_chunks(head_dim)):
-        nisa.nc_transpose(dst=t_psum[:qn, d0:d0 + dc], data=xT_sb[:dc, ch, cols:cols + qn],
-                          engine=nisa.engine.tensor)
-    x_sb = nl.ndarray((pmax, head_dim), dtype=xT_sb.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=x_sb[:qn, :], src=t_psum[:qn, :], engine=engine)
-    return x_sb
 
 
 def _probs(s_psum, stat, q0, k0, qn, kn, tile_masked, cfg, mm_dtype):
@@ -114,80 +102,156 @@ def _doc_mask(dst, scores, stat, k0, qn):
                       on_false_value=tiles.MASK_FILL)
 
 
-def _dscores(dp_psum, p_sb, tsq_sb, stat, qn, kn, mm_dtype):
-    """dS = (dP - delta) * P, times (1 - tanh^2) under softcap (VectorE)."""
+def seen_blocks(cfg, t, qn, k0, kn):
+    """Indices of the 128-key blocks some query of tile t sees (never empty for a planned tile: the
+    visible keys of consecutive rows form one interval); the others skip the dV/dK/dQ matmuls."""
+    pmax = nl.tile_size.pmax
+    blocks = tiles.key_blocks(kn)
+    seen = [c for c, (s0, sn) in enumerate(blocks) if cfg.mask.tile_visible(t * pmax, qn, k0 + s0, sn)]
+    return seen or list(range(len(blocks)))
+
+
+class Pair(nl.NKIObject):
+    """One (query tile, key tile) pair in flight: where its rows live and the tiles its stages
+    pass on (each PSUM tile is dropped by the stage that consumes it, freeing its bank)."""
+
+    def __init__(self, loaded, slot: int, t: int, qn: int, tile_masked: bool, first: bool):
+        self.loaded = loaded
+        self.slot = slot
+        self.t = t
+        self.qn = qn
+        self.tile_masked = tile_masked
+        self.first = first
+        self.tiles = {}
+
+
+def scores_stage(pair, kv, k0, kn, cfg):
+    """TensorE: S = Q K^T and dP = dO V^T into fp32 PSUM (D contracted in <= 128 chunks)."""
+    qT_sb, doT_sb = pair.loaded[0], pair.loaded[1]
+    kT_sb, vT_sb = kv[1], kv[2]
     pmax = nl.tile_size.pmax
     kw = tiles.key_tile_width()
+    cols, qn = pair.slot * pmax, pair.qn
+    s_psum = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.psum)
+    dp_psum = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.psum)
+    for ch, (d0, dc) in enumerate(tiles.head_dim_chunks(cfg.head_dim)):
+        nisa.nc_matmul(dst=s_psum[:qn, :kn], stationary=qT_sb[:dc, ch, cols:cols + qn],
+                       moving=kT_sb[:dc, ch, :kn], accumulate=ch > 0)
+    for ch, (d0, dc) in enumerate(tiles.head_dim_chunks(cfg.head_dim)):
+        nisa.nc_matmul(dst=dp_psum[:qn, :kn], stationary=doT_sb[:dc, ch, cols:cols + qn],
+                       moving=vT_sb[:dc, ch, :kn], accumulate=ch > 0)
+    pair.tiles["s"], pair.tiles["dp"] = s_psum, dp_psum
+
+
+def probs_stage(pair, stats_sb, k0, kn, cfg):
+    """ScalarE: P = exp(scale * S - lse) (masks of partial tiles on GpSimd / VectorE) and the
+    eviction dP - delta (fp32, the bias of a copy); frees both PSUM tiles."""
+    pmax = nl.tile_size.pmax
+    kw = tiles.key_tile_width()
+    qn = pair.qn
+    stat = stats_sb[:, pair.t, :]
+    mm_dtype = pair.loaded[0].dtype
+    p_sb, tsq_sb = _probs(pair.tiles.pop("s"), stat, pair.t * pmax, k0, qn, kn, pair.tile_masked, cfg, mm_dtype)
+    dpm_sb = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=dpm_sb[:qn, :kn], op=nl.copy, data=pair.tiles.pop("dp")[:qn, :kn],
+                    bias=stat[:qn, NEG_DELTA])
+    pair.tiles["p"], pair.tiles["tsq"], pair.tiles["dpm"] = p_sb, tsq_sb, dpm_sb
+
+
+def dscores_stage(pair, kn):
+    """VectorE: dS = (dP - delta) * P [* (1 - tanh^2) under softcap], in the matmul dtype (one
+    plain product: half the cost of a fused ``scalar_tensor_tensor`` on the PSUM scores)."""
+    pmax = nl.tile_size.pmax
+    kw = tiles.key_tile_width()
+    qn = pair.qn
+    p_sb, tsq_sb, dpm_sb = pair.tiles["p"], pair.tiles.pop("tsq"), pair.tiles.pop("dpm")
     factor = p_sb[:qn, :kn]
     if tsq_sb is not None:
         g_sb = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=g_sb[:qn, :kn], data=tsq_sb[:qn, :kn], op0=nl.subtract, operand0=1.0,
                                   reverse0=True, op1=nl.multiply, operand1=factor)
         factor = g_sb[:qn, :kn]
-    ds_sb = nl.ndarray((pmax, kw), dtype=mm_dtype, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=ds_sb[:qn, :kn], data=dp_psum[:qn, :kn], op0=nl.subtract,
-                              operand0=stat[:qn, DELTA], op1=nl.multiply, operand1=factor)
-    return ds_sb
+    ds_sb = nl.ndarray((pmax, kw), dtype=p_sb.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=ds_sb[:qn, :kn], data1=dpm_sb[:qn, :kn], data2=factor, op=nl.multiply)
+    pair.tiles["ds"] = ds_sb
 
 
-def scores_step(loaded, kv, stats_sb, slot, t, qn, tile_masked, k0, kn, cfg):
-    """First half of a (query tile, key tile) pair: Q, dO rows, S, dP, P and dS.
-    Returns what :func:`grads_step` needs."""
-    qT_sb, doT_sb, _ = loaded
-    _, kT_sb, vT_sb, _, _, _ = kv
+def seen_blocks(cfg, t, qn, k0, kn):
+    """Indices of the 128-key blocks some query of tile t sees (never empty for a planned tile: the
+    visible keys of consecutive rows form one interval); the others skip the dV/dK/dQ matmuls."""
     pmax = nl.tile_size.pmax
-    kw = tiles.key_tile_width()
-    d = cfg.head_dim
-    cols = slot * pmax
-    stat = stats_sb[:, t, :]
-    q_sb = natural_rows(qT_sb, cols, qn, d, nisa.engine.scalar)
-    do_sb = natural_rows(doT_sb, cols, qn, d, nisa.engine.scalar)
-    s_psum = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.psum)
-    dp_psum = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.psum)
-    for ch, (d0, dc) in enumerate(tiles.head_dim_chunks(d)):
-        nisa.nc_matmul(dst=s_psum[:qn, :kn], stationary=qT_sb[:dc, ch, cols:cols + qn],
-                       moving=kT_sb[:dc, ch, :kn], accumulate=ch > 0)
-    for ch, (d0, dc) in enumerate(tiles.head_dim_chunks(d)):
-        nisa.nc_matmul(dst=dp_psum[:qn, :kn], stationary=doT_sb[:dc, ch, cols:cols + qn],
-                       moving=vT_sb[:dc, ch, :kn], accumulate=ch > 0)
-    p_sb, tsq_sb = _probs(s_psum, stat, t * pmax, k0, qn, kn, tile_masked, cfg, q_sb.dtype)
-    ds_sb = _dscores(dp_psum, p_sb, tsq_sb, stat, qn, kn, q_sb.dtype)
-    return q_sb, do_sb, p_sb, ds_sb
-
-
-def grads_step(scores, loaded, kv, slot, t, qn, k0, kn, first, cfg):
-    """Second half: dV += P^T dO, dK += dS^T Q, dS^T, dQ_part = dS K; ``scale * dQ_part`` lands in
-    the dQ group accumulator slot (stored on the tile's first key tile, added otherwise)."""
-    q_sb, do_sb, p_sb, ds_sb = scores
-    dq_grp = loaded[2]
-    k_sb, _, _, dk_psum, dv_psum, started = kv
-    pmax = nl.tile_size.pmax
-    d = cfg.head_dim
     blocks = tiles.key_blocks(kn)
-    mm_dtype = q_sb.dtype
-    # 128-key blocks some query of the tile sees (never empty for a planned tile: the visible keys
-    # of consecutive rows form one interval); the others skip the dV/dK/dQ matmuls
     seen = [c for c, (s0, sn) in enumerate(blocks) if cfg.mask.tile_visible(t * pmax, qn, k0 + s0, sn)]
-    seen = seen or list(range(len(blocks)))
-    dsT_psum = nl.ndarray((pmax, len(blocks), pmax), dtype=mm_dtype, buffer=nl.psum)
-    dsT_sb = nl.ndarray((pmax, len(blocks), pmax), dtype=mm_dtype, buffer=nl.sbuf)
-    for c in seen:
+    return seen or list(range(len(blocks)))
+
+
+def dv_stage(pair, kv, k0, kn, cfg):
+    """TensorE: dV += P^T dO per seen block (queries are the contraction dim: no transpose)."""
+    p_sb = pair.tiles.pop("p")
+    do_sb = pair.loaded[3]
+    dv_psum, dv_started = kv[4], kv[6]
+    qn, d = pair.qn, cfg.head_dim
+    blocks = tiles.key_blocks(kn)
+    for c in seen_blocks(cfg, pair.t, qn, k0, kn):
         s0, sn = blocks[c]
-        nisa.nc_matmul(dst=dv_psum[:sn, c, :d], stationary=p_sb[:qn, s0:s0 + sn], moving=do_sb[:qn, :],
-                       accumulate=started[c])
-        nisa.nc_matmul(dst=dk_psum[:sn, c, :d], stationary=ds_sb[:qn, s0:s0 + sn], moving=q_sb[:qn, :],
-                       accumulate=started[c])
-        started[c] = True
+        nisa.nc_matmul(dst=dv_psum[:sn, c, :d], stationary=p_sb[:qn, s0:s0 + sn],
+                       moving=do_sb[:qn, pair.slot, :], accumulate=dv_started[c])
+        dv_started[c] = True
+
+
+def dk_stage(pair, kv, k0, kn, cfg):
+    """TensorE: dK += dS^T Q per seen block, and the dS^T transposes into one PSUM tile."""
+    ds_sb = pair.tiles.pop("ds")
+    q_sb = pair.loaded[2]
+    dk_psum, dk_started = kv[3], kv[5]
+    pmax = nl.tile_size.pmax
+    qn, d = pair.qn, cfg.head_dim
+    blocks = tiles.key_blocks(kn)
+    dsT_psum = nl.ndarray((pmax, len(blocks), pmax), dtype=ds_sb.dtype, buffer=nl.psum)
+    for c in seen_blocks(cfg, pair.t, qn, k0, kn):
+        s0, sn = blocks[c]
+        nisa.nc_matmul(dst=dk_psum[:sn, c, :d], stationary=ds_sb[:qn, s0:s0 + sn],
+                       moving=q_sb[:qn, pair.slot, :], accumulate=dk_started[c])
+        dk_started[c] = True
         nisa.nc_transpose(dst=dsT_psum[:sn, c, :qn], data=ds_sb[:qn, s0:s0 + sn], engine=nisa.engine.tensor)
-        nisa.tensor_copy(dst=dsT_sb[:sn, c, :qn], src=dsT_psum[:sn, c, :qn], engine=nisa.engine.scalar)
-    dq_psum = nl.ndarray((pmax, d), dtype=nl.float32, buffer=nl.psum)
-    for n, c in enumerate(seen):
-        s0, sn = blocks[c]
+    pair.tiles["dsT_psum"] = dsT_psum
+
+
+def evict_stage(pair, k0, kn, cfg):
+    """VectorE: dS^T PSUM -> SBUF (16-bit, one copy per seen block)."""
+    pmax = nl.tile_size.pmax
+    qn = pair.qn
+    blocks = tiles.key_blocks(kn)
+    dsT_psum = pair.tiles.pop("dsT_psum")
+    dsT_sb = nl.ndarray((pmax, len(blocks), pmax), dtype=dsT_psum.dtype, buffer=nl.sbuf)
+    for c in seen_blocks(cfg, pair.t, qn, k0, kn):
+        sn = blocks[c][1]
+        nisa.tensor_copy(dst=dsT_sb[:sn, c, :qn], src=dsT_psum[:sn, c, :qn], engine=nisa.engine.vector)
+    pair.tiles["dsT"] = dsT_sb
+
+
+def dq_stage(pair, kv, k0, kn, cfg):
+    """TensorE: dQ_part = dS K, accumulated over the seen blocks in one fp32 PSUM tile."""
+    dsT_sb = pair.tiles.pop("dsT")
+    k_sb = kv[0]
+    pmax = nl.tile_size.pmax
+    qn = pair.qn
+    blocks = tiles.key_blocks(kn)
+    dq_psum = nl.ndarray((pmax, cfg.head_dim), dtype=nl.float32, buffer=nl.psum)
+    for n, c in enumerate(seen_blocks(cfg, pair.t, qn, k0, kn)):
+        sn = blocks[c][1]
         nisa.nc_matmul(dst=dq_psum[:qn, :], stationary=dsT_sb[:sn, c, :qn], moving=k_sb[:sn, c, :],
                        accumulate=n > 0)
-    acc = dq_grp[:qn, slot, :]
-    if first:
-        nisa.activation(dst=acc, op=nl.copy, data=dq_psum[:qn, :], scale=cfg.scale)
+    pair.tiles["dq"] = dq_psum
+
+
+def acc_stage(pair):
+    """dQ_part into the group accumulator slot: copied on the tile's first key tile (ScalarE), added
+    otherwise (VectorE); the softmax scale is applied once when dq leaves."""
+    dq_psum = pair.tiles.pop("dq")
+    qn = pair.qn
+    acc = pair.loaded[4][:qn, pair.slot, :]
+    if pair.first:
+        nisa.tensor_copy(dst=acc, src=dq_psum[:qn, :], engine=nisa.engine.scalar)
     else:
-        nisa.scalar_tensor_tensor(dst=acc, data=dq_psum[:qn, :], op0=nl.multiply, operand0=cfg.scale,
-                                  op1=nl.add, operand1=acc)
+        nisa.tensor_tensor(dst=acc, data1=dq_psum[:qn, :], data2=acc, op=nl.add)
