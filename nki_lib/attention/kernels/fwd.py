@@ -160,10 +160,10 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
     for it in nl.sequential_range(-SCORE_LEAD, n_steps + ACC_LAG):
         load_k(ctx, groups, steps, it + SCORE_LEAD + 1)
         load_v_of(ctx, groups, steps, it + 1)
+        stage_evict_pt(groups, steps, work, it - 1)
         stage_softmax(groups, steps, work, it + 1, v.dtype)
         stage_scores(groups, steps, work, it + SCORE_LEAD, scale, softcap)
         stage_transpose(steps, work, it)
-        stage_evict_pt(groups, steps, work, it - 1)
         stage_pv(groups, steps, work, it - PV_LAG)
         stage_acc(groups, steps, work, it - ACC_LAG, out, pending_lse)
         if len(pending_lse) >= LSE_BATCH or (it == n_steps + ACC_LAG - 1 and len(pending_lse) > 0):

@@ -137,8 +137,8 @@ def stage_pv(groups, steps, work, s):
 
 
 def stage_acc(groups, steps, work, s, out, pending_lse):
-    """B3: l = alpha * l + rowsum [GpSimd] and acc = alpha * acc + O of step s [DVE]; closes the
-    group after its last step."""
+    """B3: l = alpha * l + rowsum [GpSimd] and acc = alpha * acc [GpSimd] + O [DVE] of step s;
+    closes the group after its last step."""
     if s < 0 or s >= len(steps):
         return
     gi, si, hi = steps[s]
@@ -150,9 +150,10 @@ def stage_acc(groups, steps, work, s, out, pending_lse):
                            op1=nl.add, operand1=w.rowsum, engine=nisa.engine.gpsimd)
         if si == 0:     # first section: acc is uninitialised, alpha * 0 + O = O
             nisa.tensor_copy(dst=state.acc, src=w.o_psum)
-        else:
-            nisa.scalar_tensor_tensor(dst=state.acc, data=state.acc, op0=nl.multiply,
-                                      operand0=w.alpha, op1=nl.add, operand1=w.o_psum)
+        else:           # alpha * acc on GpSimd (SBUF only), + O on VectorE (one PSUM pass)
+            nisa.tensor_scalar(dst=state.acc, data=state.acc, op0=nl.multiply, operand0=w.alpha,
+                               engine=nisa.engine.gpsimd)
+            nisa.tensor_tensor(dst=state.acc, data1=state.acc, data2=w.o_psum, op=nl.add)
         work[s] = None
     if si == len(grp.sections) - 1 and (si < 0 or hi == len(grp.heads) - 1):
         close_group(grp, out, pending_lse)
