@@ -14,9 +14,24 @@ TESTS = ROOT.parent / "tests"
 KERNEL_FILES = sorted(p for p in ROOT.glob("*/kernels/*.py") if p.name != "__init__.py")
 
 
+def _defines_jit_kernel(tree: ast.Module) -> bool:
+    """Does the module define an ``@nki.jit`` (or ``@nki.jit(...)``) function?"""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            for deco in node.decorator_list:
+                target = deco.func if isinstance(deco, ast.Call) else deco
+                if isinstance(target, ast.Attribute) and target.attr == "jit":
+                    return True
+    return False
+
+
 @pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_kernel_files_document_algorithm_shapes_and_limits(path):
-    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    tree = ast.parse(path.read_text())
+    doc = ast.get_docstring(tree) or ""
+    assert doc, f"{path.name}: every file under kernels/ opens with a docstring"
+    if not _defines_jit_kernel(tree):
+        return  # helper module (planning, shared tile steps): a docstring is enough
     assert len(doc) > 200, f"{path.name}: the module docstring must give algorithm, loops, shapes, limits"
     lowered = doc.lower()
     for word in ("shape", "limit"):
