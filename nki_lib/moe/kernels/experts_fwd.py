@@ -88,13 +88,18 @@ def load_all_ids(slot_ids, n_blocks, block):
 
 def gather_rows(src, ids_sb, ps):
     """(ps, C) tile of rows src[ids] (src (R, C) in HBM); rows with id -1 stay zero."""
-    cols = src.shape[1]
-    rows_sb = nl.ndarray((ps, cols), dtype=src.dtype, buffer=nl.sbuf)
+    rows_sb = nl.ndarray((ps, src.shape[1]), dtype=src.dtype, buffer=nl.sbuf)
+    gather_rows_into(rows_sb, src, ids_sb)
+    return rows_sb
+
+
+def gather_rows_into(rows_sb, src, ids_sb):
+    """rows_sb (ps, C) = src[ids] (src (R, C) in HBM); rows with id -1 stay zero."""
+    ps, cols = rows_sb.shape
     nisa.memset(dst=rows_sb, value=0.0, engine=nisa.engine.gpsimd)   # GpSimd issues the gather next
     nisa.dma_copy(dst=rows_sb,
                   src=src.ap([[cols, ps], [1, cols]], offset=0, vector_offset=ids_sb, indirect_dim=0),
                   oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
-    return rows_sb
 
 
 def scatter_rows(dst, ids_sb, rows_sb, col0):
@@ -272,14 +277,40 @@ def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols
             scatter_rows(y_slots, asg_sb, y_sb, g0)
 
 
-def _block_fwd(x, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
-               h_chunk, y_cols, y_slots):
+def _block_rows(x, tok_ids, asg_ids, b, block):
+    """Slot tiles (s0, ps, token ids, assignment ids, None, x rows) of block b; the x row tiles
+    are allocated here and filled by ``_gather_block``."""
+    return [(s0, ps, tok_ids[:ps, st, b:b + 1], asg_ids[:ps, st, b:b + 1], None,
+             nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf))
+            for st, (s0, ps) in enumerate(tiles(block, nl.tile_size.pmax))]
+
+
+def _gather_block(x, slot_tiles):
+    for _, _, tok_sb, _, _, x_rows in slot_tiles:
+        gather_rows_into(x_rows, x, tok_sb)
+
+
+def _block_fwd(x, slot_tiles, w_gate_up, w_down, regs, next_block, block, activation, h_chunk, y_cols,
+               y_slots):
+    """Block body in three guarded phases: xT and h (gate/up), then the gather of the next block's
+    rows (``next_block`` = (registers, slot tiles) or None), then the down projection and scatter.
+    GpSimd issues DMAs in program order, so the next gather must precede this block's scatter (which
+    waits for the block's last matmul) for the gather to overlap this block's compute."""
     pmax = nl.tile_size.pmax
+    expert_reg, trips_reg = regs
     h_tiles, i_tiles = tiles(x.shape[1], pmax), tiles(w_down.shape[2], pmax)
-    slot_tiles, x_t = load_block_inputs(x, None, tok_ids, asg_ids, b, block)
+    x_t = nl.ndarray((pmax, len(h_tiles), block), dtype=x.dtype, buffer=nl.sbuf)
     h_t = nl.ndarray((pmax, len(i_tiles), block), dtype=x.dtype, buffer=nl.sbuf)
-    _gate_up(x_t, w_gate_up, expert_reg, h_tiles, block, activation, h_t)
-    _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols)
+    for _ in nl.dynamic_range(0, trips_reg):
+        for s0, _, _, _, _, x_rows in slot_tiles:
+            transpose_rows(x_t, x_rows, s0)
+        _gate_up(x_t, w_gate_up, expert_reg, h_tiles, block, activation, h_t)
+    if next_block is not None:
+        (_, next_trips), next_tiles = next_block
+        for _ in nl.dynamic_range(0, next_trips):
+            _gather_block(x, next_tiles)
+    for _ in nl.dynamic_range(0, trips_reg):
+        _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols)
 
 
 @nki.jit
@@ -293,11 +324,18 @@ def moe_experts_fwd(x, topk_w, block_expert, slot_token, slot_assignment, w_gate
     expert_sb, valid_sb = block_flags(block_expert)
     tok_ids = load_all_ids(slot_token, n_blocks, block)
     asg_ids = load_all_ids(slot_assignment, n_blocks, block)
-    for b in nl.affine_range(n_blocks):
-        expert_reg, trips_reg = block_registers(expert_sb, valid_sb, b)
-        for _ in nl.dynamic_range(0, trips_reg):
-            _block_fwd(x, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, b, block, activation,
-                       h_chunk, y_cols, y_slots)
+    current = (block_registers(expert_sb, valid_sb, 0), _block_rows(x, tok_ids, asg_ids, 0, block))
+    for _ in nl.dynamic_range(0, current[0][1]):
+        _gather_block(x, current[1])
+    # Static unroll (compile-time Python loop): block b's body also issues block b + 1's gather.
+    for b in range(n_blocks):
+        following = None
+        if b + 1 < n_blocks:
+            following = (block_registers(expert_sb, valid_sb, b + 1),
+                         _block_rows(x, tok_ids, asg_ids, b + 1, block))
+        _block_fwd(x, current[1], w_gate_up, w_down, current[0], following, block, activation, h_chunk,
+                   y_cols, y_slots)
+        current = following
     reduce_assignments(y_slots, y, top_k, topk_w)
     return y
 
@@ -342,7 +380,7 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     and y staging width ``y_cols`` (upper bound: two generations of every streamed tile)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
-    slot_tiles = st * (hidden * itemsize + 2 * 4)                # x rows, ids
+    slot_tiles = st * (2 * hidden * itemsize + 2 * 4)            # x rows (this and the next block), ids
     resident = (ht + it) * block * itemsize                     # xT, hT
     staging = 2 * min(max(hidden, inter), WEIGHT_SPAN) * itemsize   # natural weight rows before transposes
     gate_up = 2 * (2 * ht * pmax * itemsize + fmax * 4)         # W_gate^T/W_up^T tiles, act
