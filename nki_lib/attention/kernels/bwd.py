@@ -121,40 +121,56 @@ def _move_rows(hbm_rows, sb, blocks, to_sbuf):
         nisa.dma_copy(dst=tile if to_sbuf else hbm, src=hbm if to_sbuf else tile)
 
 
-def _load_kv(k_rows, k_t, v_t, b, hk, kt, k0, kn, head_dim):
-    """K as ``(pmax, nblocks, D)`` (keys on partitions, one 128-key block per middle index) for
-    dQ; K^T and V^T as ``(pmax, nchunks, kn)`` (head dim on partitions) for S and dP."""
+class KeyTile(nl.NKIObject):
+    """One key tile ``[k0, k0 + kn)`` of a kv head: K ``(pmax, nblocks, D)`` (keys on partitions),
+    K^T and V^T ``(pmax, nchunks, kn)`` (head dim on partitions), and the dK/dV fp32 PSUM
+    accumulators (made when the first pair reaches its dV stage, stored after the last pair's dK
+    stage), with per-block flags telling whether a matmul started them."""
+
+    def __init__(self, kt: int, k0: int, kn: int):
+        self.kt = kt
+        self.k0 = k0
+        self.kn = kn
+        self.blocks = tiles.key_blocks(kn)
+        self.k_sb = self.kT_sb = self.vT_sb = None
+        self.dk_psum = self.dv_psum = None
+        self.dk_started = [False] * len(self.blocks)
+        self.dv_started = [False] * len(self.blocks)
+
+
+def _load_kv(kv, k_rows, k_t, v_t, b, hk, head_dim):
+    """K rows (one DMA, row-group layout), K^T and V^T (one DMA each per head-dim chunk)."""
     pmax = nl.tile_size.pmax
-    blocks = tiles.key_blocks(kn)
     chunks = tiles.head_dim_chunks(head_dim)
-    k_sb = nl.ndarray((pmax, len(blocks), head_dim), dtype=k_rows.dtype, buffer=nl.sbuf)
-    _move_rows(k_rows[b, hk, kt], k_sb, blocks, True)
-    kT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=k_t.dtype, buffer=nl.sbuf)
-    vT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=v_t.dtype, buffer=nl.sbuf)
+    k0, kn = kv.k0, kv.kn
+    kv.k_sb = nl.ndarray((pmax, len(kv.blocks), head_dim), dtype=k_rows.dtype, buffer=nl.sbuf)
+    _move_rows(k_rows[b, hk, kv.kt], kv.k_sb, kv.blocks, True)
+    kv.kT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=k_t.dtype, buffer=nl.sbuf)
+    kv.vT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=v_t.dtype, buffer=nl.sbuf)
     for ch, (d0, dc) in enumerate(chunks):
-        nisa.dma_copy(dst=kT_sb[:dc, ch, :], src=k_t[b, hk, d0:d0 + dc, k0:k0 + kn])
-        nisa.dma_copy(dst=vT_sb[:dc, ch, :], src=v_t[b, hk, d0:d0 + dc, k0:k0 + kn])
-    return k_sb, kT_sb, vT_sb
+        nisa.dma_copy(dst=kv.kT_sb[:dc, ch, :], src=k_t[b, hk, d0:d0 + dc, k0:k0 + kn])
+        nisa.dma_copy(dst=kv.vT_sb[:dc, ch, :], src=v_t[b, hk, d0:d0 + dc, k0:k0 + kn])
 
 
-def _store_kv_grads(dk, dv, b, hk, kt, blocks, dk_psum, dv_psum, dk_started, dv_started, cfg):
+def _store_kv_grads(dk, dv, b, hk, kv, cfg):
     """dK = scale * acc (ScalarE), dV = acc (VectorE), one DMA each per key tile; blocks no query saw
     get zeros."""
     pmax = nl.tile_size.pmax
     d = cfg.head_dim
+    blocks = kv.blocks
     dk_sb = nl.ndarray((pmax, len(blocks), d), dtype=dk.dtype, buffer=nl.sbuf)
     dv_sb = nl.ndarray((pmax, len(blocks), d), dtype=dv.dtype, buffer=nl.sbuf)
     for c, (s0, sn) in enumerate(blocks):
-        if dk_started[c]:
-            nisa.activation(dst=dk_sb[:sn, c, :], op=nl.copy, data=dk_psum[:sn, c, :d], scale=cfg.scale)
+        if kv.dk_started[c]:
+            nisa.activation(dst=dk_sb[:sn, c, :], op=nl.copy, data=kv.dk_psum[:sn, c, :d], scale=cfg.scale)
         else:
             nisa.memset(dst=dk_sb[:sn, c, :], value=0.0)
-        if dv_started[c]:
-            nisa.tensor_copy(dst=dv_sb[:sn, c, :], src=dv_psum[:sn, c, :d], engine=nisa.engine.vector)
+        if kv.dv_started[c]:
+            nisa.tensor_copy(dst=dv_sb[:sn, c, :], src=kv.dv_psum[:sn, c, :d], engine=nisa.engine.vector)
         else:
             nisa.memset(dst=dv_sb[:sn, c, :], value=0.0)
-    _move_rows(dk[b, hk, kt], dk_sb, blocks, False)
-    _move_rows(dv[b, hk, kt], dv_sb, blocks, False)
+    _move_rows(dk[b, hk, kv.kt], dk_sb, blocks, False)
+    _move_rows(dv[b, hk, kv.kt], dv_sb, blocks, False)
 
 
 # --------------------------------------------------------------------------- query groups
@@ -187,26 +203,34 @@ def _runs(slots, partial_slot):
     return runs
 
 
-def _load_q_group(ins, b, h, gid, seqlen_q, head_dim):
-    """Q^T, dO^T ``(pmax, nchunks, group rows)`` (one DMA per chunk) and Q, dO rows-on-partitions
-    ``(pmax, group tiles, D)`` (one DMA each, from the row-group copies)."""
-    dout_rows, dout_t, q_rows, q_t = ins[:4]
+class Streams(nl.NKIObject):
+    """The query-side HBM tensors of one launch: ``qdo_rows`` (Q and dO rows, row-group layout),
+    ``qdo_t`` (Q^T and dO^T by group), ``dq`` (output, row-group layout), ``dq_acc`` (fp32
+    scratch between key tiles; None when the accumulators stay in SBUF), ``dq_res`` (the SBUF
+    accumulators of the current kv head's query heads, or None)."""
+
+    def __init__(self, qdo_rows, qdo_t, dq, dq_acc, seqlen_q):
+        self.qdo_rows = qdo_rows
+        self.qdo_t = qdo_t
+        self.dq = dq
+        self.dq_acc = dq_acc
+        self.dq_res = None
+        self.seqlen_q = seqlen_q
+
+
+def _load_q_group(ins, b, h, gid, head_dim):
+    """Q^T and dO^T ``(pmax, nchunks, 2, group rows)`` (one DMA per head-dim chunk) and Q, dO
+    rows-on-partitions ``(pmax, group tiles, 2, D)`` (one DMA): 2 KiB contiguous per partition."""
     pmax = nl.tile_size.pmax
     per = _group_tiles()
     width = per * pmax
-    g0 = gid * width
-    gn = min(width, seqlen_q - g0)
     chunks = tiles.head_dim_chunks(head_dim)
-    qT_sb = nl.ndarray((pmax, len(chunks), width), dtype=q_t.dtype, buffer=nl.sbuf)
-    doT_sb = nl.ndarray((pmax, len(chunks), width), dtype=dout_t.dtype, buffer=nl.sbuf)
+    qdoT_sb = nl.ndarray((pmax, len(chunks), 2, width), dtype=ins.qdo_t.dtype, buffer=nl.sbuf)
     for ch, (d0, dc) in enumerate(chunks):
-        nisa.dma_copy(dst=qT_sb[:dc, ch, :gn], src=q_t[b, h, d0:d0 + dc, g0:g0 + gn])
-        nisa.dma_copy(dst=doT_sb[:dc, ch, :gn], src=dout_t[b, h, d0:d0 + dc, g0:g0 + gn])
-    q_sb = nl.ndarray((pmax, per, head_dim), dtype=q_rows.dtype, buffer=nl.sbuf)
-    do_sb = nl.ndarray((pmax, per, head_dim), dtype=dout_rows.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=q_sb, src=q_rows[b, h, gid])
-    nisa.dma_copy(dst=do_sb, src=dout_rows[b, h, gid])
-    return qT_sb, doT_sb, q_sb, do_sb
+        nisa.dma_copy(dst=qdoT_sb[:dc, ch, :, :], src=ins.qdo_t[b, h, gid, d0:d0 + dc, :, :])
+    qdo_sb = nl.ndarray((pmax, per, 2, head_dim), dtype=ins.qdo_rows.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=qdo_sb, src=ins.qdo_rows[b, h, gid])
+    return qdoT_sb, qdo_sb
 
 
 def _move_dq(dq_grp, hbm_grp, runs, q_tiles, gid, to_sbuf):
@@ -234,33 +258,44 @@ def _group_flags(group, gid, k0, plans, num_q_tiles, last_rows):
 
 def _load_group(ins, b, h, gid, flags, cfg):
     """Q^T, dO^T, Q, dO and the dQ accumulator (tiles visited before) of one query group."""
-    seqlen_q = ins[3].shape[3]
-    dq_acc = ins[5]
-    q_tiles = tiles.query_tiles(seqlen_q)
+    pmax = nl.tile_size.pmax
+    per = _group_tiles()
     slots, first, _, partial = flags
-    loaded = _load_q_group(ins, b, h, gid, seqlen_q, cfg.head_dim)
-    dq_grp = nl.ndarray((nl.tile_size.pmax, _group_tiles(), cfg.head_dim), dtype=nl.float32, buffer=nl.sbuf)
-    loads = _runs([s for s, f in zip(slots, first) if not f], partial)
-    _move_dq(dq_grp, dq_acc[b, h, gid], loads, q_tiles, gid, True)
-    return (*loaded, dq_grp)
+    qdoT_sb, qdo_sb = _load_q_group(ins, b, h, gid, cfg.head_dim)
+    if ins.dq_res is not None:
+        dq_grp = ins.dq_res[:, h % ins.dq_res.shape[1], gid * per:(gid + 1) * per, :]
+    else:
+        dq_grp = nl.ndarray((pmax, per, cfg.head_dim), dtype=nl.float32, buffer=nl.sbuf)
+        loads = _runs([s for s, f in zip(slots, first) if not f], partial)
+        _move_dq(dq_grp, ins.dq_acc[b, h, gid], loads, tiles.query_tiles(ins.seqlen_q), gid, True)
+    return qdoT_sb, qdo_sb, dq_grp
 
 
 def _finish_group(ins, loaded, b, h, gid, flags, q_tiles, cfg):
     """After the group's last pair on this key tile: dq (scale applied, output dtype) leaves for
-    the tiles whose last key tile this is; the other accumulators return to the fp32 scratch."""
-    dq, dq_acc = ins[4], ins[5]
+    the tiles whose last key tile this is; without SBUF residency the other accumulators return
+    to the fp32 scratch."""
     slots, _, last, partial = flags
     per = _group_tiles()
-    dq_grp = loaded[4]
+    dq_grp = loaded[2]
     done = [s for s, f in zip(slots, last) if f]
     if done:
-        out_sb = nl.ndarray((nl.tile_size.pmax, per, cfg.head_dim), dtype=dq.dtype, buffer=nl.sbuf)
+        out_sb = nl.ndarray((nl.tile_size.pmax, per, cfg.head_dim), dtype=ins.dq.dtype, buffer=nl.sbuf)
         for s in done:
             qn = q_tiles[gid * per + s][1]
             nisa.activation(dst=out_sb[:qn, s, :], op=nl.copy, data=dq_grp[:qn, s, :], scale=cfg.scale)
-        _move_dq(out_sb, dq[b, h, gid], _runs(done, partial), q_tiles, gid, False)
-    stores = _runs([s for s, f in zip(slots, last) if not f], partial)
-    _move_dq(dq_grp, dq_acc[b, h, gid], stores, q_tiles, gid, False)
+        _move_dq(out_sb, ins.dq[b, h, gid], _runs(done, partial), q_tiles, gid, False)
+    if ins.dq_res is None:
+        stores = _runs([s for s, f in zip(slots, last) if not f], partial)
+        _move_dq(dq_grp, ins.dq_acc[b, h, gid], stores, q_tiles, gid, False)
+
+
+def dq_resident(group, seqlen_q, head_dim):
+    """Whether the fp32 dQ accumulators of a GQA group's query heads stay in SBUF for a whole kv
+    head (no HBM round trip per key tile): when they take at most half of a partition's SBUF."""
+    per = _group_tiles()
+    rows = -(-seqlen_q // (per * nl.tile_size.pmax)) * per
+    return group * rows * head_dim * 4 <= nl.tile_size.sbuf_fmax_bytes // 2
 
 
 # Software pipeline: the stage of pair j issued at step j + lag. Per step, the program order below
@@ -280,21 +315,43 @@ STAGES = (  # (lag, stage)
 PIPELINE_LAG = max(lag for lag, _ in STAGES)
 
 
-def _head_pass(ins, kv, stats_sb, b, h, visits, k0, kn, plans, cfg):
-    """All visits of query head h to the key tile ``k0``, software-pipelined over the (query tile,
-    key tile) pairs by :data:`STAGES`; a query group's loads are issued when its predecessor's
-    first pair is scored, and it finishes (dq out / accumulators back) after its last pair."""
-    seqlen_q = ins[3].shape[3]
-    q_tiles = tiles.query_tiles(seqlen_q)
-    groups = _q_groups(visits)
-    flags = [_group_flags(grp, gid, k0, plans, len(q_tiles), q_tiles[-1][1]) for gid, grp in groups]
-    order = [(n, i) for n, (_, grp) in enumerate(groups) for i in range(len(grp))]
-    loaded = [None] * len(groups)
+def _kv_pass(ins, kvs, stats, b, hk, plans, cfg):
+    """Everything of kv head hk: every (query head of the GQA group, key tile, query tile) pair in
+    one software pipeline (:data:`STAGES`), key tile by key tile, so it never drains between key
+    tiles or query heads. Loads run one unit ahead (the next key tile's K/V when a key tile's
+    first pair is scored, the next query group's rows when a group's first pair is scored);
+    a group finishes (dq out / accumulators back) after its last pair's accumulate stage, a key
+    tile's dK/dV leave after its last pair's dK stage."""
+    k_rows, k_t, v_t, dk, dv = kvs
+    q_tiles = tiles.query_tiles(ins.seqlen_q)
+    group = len(stats)
+    units = []   # (key tile, query head, group id, visits of the group, flags)
+    order = []   # (unit, index in the unit)
+    ktiles = []
+    for kt, (k0, kn) in enumerate(tiles.key_tiles(cfg.mask.sk)):
+        kv = KeyTile(kt, k0, kn)
+        visits = _visits(plans, k0)
+        if not visits:
+            _store_kv_grads(dk, dv, b, hk, kv, cfg)
+            continue
+        ktiles.append(kv)
+        for g in range(group):
+            for gid, grp in _q_groups(visits):
+                flags = _group_flags(grp, gid, k0, plans, len(q_tiles), q_tiles[-1][1])
+                units.append((kv, g, gid, grp, flags))
+                order.extend((len(units) - 1, i) for i in range(len(grp)))
+    last_pair = [max(j for j, (n, _) in enumerate(order) if units[n][0] is kv) for kv in ktiles]
+    loaded = [None] * len(units)
     pairs = [None] * len(order)
 
     def ensure(n):
-        if n < len(groups) and loaded[n] is None:
-            loaded[n] = _load_group(ins, b, h, groups[n][0], flags[n], cfg)
+        if n < len(units) and loaded[n] is None:
+            kv, g, gid, _, flags = units[n]
+            loaded[n] = _load_group(ins, b, hk * group + g, gid, flags, cfg)
+
+    def ensure_kv(m):
+        if m < len(ktiles) and ktiles[m].k_sb is None:
+            _load_kv(ktiles[m], k_rows, k_t, v_t, b, hk, cfg.head_dim)
 
     for step in range(len(order) + PIPELINE_LAG):
         for lag, stage in STAGES:
@@ -302,30 +359,49 @@ def _head_pass(ins, kv, stats_sb, b, h, visits, k0, kn, plans, cfg):
             if not 0 <= j < len(order):
                 continue
             n, i = order[j]
+            kv, g, gid, grp, flags = units[n]
+            k0, kn = kv.k0, kv.kn
             if stage == "scores":
+                m = ktiles.index(kv)
+                ensure_kv(m)
+                ensure_kv(m + 1)
                 ensure(n)
                 ensure(n + 1)
-                t, tile_masked = groups[n][1][i]
-                pairs[j] = Pair(loaded[n], flags[n][0][i], t, q_tiles[t][1], tile_masked, flags[n][1][i])
+                t, tile_masked = grp[i]
+                pairs[j] = Pair(loaded[n], flags[0][i], t, q_tiles[t][1], tile_masked, flags[1][i])
                 scores_stage(pairs[j], kv, k0, kn, cfg)
             elif stage == "probs":
-                probs_stage(pairs[j], stats_sb, k0, kn, cfg)
+                probs_stage(pairs[j], stats[g], k0, kn, cfg)
             elif stage == "dscores":
                 dscores_stage(pairs[j], kn)
             elif stage == "dv":
+                if kv.dv_psum is None:
+                    _alloc_kv_grads(kv, cfg)
                 dv_stage(pairs[j], kv, k0, kn, cfg)
             elif stage == "dk":
                 dk_stage(pairs[j], kv, k0, kn, cfg)
+                if last_pair[ktiles.index(kv)] == j:
+                    _store_kv_grads(dk, dv, b, hk, kv, cfg)
+                    kv.dk_psum = kv.dv_psum = None
             elif stage == "evict":
                 evict_stage(pairs[j], k0, kn, cfg)
             elif stage == "dq":
                 dq_stage(pairs[j], kv, k0, kn, cfg)
+                if last_pair[ktiles.index(kv)] == j:
+                    kv.k_sb = kv.kT_sb = kv.vT_sb = None
             else:
                 acc_stage(pairs[j])
                 pairs[j] = None
-                if i == len(groups[n][1]) - 1:
-                    _finish_group(ins, loaded[n], b, h, groups[n][0], flags[n], q_tiles, cfg)
+                if i == len(grp) - 1:
+                    _finish_group(ins, loaded[n], b, hk * group + g, gid, flags, q_tiles, cfg)
                     loaded[n] = None
+
+
+def _alloc_kv_grads(kv, cfg):
+    pmax = nl.tile_size.pmax
+    acc_free = _acc_stride(cfg.head_dim)
+    kv.dk_psum = nl.ndarray((pmax, len(kv.blocks), acc_free), dtype=nl.float32, buffer=nl.psum)
+    kv.dv_psum = nl.ndarray((pmax, len(kv.blocks), acc_free), dtype=nl.float32, buffer=nl.psum)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -336,57 +412,49 @@ def _visits(plans, k0):
 
 
 @nki.jit
-def flash_bwd_kernel(dout_rows, dout_t, dlse, q_rows, q_t, k_rows, k_t, v_t, out_rows, lse, sinks, doc, causal,
-                     scale, window_left, window_right, softcap):
+def flash_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t, lse, sinks, doc, causal, scale, window_left,
+                     window_right, softcap):
     """Returns ``(dq, dk, dv, dsinks)`` (dq, dk, dv in row-group layout); see the module docstring."""
-    batch, num_heads, head_dim, seqlen_q = q_t.shape
-    num_kv_heads, seqlen_k = k_t.shape[1], k_t.shape[3]
+    batch, num_heads, seqlen_q = lse.shape
+    num_kv_heads, head_dim, seqlen_k = k_t.shape[1], k_t.shape[2], k_t.shape[3]
     group = num_heads // num_kv_heads
     pmax = nl.tile_size.pmax
+    per = _group_tiles()
     mask = tiles.MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right, doc is not None)
     cfg = Config(mask, scale, softcap, head_dim, bwd_prep.num_stats(mask.has_docs))
     q_tiles = tiles.query_tiles(seqlen_q)
+    num_groups = qdo_rows.shape[2]
 
-    dq = nl.ndarray(q_rows.shape, dtype=q_rows.dtype, buffer=nl.shared_hbm)
+    dq = nl.ndarray(qdo_rows.shape[:5] + (head_dim,), dtype=qdo_rows.dtype, buffer=nl.shared_hbm)
     dk = nl.ndarray(k_rows.shape, dtype=k_rows.dtype, buffer=nl.shared_hbm)
     dv = nl.ndarray(k_rows.shape, dtype=v_t.dtype, buffer=nl.shared_hbm)
     dsinks = nl.ndarray((num_heads,), dtype=nl.float32, buffer=nl.shared_hbm)
     stats_hbm = nl.ndarray((batch, num_heads, pmax, len(q_tiles), cfg.num_stats), dtype=nl.float32,
                            buffer=nl.private_hbm)
-    dq_acc = nl.ndarray(q_rows.shape, dtype=nl.float32, buffer=nl.private_hbm)
+    resident = dq_resident(group, seqlen_q, head_dim)
+    dq_acc = None if resident else nl.ndarray(dq.shape, dtype=nl.float32, buffer=nl.private_hbm)
+    ins = Streams(qdo_rows, qdo_t, dq, dq_acc, seqlen_q)
 
     # LNC2: the programs split the kv heads (each owns its GQA group's dq/dk/dv rows and dsinks)
     num_progs = nl.num_programs(0) if nl.program_ndim() > 0 else 1
     pid = nl.program_id(0) if num_progs > 1 else 0
     kv_heads = list(range(pid, num_kv_heads, num_progs))
     heads = [hk * group + g for hk in kv_heads for g in range(group)]
-    bwd_prep.prepare(dout_rows, dlse, out_rows, lse, sinks, doc, mask, dsinks, stats_hbm, heads,
+    bwd_prep.prepare(od_rows, dlse, lse, sinks, doc, mask, dsinks, stats_hbm, heads,
                      zero_dsinks=sinks is None and pid == 0)
 
     plans = [tiles.plan_row(mask, q0, qn) for q0, qn in q_tiles]
-    acc_free = _acc_stride(head_dim)
-    ins = (dout_rows, dout_t, q_rows, q_t, dq, dq_acc)
-    per = _group_tiles()
     for b in nl.sequential_range(batch):
         for hk in kv_heads:
-            for kt, (k0, kn) in enumerate(tiles.key_tiles(seqlen_k)):
-                blocks = tiles.key_blocks(kn)
-                visits = _visits(plans, k0)
-                dk_started = [False] * len(blocks)
-                dv_started = [False] * len(blocks)
-                if not visits:
-                    _store_kv_grads(dk, dv, b, hk, kt, blocks, None, None, dk_started, dv_started, cfg)
-                    continue
-                kv_tiles = _load_kv(k_rows, k_t, v_t, b, hk, kt, k0, kn, head_dim)
-                dk_psum = nl.ndarray((pmax, len(blocks), acc_free), dtype=nl.float32, buffer=nl.psum)
-                dv_psum = nl.ndarray((pmax, len(blocks), acc_free), dtype=nl.float32, buffer=nl.psum)
-                kv = (*kv_tiles, dk_psum, dv_psum, dk_started, dv_started)
-                for g in nl.sequential_range(group):
-                    h = hk * group + g
-                    stats_sb = nl.ndarray((pmax, len(q_tiles), cfg.num_stats), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=stats_sb, src=stats_hbm[b, h])
-                    _head_pass(ins, kv, stats_sb, b, h, visits, k0, kn, plans, cfg)
-                _store_kv_grads(dk, dv, b, hk, kt, blocks, dk_psum, dv_psum, dk_started, dv_started, cfg)
+            if resident:
+                ins.dq_res = nl.ndarray((pmax, group, num_groups * per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
+            stats = []
+            for g in range(group):
+                stats_sb = nl.ndarray((pmax, len(q_tiles), cfg.num_stats), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=stats_sb, src=stats_hbm[b, hk * group + g])
+                stats.append(stats_sb)
+            _kv_pass(ins, (k_rows, k_t, v_t, dk, dv), stats, b, hk, plans, cfg)
+            ins.dq_res = None
         for h in heads:
             for t, (q0, qn) in enumerate(q_tiles):
                 if not plans[t]:
@@ -420,14 +488,26 @@ def flash_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale
     if cu_seqlens is not None and softcap == 0 and scale <= 0:
         raise Unsupported("scale <= 0 with cu_seqlens: document-masked scores would not vanish under exp")
     grid = lnc_degree()
-    transposed = lambda t: t.transpose(2, 3).contiguous()  # noqa: E731
     doc = None if cu_seqlens is None else tiles.document_bounds(cu_seqlens, q.shape[2])
+    pair = lambda x, y: torch.stack([row_groups(x), row_groups(y)], dim=5)  # noqa: E731
+    qdo_t = torch.stack([col_groups(q.transpose(2, 3)), col_groups(dout.transpose(2, 3))], dim=4)
+    k_t, v_t = (x.transpose(2, 3).contiguous() for x in (k, v))
     dq, dk, dv, dsinks = call_kernel(
-        flash_bwd_kernel, row_groups(dout), transposed(dout), dlse.contiguous(), row_groups(q), transposed(q),
-        row_groups(k), transposed(k), transposed(v), row_groups(out), lse.contiguous(),
-        None if sinks is None else sinks.contiguous(), doc, causal=bool(causal), scale=float(scale),
+        flash_bwd_kernel, pair(q, dout), qdo_t, pair(out, dout), dlse.contiguous(), row_groups(k), k_t, v_t,
+        lse.contiguous(), None if sinks is None else sinks.contiguous(), doc, causal=bool(causal), scale=float(scale),
         window_left=int(window_left), window_right=int(window_right), softcap=float(softcap), grid=grid)
     return from_row_groups(dq, q.shape[2]), from_row_groups(dk, k.shape[2]), from_row_groups(dv, k.shape[2]), dsinks
+
+
+def _padded(x, dim):
+    """x with zero rows appended along ``dim`` up to a multiple of the group rows."""
+    rows = _group_tiles() * nl.tile_size.pmax
+    pad = -x.shape[dim] % rows
+    if not pad:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
 def row_groups(x):
@@ -435,11 +515,14 @@ def row_groups(x):
     ``[.., g, p, s, :] = x[.., (g * per + s) * pmax + p, :]`` (zero rows past S), so one DMA moves a
     group of ``per`` row tiles with one contiguous run per partition."""
     per, pmax = _group_tiles(), nl.tile_size.pmax
-    b, h, s, d = x.shape
-    ng = -(-s // (per * pmax))
-    padded = x.new_zeros((b, h, ng * per * pmax, d))
-    padded[:, :, :s] = x
-    return padded.reshape(b, h, ng, per, pmax, d).transpose(3, 4).contiguous()
+    b, h, _, d = x.shape
+    return _padded(x, 2).reshape(b, h, -1, per, pmax, d).transpose(3, 4).contiguous()
+
+
+def col_groups(xt):
+    """Layout glue: ``(B, H, D, S)`` -> ``(B, H, NG, D, per * pmax)`` (zero columns past S)."""
+    b, h, d, _ = xt.shape
+    return _padded(xt, 3).reshape(b, h, d, -1, _group_tiles() * nl.tile_size.pmax).transpose(2, 3)
 
 
 def from_row_groups(y, s):

@@ -6,7 +6,7 @@ Per (head h, batch b), on all NT query tiles at once (``(pmax, NT)`` columns, ro
 on partition p, column t):
 
 * ``neg_delta = dlse - rowsum(dO * O)`` (= -delta): per query group (``per`` tiles in the
-  row-group layout, one DMA each for O and dO) one VectorE product and one reduce; then one
+  row-group layout, one DMA for O and dO) one VectorE product and one reduce; then one
   subtract for the head. Stored negated so the main loop subtracts delta as the bias of its
   ScalarE PSUM eviction of dP.
 * ``neg_lse = -lse``, and 0 where ``lse = -inf`` (rows with no visible key and no sink: their
@@ -25,7 +25,7 @@ Output layout (private HBM scratch, read by the main loop):
   stats_hbm (B, Hq, pmax, NT, NSTAT) fp32: [b, h, p, t, s] = statistic s of row t * pmax + p,
   so the main loop loads all statistics of a head with one DMA.
 
-Shapes: dout_rows, out_rows (B, Hq, NG, pmax, per, D) (``bwd.row_groups``); lse, dlse (B, Hq, Sq)
+Shapes: od_rows (B, Hq, NG, pmax, per, 2, D) (O and dO, ``bwd.row_groups``); lse, dlse (B, Hq, Sq)
 fp32; sinks (Hq,) fp32; doc (2, Sq).
 Dimension legend: B batch, Hq query heads, Sq query length, D head dim, NT = ceil(Sq / pmax),
 NG query groups of ``per`` tiles, NSTAT statistics per row (2, or 4 with documents).
@@ -52,19 +52,18 @@ def num_stats(with_documents):
     return HI + 1 if with_documents else NEG_DELTA + 1
 
 
-def _neg_delta(stats_sb, dout_rows, out_rows, dlse_cols, b, h):
-    """stats_sb[:, :, NEG_DELTA] = dlse - rowsum(dO * O), one product and one reduce per group."""
+def _neg_delta(stats_sb, od_rows, dlse_cols, b, h):
+    """stats_sb[:, :, NEG_DELTA] = dlse - rowsum(dO * O): per group one DMA (O and dO rows), one
+    product and one reduce."""
     pmax = nl.tile_size.pmax
-    _, _, num_groups, _, per, head_dim = out_rows.shape
+    _, _, num_groups, _, per, _, head_dim = od_rows.shape
     num_q_tiles = stats_sb.shape[1]
     rowsum_sb = nl.ndarray((pmax, num_groups * per), dtype=nl.float32, buffer=nl.sbuf)
     for g in nl.sequential_range(num_groups):
-        o_grp = nl.ndarray((pmax, per, head_dim), dtype=out_rows.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=o_grp, src=out_rows[b, h, g])
-        do_grp = nl.ndarray((pmax, per, head_dim), dtype=dout_rows.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=do_grp, src=dout_rows[b, h, g])
+        od_grp = nl.ndarray((pmax, per, 2, head_dim), dtype=od_rows.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=od_grp, src=od_rows[b, h, g])
         prod_sb = nl.ndarray((pmax, per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod_sb, data1=do_grp, data2=o_grp, op=nl.multiply)
+        nisa.tensor_tensor(dst=prod_sb, data1=od_grp[:, :, 1, :], data2=od_grp[:, :, 0, :], op=nl.multiply)
         nisa.tensor_reduce(dst=rowsum_sb[:, g * per:(g + 1) * per], op=nl.add, data=prod_sb, axis=2)
     nisa.tensor_tensor(dst=stats_sb[:, :, NEG_DELTA], data1=dlse_cols, data2=rowsum_sb[:, :num_q_tiles],
                        op=nl.subtract)
@@ -126,7 +125,7 @@ def _columns(vec, seqlen_q):
     return cols_sb
 
 
-def prepare(dout_rows, dlse, out_rows, lse, sinks, doc, mask, dsinks, stats_hbm, heads, zero_dsinks):
+def prepare(od_rows, dlse, lse, sinks, doc, mask, dsinks, stats_hbm, heads, zero_dsinks):
     """Fill stats_hbm and dsinks for the query ``heads`` of this program (all of them under LNC1);
     ``zero_dsinks``: write the whole dsinks with zeros (no sinks; one program does it)."""
     batch, num_heads, seqlen_q = lse.shape
@@ -154,7 +153,7 @@ def prepare(dout_rows, dlse, out_rows, lse, sinks, doc, mask, dsinks, stats_hbm,
             lse_cols = _columns(lse[b, h], seqlen_q)
             dlse_cols = _columns(dlse[b, h], seqlen_q)
             stats_sb = nl.ndarray((pmax, num_q_tiles, nstat), dtype=nl.float32, buffer=nl.sbuf)
-            _neg_delta(stats_sb, dout_rows, out_rows, dlse_cols, b, h)
+            _neg_delta(stats_sb, od_rows, dlse_cols, b, h)
             _neg_lse(stats_sb, lse_cols, zeros_sb)
             if nstat > LO:
                 if seqlen_q % pmax:

@@ -127,18 +127,18 @@ class Pair(nl.NKIObject):
 
 def scores_stage(pair, kv, k0, kn, cfg):
     """TensorE: S = Q K^T and dP = dO V^T into fp32 PSUM (D contracted in <= 128 chunks)."""
-    qT_sb, doT_sb = pair.loaded[0], pair.loaded[1]
-    kT_sb, vT_sb = kv[1], kv[2]
+    qdoT_sb = pair.loaded[0]
+    kT_sb, vT_sb = kv.kT_sb, kv.vT_sb
     pmax = nl.tile_size.pmax
     kw = tiles.key_tile_width()
     cols, qn = pair.slot * pmax, pair.qn
     s_psum = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.psum)
     dp_psum = nl.ndarray((pmax, kw), dtype=nl.float32, buffer=nl.psum)
     for ch, (d0, dc) in enumerate(tiles.head_dim_chunks(cfg.head_dim)):
-        nisa.nc_matmul(dst=s_psum[:qn, :kn], stationary=qT_sb[:dc, ch, cols:cols + qn],
+        nisa.nc_matmul(dst=s_psum[:qn, :kn], stationary=qdoT_sb[:dc, ch, 0, cols:cols + qn],
                        moving=kT_sb[:dc, ch, :kn], accumulate=ch > 0)
     for ch, (d0, dc) in enumerate(tiles.head_dim_chunks(cfg.head_dim)):
-        nisa.nc_matmul(dst=dp_psum[:qn, :kn], stationary=doT_sb[:dc, ch, cols:cols + qn],
+        nisa.nc_matmul(dst=dp_psum[:qn, :kn], stationary=qdoT_sb[:dc, ch, 1, cols:cols + qn],
                        moving=vT_sb[:dc, ch, :kn], accumulate=ch > 0)
     pair.tiles["s"], pair.tiles["dp"] = s_psum, dp_psum
 
@@ -188,22 +188,22 @@ def seen_blocks(cfg, t, qn, k0, kn):
 def dv_stage(pair, kv, k0, kn, cfg):
     """TensorE: dV += P^T dO per seen block (queries are the contraction dim: no transpose)."""
     p_sb = pair.tiles.pop("p")
-    do_sb = pair.loaded[3]
-    dv_psum, dv_started = kv[4], kv[6]
+    qdo_sb = pair.loaded[1]
+    dv_psum, dv_started = kv.dv_psum, kv.dv_started
     qn, d = pair.qn, cfg.head_dim
     blocks = tiles.key_blocks(kn)
     for c in seen_blocks(cfg, pair.t, qn, k0, kn):
         s0, sn = blocks[c]
         nisa.nc_matmul(dst=dv_psum[:sn, c, :d], stationary=p_sb[:qn, s0:s0 + sn],
-                       moving=do_sb[:qn, pair.slot, :], accumulate=dv_started[c])
+                       moving=qdo_sb[:qn, pair.slot, 1, :], accumulate=dv_started[c])
         dv_started[c] = True
 
 
 def dk_stage(pair, kv, k0, kn, cfg):
     """TensorE: dK += dS^T Q per seen block, and the dS^T transposes into one PSUM tile."""
     ds_sb = pair.tiles.pop("ds")
-    q_sb = pair.loaded[2]
-    dk_psum, dk_started = kv[3], kv[5]
+    qdo_sb = pair.loaded[1]
+    dk_psum, dk_started = kv.dk_psum, kv.dk_started
     pmax = nl.tile_size.pmax
     qn, d = pair.qn, cfg.head_dim
     blocks = tiles.key_blocks(kn)
@@ -211,7 +211,7 @@ def dk_stage(pair, kv, k0, kn, cfg):
     for c in seen_blocks(cfg, pair.t, qn, k0, kn):
         s0, sn = blocks[c]
         nisa.nc_matmul(dst=dk_psum[:sn, c, :d], stationary=ds_sb[:qn, s0:s0 + sn],
-                       moving=q_sb[:qn, pair.slot, :], accumulate=dk_started[c])
+                       moving=qdo_sb[:qn, pair.slot, 0, :], accumulate=dk_started[c])
         dk_started[c] = True
         nisa.nc_transpose(dst=dsT_psum[:sn, c, :qn], data=ds_sb[:qn, s0:s0 + sn], engine=nisa.engine.tensor)
     pair.tiles["dsT_psum"] = dsT_psum
@@ -233,7 +233,7 @@ def evict_stage(pair, k0, kn, cfg):
 def dq_stage(pair, kv, k0, kn, cfg):
     """TensorE: dQ_part = dS K, accumulated over the seen blocks in one fp32 PSUM tile."""
     dsT_sb = pair.tiles.pop("dsT")
-    k_sb = kv[0]
+    k_sb = kv.k_sb
     pmax = nl.tile_size.pmax
     qn = pair.qn
     blocks = tiles.key_blocks(kn)
@@ -250,7 +250,7 @@ def acc_stage(pair):
     otherwise (VectorE); the softmax scale is applied once when dq leaves."""
     dq_psum = pair.tiles.pop("dq")
     qn = pair.qn
-    acc = pair.loaded[4][:qn, pair.slot, :]
+    acc = pair.loaded[2][:qn, pair.slot, :]
     if pair.first:
         nisa.tensor_copy(dst=acc, src=dq_psum[:qn, :], engine=nisa.engine.scalar)
     else:
