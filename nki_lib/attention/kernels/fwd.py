@@ -80,7 +80,8 @@ from __future__ import annotations
 import torch
 
 from nki_lib._nki import nki, nl
-from nki_lib.attention.kernels.fwd_pipeline import (load_k, load_v_of, stage_acc, stage_evict_pt,
+from nki_lib.attention.kernels.fwd_pipeline import (close_group, load_k, load_v_of, stage_acc,
+                                                    stage_evict_pt,
                                                     stage_pv, stage_scores, stage_softmax,
                                                     stage_transpose)
 from nki_lib.attention.kernels.fwd_plan import (QUERY_SECTION_TILES, Ctx, plan_groups,
@@ -157,7 +158,9 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
     #   P^T(it) [PE]   evict P^T(it - 1) [ACT]   P @ V(it - PV_LAG) [PE]
     #   l, acc(it - ACC_LAG) [DVE] (+ the group's output stores after its last step)
     load_k(ctx, groups, steps, 0)
-    for it in nl.sequential_range(-SCORE_LEAD, n_steps + ACC_LAG):
+    closing = []
+    last_it = n_steps + ACC_LAG     # one iteration past the last acc update: the last closes
+    for it in nl.sequential_range(-SCORE_LEAD, last_it + 1):
         load_k(ctx, groups, steps, it + SCORE_LEAD + 1)
         load_v_of(ctx, groups, steps, it + 1)
         stage_evict_pt(groups, steps, work, it - 1)
@@ -165,8 +168,11 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
         stage_scores(groups, steps, work, it + SCORE_LEAD, scale, softcap)
         stage_transpose(steps, work, it)
         stage_pv(groups, steps, work, it - PV_LAG)
-        stage_acc(groups, steps, work, it - ACC_LAG, out, pending_lse)
-        if len(pending_lse) >= LSE_BATCH or (it == n_steps + ACC_LAG - 1 and len(pending_lse) > 0):
+        closing, closed = [], closing
+        stage_acc(groups, steps, work, it - ACC_LAG, closing)
+        for grp in closed:
+            close_group(grp, out, pending_lse)
+        if len(pending_lse) >= LSE_BATCH or (it == last_it and len(pending_lse) > 0):
             store_lse_batch(pending_lse, lse)
             pending_lse = []
     return out, lse

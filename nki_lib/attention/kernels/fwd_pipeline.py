@@ -15,7 +15,7 @@ from nki_lib.attention.kernels.fwd_step import (evict_pt, load_k_section, load_q
 from nki_lib.attention.kernels.tiles import row_bounds
 
 __all__ = ["load_k", "section_k", "load_v_of", "stage_scores", "stage_softmax", "stage_transpose",
-           "stage_evict_pt", "stage_pv", "stage_acc"]
+           "stage_evict_pt", "stage_pv", "stage_acc", "close_group"]
 
 
 def load_k(ctx, groups, steps, s):
@@ -90,9 +90,9 @@ def stage_scores(groups, steps, work, s, scale, softcap):
         gi, si, hi = steps[s]
         grp = groups[gi]
         s0, _, sub_tiles = section_span(grp, si)
-        s_sb, tile_max = section_scores(grp.q_tiles[hi], grp.k[si], sub_tiles, s0, scale,
+        s_sb, rowmax = section_scores(grp.q_tiles[hi], grp.k[si], sub_tiles, s0, scale,
                                         softcap, grp.bounds)
-        work[s] = Work(s_sb=s_sb, tile_max=tile_max)
+        work[s] = Work(s_sb=s_sb, rowmax=rowmax)
         if hi == len(grp.heads) - 1:
             grp.k[si] = None
 
@@ -102,9 +102,9 @@ def stage_softmax(groups, steps, work, s, p_dtype):
     if real(steps, s):
         gi, _, hi = steps[s]
         w = work[s]
-        w.p_sb, w.alpha, w.rowsum = softmax_step(groups[gi].states[hi], w.s_sb, w.tile_max,
+        w.p_sb, w.alpha, w.rowsum = softmax_step(groups[gi].states[hi], w.s_sb, w.rowmax,
                                                  p_dtype)
-        w.s_sb, w.tile_max = None, None
+        w.s_sb, w.rowmax = None, None
 
 
 def stage_transpose(steps, work, s):
@@ -136,9 +136,11 @@ def stage_pv(groups, steps, work, s):
             grp.v[si] = None
 
 
-def stage_acc(groups, steps, work, s, out, pending_lse):
+def stage_acc(groups, steps, work, s, closing):
     """B3: l = alpha * l + rowsum [GpSimd] and acc = alpha * acc [GpSimd] + O [DVE] of step s;
-    closes the group after its last step."""
+    queues the group in ``closing`` after its last step (its outputs are stored one iteration
+    later, :func:`close_group`, so that the in-order GpSimd stream does not hold the next steps'
+    neg_m behind the output scaling, which waits for this acc update)."""
     if s < 0 or s >= len(steps):
         return
     gi, si, hi = steps[s]
@@ -156,7 +158,7 @@ def stage_acc(groups, steps, work, s, out, pending_lse):
             nisa.tensor_tensor(dst=state.acc, data1=state.acc, data2=w.o_psum, op=nl.add)
         work[s] = None
     if si == len(grp.sections) - 1 and (si < 0 or hi == len(grp.heads) - 1):
-        close_group(grp, out, pending_lse)
+        closing.append(grp)
 
 
 def close_group(grp, out, pending_lse):

@@ -45,16 +45,18 @@ def init_state(sinks, h, qn, d, has_sinks, zero_acc):
 
 
 def store_out(state, out, b, h, q0):
-    """out = acc / max(l, 1) (rows with l = 0 have acc = 0 and get 0); frees acc. The clamp and
-    the scaling run on GpSimd, the reciprocal on VectorE (its only engine)."""
+    """out = acc / max(l, 1) (rows with l = 0 have acc = 0 and get 0); frees acc. All on GpSimd
+    (VectorE and ScalarE carry the per-key work): 1 / l = rsqrt(l)^2, applied as
+    ``acc * r * r`` in one tensor_scalar."""
     gpsimd = nisa.engine.gpsimd
     qn, d = state.acc.shape
     l_safe = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=l_safe, data=state.l, op0=nl.maximum, operand0=1.0, engine=gpsimd)
-    recip = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=recip, data=l_safe)
+    r_sb = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=r_sb, data=l_safe, op0=nl.rsqrt, operand0=None, engine=gpsimd)
     out_sb = nl.ndarray((qn, d), dtype=out.dtype, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=out_sb, data=state.acc, op0=nl.multiply, operand0=recip, engine=gpsimd)
+    nisa.tensor_scalar(dst=out_sb, data=state.acc, op0=nl.multiply, operand0=r_sb,
+                       op1=nl.multiply, operand1=r_sb, engine=gpsimd)
     nisa.dma_copy(dst=out[b, h, q0:q0 + qn, :], src=out_sb)
     state.acc = None
 

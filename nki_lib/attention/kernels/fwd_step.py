@@ -83,20 +83,22 @@ def qk(q_tiles, k_tiles, qn, kn):
 
 
 def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
-    """Final scores (qn, slen) fp32 in SBUF of a key section and their row max per score tile
-    (qn, tiles).
+    """Final scores (qn, slen) fp32 in SBUF of a key section and their row max (qn, 1).
 
     Per score tile (``sub_tiles`` = ``((k0, kn, masked), ...)``): QK^T into one PSUM bank, then
-    one evict: scaled, capped, masked on partial tiles only, giving a partial row max; unmasked
-    tiles take one VectorE tensor_scalar_reduce (evict + scale + max). The PSUM tile is released
-    right after its evict, so at most two score banks are live."""
+    one evict: scaled, capped, masked on partial tiles only; unmasked tiles take one VectorE
+    tensor_scalar_reduce (evict + scale + max). The row max is chained over the section's tiles
+    in the VectorE accumulator (``reset_reduce`` on the first tile, ``reduce`` after it; no other
+    accumulator instruction runs on VectorE in between) and read out once, by the last tile."""
     qn = q_tiles[0].shape[1]
     slen = sub_tiles[-1][0] + sub_tiles[-1][1] - s0
     s_sb = nl.ndarray((qn, slen), dtype=nl.float32, buffer=nl.sbuf)
-    partial_max = nl.ndarray((qn, len(sub_tiles)), dtype=nl.float32, buffer=nl.sbuf)
+    rowmax = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    last = len(sub_tiles) - 1
     for i, (k0, kn, masked) in enumerate(sub_tiles):
         s_tile = s_sb[:, k0 - s0:k0 - s0 + kn]
-        tile_max = partial_max[:, i:i + 1]
+        cmd = nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce
+        res = rowmax if i == last else None
         s_psum = qk(q_tiles, [k_sb[:, k0 - s0:k0 - s0 + kn] for k_sb in k_tiles], qn, kn)
         src, factor = s_psum, scale
         if softcap > 0:
@@ -107,28 +109,21 @@ def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
                 nisa.tensor_scalar(dst=s_tile, data=src, op0=nl.multiply, operand0=factor)
             else:
                 nisa.activation(dst=s_tile, op=nl.copy, data=src, scale=factor)
-            mask_scores(s_tile, bounds[0], bounds[1], k0, tile_max)
+            mask_scores(s_tile, bounds[0], bounds[1], k0, res, reduce_cmd=cmd)
         else:
             nisa.tensor_scalar_reduce(dst=s_tile, data=src, op0=nl.multiply, operand0=factor,
-                                      reduce_op=nl.maximum, reduce_res=tile_max)
-    return s_sb, partial_max
+                                      reduce_op=nl.maximum, reduce_res=res, reduce_cmd=cmd)
+    return s_sb, rowmax
 
 
-def softmax_step(state, s_sb, partial_max, p_dtype):
-    """Update neg_m with the section's per-tile row maxima ``partial_max`` (qn, tiles): their
-    negated max on VectorE (skipped for one tile), the min with neg_m on GpSimd. Returns
+def softmax_step(state, s_sb, rowmax, p_dtype):
+    """Update neg_m = min(neg_m, -rowmax) with the section (GpSimd); returns
     P = exp(s - m_new) (qn, slen), alpha = exp(m - m_new) and the row sum of P (qn, 1) (l is
     updated later, with acc, by ``fwd_pipeline.stage_acc``)."""
     qn, slen = s_sb.shape
     neg_m_new = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if partial_max.shape[1] == 1:
-        nisa.tensor_scalar(dst=neg_m_new, data=partial_max, op0=nl.multiply, operand0=-1.0,
-                           op1=nl.minimum, operand1=state.neg_m, engine=nisa.engine.gpsimd)
-    else:
-        neg_rowmax = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=neg_rowmax, op=nl.maximum, data=partial_max, axis=1, negate=True)
-        nisa.tensor_scalar(dst=neg_m_new, data=neg_rowmax, op0=nl.minimum, operand0=state.neg_m,
-                           engine=nisa.engine.gpsimd)
+    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
+                       op1=nl.minimum, operand1=state.neg_m, engine=nisa.engine.gpsimd)
     alpha = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, scale=-1.0, bias=neg_m_new)
     p_sb = nl.ndarray((qn, slen), dtype=p_dtype, buffer=nl.sbuf)
