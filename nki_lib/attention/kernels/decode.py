@@ -102,6 +102,8 @@ INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
 STEP_SCORE_ELEMS = 4096           # fp32 scores per partition of one softmax step (16 KiB of SBUF)
 STEP_SLOTS = 128                  # slots per softmax step: >= 64 keeps the per-row range_select at
                                   # one element per cycle; a chunk has >= 2 steps to pipeline
+MIN_II_ELEMS = 64                 # an instruction costs at least ~64 engine cycles (MIN_II): per-row
+                                  # instructions pay off only when a row has this many slots
 KT_LOOKAHEAD = 2                  # K^T blocks transposed ahead of their score matmuls
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers; streams (one per
                                   # (b, hk, split)) rotate over the pairs that fit, so consecutive
@@ -262,8 +264,9 @@ def _step_probs(state, s_sb, c0, dtype):
       partition p is key p*M + c: visible iff lo_r - p*M <= c <= hi_r - p*M)
     row max across partitions: PE transpose (128, rn) -> (rn, 128), VectorE max
     -m broadcast to the partitions: PE transpose of a stride-0 (rn, 128) view -> (128, rn)
-    P^T = exp(S^T - m): one ScalarE exp per row r with the per-partition bias -m_r (column r of
-      the broadcast), written in the input dtype"""
+    P^T = exp(S^T - m) in the input dtype: one ScalarE exp per row r with the per-partition bias
+      -m_r (column r of the broadcast) when a row has >= MIN_II_ELEMS slots, else one VectorE add of
+      the broadcast and a single exp"""
     pmax = nl.tile_size.pmax
     rn, d = state.acc.shape
     n = s_sb.shape[2]
@@ -282,11 +285,15 @@ def _step_probs(state, s_sb, c0, dtype):
                        op1=nl.minimum, operand1=state.neg_m)
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
-    neg_m_bias = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=neg_m_bias, src=neg_m_cols, engine=nisa.engine.scalar)
     p_t = nl.ndarray((pmax, rn, n), dtype=dtype, buffer=nl.sbuf)
-    for r in range(rn):                         # column r of neg_m_bias is -m_r on every partition
-        nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1])
+    if n >= MIN_II_ELEMS:                       # one exp per row, bias -m_r = column r of the broadcast
+        neg_m_bias = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=neg_m_bias, src=neg_m_cols, engine=nisa.engine.scalar)
+        for r in range(rn):
+            nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1])
+    else:                                       # short rows: one VectorE shift, one exp for all rows
+        nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(2).broadcast(2, n), op=nl.add)
+        nisa.activation(dst=p_t, op=nl.exp, data=s_sb)
     return p_t, neg_m_new
 
 
