@@ -86,7 +86,7 @@ from nki_lib.attention.kernels.fwd_pipeline import (close_group, load_k, load_v_
                                                     stage_transpose)
 from nki_lib.attention.kernels.fwd_plan import (QUERY_SECTION_TILES, Ctx, plan_groups,
                                                 plan_steps, program_share)
-from nki_lib.attention.kernels.fwd_state import store_lse_batch
+from nki_lib.attention.kernels.fwd_state import flush_lse, new_lse_batch
 from nki_lib.attention.kernels.fwd_step import FP32_BYTES, HALF_BYTES
 from nki_lib.attention.kernels.tiles import (MAX_INDEX, MaskSpec, document_bounds,
                                              head_dim_chunks, heads_per_pass, key_tile_width)
@@ -147,7 +147,7 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
     steps = plan_steps(groups)
     n_steps = len(steps)
     work = [None] * n_steps
-    pending_lse = []
+    lse_batch = new_lse_batch(lse, LSE_BATCH)
 
     # Software pipeline over the steps. Each engine runs its stream in program order, so
     # iteration it emits the stages of several steps, ordered so that in the steady state an
@@ -159,8 +159,7 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
     #   l, acc(it - ACC_LAG) [DVE] (+ the group's output stores after its last step)
     load_k(ctx, groups, steps, 0)
     closing = []
-    last_it = n_steps + ACC_LAG     # one iteration past the last acc update: the last closes
-    for it in nl.sequential_range(-SCORE_LEAD, last_it + 1):
+    for it in nl.sequential_range(-SCORE_LEAD, n_steps + ACC_LAG + 1):   # + 1: the last closes
         load_k(ctx, groups, steps, it + SCORE_LEAD + 1)
         load_v_of(ctx, groups, steps, it + 1)
         stage_evict_pt(groups, steps, work, it - 1)
@@ -171,10 +170,8 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
         closing, closed = [], closing
         stage_acc(groups, steps, work, it - ACC_LAG, closing)
         for grp in closed:
-            close_group(grp, out, pending_lse)
-        if len(pending_lse) >= LSE_BATCH or (it == last_it and len(pending_lse) > 0):
-            store_lse_batch(pending_lse, lse)
-            pending_lse = []
+            close_group(grp, out, lse_batch)
+    flush_lse(lse_batch)
     return out, lse
 
 

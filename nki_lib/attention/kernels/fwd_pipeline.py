@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.fwd_plan import section_span
-from nki_lib.attention.kernels.fwd_state import init_state, store_out
+from nki_lib.attention.kernels.fwd_state import add_lse, init_state, store_out
 from nki_lib.attention.kernels.fwd_step import (evict_pt, load_k_section, load_q, load_v,
                                                 p_times_v, section_scores, softmax_step,
                                                 transpose_p)
@@ -148,8 +148,11 @@ def stage_acc(groups, steps, work, s, closing):
     if si >= 0:
         w = work[s]
         state = grp.states[hi]
-        nisa.tensor_scalar(dst=state.l, data=state.l, op0=nl.multiply, operand0=w.alpha,
-                           op1=nl.add, operand1=w.rowsum, engine=nisa.engine.gpsimd)
+        if w.alpha is None:     # fresh state: l = 0 + rowsum
+            state.l = w.rowsum
+        else:
+            nisa.tensor_scalar(dst=state.l, data=state.l, op0=nl.multiply, operand0=w.alpha,
+                               op1=nl.add, operand1=w.rowsum, engine=nisa.engine.gpsimd)
         if si == 0:     # first section: acc is uninitialised, alpha * 0 + O = O
             nisa.tensor_copy(dst=state.acc, src=w.o_psum)
         else:           # alpha * acc on GpSimd (SBUF only), + O on VectorE (one PSUM pass)
@@ -161,11 +164,11 @@ def stage_acc(groups, steps, work, s, closing):
         closing.append(grp)
 
 
-def close_group(grp, out, pending_lse):
-    """Store the group's outputs now; queue its lse (computed in batches, see LSE_BATCH)."""
+def close_group(grp, out, lse_batch):
+    """Store the group's outputs now; queue its lse (computed in batches, ``fwd_state.add_lse``)."""
     for i in range(len(grp.heads)):
         store_out(grp.states[i], out, grp.b, grp.heads[i], grp.q0)
-        pending_lse.append((grp.states[i], grp.b, grp.heads[i], grp.q0))
+        add_lse(lse_batch, grp.states[i], grp.b, grp.heads[i], grp.q0)
     grp.q_sec.users -= 1
     if grp.q_sec.users == 0:
         grp.q_sec.tiles = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.tiles import STAT_INIT
 
-__all__ = ["RowState", "init_state", "store_out", "store_lse_batch"]
+__all__ = ["RowState", "init_state", "store_out", "new_lse_batch", "add_lse", "flush_lse"]
 
 
 class RowState(nl.NKIObject):
@@ -20,11 +20,14 @@ class RowState(nl.NKIObject):
     neg_m: object   # (qn, 1) -running max
     l: object       # (qn, 1) running denominator  # noqa: E741
     acc: object     # (qn, D) unnormalised output
+    fresh: bool     # no section seen yet and no sink: l = 0, acc unset
 
 
 def init_state(sinks, h, qn, d, has_sinks, zero_acc):
-    """State before the first key section. acc is only zeroed (``zero_acc``) for a group with
-    no visible key: otherwise its first update overwrites it (``fwd_pipeline.stage_acc``).
+    """State before the first key section. acc (and l without sinks) is only zeroed
+    (``zero_acc``) for a group with no visible key: otherwise the first section's update sets it
+    (``fwd_pipeline.stage_acc``). ``fresh``: l = 0 and acc unset (no sinks), so the first
+    section needs no alpha.
     The small SBUF-only ops run on GpSimd (VectorE and ScalarE carry the per-key work)."""
     gpsimd = nisa.engine.gpsimd
     neg_m = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -37,11 +40,12 @@ def init_state(sinks, h, qn, d, has_sinks, zero_acc):
         nisa.activation(dst=l_sb, op=nl.exp, data=sink_sb, bias=neg_m)
     else:
         nisa.memset(dst=neg_m, value=-STAT_INIT, engine=gpsimd)
-        nisa.memset(dst=l_sb, value=0.0, engine=gpsimd)
+        if zero_acc:
+            nisa.memset(dst=l_sb, value=0.0, engine=gpsimd)
     acc = nl.ndarray((qn, d), dtype=nl.float32, buffer=nl.sbuf)
     if zero_acc:
         nisa.memset(dst=acc, value=0.0, engine=gpsimd)
-    return RowState(neg_m=neg_m, l=l_sb, acc=acc)
+    return RowState(neg_m=neg_m, l=l_sb, acc=acc, fresh=not has_sinks)
 
 
 def store_out(state, out, b, h, q0):
@@ -61,29 +65,50 @@ def store_out(state, out, b, h, q0):
     state.acc = None
 
 
-def store_lse_batch(pending, lse):
-    """lse = log(max(l, 1)) + m for a batch of (state, b, h, q0); rows with l = 0 get -inf.
+class LseBatch(nl.NKIObject):
+    """lse statistics of up to ``size`` (head, query tile) pairs, gathered as the columns of one
+    (128, size) tile pair (l, neg_m) when each group closes, finished together by
+    :func:`flush_lse` (one ScalarE log per batch)."""
 
-    The statistics are gathered as columns of one (128, n) tile so that the ScalarE log runs
-    once per batch, then transposed on TensorE so that each (head, query tile) is stored as one
-    contiguous row (a single-partition DMA) instead of qn 4-byte pieces."""
-    pmax = nl.tile_size.pmax
-    n = len(pending)
+
+def new_lse_batch(lse, size):
+    return LseBatch(lse=lse, size=size, l_all=None, neg_m_all=None, rows=[])
+
+
+def add_lse(batch, state, b, h, q0):
+    """Queue the lse of one (head, query tile): copy its l and neg_m columns now (GpSimd), so
+    that only the math is left for the flush; flushes a full batch."""
     gpsimd = nisa.engine.gpsimd
-    l_all = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
-    neg_m_all = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=l_all, value=0.0, engine=gpsimd)
-    nisa.memset(dst=neg_m_all, value=0.0, engine=gpsimd)
-    for i in range(n):
-        state = pending[i][0]
-        qn = state.l.shape[0]
-        nisa.tensor_copy(dst=l_all[0:qn, i:i + 1], src=state.l, engine=gpsimd)
-        nisa.tensor_copy(dst=neg_m_all[0:qn, i:i + 1], src=state.neg_m, engine=gpsimd)
+    pmax = nl.tile_size.pmax
+    if batch.l_all is None:
+        batch.l_all = nl.ndarray((pmax, batch.size), dtype=nl.float32, buffer=nl.sbuf)
+        batch.neg_m_all = nl.ndarray((pmax, batch.size), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=batch.l_all, value=0.0, engine=gpsimd)
+        nisa.memset(dst=batch.neg_m_all, value=0.0, engine=gpsimd)
+    i = len(batch.rows)
+    qn = state.l.shape[0]
+    nisa.tensor_copy(dst=batch.l_all[0:qn, i:i + 1], src=state.l, engine=gpsimd)
+    nisa.tensor_copy(dst=batch.neg_m_all[0:qn, i:i + 1], src=state.neg_m, engine=gpsimd)
+    batch.rows.append((qn, b, h, q0))
+    if len(batch.rows) == batch.size:
+        flush_lse(batch)
+
+
+def flush_lse(batch):
+    """lse = log(max(l, 1)) + m for the queued pairs; rows with l = 0 get -inf. The (128, n)
+    result is transposed on TensorE so that each (head, query tile) is stored as one contiguous
+    row (a single-partition DMA) instead of qn 4-byte pieces. Empties the batch."""
+    n = len(batch.rows)
+    if n == 0:
+        return
+    pmax = nl.tile_size.pmax
+    gpsimd = nisa.engine.gpsimd
+    l_all = batch.l_all[:, 0:n]
     l_safe = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=l_safe, data=l_all, op0=nl.maximum, operand0=1.0, engine=gpsimd)
     lse_all = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=lse_all, op=nl.log, data=l_safe)
-    nisa.tensor_tensor(dst=lse_all, data1=lse_all, data2=neg_m_all, op=nl.subtract)
+    nisa.tensor_tensor(dst=lse_all, data1=lse_all, data2=batch.neg_m_all[:, 0:n], op=nl.subtract)
     empty = nl.ndarray((pmax, n), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=empty, data=l_all, op0=nl.equal, operand0=0.0, engine=gpsimd)
     neg_inf = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
@@ -94,6 +119,6 @@ def store_lse_batch(pending, lse):
     lse_t = nl.ndarray((n, pmax), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=lse_t, src=lse_t_psum)
     for i in range(n):
-        state, b, h, q0 = pending[i]
-        qn = state.l.shape[0]
-        nisa.dma_copy(dst=lse[b, h, q0:q0 + qn], src=lse_t[i:i + 1, 0:qn])
+        qn, b, h, q0 = batch.rows[i]
+        nisa.dma_copy(dst=batch.lse[b, h, q0:q0 + qn], src=lse_t[i:i + 1, 0:qn])
+    batch.l_all, batch.neg_m_all, batch.rows = None, None, []

@@ -20,7 +20,7 @@ __all__ = ["FP32_BYTES", "HALF_BYTES", "load_q", "load_k_section", "load_v", "se
 
 FP32_BYTES = 4
 HALF_BYTES = 2        # bfloat16 / float16
-PT_DVE_SHARE = 0.3    # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
+PT_DVE_SHARE = 0.4    # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
                       # Per 2048-key bf16 section (trn2 rates) ScalarE has ~1.8 us fixed work
                       # (exp) and VectorE ~2.7 us (score evicts + max, acc), and a P^T block costs
                       # ScalarE 0.107 us, VectorE 0.067 us (16-bit PSUM at 2x): 0.3 balances them
@@ -118,19 +118,23 @@ def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
 
 def softmax_step(state, s_sb, rowmax, p_dtype):
     """Update neg_m = min(neg_m, -rowmax) with the section (GpSimd); returns
-    P = exp(s - m_new) (qn, slen), alpha = exp(m - m_new) and the row sum of P (qn, 1) (l is
-    updated later, with acc, by ``fwd_pipeline.stage_acc``)."""
+    P = exp(s - m_new) (qn, slen), alpha = exp(m - m_new) (None for a fresh state: its first
+    section sets l and acc instead of rescaling them) and the row sum of P (qn, 1) (l is updated
+    later, with acc, by ``fwd_pipeline.stage_acc``)."""
     qn, slen = s_sb.shape
     neg_m_new = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
                        op1=nl.minimum, operand1=state.neg_m, engine=nisa.engine.gpsimd)
-    alpha = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, scale=-1.0, bias=neg_m_new)
+    alpha = None        # a fresh state (l = 0, acc unset) needs no rescale
+    if not state.fresh:
+        alpha = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, scale=-1.0, bias=neg_m_new)
     p_sb = nl.ndarray((qn, slen), dtype=p_dtype, buffer=nl.sbuf)
     rowsum = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=p_sb, op=nl.exp, data=s_sb, bias=neg_m_new, reduce_op=nl.add,
                     reduce_res=rowsum, reduce_cmd=nisa.reduce_cmd.reset_reduce)
     state.neg_m = neg_m_new
+    state.fresh = False
     return p_sb, alpha, rowsum
 
 
