@@ -88,7 +88,7 @@ import torch
 from nki_lib._nki import nki, nisa, nl
 from nki_lib.attention.kernels import bwd_prep, tiles
 from nki_lib.attention.kernels.bwd_tile import (Config, Pair, acc_stage, dk_stage, dq_stage, dscores_stage, dv_stage,
-                                                evict_stage, probs_stage, scores_stage)
+                                                evict_stage, probs_stage, scores_stage, seen_blocks)
 from nki_lib.dispatch import Unsupported, call_kernel
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -315,7 +315,7 @@ STAGES = (  # (lag, stage)
 PIPELINE_LAG = max(lag for lag, _ in STAGES)
 
 
-def _kv_pass(ins, kvs, stats, b, hk, plans, cfg):
+def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
     """Everything of kv head hk: every (query head of the GQA group, key tile, query tile) pair in
     one software pipeline (:data:`STAGES`), key tile by key tile, so it never drains between key
     tiles or query heads. Loads run one unit ahead (the next key tile's K/V when a key tile's
@@ -324,7 +324,6 @@ def _kv_pass(ins, kvs, stats, b, hk, plans, cfg):
     tile's dK/dV leave after its last pair's dK stage."""
     k_rows, k_t, v_t, dk, dv = kvs
     q_tiles = tiles.query_tiles(ins.seqlen_q)
-    group = len(stats)
     units = []   # (key tile, query head, group id, visits of the group, flags)
     order = []   # (unit, index in the unit)
     ktiles = []
@@ -353,6 +352,10 @@ def _kv_pass(ins, kvs, stats, b, hk, plans, cfg):
         if m < len(ktiles) and ktiles[m].k_sb is None:
             _load_kv(ktiles[m], k_rows, k_t, v_t, b, hk, cfg.head_dim)
 
+    # the pass's first loads go out before phase 0 of its heads (which the first pair waits for)
+    ensure_kv(0)
+    ensure(0)
+    stats = [bwd_prep.head_stats(prep, b, hk * group + g) for g in range(group)]
     for step in range(len(order) + PIPELINE_LAG):
         for lag, stage in STAGES:
             j = step - lag
@@ -369,11 +372,11 @@ def _kv_pass(ins, kvs, stats, b, hk, plans, cfg):
                 ensure(n + 1)
                 t, tile_masked = grp[i]
                 pairs[j] = Pair(loaded[n], flags[0][i], t, q_tiles[t][1], tile_masked, flags[1][i])
-                scores_stage(pairs[j], kv, k0, kn, cfg)
+                scores_stage(pairs[j], kv, k0, _seen_width(pairs[j], kv, cfg), cfg)
             elif stage == "probs":
-                probs_stage(pairs[j], stats[g], k0, kn, cfg)
+                probs_stage(pairs[j], stats[g], k0, _seen_width(pairs[j], kv, cfg), cfg)
             elif stage == "dscores":
-                dscores_stage(pairs[j], kn)
+                dscores_stage(pairs[j], _seen_width(pairs[j], kv, cfg))
             elif stage == "dv":
                 if kv.dv_psum is None:
                     _alloc_kv_grads(kv, cfg)
@@ -395,6 +398,13 @@ def _kv_pass(ins, kvs, stats, b, hk, plans, cfg):
                 if i == len(grp) - 1:
                     _finish_group(ins, loaded[n], b, hk * group + g, gid, flags, q_tiles, cfg)
                     loaded[n] = None
+
+
+def _seen_width(pair, kv, cfg):
+    """Keys of the tile the scores stages compute: up to the end of the last 128-key block some
+    row of the pair sees (a diagonal tile skips the S/dP/exp/dS columns past the diagonal)."""
+    s0, sn = kv.blocks[seen_blocks(cfg, pair.t, pair.qn, kv.k0, kv.kn)[-1]]
+    return s0 + sn
 
 
 def _alloc_kv_grads(kv, cfg):
@@ -429,8 +439,6 @@ def flash_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t, lse, sink
     dk = nl.ndarray(k_rows.shape, dtype=k_rows.dtype, buffer=nl.shared_hbm)
     dv = nl.ndarray(k_rows.shape, dtype=v_t.dtype, buffer=nl.shared_hbm)
     dsinks = nl.ndarray((num_heads,), dtype=nl.float32, buffer=nl.shared_hbm)
-    stats_hbm = nl.ndarray((batch, num_heads, pmax, len(q_tiles), cfg.num_stats), dtype=nl.float32,
-                           buffer=nl.private_hbm)
     resident = dq_resident(group, seqlen_q, head_dim)
     dq_acc = None if resident else nl.ndarray(dq.shape, dtype=nl.float32, buffer=nl.private_hbm)
     ins = Streams(qdo_rows, qdo_t, dq, dq_acc, seqlen_q)
@@ -440,20 +448,15 @@ def flash_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t, lse, sink
     pid = nl.program_id(0) if num_progs > 1 else 0
     kv_heads = list(range(pid, num_kv_heads, num_progs))
     heads = [hk * group + g for hk in kv_heads for g in range(group)]
-    bwd_prep.prepare(od_rows, dlse, lse, sinks, doc, mask, dsinks, stats_hbm, heads,
-                     zero_dsinks=sinks is None and pid == 0)
+    prep = bwd_prep.Prep(od_rows, dlse, lse, sinks, doc, mask, cfg.num_stats)
+    bwd_prep.start(prep, dsinks, heads, zero_dsinks=sinks is None and pid == 0)
 
     plans = [tiles.plan_row(mask, q0, qn) for q0, qn in q_tiles]
     for b in nl.sequential_range(batch):
         for hk in kv_heads:
             if resident:
                 ins.dq_res = nl.ndarray((pmax, group, num_groups * per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
-            stats = []
-            for g in range(group):
-                stats_sb = nl.ndarray((pmax, len(q_tiles), cfg.num_stats), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=stats_sb, src=stats_hbm[b, hk * group + g])
-                stats.append(stats_sb)
-            _kv_pass(ins, (k_rows, k_t, v_t, dk, dv), stats, b, hk, plans, cfg)
+            _kv_pass(ins, (k_rows, k_t, v_t, dk, dv), prep, b, hk, group, plans, cfg)
             ins.dq_res = None
         for h in heads:
             for t, (q0, qn) in enumerate(q_tiles):
@@ -461,6 +464,7 @@ def flash_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t, lse, sink
                     zeros_sb = nl.ndarray((pmax, head_dim), dtype=dq.dtype, buffer=nl.sbuf)
                     nisa.memset(dst=zeros_sb[:qn, :], value=0.0)
                     nisa.dma_copy(dst=dq[b, h, t // per, :qn, t % per, :], src=zeros_sb[:qn, :])
+    bwd_prep.finish(prep, dsinks)
     return dq, dk, dv, dsinks
 
 

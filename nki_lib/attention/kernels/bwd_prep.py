@@ -6,8 +6,8 @@ Per (head h, batch b), on all NT query tiles at once (``(pmax, NT)`` columns, ro
 on partition p, column t):
 
 * ``neg_delta = dlse - rowsum(dO * O)`` (= -delta): per query group (``per`` tiles in the
-  row-group layout, one DMA for O and dO) one VectorE product and one reduce; then one
-  subtract for the head. Stored negated so the main loop subtracts delta as the bias of its
+  row-group layout, one DMA for O and dO) one VectorE product and ``per`` ScalarE row sums
+  (``activation_reduce``); then one subtract for the head. Stored negated so the main loop subtracts delta as the bias of its
   ScalarE PSUM eviction of dP.
 * ``neg_lse = -lse``, and 0 where ``lse = -inf`` (rows with no visible key and no sink: their
   probabilities are masked to 0 anyway; the exp bias must stay finite): three VectorE ops.
@@ -18,12 +18,13 @@ on partition p, column t):
   cross-partition sum. Without sinks, dsinks is zero-filled.
 
 lse and dlse arrive per (h, b) as contiguous rows of up to pmax query tiles per DMA, put on
-partitions by TensorE transposes; the statistics leave once per (h, b). Rows past Sq hold 0
-(zero rows of the row-group copies, zero-filled lse/dlse columns).
+partitions by TensorE transposes. Rows past Sq hold 0 (zero rows of the row-group copies,
+zero-filled lse/dlse columns). The main loop calls :func:`head_stats` for the query heads of a
+kv head right before their pass (after issuing the pass's first loads), so the statistics stay
+on chip and this work overlaps the start of the pass.
 
-Output layout (private HBM scratch, read by the main loop):
-  stats_hbm (B, Hq, pmax, NT, NSTAT) fp32: [b, h, p, t, s] = statistic s of row t * pmax + p,
-  so the main loop loads all statistics of a head with one DMA.
+Output (SBUF, per (b, h)): stats (pmax, NT, NSTAT) fp32: [p, t, s] = statistic s of row
+t * pmax + p.
 
 Shapes: od_rows (B, Hq, NG, pmax, per, 2, D) (O and dO, ``bwd.row_groups``); lse, dlse (B, Hq, Sq)
 fp32; sinks (Hq,) fp32; doc (2, Sq).
@@ -54,7 +55,7 @@ def num_stats(with_documents):
 
 def _neg_delta(stats_sb, od_rows, dlse_cols, b, h):
     """stats_sb[:, :, NEG_DELTA] = dlse - rowsum(dO * O): per group one DMA (O and dO rows), one
-    product and one reduce."""
+    VectorE product and a ScalarE row sum per tile."""
     pmax = nl.tile_size.pmax
     _, _, num_groups, _, per, _, head_dim = od_rows.shape
     num_q_tiles = stats_sb.shape[1]
@@ -64,7 +65,9 @@ def _neg_delta(stats_sb, od_rows, dlse_cols, b, h):
         nisa.dma_copy(dst=od_grp, src=od_rows[b, h, g])
         prod_sb = nl.ndarray((pmax, per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=prod_sb, data1=od_grp[:, :, 1, :], data2=od_grp[:, :, 0, :], op=nl.multiply)
-        nisa.tensor_reduce(dst=rowsum_sb[:, g * per:(g + 1) * per], op=nl.add, data=prod_sb, axis=2)
+        for slot in range(per):  # the row sums on ScalarE (idle while phase 0 runs; VectorE is not)
+            nisa.activation_reduce(dst=prod_sb[:, slot, :], op=nl.copy, data=prod_sb[:, slot, :], reduce_op=nl.add,
+                                   reduce_res=rowsum_sb[:, g * per + slot:g * per + slot + 1])
     nisa.tensor_tensor(dst=stats_sb[:, :, NEG_DELTA], data1=dlse_cols, data2=rowsum_sb[:, :num_q_tiles],
                        op=nl.subtract)
 
@@ -125,47 +128,72 @@ def _columns(vec, seqlen_q):
     return cols_sb
 
 
-def prepare(od_rows, dlse, lse, sinks, doc, mask, dsinks, stats_hbm, heads, zero_dsinks):
-    """Fill stats_hbm and dsinks for the query ``heads`` of this program (all of them under LNC1);
-    ``zero_dsinks``: write the whole dsinks with zeros (no sinks; one program does it)."""
-    batch, num_heads, seqlen_q = lse.shape
-    pmax = nl.tile_size.pmax
-    num_q_tiles = (seqlen_q + pmax - 1) // pmax
-    nstat = stats_hbm.shape[-1]
+class Prep(nl.NKIObject):
+    """Phase-0 context of one kernel launch: constant tiles and, with sinks, the per-head sink value
+    and dsinks partial sums (summed over the batch, stored by :func:`finish`)."""
 
-    zeros_sb = nl.ndarray((pmax, num_q_tiles), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=zeros_sb, value=0.0)
-    ones_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=ones_sb, value=1.0)
+    def __init__(self, od_rows, dlse, lse, sinks, doc, mask, num_stats):
+        self.od_rows = od_rows
+        self.dlse = dlse
+        self.lse = lse
+        self.sinks = sinks
+        self.doc_rows = (None, None) if doc is None else (doc[0], doc[1])
+        self.mask = mask
+        self.num_stats = num_stats
+        self.zeros_sb = None
+        self.ones_sb = None
+        self.sink_acc = {}
+
+
+def start(prep, dsinks, heads, zero_dsinks):
+    """Constant tiles and dsinks accumulators for the query ``heads`` of this program;
+    ``zero_dsinks``: write the whole dsinks with zeros (no sinks; one program does it)."""
+    pmax = nl.tile_size.pmax
+    num_heads, seqlen_q = prep.lse.shape[1], prep.lse.shape[2]
+    prep.zeros_sb = nl.ndarray((pmax, (seqlen_q + pmax - 1) // pmax), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=prep.zeros_sb, value=0.0)
     if zero_dsinks:
         zero_row = nl.ndarray((1, num_heads), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=zero_row, value=0.0)
         nisa.dma_copy(dst=dsinks, src=zero_row)
-
-    doc_rows = (None, None) if doc is None else (doc[0], doc[1])
-    for h in heads:
-        if sinks is not None:
+    if prep.sinks is not None:
+        prep.ones_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=prep.ones_sb, value=1.0)
+        for h in heads:
             sink_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=sink_sb, src=sinks.ap([[0, pmax], [1, 1]], offset=h))
+            nisa.dma_copy(dst=sink_sb, src=prep.sinks.ap([[0, pmax], [1, 1]], offset=h))
             acc_sb = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.memset(dst=acc_sb, value=0.0)
-        for b in nl.sequential_range(batch):
-            lse_cols = _columns(lse[b, h], seqlen_q)
-            dlse_cols = _columns(dlse[b, h], seqlen_q)
-            stats_sb = nl.ndarray((pmax, num_q_tiles, nstat), dtype=nl.float32, buffer=nl.sbuf)
-            _neg_delta(stats_sb, od_rows, dlse_cols, b, h)
-            _neg_lse(stats_sb, lse_cols, zeros_sb)
-            if nstat > LO:
-                if seqlen_q % pmax:
-                    nisa.memset(dst=stats_sb[:, num_q_tiles - 1, LO:], value=0.0)
-                for t in nl.sequential_range(num_q_tiles):
-                    q0 = t * pmax
-                    rows = min(pmax, seqlen_q - q0)
-                    lo_sb, hi_sb = tiles.row_bounds(mask, q0, rows, *doc_rows)
-                    nisa.tensor_copy(dst=stats_sb[:rows, t, LO], src=lo_sb, engine=nisa.engine.vector)
-                    nisa.tensor_copy(dst=stats_sb[:rows, t, HI], src=hi_sb, engine=nisa.engine.vector)
-            if sinks is not None:
-                _dsink_partial(acc_sb, lse_cols, stats_sb, sink_sb)
-            nisa.dma_copy(dst=stats_hbm[b, h], src=stats_sb)
-        if sinks is not None:
-            _store_dsink(dsinks, h, acc_sb, ones_sb)
+            prep.sink_acc[h] = (sink_sb, acc_sb)
+
+
+def head_stats(prep, b, h):
+    """The statistics of (batch b, query head h) as an SBUF tile ``(pmax, NT, NSTAT)`` (kept on
+    chip for the main loop); adds the head's dsinks partial sums."""
+    pmax = nl.tile_size.pmax
+    seqlen_q = prep.lse.shape[2]
+    num_q_tiles = (seqlen_q + pmax - 1) // pmax
+    lse_cols = _columns(prep.lse[b, h], seqlen_q)
+    dlse_cols = _columns(prep.dlse[b, h], seqlen_q)
+    stats_sb = nl.ndarray((pmax, num_q_tiles, prep.num_stats), dtype=nl.float32, buffer=nl.sbuf)
+    _neg_delta(stats_sb, prep.od_rows, dlse_cols, b, h)
+    _neg_lse(stats_sb, lse_cols, prep.zeros_sb)
+    if prep.num_stats > LO:
+        if seqlen_q % pmax:
+            nisa.memset(dst=stats_sb[:, num_q_tiles - 1, LO:], value=0.0)
+        for t in nl.sequential_range(num_q_tiles):
+            q0 = t * pmax
+            rows = min(pmax, seqlen_q - q0)
+            lo_sb, hi_sb = tiles.row_bounds(prep.mask, q0, rows, *prep.doc_rows)
+            nisa.tensor_copy(dst=stats_sb[:rows, t, LO], src=lo_sb, engine=nisa.engine.vector)
+            nisa.tensor_copy(dst=stats_sb[:rows, t, HI], src=hi_sb, engine=nisa.engine.vector)
+    if prep.sinks is not None:
+        sink_sb, acc_sb = prep.sink_acc[h]
+        _dsink_partial(acc_sb, lse_cols, stats_sb, sink_sb)
+    return stats_sb
+
+
+def finish(prep, dsinks):
+    """dsinks of this program's heads (with sinks), once every batch added its partial sums."""
+    for h, (_, acc_sb) in prep.sink_acc.items():
+        _store_dsink(dsinks, h, acc_sb, prep.ones_sb)
