@@ -146,16 +146,24 @@ def _trace_of(case: Case):
 
 
 def _tile_pairs(case: Case):
-    """(visible, partial) counts of (query tile, key tile) pairs from the dense mask."""
+    """(visible, partial) counts of (query tile, key tile) pairs from the dense mask; a visible
+    tile is first cut to its 128-key blocks that some query sees (the kernel's ``trim_plan``),
+    and it is partial when that cut tile still hides a key from some query."""
     mask = masks.full_mask(case.sq, case.sk, causal=case.causal, window_left=case.window[0],
                            window_right=case.window[1], cu_seqlens=None, device="cpu")
     q_step, k_step = simulator.tile_size.pmax, tiles.key_tile_width()
+    b_step = simulator.tile_size.pmax
     visible = partial = 0
     for q0 in range(0, case.sq, q_step):
         for k0 in range(0, case.sk, k_step):
             block = mask[q0:q0 + q_step, k0:k0 + k_step]
-            visible += bool(block.any())
-            partial += bool(block.any()) and not bool(block.all())
+            if not bool(block.any()):
+                continue
+            seen = [j for j in range(0, block.shape[1], b_step)
+                    if bool(block[:, j:j + b_step].any())]
+            cut = block[:, seen[0]:seen[-1] + b_step]
+            visible += 1
+            partial += not bool(cut.all())
     return visible, partial
 
 

@@ -6,10 +6,10 @@ Plain Python on ints, evaluated while the kernel is traced.
 from __future__ import annotations
 
 from nki_lib._nki import nl
-from nki_lib.attention.kernels.tiles import plan_row, query_tiles
+from nki_lib.attention.kernels.tiles import key_blocks, plan_row, query_tiles
 
-__all__ = ["QUERY_SECTION_TILES", "Ctx", "Group", "plan_groups", "program_share", "plan_steps",
-           "section_span"]
+__all__ = ["QUERY_SECTION_TILES", "Ctx", "Group", "plan_groups", "trim_plan", "program_share",
+           "plan_steps", "section_span"]
 
 QUERY_SECTION_TILES = 4  # q^T of this many consecutive query tiles is loaded by one DMA per head
                          # (1 KiB rows in bf16 instead of 256 B)
@@ -45,13 +45,28 @@ def plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys):
                 q_secs.append([QuerySection(q0=first, length=span, users=0, tiles=None)
                               for _ in passes])
             for t, (q0, qn) in enumerate(q_spans):
-                plan = plan_row(mask, q0, qn)
+                plan = trim_plan(mask, q0, qn, plan_row(mask, q0, qn))
                 for pi, heads in enumerate(passes):
                     groups.append(Group(b=b, hk=hk, q0=q0, qn=qn, heads=heads, plan=plan,
                                         sections=key_sections(plan, section_keys),
                                         q_sec=q_secs[t // QUERY_SECTION_TILES][pi],
                                         q_tiles=None, states=None, bounds=None, k=None, v=None))
     return groups
+
+
+def trim_plan(mask, q0, qn, plan):
+    """``plan_row`` with every tile cut to its 128-key blocks that some query of the tile can see
+    (the causal diagonal tile keeps ``128 * j`` keys instead of 512; a window's first tile loses
+    its leading blocks), so no score, exp, transpose or P @ V is spent on keys no row sees.
+    ``masked`` is recomputed for the cut tile. Returns ``((k0, kn, masked), ...)``."""
+    trimmed = []
+    for k0, kn, _ in plan:
+        seen = [(k0 + j0, bn) for j0, bn in key_blocks(kn)
+                if mask.tile_visible(q0, qn, k0 + j0, bn)]
+        t0 = seen[0][0]
+        tn = seen[-1][0] + seen[-1][1] - t0
+        trimmed.append((t0, tn, not mask.tile_full(q0, qn, t0, tn)))
+    return tuple(trimmed)
 
 
 def key_sections(plan, max_keys):
