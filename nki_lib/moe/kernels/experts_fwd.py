@@ -55,6 +55,8 @@ MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are li
 # cost model's 105 ns DMA chunk floor at ~23 GB/s per DMA engine (>= ~2.4 KiB), while the staging
 # tile stays small whatever H or I is.
 WEIGHT_SPAN = 2048
+# Engines that evict the weight transposes from PSUM, in turn (GpSimd cannot read PSUM).
+EVICTION_ENGINES = (nisa.engine.vector, nisa.engine.scalar)
 
 
 def act_fn(activation):
@@ -179,11 +181,12 @@ def load_expert_t(w, expert_reg, col_tiles, row0, nrows):
 
     Per 128 rows and column span: one DMA with long contiguous runs, then TensorE transposes
     (bit-exact transpose mode) of its 128 x 128 blocks, several blocks per PSUM bank and one
-    eviction per bank."""
+    eviction per bank, alternating between VectorE and ScalarE (a bit-exact copy on either)."""
     pmax = nl.tile_size.pmax
     per_bank = nl.tile_size.psum_fmax // pmax            # transposed blocks per PSUM bank (fp32 bound)
     cols = w.shape[2]
     w_t = nl.ndarray((pmax, len(col_tiles), nrows), dtype=w.dtype, buffer=nl.sbuf)
+    evictions = 0
     for r0, rs in tiles(nrows, pmax):
         ct0 = 0
         for span in spans(col_tiles):
@@ -201,7 +204,9 @@ def load_expert_t(w, expert_reg, col_tiles, row0, nrows):
                 tr_psum = nl.ndarray((cs, len(group), rs), dtype=w.dtype, buffer=nl.psum)
                 for gi, (c0, _) in enumerate(group):
                     nisa.nc_transpose(dst=tr_psum[:, gi, :], data=nat_sb[:, c0 - c_start:c0 - c_start + cs])
-                nisa.tensor_copy(dst=w_t[:cs, ct0 + g0:ct0 + g0 + len(group), r0:r0 + rs], src=tr_psum)
+                nisa.tensor_copy(dst=w_t[:cs, ct0 + g0:ct0 + g0 + len(group), r0:r0 + rs], src=tr_psum,
+                                 engine=EVICTION_ENGINES[evictions % len(EVICTION_ENGINES)])
+                evictions += 1
             ct0 += len(span)
     return w_t
 
