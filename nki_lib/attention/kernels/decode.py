@@ -3,8 +3,9 @@
 Algorithm (flash-decoding, keys on partitions). For every (sequence b, kv head hk) the
 ``R = G * Sq`` query rows of the GQA group (all query heads of hk and all new tokens, row
 ``r = g * Sq + t``) share every K/V byte read; the *keys* sit on the 128 partitions and the rows on
-the free axis (scores are S^T), so VectorE/ScalarE use all lanes even when R is 8. The sequence's needed key range ``[first, L_b)`` (``first =
-max(0, L_b - Sq - window_left)``, 0 without a window) is cut into ``S`` contiguous splits; each split
+the free axis (scores are S^T), so VectorE/ScalarE use all lanes even when R is 8. The sequence's
+needed key range ``[first, L_b)`` (``first = max(0, L_b - Sq - window_left)``, 0 without a window)
+is cut into ``S`` contiguous splits; each split
 streams its chunks of ``C = 128 * M`` keys through a *device loop* (``nl.dynamic_range``) whose
 bounds are runtime registers loaded from ``split_bounds``, keeping the online-softmax state
 (negated running max ``neg_m``, sum ``l``, unnormalised output ``acc``; fp32 SBUF)::
