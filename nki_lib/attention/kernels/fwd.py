@@ -87,7 +87,8 @@ from nki_lib.attention.kernels.fwd_pipeline import (close_group, load_k, load_v_
 from nki_lib.attention.kernels.fwd_plan import (QUERY_SECTION_TILES, Ctx, plan_groups,
                                                 plan_steps, program_share)
 from nki_lib.attention.kernels.fwd_state import flush_lse, new_lse_batch
-from nki_lib.attention.kernels.fwd_step import FP32_BYTES, HALF_BYTES
+from nki_lib.attention.kernels.fwd_step import (FP32_BYTES, HALF_BYTES, PT_DVE_SHARE,
+                                                PT_DVE_SHARE_SOFTCAP)
 from nki_lib.attention.kernels.tiles import (MAX_INDEX, MaskSpec, document_bounds,
                                              head_dim_chunks, heads_per_pass, key_tile_width)
 from nki_lib.backend import lnc_degree
@@ -103,6 +104,8 @@ SCORE_LEAD = 3         # QK^T and the row max of a step are issued this many ite
 PV_LAG = 2             # P @ V of a step is issued this many iterations after its P^T (its V
                        # is loaded one iteration before the P^T)
 ACC_LAG = 3            # the acc update of a step is issued this many iterations after its P^T
+SOFTCAP_BATCH = 4      # softcap: steps whose tanh scores are issued together (2 table switches
+                       # per batch, 1.3 us each on trn2); costs 3 more S sections in SBUF
 LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
                        # ScalarE table switch to log and back per batch, 8 B/partition each
 K_CACHE_SBUF_SHARE = 4  # K^T of a whole kv head stays resident (loaded once, reused by every
@@ -157,14 +160,21 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
     #   softmax(it + 1) [DVE, ACT]   QK^T + scores(it + SCORE_LEAD) [PE, DVE/ACT]
     #   P^T(it) [PE]   evict P^T(it - 1) [ACT]   P @ V(it - PV_LAG) [PE]
     #   l, acc(it - ACC_LAG) [DVE] (+ the group's output stores after its last step)
+    # with softcap, the scores (tanh) of SOFTCAP_BATCH steps are issued together, so ScalarE
+    # switches between the tanh and exp tables twice per batch instead of twice per step
+    score_batch = SOFTCAP_BATCH if softcap > 0 else 1
+    pt_dve_share = PT_DVE_SHARE_SOFTCAP if softcap > 0 else PT_DVE_SHARE
     load_k(ctx, groups, steps, 0)
     closing = []
     for it in nl.sequential_range(-SCORE_LEAD, n_steps + ACC_LAG + 1):   # + 1: the last closes
-        load_k(ctx, groups, steps, it + SCORE_LEAD + 1)
+        load_k(ctx, groups, steps, it + SCORE_LEAD + score_batch)
         load_v_of(ctx, groups, steps, it + 1)
-        stage_evict_pt(groups, steps, work, it - 1)
+        stage_evict_pt(groups, steps, work, it - 1, pt_dve_share)
         stage_softmax(groups, steps, work, it + 1, v.dtype)
-        stage_scores(groups, steps, work, it + SCORE_LEAD, scale, softcap)
+        if (it + SCORE_LEAD) % score_batch == 0:
+            for s in range(it + SCORE_LEAD, it + SCORE_LEAD + score_batch):
+                load_k(ctx, groups, steps, s)
+                stage_scores(groups, steps, work, s, scale, softcap)
         stage_transpose(steps, work, it)
         stage_pv(groups, steps, work, it - PV_LAG)
         closing, closed = [], closing

@@ -115,12 +115,12 @@ def stage_transpose(steps, work, s):
         w.p_sb = None
 
 
-def stage_evict_pt(groups, steps, work, s):
+def stage_evict_pt(groups, steps, work, s, dve_share):
     """B2b: P^T of step s to SBUF [ACT]."""
     if real(steps, s):
         gi, si, _ = steps[s]
         w = work[s]
-        w.pt_sb = evict_pt(w.pt_psum, section_span(groups[gi], si)[1])
+        w.pt_sb = evict_pt(w.pt_psum, section_span(groups[gi], si)[1], dve_share)
         w.pt_psum = None
 
 

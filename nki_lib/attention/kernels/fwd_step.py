@@ -15,15 +15,19 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.tiles import key_blocks, mask_scores
 
-__all__ = ["FP32_BYTES", "HALF_BYTES", "load_q", "load_k_section", "load_v", "section_scores",
-           "softmax_step", "transpose_p", "evict_pt", "p_times_v"]
+__all__ = ["FP32_BYTES", "HALF_BYTES", "PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "load_q",
+           "load_k_section", "load_v", "section_scores", "softmax_step", "transpose_p", "evict_pt",
+           "p_times_v"]
 
 FP32_BYTES = 4
 HALF_BYTES = 2        # bfloat16 / float16
 PT_DVE_SHARE = 0.4    # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
                       # Per 2048-key bf16 section (trn2 rates) ScalarE has ~1.8 us fixed work
-                      # (exp) and VectorE ~2.7 us (score evicts + max, acc), and a P^T block costs
-                      # ScalarE 0.107 us, VectorE 0.067 us (16-bit PSUM at 2x): 0.3 balances them
+                      # (exp) and VectorE ~2.5 us (score evicts + max, acc), and a P^T block costs
+                      # ScalarE 0.107 us, VectorE 0.067 us (16-bit PSUM at 2x): 0.4 balances them
+                      # (masked tiles add a ScalarE evict, so causal runs favour more)
+PT_DVE_SHARE_SOFTCAP = 1.0  # softcap adds a tanh pass (1.7 us per section) on ScalarE, which then
+                            # stays the busier engine with every P^T block on VectorE
 
 
 def load_q(q_t, b, h, q0, qn, chunks):
@@ -159,14 +163,14 @@ def transpose_p(p_sb):
     return pt_tiles
 
 
-def evict_pt(pt_tiles, slen):
+def evict_pt(pt_tiles, slen, dve_share):
     """P^T to SBUF (128, blocks, qn), one instruction per PSUM tile and engine: the first full
-    blocks of the section on ScalarE, the last ``round(PT_DVE_SHARE * blocks)`` on VectorE (the
+    blocks of the section on ScalarE, the last ``round(dve_share * blocks)`` on VectorE (the
     remainder block, only its rows, on ScalarE)."""
     pmax = nl.tile_size.pmax
     n_blocks = len(key_blocks(slen))
     n_full = slen // pmax
-    cut = n_full - min(n_full, int(PT_DVE_SHARE * n_blocks + 0.5))   # first block on VectorE
+    cut = n_full - min(n_full, int(dve_share * n_blocks + 0.5))   # first block on VectorE
     qn = pt_tiles[0][1].shape[2]
     pt_sb = nl.ndarray((pmax, n_blocks, qn), dtype=pt_tiles[0][1].dtype, buffer=nl.sbuf)
     for j0, pt_psum in pt_tiles:
