@@ -59,7 +59,8 @@ the chunks of ``[first, L_b)``, so traffic and work follow ``L_b``, not the capa
 Loop structure::
 
     for b, hk (static):                          q^T (dc, rn) per row tile and head-dim chunk
-      for split s (static):                      6 registers <- split_bounds[b, s]
+      for split s (static):                      state; 6 registers <- split_bounds[b, s]
+      for split s (static):
         for range in (edge, interior, edge):
           for col in dynamic_range(lo, hi, C/u):     load (edge: + zero V rows outside
                                                      [first, L_b)), one chunk (above), every row tile
@@ -369,8 +370,32 @@ def _merge_and_store(states, sink_rows, hk, r0, out, lse, row0, dtype):
     nisa.dma_copy(dst=lse.ap([[1, rn], [1, 1]], offset=row0), src=lse_sb)
 
 
-def _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, key_window, key_slots,
-            b, s, head_offset, seq_offset, unit_keys, chunk_pair, plan, ones_col, d_spans, scale, softcap, dtype):
+class _StreamSetup(nl.NKIObject):
+    """Runtime metadata of one (b, hk, split) stream, loaded before any stream of its unit runs."""
+    regs: object       # 6 registers: [start, stop) unit columns of the edge, interior, edge ranges
+    window: object     # (128, 2) float32 [first, L_b) relative to the current chunk, every partition
+
+
+def _stream_setup(split_bounds, key_window, b, s):
+    """Registers of the split's three chunk ranges and its key window. Issued for every split of a
+    unit before the first gather, so these small DMAs do not queue behind the K/V transfers."""
+    pmax = nl.tile_size.pmax
+    n_ranges = split_bounds.shape[2] // 2
+    bounds_sb = nl.ndarray((1, 2 * n_ranges), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=bounds_sb, src=split_bounds[b, s])
+    regs = []
+    for i in range(2 * n_ranges):
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, bounds_sb[0:1, i:i + 1])
+        regs.append(reg)
+    window_sb = nl.ndarray((pmax, 2), dtype=nl.float32, buffer=nl.sbuf)
+    n_split = key_window.shape[1]
+    nisa.dma_copy(dst=window_sb, src=key_window.ap([[0, pmax], [1, 2]], offset=(b * n_split + s) * 2))
+    return _StreamSetup(regs=regs, window=window_sb)
+
+
+def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
+            b, head_offset, seq_offset, unit_keys, chunk_pair, plan, ones_col, d_spans, scale, softcap, dtype):
     """One (b, hk, split) stream: three device loops over the split's chunks, in key order --
     edge chunks (gathered; V rows of keys outside [first, L_b) zeroed, so garbage or stale
     NaN/inf there cannot reach P @ V), interior chunks (one hardware-DGE DMA per K/V for a
@@ -380,19 +405,9 @@ def _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, key_w
     d = split_states[0].acc.shape[1]
     units_per_chunk = m * pmax // unit_keys
     k_chunk, v_chunk = chunk_pair
-    n_ranges = split_bounds.shape[2] // 2
-    bounds_sb = nl.ndarray((1, 2 * n_ranges), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=bounds_sb, src=split_bounds[b, s])
-    regs = []
-    for i in range(2 * n_ranges):
-        reg = nisa.register_alloc()
-        nisa.register_load(reg, bounds_sb[0:1, i:i + 1])
-        regs.append(reg)
+    regs, window_sb = setup.regs, setup.window
     n_cols = unit_table.shape[1]
-    window_sb = nl.ndarray((pmax, 2), dtype=nl.float32, buffer=nl.sbuf)     # [first, L) per partition
-    n_split = key_window.shape[1]
-    nisa.dma_copy(dst=window_sb, src=key_window.ap([[0, pmax], [1, 2]], offset=(b * n_split + s) * 2))
-    for r in range(n_ranges):
+    for r in range(len(regs) // 2):
         interior = r == INTERIOR_RANGE
         direct = interior and seq_offset is not None
         for col in nl.dynamic_range(regs[2 * r], regs[2 * r + 1], units_per_chunk):
@@ -515,14 +530,14 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, row
         my_splits = range(n_split) if shard_units else range(pid, n_split, n_prog)  # ... or splits
         row_base = (b * n_q_heads + hk * group) * sq
         q_t = [_load_q_t(q, row_base + r0, rn, d_spans, dtype) for r0, rn in row_spans]
-        states = []
-        for s in my_splits:
-            split_states = [_init_state(row_bounds, b, s, r0, rn, d, key_slots[:, 0:1]) for r0, rn in row_spans]
-            seq_offset = None if seq_units is None else b * seq_units * k_units.shape[1]
-            _stream(split_states, q_t, k_units, v_units, unit_table, split_bounds, key_window, key_slots, b, s,
+        states = [[_init_state(row_bounds, b, s, r0, rn, d, key_slots[:, 0:1]) for r0, rn in row_spans]
+                  for s in my_splits]
+        setups = [_stream_setup(split_bounds, key_window, b, s) for s in my_splits]
+        seq_offset = None if seq_units is None else b * seq_units * k_units.shape[1]
+        for split_states, setup in zip(states, setups):
+            _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots, b,
                     hk * head_offset, seq_offset, unit_keys, chunk_bufs[stream % n_pairs], plan,
                     ones_col, d_spans, scale, softcap, dtype)
-            states.append(split_states)
             stream += 1
         if not shard_units:
             states = states + _exchange(states, pid, first_pipe=u_idx * n_split * len(row_spans))
