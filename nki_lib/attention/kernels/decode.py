@@ -102,7 +102,7 @@ __all__ = ["decode_kernel", "block_slots", "chunk_plan"]
 
 INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
 STEP_SCORE_ELEMS = 4096           # fp32 scores per partition of one softmax step (16 KiB of SBUF)
-STEP_SLOTS = 128                  # slots per softmax step: >= 64 keeps the per-row range_select at
+STEP_SLOTS = 64                   # slots per softmax step: >= 64 keeps the per-row range_select at
                                   # one element per cycle; a chunk has >= 2 steps to pipeline
 MIN_II_ELEMS = 64                 # an instruction costs at least ~64 engine cycles (MIN_II): per-row
                                   # instructions pay off only when a row has this many slots
@@ -444,9 +444,10 @@ def _zero_invisible_rows(v_chunk, key_slots, window_sb):
 
 def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
     """Scores, mask, softmax and P @ V of one loaded chunk for every row tile, one softmax step
-    (``plan[0]`` slots) at a time, software-pipelined: the P @ V of step i is issued after the scores
-    of step i+1 (TensorE transposes and multiplies while VectorE/ScalarE finish the exp of step i);
-    then the row bounds move to the next chunk (-128*M keys)."""
+    (``plan[0]`` slots) at a time, software-pipelined: the scores of step i+1 are issued before the
+    softmax of step i, and the P @ V of step i after the softmax of step i+1 (TensorE transposes
+    and multiplies while VectorE/ScalarE run the mask, max and exp chain of the step before); then
+    the row bounds move to the next chunk (-128*M keys)."""
     pmax = nl.tile_size.pmax
     steps = _spans(m, plan[0])
 
@@ -457,8 +458,11 @@ def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_d
         return s_sb
 
     pending = None                  # (step, P^T and -m_new per row tile) awaiting P @ V
-    for step in steps:
-        s_sb = scores(step)
+    s_next = scores(steps[0])
+    for i, step in enumerate(steps):
+        s_sb = s_next
+        if i + 1 < len(steps):
+            s_next = scores(steps[i + 1])
         probs = [_step_probs(st, s_sb[t], step[0], dtype) for t, st in enumerate(split_states)]
         if pending is not None:
             _flush_pv(split_states, pending, v_chunk, ones_col, d_spans)
