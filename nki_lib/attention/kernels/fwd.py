@@ -89,7 +89,7 @@ from nki_lib.attention.kernels.fwd_plan import (QUERY_SECTION_TILES, Ctx, plan_g
 from nki_lib.attention.kernels.fwd_state import flush_lse, new_lse_batch
 from nki_lib.attention.kernels.fwd_step import (FP32_BYTES, HALF_BYTES, PT_DVE_SHARE,
                                                 PT_DVE_SHARE_SOFTCAP)
-from nki_lib.attention.kernels.tiles import (MAX_INDEX, MaskSpec, document_bounds,
+from nki_lib.attention.kernels.tiles import (MAX_INDEX, STAT_INIT, MaskSpec, document_bounds,
                                              head_dim_chunks, heads_per_pass, key_tile_width)
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import Unsupported, call_kernel
@@ -110,6 +110,9 @@ LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished t
                        # ScalarE table switch to log and back per batch, 8 B/partition each
 K_CACHE_SBUF_SHARE = 4  # K^T of a whole kv head stays resident (loaded once, reused by every
                         # query tile) when it needs at most 1/4 of SBUF per partition
+RAW_SCALE_MIN = 2.0 ** -20  # scales in [RAW_SCALE_MIN, 1] (no softcap) keep the scores unscaled
+                            # and apply the scale in the exp: scale * MASK_FILL / 2 stays finite
+                            # and far below any real score, so masked keys still give exp() = 0
 KEY_SECTION_BYTES = 4096  # a step covers consecutive visible key tiles whose K^T (and V) rows
                           # hold up to this many bytes per partition, past the ~2.4 KiB where a
                           # DMA row reaches bandwidth: 4 tiles of 512 keys in bf16/fp16, 2 in fp32
@@ -139,6 +142,9 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
     k_fits = (len(chunks) * sk * q_bytes
               <= nl.tile_size.total_available_sbuf_size // K_CACHE_SBUF_SHARE)
     ctx.section_keys = section_keys
+    # unscaled scores (the exp applies the scale): masked tiles are selected straight from PSUM
+    exp_scale = scale if softcap == 0 and RAW_SCALE_MIN <= scale <= 1.0 else 1.0
+    ctx.stat_init = STAT_INIT * exp_scale
     ctx.k_cache = [None] * n_spans if k_fits else None
     ctx.k_owner = None
     groups = program_share(plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys),
@@ -170,11 +176,11 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
         load_k(ctx, groups, steps, it + SCORE_LEAD + score_batch)
         load_v_of(ctx, groups, steps, it + 1)
         stage_evict_pt(groups, steps, work, it - 1, pt_dve_share)
-        stage_softmax(groups, steps, work, it + 1, v.dtype)
+        stage_softmax(groups, steps, work, it + 1, v.dtype, exp_scale)
         if (it + SCORE_LEAD) % score_batch == 0:
             for s in range(it + SCORE_LEAD, it + SCORE_LEAD + score_batch):
                 load_k(ctx, groups, steps, s)
-                stage_scores(groups, steps, work, s, scale, softcap)
+                stage_scores(groups, steps, work, s, scale / exp_scale, softcap)
         stage_transpose(steps, work, it)
         stage_pv(groups, steps, work, it - PV_LAG)
         closing, closed = [], closing

@@ -34,7 +34,7 @@ def load_k(ctx, groups, steps, s):
         grp.q_tiles = [[q_sb[:, off:off + grp.qn] for q_sb in head_tiles]
                        for head_tiles in sec.tiles]
         grp.states = [init_state(ctx.sinks, h, grp.qn, ctx.d, ctx.has_sinks,
-                                 len(grp.sections) == 0) for h in grp.heads]
+                                 len(grp.sections) == 0, ctx.stat_init) for h in grp.heads]
         grp.k = [None] * len(grp.sections)
         grp.v = [None] * len(grp.sections)
         if any(masked for _, _, masked in grp.plan):
@@ -97,13 +97,13 @@ def stage_scores(groups, steps, work, s, scale, softcap):
             grp.k[si] = None
 
 
-def stage_softmax(groups, steps, work, s, p_dtype):
+def stage_softmax(groups, steps, work, s, p_dtype, exp_scale):
     """B1: online-softmax statistics and P of step s [DVE/ACT]."""
     if real(steps, s):
         gi, _, hi = steps[s]
         w = work[s]
         w.p_sb, w.alpha, w.rowsum = softmax_step(groups[gi].states[hi], w.s_sb, w.rowmax,
-                                                 p_dtype)
+                                                 p_dtype, exp_scale)
         w.s_sb, w.rowmax = None, None
 
 

@@ -10,7 +10,6 @@ one lse batch (<= 128).
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
-from nki_lib.attention.kernels.tiles import STAT_INIT
 
 __all__ = ["RowState", "init_state", "store_out", "new_lse_batch", "add_lse", "flush_lse"]
 
@@ -23,11 +22,12 @@ class RowState(nl.NKIObject):
     fresh: bool     # no section seen yet and no sink: l = 0, acc unset
 
 
-def init_state(sinks, h, qn, d, has_sinks, zero_acc):
+def init_state(sinks, h, qn, d, has_sinks, zero_acc, stat_init):
     """State before the first key section. acc (and l without sinks) is only zeroed
     (``zero_acc``) for a group with no visible key: otherwise the first section's update sets it
     (``fwd_pipeline.stage_acc``). ``fresh``: l = 0 and acc unset (no sinks), so the first
-    section needs no alpha.
+    section needs no alpha. ``stat_init``: the initial running max (``tiles.STAT_INIT``, times
+    the softmax scale when the scores are kept unscaled).
     The small SBUF-only ops run on GpSimd (VectorE and ScalarE carry the per-key work)."""
     gpsimd = nisa.engine.gpsimd
     neg_m = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -35,11 +35,11 @@ def init_state(sinks, h, qn, d, has_sinks, zero_acc):
     if has_sinks:
         sink_sb = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=sink_sb, src=sinks.ap(pattern=[[0, qn], [1, 1]], offset=h))
-        nisa.tensor_scalar(dst=neg_m, data=sink_sb, op0=nl.maximum, operand0=STAT_INIT,
+        nisa.tensor_scalar(dst=neg_m, data=sink_sb, op0=nl.maximum, operand0=stat_init,
                            op1=nl.multiply, operand1=-1.0, engine=gpsimd)
         nisa.activation(dst=l_sb, op=nl.exp, data=sink_sb, bias=neg_m)
     else:
-        nisa.memset(dst=neg_m, value=-STAT_INIT, engine=gpsimd)
+        nisa.memset(dst=neg_m, value=-stat_init, engine=gpsimd)
         if zero_acc:
             nisa.memset(dst=l_sb, value=0.0, engine=gpsimd)
     acc = nl.ndarray((qn, d), dtype=nl.float32, buffer=nl.sbuf)

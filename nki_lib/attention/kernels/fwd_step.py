@@ -108,7 +108,9 @@ def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
         if softcap > 0:
             nisa.activation(dst=s_tile, op=nl.tanh, data=src, scale=scale / softcap)
             src, factor = s_tile, softcap
-        if masked:
+        if masked and softcap == 0 and factor == 1.0:    # select straight from PSUM
+            mask_scores(s_tile, bounds[0], bounds[1], k0, res, reduce_cmd=cmd, src=src)
+        elif masked:
             if softcap > 0:
                 nisa.tensor_scalar(dst=s_tile, data=src, op0=nl.multiply, operand0=factor)
             else:
@@ -120,14 +122,16 @@ def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
     return s_sb, rowmax
 
 
-def softmax_step(state, s_sb, rowmax, p_dtype):
-    """Update neg_m = min(neg_m, -rowmax) with the section (GpSimd); returns
+def softmax_step(state, s_sb, rowmax, p_dtype, exp_scale):
+    """Update neg_m = min(neg_m, -exp_scale * rowmax) with the section (GpSimd; ``exp_scale`` is
+    the softmax scale when the scores are kept unscaled, see ``fwd.RAW_SCALE_MIN``, else 1);
+    returns
     P = exp(s - m_new) (qn, slen), alpha = exp(m - m_new) (None for a fresh state: its first
     section sets l and acc instead of rescaling them) and the row sum of P (qn, 1) (l is updated
     later, with acc, by ``fwd_pipeline.stage_acc``)."""
     qn, slen = s_sb.shape
     neg_m_new = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
+    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-exp_scale,
                        op1=nl.minimum, operand1=state.neg_m, engine=nisa.engine.gpsimd)
     alpha = None        # a fresh state (l = 0, acc unset) needs no rescale
     if not state.fresh:
@@ -135,7 +139,8 @@ def softmax_step(state, s_sb, rowmax, p_dtype):
         nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, scale=-1.0, bias=neg_m_new)
     p_sb = nl.ndarray((qn, slen), dtype=p_dtype, buffer=nl.sbuf)
     rowsum = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=p_sb, op=nl.exp, data=s_sb, bias=neg_m_new, reduce_op=nl.add,
+    nisa.activation(dst=p_sb, op=nl.exp, data=s_sb, scale=exp_scale, bias=neg_m_new,
+                    reduce_op=nl.add,
                     reduce_res=rowsum, reduce_cmd=nisa.reduce_cmd.reset_reduce)
     state.neg_m = neg_m_new
     state.fresh = False

@@ -171,16 +171,17 @@ def row_bounds(mask: MaskSpec, q0: int, qn: int, doc_lo=None, doc_hi=None):
     return lo_sb, hi_sb
 
 
-def mask_scores(scores_sb, lo_sb, hi_sb, k0: int, rowmax_sb, reduce_cmd=None):
+def mask_scores(scores_sb, lo_sb, hi_sb, k0: int, rowmax_sb, reduce_cmd=None, src=None):
     """In place: scores of keys outside ``[lo, hi]`` become ``MASK_FILL``; ``rowmax_sb`` (rows, 1)
     receives the row max of the masked tile. ``scores_sb`` (rows, kn) float32 holds the keys
     ``k0 .. k0 + kn - 1``. One VectorE ``range_select``.
 
     ``reduce_cmd`` (default ``reset_reduce``) lets a caller chain the max over several tiles in
-    the VectorE accumulator (``reduce`` continues it); ``rowmax_sb=None`` skips the read-out."""
+    the VectorE accumulator (``reduce`` continues it); ``rowmax_sb=None`` skips the read-out.
+    ``src`` (default: ``scores_sb`` itself) is read instead, e.g. the raw scores in PSUM."""
     if reduce_cmd is None:
         reduce_cmd = nisa.reduce_cmd.reset_reduce
-    nisa.range_select(dst=scores_sb, on_true_tile=scores_sb, comp_op0=nl.greater_equal,
-                      comp_op1=nl.less_equal, bound0=lo_sb, bound1=hi_sb,
+    nisa.range_select(dst=scores_sb, on_true_tile=scores_sb if src is None else src,
+                      comp_op0=nl.greater_equal, comp_op1=nl.less_equal, bound0=lo_sb, bound1=hi_sb,
                       reduce_cmd=reduce_cmd, reduce_res=rowmax_sb,
                       reduce_op=nl.maximum, range_start=k0, on_false_value=MASK_FILL)
