@@ -106,7 +106,7 @@ STEP_SLOTS = 64                   # slots per softmax step: >= 64 keeps the per-
                                   # one element per cycle; a chunk has >= 2 steps to pipeline
 MIN_II_ELEMS = 64                 # an instruction costs at least ~64 engine cycles (MIN_II): per-row
                                   # instructions pay off only when a row has this many slots
-KT_LOOKAHEAD = 2                  # K^T blocks transposed ahead of their score matmuls
+KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers; streams (one per
                                   # (b, hk, split)) rotate over the pairs that fit, so consecutive
                                   # streams load and compute concurrently
