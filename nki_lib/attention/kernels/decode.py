@@ -184,13 +184,19 @@ def _init_state(row_bounds, b, s, r0, rn, d, part_keys):
     return state
 
 
-def _gather_chunk(cache_units, idx_sb, head_offset, unit_elems, chunk_sb):
-    """One indirect DMA: units ``idx_sb`` of the cache (this kv head) -> chunk_sb (128, M*D)."""
+def _gather_chunk(cache_units, idx_sb, head_offset, unit_keys, chunk_sb, slots=None):
+    """One indirect DMA: units ``idx_sb`` of the cache (this kv head) -> chunk_sb (128, M*D), or
+    only the slots ``(c0, n)`` of every partition -> chunk_sb[:, c0*D : (c0+n)*D] (each unit covers
+    u/M whole partitions; M <= u)."""
     n_units = idx_sb.shape[0]
     row_stride = cache_units.shape[1]
-    src = cache_units.ap([[row_stride, n_units], [1, unit_elems]], offset=head_offset,
+    m = unit_keys * n_units // nl.tile_size.pmax
+    d = chunk_sb.shape[1] // m
+    c0, n = slots or (0, m)
+    src = cache_units.ap([[row_stride, n_units], [m * d, unit_keys // m], [1, n * d]], offset=head_offset + c0 * d,
                          vector_offset=idx_sb, indirect_dim=0)
-    nisa.dma_copy(dst=chunk_sb, src=src, oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
+    nisa.dma_copy(dst=chunk_sb[:, c0 * d:(c0 + n) * d], src=src, oob_mode=nisa.oob_mode.skip,
+                  dge_mode=nisa.dge_mode.swdge)
 
 
 def _block_keys_transposed(k_chunk, block, d_spans, m, dtype):
@@ -406,23 +412,26 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
     units_per_chunk = m * pmax // unit_keys
     k_chunk, v_chunk = chunk_pair
     regs, window_sb = setup.regs, setup.window
+    steps = _spans(m, plan[0])       # K loads per softmax step: the first step's scores start early
     n_cols = unit_table.shape[1]
     for r in range(len(regs) // 2):
         interior = r == INTERIOR_RANGE
         direct = interior and seq_offset is not None
         for col in nl.dynamic_range(regs[2 * r], regs[2 * r + 1], units_per_chunk):
-            if direct:
-                for cache, buf in ((k_units, k_chunk), (v_units, v_chunk)):
-                    src = cache.ap([[m * d, pmax], [1, m * d]], offset=seq_offset + head_offset,
-                                   scalar_offset=col, indirect_dim=0)
-                    nisa.dma_copy(dst=buf, src=src, dge_mode=nisa.dge_mode.hwdge)
+            if direct:                                  # K per softmax step, then V whole
+                for cache, buf, pieces in ((k_units, k_chunk, steps), (v_units, v_chunk, steps)):
+                    for c0, n in pieces:
+                        src = cache.ap([[m * d, pmax], [1, n * d]], offset=seq_offset + head_offset + c0 * d,
+                                       scalar_offset=col, indirect_dim=0)
+                        nisa.dma_copy(dst=buf[:, c0 * d:(c0 + n) * d], src=src, dge_mode=nisa.dge_mode.hwdge)
             else:
                 idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
                 nisa.dma_copy(dst=idx_sb, src=unit_table.ap([[1, units_per_chunk], [1, 1]],
                                                             offset=b * n_cols, scalar_offset=col,
                                                             indirect_dim=1))
-                _gather_chunk(k_units, idx_sb, head_offset, unit_keys * d, k_chunk)
-                _gather_chunk(v_units, idx_sb, head_offset, unit_keys * d, v_chunk)
+                for step in steps:
+                    _gather_chunk(k_units, idx_sb, head_offset, unit_keys, k_chunk, step)
+                _gather_chunk(v_units, idx_sb, head_offset, unit_keys, v_chunk)
                 if not interior:
                     _zero_invisible_rows(v_chunk, key_slots, window_sb)
             _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, k_units.dtype, scale,
