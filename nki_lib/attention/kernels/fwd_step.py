@@ -21,6 +21,8 @@ __all__ = ["FP32_BYTES", "HALF_BYTES", "PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "
 
 FP32_BYTES = 4
 HALF_BYTES = 2        # bfloat16 / float16
+MAX_READ_STRIDE_BYTES = 16  # innermost read stride above which an engine port runs at half
+                            # bandwidth (trainium-cost-model.md §2.5, NC-v2 arch guide)
 PT_DVE_SHARE = 0.4    # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
                       # Per 2048-key bf16 section (trn2 rates) ScalarE has ~1.8 us fixed work
                       # (exp) and VectorE ~2.5 us (score evicts + max, acc), and a P^T block costs
@@ -50,18 +52,29 @@ def load_k_section(k_t, b, hk, s0, slen, chunks):
     return k_tiles
 
 
+def interleave_blocks(dtype):
+    """Full 128-key blocks of V interleaved together (see :func:`block_keys`): as many as keep
+    the column stride of the P transposes at ``MAX_READ_STRIDE_BYTES`` (8 in bf16/fp16, 4 in
+    fp32)."""
+    p_bytes = FP32_BYTES if dtype == nl.float32 else HALF_BYTES
+    return max(1, MAX_READ_STRIDE_BYTES // p_bytes)
+
+
 def load_v(v, b, hk, k0, kn):
     """V of the keys [k0, k0 + kn) as (128, blocks, D) in the interleaved layout of
-    :func:`block_keys` (one contiguous HBM run of ``n_full * D`` elements per partition)."""
+    :func:`block_keys`: one DMA per run of up to ``interleave_blocks`` full blocks, each
+    partition reading one contiguous HBM run of ``c * D`` elements per run."""
     _, hkv, sk, d = v.shape
     pmax = nl.tile_size.pmax
     blocks = key_blocks(kn)
     v_sb = nl.ndarray((pmax, len(blocks), d), dtype=v.dtype, buffer=nl.sbuf)
     n_full = kn // pmax
-    if n_full > 0:
-        first = ((b * hkv + hk) * sk + k0) * d
-        nisa.dma_copy(dst=v_sb[:, 0:n_full, :],
-                      src=v.ap(pattern=[[n_full * d, pmax], [d, n_full], [1, d]], offset=first))
+    il = interleave_blocks(v.dtype)
+    for g0 in range(0, n_full, il):
+        c = min(il, n_full - g0)
+        first = ((b * hkv + hk) * sk + k0 + g0 * pmax) * d
+        nisa.dma_copy(dst=v_sb[:, g0:g0 + c, :],
+                      src=v.ap(pattern=[[c * d, pmax], [d, c], [1, d]], offset=first))
     if n_full < len(blocks):
         j0, bn = blocks[n_full]
         nisa.dma_copy(dst=v_sb[0:bn, n_full, :], src=v[b, hk, k0 + j0:k0 + j0 + bn, :])
@@ -70,11 +83,16 @@ def load_v(v, b, hk, k0, kn):
 
 def block_keys(p_sb, j, n_full):
     """Columns of P (qn, kn) that block j of V holds on its partitions. The n_full full blocks
-    interleave: partition p of block j is key ``n_full * p + j`` (so each partition's V rows are
-    one contiguous HBM run); the remainder block holds the last ``kn % 128`` keys in order."""
+    interleave in runs of ``c <= interleave_blocks`` blocks starting at block g0: partition p of
+    block g0 + i is key ``128 * g0 + c * p + i`` (so each partition's V rows of a run are one
+    contiguous HBM run, and the transpose reads P with a column stride of c elements, at most
+    16 B); the remainder block holds the last ``kn % 128`` keys in order."""
     pmax = nl.tile_size.pmax
     if j < n_full:
-        return p_sb[:, j:n_full * pmax:n_full]
+        il = interleave_blocks(p_sb.dtype)
+        g0 = j - j % il
+        c = min(il, n_full - g0)
+        return p_sb[:, g0 * pmax + j - g0:(g0 + c) * pmax:c]
     return p_sb[:, n_full * pmax:p_sb.shape[1]]
 
 
