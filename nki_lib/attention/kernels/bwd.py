@@ -8,72 +8,75 @@ Math (``reference.flash_attention_backward``), per query row i and key j, with s
     dV += P^T dO,  dP = dO V^T,  dS = P * (dP - delta) [* (1 - tanh^2) under softcap]
     dQ = scale * dS K,  dK += scale * dS^T Q,  dsinks[h] = -sum_i exp(sink_h - lse_i) * delta_i
 
-Files: this one (launcher, kernel, loops, query groups, K/V tiles), ``bwd_tile`` (the work of
-one query tile x key tile pair), ``bwd_prep`` (phase 0: per-row statistics, dsinks).
+Files: this one (launcher, kernel, pipeline, query groups, K/V tiles), ``bwd_tile`` (the stages
+of one query tile x key tile pair), ``bwd_prep`` (phase 0: per-row statistics, dsinks).
 
 Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace time):
 
-    phase 0 (bwd_prep): per (h, b, query tile): delta, -lse (and the per-row key bounds with
-                        documents) -> stats scratch; dsinks
-    for b, kv head hk, key tile [k0, k0 + kn), kn <= 512 (one fp32 PSUM bank of scores):
-        load K (keys on partitions), K^T and V^T (head dim on partitions)
-        dK, dV accumulators of the key tile stay in PSUM (fp32) until the tile is done
-        for each query head h of hk's GQA group:
-            load the head's statistics (one DMA)
-            for each query group (4 aligned 128-row tiles) with a tile that sees the key tile
-            (loads issued one group ahead; tile pairs pipelined across group boundaries):
-                load Q^T, dO^T of the group (one DMA per head-dim chunk, 1 KiB per partition)
-                load the group's fp32 dQ accumulator (tiles not visited before; one DMA)
-                for each query tile of the group that sees the key tile (scores half of tile
-                i + 1 issued before the gradients half of tile i: software pipelining):
-                    Q, dO rows-on-partitions     TensorE transposes, ScalarE eviction
-                    S = Q K^T, dP = dO V^T       TensorE -> PSUM fp32
-                    P = exp(scale * S - lse)     ScalarE (reads PSUM)
-                    mask (partial tiles only)    GpSimd affine_select on P (causal/window);
-                                                 documents: VectorE range_select before exp
-                    dS = (dP - delta) * P        VectorE, one scalar_tensor_tensor
-                    per visible 128-key block:
-                      dV += P^T dO, dK += dS^T Q   TensorE (queries are the contraction dim:
-                                                   no transpose of P or dS needed)
-                      dS^T                         TensorE transpose, ScalarE eviction
-                    dQ_part = dS K               TensorE -> PSUM fp32
-                    acc = scale * dQ_part (+ acc)  ScalarE (first visit) / VectorE
-                    last visit of the tile: dq = acc in the output dtype -> HBM
-                store the group's accumulator for tiles visited again later (one DMA)
-        dK = scale * acc (ScalarE), dV = acc (VectorE) -> HBM
+    for b, kv head hk (one pass each, LNC2: split between the programs):
+        issue the first key tile's loads, then phase 0 (bwd_prep) of hk's query heads: -lse,
+        -delta (and the per-row key bounds with documents), kept in SBUF; dsinks partials
+        pairs = [(key tile [k0, k0 + kn), kn <= 512, query head h, query group, query tile)
+                 for every key tile, query head of the group, visiting query tile]
+        one software pipeline over all pairs (STAGES; pair j's stage runs at step j + lag):
+            scores   S = Q K^T, dP = dO V^T          TensorE -> PSUM fp32 (diagonal tiles: up to
+                                                     the last visible 128-key block)
+            probs    P = exp(scale * S - lse)        ScalarE (reads PSUM); masks of partial tiles:
+                                                     GpSimd affine_select on P (causal/window),
+                                                     documents: VectorE range_select before exp;
+                     dP - delta                      ScalarE eviction (the bias of a copy), fp32
+            dscores  dS = (dP - delta) * P           VectorE, one product
+            dv       dV += P^T dO                    TensorE, per visible 128-key block (queries
+                                                     are the contraction dim: no transpose)
+            dk       dK += dS^T Q, dS^T              TensorE, per visible block
+            evict    dS^T PSUM -> SBUF               VectorE
+            dq       dQ_part = dS K                  TensorE -> PSUM fp32
+            acc      acc (+)= dQ_part                ScalarE (first visit) / VectorE
+        loads run one unit ahead: a key tile's K (rows), K^T, V^T when the previous key tile
+        starts; a query group's Q/dO rows and Q^T/dO^T (one DMA each) when the previous group
+        starts; after a group's last pair: dq = scale * acc in the output dtype for the tiles
+        whose last key tile this is; after a key tile's last pair: dK = scale * acc (ScalarE),
+        dV = acc (VectorE) -> HBM (one DMA each).
 
-dQ accumulates over key tiles in fp32 (SBUF per visit, an fp32 HBM scratch between key tiles,
-in key-tile order); dK/dV of a kv head accumulate over every query head of its GQA group in the
-same PSUM tiles. Deterministic: one fixed accumulation order, no atomics. Whole-tile skipping
-and masks follow ``tiles.plan_row`` / ``tiles.row_bounds`` exactly like the forward; 128-key
-blocks no query of the tile sees also skip the dV/dK/dQ matmuls.
+dQ accumulates over key tiles in fp32, in key-tile order: in SBUF for the whole pass when the
+GQA group's accumulators take at most half a partition (``dq_resident``; Sq <= 16384 at G = 1,
+D = 128), else in an fp32 HBM scratch (loaded / stored per group visit, one DMA each). dK/dV of
+a kv head accumulate over every query head of its GQA group in the same PSUM tiles.
+Deterministic: one fixed accumulation order, no atomics. Whole-tile skipping and masks follow
+``tiles.plan_row`` / ``tiles.row_bounds`` exactly like the forward; 128-key blocks no query of
+the tile sees also skip the dV/dK/dQ matmuls.
 
 LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two programs split the kv heads (hk % 2), each with
 its GQA group's query heads, so every output row and dsinks entry has one writer and no
 barrier is needed; with a single kv head the second program idles.
 
 Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile TensorE does S, dP,
-4 x (dV, dK, dS^T, dQ); ScalarE the exp and all PSUM evictions of dS^T/Q/dO; VectorE dS and
-the dQ accumulation; GpSimd (otherwise idle) the causal/window masks of diagonal tiles. The
-cost model's busy times at Sq = Sk = 8192 causal: TensorE 741 us, VectorE 751, ScalarE 592,
-DMA 795 (nki_lib.simulator.profile.estimate).
-The streamed traffic (Q^T, dO^T, dQ accumulators) moves 1-2 KiB per partition per DMA (one
-DMA per query group, not per tile); small DMAs remain once per query tile (phase 0, final dq
-store) and once per key tile (K rows, dK/dV stores).
+4 x (dV, dK, dS^T, dQ) (3072 cycles, 2560 of them useful: the dS^T transposes bound TensorE at
+83% of its roofline); ScalarE the exp and the dP - delta eviction (854 ns); VectorE dS, the dS^T
+evictions and the dQ accumulation (933 ns); GpSimd the causal/window masks of diagonal tiles.
+Busy times at Sq = Sk = 4096 causal: TensorE 170 us, VectorE 130, ScalarE 129, DMA 108; estimated
+199 us (67-68% of the engine-aware roofline; 8192 causal and 4096 full reach 76%).
+Every streamed DMA moves one contiguous run of >= 1 KiB per partition (Q/dO rows and Q^T/dO^T
+2 KiB per group, O/dO 2 KiB per group in phase 0, K rows and dK/dV 1 KiB per key tile).
 
-Working set (per partition; D <= 128, 16-bit inputs): SBUF about 18 KiB (two query groups and
-two score tiles in flight) plus 16 B of statistics per query tile (19.8 KiB at Sq = 16384),
-otherwise independent of the sequence lengths. PSUM: the dK and dV accumulators (one bank each,
-two each for D in (128, 256]) plus two banks of the current half step (S and dP, or dS^T and
-dQ; the Q/dO transposes take one before S exists): 4 banks at D <= 128, at most 8 at D = 256.
+Working set (per partition; D <= 128, 16-bit inputs): SBUF about 36 KiB (eight pairs, three
+query groups and two key tiles in flight) plus 16 B of statistics per query tile, plus, when
+resident, 4 * D B of fp32 dQ accumulator per query tile and query head of the GQA group.
+PSUM: dK, dV (one bank each, two each for D in (128, 256]) and one S, dP, dS^T and dQ tile each
+(every PSUM tile is consumed one pipeline step after it is made): 6 banks at D <= 128, 8 at
+D = 256.
 
-Shapes (HBM; the launcher prepares the transposed copies, layout glue): q, out, dout
-(B, Hq, Sq, D); q_t, dout_t (B, Hq, D, Sq); k (B, Hkv, Sk, D); k_t, v_t (B, Hkv, D, Sk);
-lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32; doc (2, Sq) fp32 first/last position of each
-position's document (cu_seqlens). Scratch: dq_acc (B, Hq, NG, 128, 4, D) fp32 (query group
-layout: one contiguous run per partition), stats (bwd_prep).
+Shapes (HBM; the launcher prepares the layouts, layout glue): qdo_rows, od_rows
+(B, Hq, NG, pmax, per, 2, D) (Q and dO / O and dO rows in row-group layout, ``row_groups``:
+[.., g, p, s, :] = row (g * per + s) * pmax + p, zero rows past Sq); qdo_t (B, Hq, NG, D, 2,
+per * pmax) (Q^T and dO^T by group); k_rows (B, Hkv, NKT, pmax, per, D); k_t, v_t
+(B, Hkv, D, Sk); lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32; doc (2, Sq) fp32 first/last
+position of each position's document (cu_seqlens). Outputs dq (B, Hq, NG, pmax, per, D) and
+dk, dv (B, Hkv, NKT, pmax, per, D) in row-group layout (the launcher turns them back).
+Scratch (non-resident dQ): dq_acc like dq, fp32.
 Dimension legend: B batch, Hq/Hkv query/kv heads (G = Hq // Hkv), Sq/Sk lengths, D head dim,
-qn/kn rows/keys of the current tile, NT query tiles, NG query groups.
+pmax partitions, per = 128-row tiles per group (= 128-key blocks per key tile, 4), NG query
+groups, NKT key tiles, qn/kn rows/keys of the current tile, NT query tiles.
 Limits: D <= 256 (two contraction chunks); bf16/fp16/fp32; Sq + Sk < 2**24 (float32 key
 indices); with cu_seqlens and no softcap, scale > 0 (document-masked scores are filled with the
 most negative float32 before exp), else ``Unsupported``.
@@ -300,17 +303,18 @@ def dq_resident(group, seqlen_q, head_dim):
 
 # Software pipeline: the stage of pair j issued at step j + lag. Per step, the program order below
 # puts each engine's work whose inputs were produced in earlier steps first, so no in-order engine
-# queue waits behind a result of the same step (PSUM tiles are consumed before new ones are made:
-# at most dK, dV, S, dP, dS^T and dQ tiles are live, 6 banks).
+# queue waits behind a result of the same step. Each PSUM tile is consumed one step after it is made
+# and consumers come first in a step: at most dK, dV, S, dP, dS^T and dQ tiles are live (6 banks at
+# D <= 128, 8 at D = 256). Lags measured on trn2 at Sq = Sk = 4096 causal (cost model).
 STAGES = (  # (lag, stage)
-    (5, "acc"),       # VectorE/ScalarE: dQ_part into the group accumulator (then a group may finish)
-    (3, "evict"),     # VectorE: dS^T PSUM -> SBUF
+    (7, "acc"),       # VectorE/ScalarE: dQ_part into the group accumulator (then a group may finish)
+    (4, "evict"),     # VectorE: dS^T PSUM -> SBUF
     (1, "probs"),     # ScalarE: P = exp(...), dP - delta; GpSimd masks
-    (1, "dscores"),   # VectorE: dS
+    (2, "dscores"),   # VectorE: dS
     (0, "scores"),    # TensorE: S, dP
-    (2, "dv"),        # TensorE: dV += P^T dO
-    (4, "dq"),        # TensorE: dQ_part = dS K
-    (2, "dk"),        # TensorE: dK += dS^T Q, dS^T
+    (3, "dv"),        # TensorE: dV += P^T dO
+    (6, "dq"),        # TensorE: dQ_part = dS K
+    (3, "dk"),        # TensorE: dK += dS^T Q, dS^T
 )
 PIPELINE_LAG = max(lag for lag, _ in STAGES)
 

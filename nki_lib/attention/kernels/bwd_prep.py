@@ -7,8 +7,8 @@ on partition p, column t):
 
 * ``neg_delta = dlse - rowsum(dO * O)`` (= -delta): per query group (``per`` tiles in the
   row-group layout, one DMA for O and dO) one VectorE product and ``per`` ScalarE row sums
-  (``activation_reduce``); then one subtract for the head. Stored negated so the main loop subtracts delta as the bias of its
-  ScalarE PSUM eviction of dP.
+  (``activation_reduce``); then one subtract for the head. Stored negated so the main loop
+  subtracts delta as the bias of its ScalarE PSUM eviction of dP.
 * ``neg_lse = -lse``, and 0 where ``lse = -inf`` (rows with no visible key and no sink: their
   probabilities are masked to 0 anyway; the exp bias must stay finite): three VectorE ops.
 * ``lo``, ``hi``: the visible-key interval of the row (causal, window and document masks, from

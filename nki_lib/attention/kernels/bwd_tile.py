@@ -1,26 +1,32 @@
-"""Flash-attention backward: the work of one (query tile, key tile) pair, in two halves.
+"""Flash-attention backward: the stages of one (query tile, key tile) pair.
 
-Used by ``bwd.flash_bwd_kernel`` (plain NKI helpers, inlined at trace time); the loop structure,
-budget and engine balance are described there. Per pair of a query tile (qn <= 128 rows on
-partitions) and a key tile (kn <= 512 keys on the free axis):
+Used by ``bwd.flash_bwd_kernel`` (plain NKI helpers, inlined at trace time), which runs each
+stage of pair j at pipeline step j + lag (``bwd.STAGES``); the loop structure, budget and engine
+balance are described there. Per pair of a query tile (qn <= 128 rows on partitions) and a key
+tile (kn <= 512 keys on the free axis; diagonal tiles stop at the last visible 128-key block),
+a :class:`Pair` carries the tiles from one stage to the next:
 
-    scores_step:  Q, dO rows-on-partitions     TensorE transposes of the group's Q^T / dO^T
-                  S = Q K^T, dP = dO V^T       TensorE -> PSUM fp32 (D contracted in <= 128 chunks)
-                  P = exp(scale * S - lse)     ScalarE, bias = -lse (0 for rows with lse = -inf)
-                  (softcap: t = tanh(scale * S / softcap), P = exp(softcap * t - lse))
-                  masks (partial tiles only)   documents: VectorE range_select before exp, with
-                                               the per-row bounds; otherwise GpSimd affine_select
-                                               of 0 into P (causal / sliding window)
-                  dS = (dP - delta) * P        VectorE, [* (1 - t^2) under softcap]
-    grads_step:   per visible 128-key block: dV += P^T dO, dK += dS^T Q (TensorE, PSUM fp32
-                  accumulators of the key tile), dS^T (TensorE transpose, ScalarE eviction);
-                  dQ_part = dS K (TensorE), acc = scale * dQ_part (+ acc) in the fp32 group
-                  accumulator (ScalarE on the tile's first key tile, else VectorE).
+    scores_stage:  S = Q K^T, dP = dO V^T       TensorE -> PSUM fp32 (D contracted in <= 128
+                                                chunks; Q^T / dO^T of the group are stationary)
+    probs_stage:   P = exp(scale * S - lse)     ScalarE, bias = -lse (0 for rows with lse = -inf)
+                   (softcap: t = tanh(scale * S / softcap), P = exp(softcap * t - lse))
+                   masks (partial tiles only)   documents: VectorE range_select before exp, with
+                                                the per-row bounds; otherwise GpSimd affine_select
+                                                of 0 into P (causal / sliding window)
+                   dP - delta                   ScalarE PSUM eviction (copy with bias -delta), fp32
+    dscores_stage: dS = (dP - delta) * P        VectorE, [* (1 - t^2) under softcap]
+    dv_stage:      dV += P^T dO                 TensorE, per visible 128-key block
+    dk_stage:      dK += dS^T Q, dS^T           TensorE, per visible block (transpose to PSUM)
+    evict_stage:   dS^T PSUM -> SBUF            VectorE
+    dq_stage:      dQ_part = dS K               TensorE -> PSUM fp32
+    acc_stage:     acc (+)= dQ_part             the fp32 group accumulator (ScalarE copy on the
+                                                tile's first key tile, else VectorE add); the
+                                                softmax scale is applied when dq leaves
 
-Shapes: S, dP (qn, kn) fp32 PSUM; P, dS (qn, kn) in the input dtype (SBUF); dS^T
-(128, nblocks, qn) PSUM -> SBUF; dQ_part (qn, D) fp32 PSUM; dK/dV accumulators
+Shapes: S, dP (qn, kn) fp32 PSUM; dP - delta (qn, kn) fp32 SBUF; P, dS (qn, kn) in the input
+dtype (SBUF); dS^T (128, nblocks, qn) PSUM -> SBUF; dQ_part (qn, D) fp32 PSUM; dK/dV accumulators
 (128, nblocks, stride >= D) fp32 PSUM; stats (128, NT, NSTAT) fp32 (``bwd_prep``).
-Dimension legend: qn/kn rows/keys of the tile, D head dim, NT query tiles.
+Dimension legend: qn/kn rows/keys of the tile, D head dim, NT query tiles, NSTAT statistics.
 Limits: D <= 256; masked scores (documents, no softcap) need scale > 0 (checked by the
 launcher); P and dS are rounded to the input dtype before their matmuls (as flash-attn does).
 """
