@@ -91,8 +91,8 @@ def test_paged_reads_only_used_blocks():
 
 
 @pytest.mark.parametrize("window_left, cap, length", [(-1, 24576, 20000), (22000, 40960, 38000)])
-def test_contiguous_interior_chunks_use_one_hwdge_dma(window_left, cap, length):
-    """Chunks made only of needed units load with one hardware-DGE DMA each; edge chunks gather."""
+def test_contiguous_interior_chunks_use_hwdge_dmas(window_left, cap, length):
+    """Chunks made only of needed units load with hardware-DGE DMAs (no gather); edge chunks gather."""
     sample = make_sample(2, 4, 1, 2, 128, [length, 130], torch.bfloat16, capacity_=cap,
                          window_left=window_left)
     outs, report = _launch(sample, num_splits=2)

@@ -106,6 +106,9 @@ STEP_SLOTS = 64                   # slots per softmax step: >= 64 keeps the per-
                                   # one element per cycle; a chunk has >= 2 steps to pipeline
 MIN_II_ELEMS = 64                 # an instruction costs at least ~64 engine cycles (MIN_II): per-row
                                   # instructions pay off only when a row has this many slots
+DIRECT_PIECE_SLOTS = 32           # contiguous interior chunks load K and V in pieces of 32 slots (8 KiB
+                                  # rows at D=128 bf16, >= 2 KiB per descriptor; 600 ns hwdge issue
+                                  # each): the first scores and P @ V start while the rest lands
 KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers; streams (one per
                                   # (b, hk, split)) rotate over the pairs that fit, so consecutive
@@ -412,14 +415,15 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
     units_per_chunk = m * pmax // unit_keys
     k_chunk, v_chunk = chunk_pair
     regs, window_sb = setup.regs, setup.window
-    steps = _spans(m, plan[0])       # K loads per softmax step: the first step's scores start early
+    steps = _spans(m, plan[0])       # gathered K per softmax step: the first step's scores start early
     n_cols = unit_table.shape[1]
     for r in range(len(regs) // 2):
         interior = r == INTERIOR_RANGE
         direct = interior and seq_offset is not None
         for col in nl.dynamic_range(regs[2 * r], regs[2 * r + 1], units_per_chunk):
-            if direct:                                  # K per softmax step, then V whole
-                for cache, buf, pieces in ((k_units, k_chunk, steps), (v_units, v_chunk, steps)):
+            if direct:                                  # K, then V, in pieces
+                pieces = _spans(m, DIRECT_PIECE_SLOTS)
+                for cache, buf in ((k_units, k_chunk), (v_units, v_chunk)):
                     for c0, n in pieces:
                         src = cache.ap([[m * d, pmax], [1, n * d]], offset=seq_offset + head_offset + c0 * d,
                                        scalar_offset=col, indirect_dim=0)
