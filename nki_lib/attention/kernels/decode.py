@@ -27,12 +27,12 @@ keeps ``m = STAT_INIT`` and gets weight exactly 0.
 One chunk (``u`` keys per gathered unit, ``M`` keys per partition)::
 
     unit ids (C/u, 1) int32   <- DMA of unit_table[b, col : col + C/u]      (col = loop register)
-    K, V chunk (128, M*D)     <- one indirect DMA each (vector_offset = unit ids, oob_mode.skip):
-                                 unit i lands on keys [i*u, (i+1)*u), key k on partition k // M,
-                                 slot k % M: each partition receives one contiguous run of M*D
+    K, V chunk (128, M*D)     <- indirect DMAs (vector_offset = unit ids, oob_mode.skip), K one per
+                                 softmax step, V whole: unit i lands on keys [i*u, (i+1)*u), key k
+                                 on partition k // M, slot k % M: one contiguous run per partition
     per softmax step of n slots (``chunk_plan``: n*rn <= 4096 fp32, n <= 128):
       K^T (dc, 128*nk) PSUM   <- nk TensorE transposes of slots c (keys {p*M + c}) per K^T block
-                                 (one PSUM bank), evicted by VectorE, issued 2 blocks ahead
+                                 (one PSUM bank), evicted by VectorE, issued 3 blocks ahead
       S^T[:, :, c] (128, rn)  =  sum over head-dim chunks of matmul(K^T slot c (dc, 128), q^T (dc, rn))
                                  into a score block (one PSUM bank), evicted by ScalarE with the
                                  scale (and tanh for softcap) into S^T (128, rn, n) (rows outermost)
@@ -47,8 +47,9 @@ One chunk (``u`` keys per gathered unit, ``M`` keys per partition)::
 
 Each split visits three chunk ranges in key order (``split_bounds`` (B, S, 6)): edge chunks,
 interior chunks (every key inside ``[first, L_b)``), edge chunks. For a contiguous cache an
-interior chunk is one contiguous HBM run per kv head and loads with one hardware-DGE DMA per K/V
-(``.ap(scalar_offset=col)``, no GpSimd descriptor generation); everything else gathers.
+interior chunk is one contiguous HBM run per kv head and loads with hardware-DGE DMAs
+(``.ap(scalar_offset=col)``, ``DIRECT_PIECE_SLOTS`` slots each, no GpSimd descriptor generation);
+everything else gathers.
 
 Only needed units are read: the launcher replaces the ids of units that hold no key of
 ``[first, L_b)`` by an out-of-range sentinel and the indirect DMA skips them (their SBUF rows keep
