@@ -101,3 +101,12 @@ def test_expert_spanning_many_blocks():
     """First, middle and last blocks of one expert: fp32 weight-gradient accumulation across blocks."""
     ids = torch.tensor([[1, 0]] * 13)                                 # expert 1: 13 slots -> 4 blocks
     check(sample(13, 24, 16, 3, 2, 4, torch.bfloat16, topk_ids=ids))
+
+
+def test_grouped_blocks():
+    """The forward merges up to 512 slots of an expert's consecutive blocks into one group sharing
+    the weight tiles: several live slot tiles per group, skipped padding tiles, slot tiles that span
+    two blocks (B = 48), and groups cut inside an expert's run (B = 8: 64 blocks per group)."""
+    check(sample(300, 24, 16, 2, 2, 64, torch.bfloat16))
+    check(sample(100, 24, 16, 2, 1, 48, torch.float32, "gelu"))
+    check(sample(700, 16, 8, 1, 1, 8, torch.float16, "gelu_tanh"))

@@ -48,6 +48,7 @@ import torch
 
 from nki_lib._nki import nki, nisa, nl
 from nki_lib.dispatch import Unsupported, call_kernel
+from nki_lib.moe.kernels.expert_groups import merge_blocks
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are live at once
@@ -242,28 +243,30 @@ def reduce_assignments(src_slots, dst, top_k, topk_w=None):
 
 # --------------------------------------------------------------------------- kernel
 
-def _gate_up(x_t, w_gate_up, expert_reg, h_tiles, block, activation, h_t):
-    """hT[:, it, :] = act(W_gate x) * (W_up x) per I tile (I on partitions, slots free)."""
+def _gate_up(x_t, w_gate_up, expert_reg, slot_tiles, h_tiles, activation, h_t):
+    """hT[:, it, slots] = act(W_gate x) * (W_up x) per I tile (I on partitions, slots free); the
+    W^T tiles are shared by all live slot tiles, each slot tile is computed under its guard."""
     inter = w_gate_up.shape[1] // 2
     for it, (i0, isz) in enumerate(tiles(inter, nl.tile_size.pmax)):
         wg_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, i0, isz)
         wu_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, inter + i0, isz)
-        for n0, nn in tiles(block, nl.tile_size.gemm_moving_fmax):
-            g_psum = nl.ndarray((isz, nn), dtype=nl.float32, buffer=nl.psum)
-            u_psum = nl.ndarray((isz, nn), dtype=nl.float32, buffer=nl.psum)
-            for ht, (h0, hs) in enumerate(h_tiles):
-                nisa.nc_matmul(dst=g_psum, stationary=wg_sb[:hs, ht, :], moving=x_t[:hs, ht, n0:n0 + nn],
-                               accumulate=ht > 0)
-                nisa.nc_matmul(dst=u_psum, stationary=wu_sb[:hs, ht, :], moving=x_t[:hs, ht, n0:n0 + nn],
-                               accumulate=ht > 0)
-            act_sb = nl.ndarray((isz, nn), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=act_sb, op=act_fn(activation), data=g_psum)
-            nisa.tensor_tensor(dst=h_t[:isz, it, n0:n0 + nn], data1=act_sb, data2=u_psum, op=nl.multiply)
+        for s0, ps, _, _, _, live_reg in slot_tiles:
+            for _ in nl.dynamic_range(0, live_reg):
+                g_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
+                u_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
+                for ht, (h0, hs) in enumerate(h_tiles):
+                    nisa.nc_matmul(dst=g_psum, stationary=wg_sb[:hs, ht, :], moving=x_t[:hs, ht, s0:s0 + ps],
+                                   accumulate=ht > 0)
+                    nisa.nc_matmul(dst=u_psum, stationary=wu_sb[:hs, ht, :], moving=x_t[:hs, ht, s0:s0 + ps],
+                                   accumulate=ht > 0)
+                act_sb = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.activation(dst=act_sb, op=act_fn(activation), data=g_psum)
+                nisa.tensor_tensor(dst=h_t[:isz, it, s0:s0 + ps], data1=act_sb, data2=u_psum, op=nl.multiply)
 
 
 def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols):
-    """y_slots[a] = w_a * (h @ W_down^T): per H chunk, contraction over I tiles in PSUM; the
-    scaled rows are staged ``y_cols`` wide in SBUF and scattered once per slot tile and group."""
+    """y_slots[a] = h @ W_down^T: per H chunk, contraction over I tiles in PSUM (per live slot
+    tile); the rows are staged ``y_cols`` wide in SBUF and scattered once per slot tile and group."""
     hidden = w_down.shape[1]
     for g0, gn in tiles(hidden, y_cols):
         y_rows = [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
@@ -271,74 +274,87 @@ def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols
             y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
             for span in spans(i_tiles):
                 wd_t = load_expert_t(w_down, expert_reg, span, g0 + h0, hn)
-                for si, (i0, isz) in enumerate(span):
-                    it = i0 // nl.tile_size.pmax
-                    for (s0, ps, *_), y_psum in zip(slot_tiles, y_psums):
-                        nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps],
-                                       moving=wd_t[:isz, si, :], accumulate=it > 0)
-            for y_psum, y_sb in zip(y_psums, y_rows):
-                nisa.activation(dst=y_sb[:, h0:h0 + hn], op=nl.copy, data=y_psum)
-        for (_, _, _, asg_sb, _, _), y_sb in zip(slot_tiles, y_rows):
-            scatter_rows(y_slots, asg_sb, y_sb, g0)
+                for (s0, ps, _, _, _, live_reg), y_psum in zip(slot_tiles, y_psums):
+                    for _ in nl.dynamic_range(0, live_reg):
+                        for si, (i0, isz) in enumerate(span):
+                            it = i0 // nl.tile_size.pmax
+                            nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps],
+                                           moving=wd_t[:isz, si, :], accumulate=it > 0)
+            for (*_, live_reg), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
+                for _ in nl.dynamic_range(0, live_reg):
+                    nisa.activation(dst=y_sb[:, h0:h0 + hn], op=nl.copy, data=y_psum)
+        for (_, _, _, asg_sb, _, live_reg), y_sb in zip(slot_tiles, y_rows):
+            for _ in nl.dynamic_range(0, live_reg):
+                scatter_rows(y_slots, asg_sb, y_sb, g0)
 
 
-def _block_rows(x, tok_ids, asg_ids, b, block):
-    """Slot tiles (s0, ps, token ids, assignment ids, None, x rows) of block b; the x row tiles
-    are allocated here and filled by ``_gather_block``."""
-    return [(s0, ps, tok_ids[:ps, st, b:b + 1], asg_ids[:ps, st, b:b + 1], None,
-             nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf))
-            for st, (s0, ps) in enumerate(tiles(block, nl.tile_size.pmax))]
+def _group_rows(x, tok_ids, asg_ids, live_sb, g, group):
+    """Slot tiles (s0, ps, token ids, assignment ids, x rows, live register) of group g: the x row
+    tiles are allocated here and filled by ``_gather_group``; the register is the tile's 0/1 guard."""
+    slot_tiles = []
+    for st, (s0, ps) in enumerate(tiles(group, nl.tile_size.pmax)):
+        live_reg = nisa.register_alloc()
+        nisa.register_load(live_reg, live_sb[0:1, g, st:st + 1])
+        slot_tiles.append((s0, ps, tok_ids[:ps, st, g:g + 1], asg_ids[:ps, st, g:g + 1],
+                           nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf), live_reg))
+    return slot_tiles
 
 
-def _gather_block(x, slot_tiles):
-    for _, _, tok_sb, _, _, x_rows in slot_tiles:
-        gather_rows_into(x_rows, x, tok_sb)
+def _gather_group(x, slot_tiles):
+    for _, _, tok_sb, _, x_rows, live_reg in slot_tiles:
+        for _ in nl.dynamic_range(0, live_reg):
+            gather_rows_into(x_rows, x, tok_sb)
 
 
-def _block_fwd(x, slot_tiles, w_gate_up, w_down, regs, next_block, block, activation, h_chunk, y_cols,
+def _group_fwd(x, slot_tiles, w_gate_up, w_down, regs, next_group, group, activation, h_chunk, y_cols,
                y_slots):
-    """Block body in three guarded phases: xT and h (gate/up), then the gather of the next block's
-    rows (``next_block`` = (registers, slot tiles) or None), then the down projection and scatter.
-    GpSimd issues DMAs in program order, so the next gather must precede this block's scatter (which
-    waits for the block's last matmul) for the gather to overlap this block's compute."""
+    """Group body in three guarded phases: xT and h (gate/up), then the gather of the next group's
+    rows (``next_group`` = (registers, slot tiles) or None), then the down projection and scatter.
+    GpSimd issues DMAs in program order, so the next gather must precede this group's scatter (which
+    waits for the group's last matmul) for the gather to overlap this group's compute."""
     pmax = nl.tile_size.pmax
     expert_reg, trips_reg = regs
     h_tiles, i_tiles = tiles(x.shape[1], pmax), tiles(w_down.shape[2], pmax)
-    x_t = nl.ndarray((pmax, len(h_tiles), block), dtype=x.dtype, buffer=nl.sbuf)
-    h_t = nl.ndarray((pmax, len(i_tiles), block), dtype=x.dtype, buffer=nl.sbuf)
+    x_t = nl.ndarray((pmax, len(h_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
+    h_t = nl.ndarray((pmax, len(i_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
     for _ in nl.dynamic_range(0, trips_reg):
-        for s0, _, _, _, _, x_rows in slot_tiles:
-            transpose_rows(x_t, x_rows, s0)
-        _gate_up(x_t, w_gate_up, expert_reg, h_tiles, block, activation, h_t)
-    if next_block is not None:
-        (_, next_trips), next_tiles = next_block
+        for s0, _, _, _, x_rows, live_reg in slot_tiles:
+            for _ in nl.dynamic_range(0, live_reg):
+                transpose_rows(x_t, x_rows, s0)
+        _gate_up(x_t, w_gate_up, expert_reg, slot_tiles, h_tiles, activation, h_t)
+    if next_group is not None:
+        (_, next_trips), next_tiles = next_group
         for _ in nl.dynamic_range(0, next_trips):
-            _gather_block(x, next_tiles)
+            _gather_group(x, next_tiles)
     for _ in nl.dynamic_range(0, trips_reg):
         _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols)
 
 
 @nki.jit
-def moe_experts_fwd(x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up, w_down,
+def moe_experts_fwd(x, topk_w, group_expert, slot_token, slot_assignment, tile_live, w_gate_up, w_down,
                     activation, top_k, h_chunk, y_cols):
     t_len, hidden = x.shape
-    n_blocks = block_expert.shape[0]
-    block = slot_token.shape[0] // n_blocks
+    n_groups = group_expert.shape[0]
+    group = slot_token.shape[0] // n_groups
+    n_slot_tiles = len(tiles(group, nl.tile_size.pmax))
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
     y_slots = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.private_hbm)
-    expert_sb, valid_sb = block_flags(block_expert)
-    tok_ids = load_all_ids(slot_token, n_blocks, block)
-    asg_ids = load_all_ids(slot_assignment, n_blocks, block)
-    current = (block_registers(expert_sb, valid_sb, 0), _block_rows(x, tok_ids, asg_ids, 0, block))
+    expert_sb, valid_sb = block_flags(group_expert)
+    live_sb = nl.ndarray((1, n_groups, n_slot_tiles), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=live_sb, src=tile_live.ap([[n_groups * n_slot_tiles, 1], [n_slot_tiles, n_groups],
+                                                 [1, n_slot_tiles]], offset=0))
+    tok_ids = load_all_ids(slot_token, n_groups, group)
+    asg_ids = load_all_ids(slot_assignment, n_groups, group)
+    current = (block_registers(expert_sb, valid_sb, 0), _group_rows(x, tok_ids, asg_ids, live_sb, 0, group))
     for _ in nl.dynamic_range(0, current[0][1]):
-        _gather_block(x, current[1])
-    # Static unroll (compile-time Python loop): block b's body also issues block b + 1's gather.
-    for b in range(n_blocks):
+        _gather_group(x, current[1])
+    # Static unroll (compile-time Python loop): group g's body also issues group g + 1's gather.
+    for g in range(n_groups):
         following = None
-        if b + 1 < n_blocks:
-            following = (block_registers(expert_sb, valid_sb, b + 1),
-                         _block_rows(x, tok_ids, asg_ids, b + 1, block))
-        _block_fwd(x, current[1], w_gate_up, w_down, current[0], following, block, activation, h_chunk,
+        if g + 1 < n_groups:
+            following = (block_registers(expert_sb, valid_sb, g + 1),
+                         _group_rows(x, tok_ids, asg_ids, live_sb, g + 1, group))
+        _group_fwd(x, current[1], w_gate_up, w_down, current[0], following, group, activation, h_chunk,
                    y_cols, y_slots)
         current = following
     reduce_assignments(y_slots, y, top_k, topk_w)
@@ -392,7 +408,8 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     span_tiles = min(it, WEIGHT_SPAN // pmax)
     down = 2 * span_tiles * h_chunk * itemsize + staged_bytes(y_cols, hidden, st)   # W_down^T span, o rows
     body = slot_tiles + resident + staging + gate_up + down
-    return flags_sbuf_bytes(n_blocks, block) + max(body, tail_sbuf_bytes(top_k, itemsize))
+    live_flags = n_blocks * st * 4
+    return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, tail_sbuf_bytes(top_k, itemsize))
 
 
 def tiling(hidden, inter, block, itemsize, **counts):
@@ -428,14 +445,33 @@ def slot_tokens(slot_assignment, top_k):
                        torch.full_like(slot_assignment, -1)).to(torch.int32).contiguous()
 
 
+def group_blocks(hidden, inter, block, itemsize, **counts):
+    """Blocks per group (see :mod:`.expert_groups`): the most, up to MAX_PSUM_SLOT_TILES * 128
+    slots, whose SBUF estimate fits with the output rows staged whole (a group staged in H chunks
+    issues one indirect scatter per chunk and slot tile, and GpSimd, which issues them in order,
+    becomes the bound); 1 when no larger group does."""
+    fit = nl.tile_size.total_available_sbuf_size
+    blocks = max(1, MAX_PSUM_SLOT_TILES * nl.tile_size.pmax // block)
+    while blocks > 1:
+        group = blocks * block
+        if (sbuf_bytes(hidden, inter, group, itemsize, **counts) <= fit
+                and tiling(hidden, inter, group, itemsize, **counts)[1] >= hidden):
+            break
+        blocks //= 2
+    return blocks
+
+
 def run(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
     """Launch the forward kernel (host side: index metadata and views only)."""
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
                                  sbuf_fn=sbuf_bytes)
     top_k = topk_weights.shape[1]
-    h_chunk, y_cols = tiling(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
-                             n_blocks=block_expert.shape[0])
+    hidden, inter, itemsize = x.shape[1], w_down.shape[2], x.element_size()
+    counts = dict(top_k=top_k, n_blocks=block_expert.shape[0])
+    blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
+    group_expert, group_slots, tile_live = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
+    h_chunk, y_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
+                             n_blocks=group_expert.shape[0])
     return call_kernel(moe_experts_fwd, x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
-                       block_expert.contiguous(), slot_tokens(slot_assignment, top_k),
-                       slot_assignment.contiguous(), w_gate_up.contiguous(), w_down.contiguous(),
-                       activation, top_k, h_chunk, y_cols)
+                       group_expert, slot_tokens(group_slots, top_k), group_slots, tile_live,
+                       w_gate_up.contiguous(), w_down.contiguous(), activation, top_k, h_chunk, y_cols)

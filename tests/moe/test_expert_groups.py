@@ -1,0 +1,77 @@
+"""Host-side grouping of an expert's consecutive blocks for the expert-MLP forward
+(``nki_lib.moe.kernels.expert_groups.merge_blocks``): every slot kept exactly once and in order,
+groups of one expert, live-tile flags, and a group count that does not depend on the routing."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import nki_lib.moe  # noqa: F401  (registers torch.ops.nki.moe_plan)
+from nki_lib._nki import nl
+from nki_lib.moe.kernels.expert_groups import group_count, merge_blocks
+
+
+def plan(topk_ids, experts, block):
+    block_expert, slot_assignment, _ = torch.ops.nki.moe_plan(topk_ids.to(torch.int32), num_experts=experts,
+                                                               block_size=block)
+    return block_expert, slot_assignment
+
+
+def check_groups(block_expert, slot_assignment, group_blocks, experts):
+    n_blocks = block_expert.numel()
+    block = slot_assignment.numel() // n_blocks
+    group_expert, group_slots, tile_live = merge_blocks(block_expert, slot_assignment, group_blocks, experts)
+    group = group_blocks * block
+    by_group = group_slots.reshape(-1, group)
+    assert by_group.shape[0] == group_expert.numel()
+    # Expected: walk the plan; runs of one expert cut every group_blocks blocks.
+    expected_slots, expected_experts, prev, in_group = [], [], None, 0
+    for b in range(n_blocks):
+        e = int(block_expert[b])
+        if e < 0:
+            prev = None
+            continue
+        if e != prev or in_group == group_blocks:
+            expected_slots.append([])
+            expected_experts.append(e)
+            in_group = 0
+        expected_slots[-1].extend(slot_assignment[b * block:(b + 1) * block].tolist())
+        prev, in_group = e, in_group + 1
+    n_used = len(expected_experts)
+    assert group_expert[:n_used].tolist() == expected_experts
+    assert (group_expert[n_used:] == -1).all()
+    for g, slots in enumerate(expected_slots):
+        assert by_group[g].tolist() == slots + [-1] * (group - len(slots))
+    assert (by_group[n_used:] == -1).all()
+    pmax = nl.tile_size.pmax
+    live = torch.stack([(by_group[:, s0:s0 + pmax] >= 0).any(1) for s0 in range(0, group, pmax)], 1)
+    assert tile_live.tolist() == live.reshape(-1).to(torch.int32).tolist()
+    return group_expert
+
+
+@given(t=st.integers(1, 300), experts=st.integers(1, 6), k=st.integers(1, 3), block=st.integers(1, 200),
+       group_blocks=st.integers(1, 9), seed=st.integers(0, 99))
+@example(t=300, experts=2, k=2, block=64, group_blocks=8, seed=0)     # several live slot tiles per group
+@example(t=100, experts=2, k=1, block=48, group_blocks=10, seed=1)    # slot tiles spanning blocks
+def test_groups_of_moe_plan(t, experts, k, block, group_blocks, seed):
+    k = min(k, experts)
+    gen = torch.Generator().manual_seed(seed)
+    topk_ids = torch.argsort(torch.rand(t, experts, generator=gen), dim=1)[:, :k]
+    block_expert, slot_assignment = plan(topk_ids, experts, block)
+    group_expert = check_groups(block_expert, slot_assignment, group_blocks, experts)
+    # The number of groups is a function of the plan's size only (one kernel specialization).
+    n_blocks = block_expert.numel()
+    assert group_expert.numel() == group_count(n_blocks, experts, group_blocks, 0)
+
+
+def test_non_consecutive_blocks_and_idle_blocks():
+    """A plan whose expert blocks are not consecutive (accepted by the op) still keeps every slot."""
+    block_expert = torch.tensor([1, 0, 1, 1, -1, 1, 2, -1], dtype=torch.int32)
+    slot_assignment = torch.arange(16, dtype=torch.int32)
+    slot_assignment[8:10] = -1
+    slot_assignment[14:] = -1
+    slot_assignment[3] = -1
+    group_expert = check_groups(block_expert, slot_assignment, 2, 3)
+    assert group_expert.tolist()[:5] == [1, 0, 1, 1, 2]
