@@ -76,7 +76,8 @@ states with ``sendrecv`` and both merge; core p stores the row tiles t with t % 
 
 Shapes (HBM): q (B, Hq, Sq, D); k_units/v_units (N_units, row_stride) -- the cache viewed as rows
 of gatherable units (paged: one block of all kv heads per row, head hk at ``hk * head_offset``;
-contiguous: ``u`` keys of one head per row, ``seq_units`` rows per sequence); unit_table (B, n_cols) int32 unit ids of kv head 0;
+contiguous: ``u`` keys of one head per row, ``seq_units`` rows per sequence); unit_table (B, n_cols)
+int32 unit ids of kv head 0;
 split_bounds (B, S, 6) int32: three [start, stop) ranges in unit columns; key_window (B, S, 2)
 float32 [first, L_b) relative to the split's first key; row_bounds (B, S, R, 2) float32
 (lo, hi) relative to the split's first key; sink_rows (Hkv, R) float32 or None.
