@@ -142,10 +142,10 @@ def test_unsupported_before_launch():
 
 
 # SBUF bytes per partition the backward may use at Sq = 16384, D = 128 (bwd.py docstring: about
-# 36 KiB -- the software pipeline keeps a few query groups, key tiles and eight pairs in flight --
-# plus 16 B of statistics per query tile, plus the fp32 dQ accumulators of the head, 4 * D B per
+# 38 KiB -- the software pipeline keeps a few query groups, key tiles and eight pairs in flight --
+# plus 24 B of statistics per query tile, plus the fp32 dQ accumulators of the head, 4 * D B per
 # query tile, which stay in SBUF at this size).
-SBUF_BUDGET_BYTES = 40 * 1024 + (16384 // 128) * 128 * 4
+SBUF_BUDGET_BYTES = 44 * 1024 + (16384 // 128) * 128 * 4
 
 
 @pytest.mark.slow

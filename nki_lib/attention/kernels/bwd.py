@@ -14,8 +14,10 @@ of one query tile x key tile pair), ``bwd_prep`` (phase 0: per-row statistics, d
 Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace time):
 
     for b, kv head hk (one pass each, LNC2: split between the programs):
-        issue the first key tile's loads, then phase 0 (bwd_prep) of hk's query heads: -lse,
-        -delta (and the per-row key bounds with documents), kept in SBUF; dsinks partials
+        issue the first key tile's loads; phase 0 (bwd_prep) of hk's query heads: -lse of all
+        rows now, -delta (and the per-row key bounds with documents) of a query group when the
+        pass first loads it (its O/dO rows prefetched STATS_AHEAD groups earlier), all kept in
+        SBUF; dsinks partials at the end of the pass
         pairs = [(key tile [k0, k0 + kn), kn <= 512, query head h, query group, query tile)
                  for every key tile, query head of the group, visiting query tile]
         one software pipeline over all pairs (STAGES; pair j's stage runs at step j + lag):
@@ -54,14 +56,15 @@ Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile Tenso
 4 x (dV, dK, dS^T, dQ) (3072 cycles, 2560 of them useful: the dS^T transposes bound TensorE at
 83% of its roofline); ScalarE the exp and the dP - delta eviction (854 ns); VectorE dS, the dS^T
 evictions and the dQ accumulation (933 ns); GpSimd the causal/window masks of diagonal tiles.
-Busy times at Sq = Sk = 4096 causal: TensorE 170 us, VectorE 130, ScalarE 129, DMA 108; estimated
-199 us (67-68% of the engine-aware roofline; 8192 causal and 4096 full reach 76%).
+Busy times at Sq = Sk = 4096 causal: TensorE 169 us, VectorE 134, ScalarE 124, DMA 108; estimated
+193 us (71% of the engine-aware roofline; 8192 causal and 4096 full reach 77%).
 Every streamed DMA moves one contiguous run of >= 1 KiB per partition (Q/dO rows and Q^T/dO^T
 2 KiB per group, O/dO 2 KiB per group in phase 0, K rows and dK/dV 1 KiB per key tile).
 
-Working set (per partition; D <= 128, 16-bit inputs): SBUF about 36 KiB (eight pairs, three
-query groups and two key tiles in flight) plus 16 B of statistics per query tile, plus, when
-resident, 4 * D B of fp32 dQ accumulator per query tile and query head of the GQA group.
+Working set (per partition; D <= 128, 16-bit inputs): SBUF about 38 KiB (eight pairs, three
+query groups and two key tiles in flight, phase-0 rows of the next group) plus 24 B per query
+tile and query head of the GQA group (statistics, lse/dlse columns), plus, when resident,
+4 * D B of fp32 dQ accumulator per query tile and query head of the GQA group.
 PSUM: dK, dV (one bank each, two each for D in (128, 256]) and one S, dP, dS^T and dQ tile each
 (every PSUM tile is consumed one pipeline step after it is made): 6 banks at D <= 128, 8 at
 D = 256.
@@ -317,6 +320,7 @@ STAGES = (  # (lag, stage)
     (3, "dk"),        # TensorE: dK += dS^T Q, dS^T
 )
 PIPELINE_LAG = max(lag for lag, _ in STAGES)
+STATS_AHEAD = 1   # query groups whose phase-0 rows (O, dO) are in flight before their statistics are due
 
 
 def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
@@ -350,16 +354,18 @@ def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
     def ensure(n):
         if n < len(units) and loaded[n] is None:
             kv, g, gid, _, flags = units[n]
+            bwd_prep.prefetch_group(prep, hstats[g], gid)
             loaded[n] = _load_group(ins, b, hk * group + g, gid, flags, cfg)
+            for m in range(n + 1, min(n + STATS_AHEAD + 1, len(units))):   # O/dO rows a few groups ahead
+                bwd_prep.prefetch_group(prep, hstats[units[m][1]], units[m][2])
+            bwd_prep.group_stats(prep, hstats[g], gid)
 
     def ensure_kv(m):
         if m < len(ktiles) and ktiles[m].k_sb is None:
             _load_kv(ktiles[m], k_rows, k_t, v_t, b, hk, cfg.head_dim)
 
-    # the pass's first loads go out before phase 0 of its heads (which the first pair waits for)
     ensure_kv(0)
-    ensure(0)
-    stats = [bwd_prep.head_stats(prep, b, hk * group + g) for g in range(group)]
+    hstats = [bwd_prep.head_start(prep, b, hk * group + g) for g in range(group)]
     for step in range(len(order) + PIPELINE_LAG):
         for lag, stage in STAGES:
             j = step - lag
@@ -371,14 +377,14 @@ def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
             if stage == "scores":
                 m = ktiles.index(kv)
                 ensure_kv(m)
-                ensure_kv(m + 1)
                 ensure(n)
                 ensure(n + 1)
+                ensure_kv(m + 1)
                 t, tile_masked = grp[i]
                 pairs[j] = Pair(loaded[n], flags[0][i], t, q_tiles[t][1], tile_masked, flags[1][i])
                 scores_stage(pairs[j], kv, k0, _seen_width(pairs[j], kv, cfg), cfg)
             elif stage == "probs":
-                probs_stage(pairs[j], stats[g], k0, _seen_width(pairs[j], kv, cfg), cfg)
+                probs_stage(pairs[j], hstats[g].stats_sb, k0, _seen_width(pairs[j], kv, cfg), cfg)
             elif stage == "dscores":
                 dscores_stage(pairs[j], _seen_width(pairs[j], kv, cfg))
             elif stage == "dv":
@@ -402,6 +408,8 @@ def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
                 if i == len(grp) - 1:
                     _finish_group(ins, loaded[n], b, hk * group + g, gid, flags, q_tiles, cfg)
                     loaded[n] = None
+    for hs in hstats:
+        bwd_prep.head_finish(prep, hs)
 
 
 def _seen_width(pair, kv, cfg):

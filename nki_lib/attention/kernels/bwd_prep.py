@@ -2,26 +2,27 @@
 
 Called from ``bwd.flash_bwd_kernel`` (plain NKI helper functions, inlined at trace time).
 
-Per (head h, batch b), on all NT query tiles at once (``(pmax, NT)`` columns, row t * pmax + p
-on partition p, column t):
+Per (head h, batch b), started by :func:`head_start` when the main loop's pass over the kv
+head begins (``(pmax, NT)`` columns: row t * pmax + p on partition p, column t):
 
-* ``neg_delta = dlse - rowsum(dO * O)`` (= -delta): per query group (``per`` tiles in the
-  row-group layout, one DMA for O and dO) one VectorE product and ``per`` ScalarE row sums
-  (``activation_reduce``); then one subtract for the head. Stored negated so the main loop
-  subtracts delta as the bias of its ScalarE PSUM eviction of dP.
 * ``neg_lse = -lse``, and 0 where ``lse = -inf`` (rows with no visible key and no sink: their
-  probabilities are masked to 0 anyway; the exp bias must stay finite): three VectorE ops.
+  probabilities are masked to 0 anyway; the exp bias must stay finite): three VectorE ops on
+  all columns at once.
+* ``neg_delta = dlse - rowsum(dO * O)`` (= -delta), per query group (``per`` tiles) by
+  :func:`group_stats` when the pass first loads the group (its O and dO rows, one DMA in the
+  row-group layout, prefetched by :func:`prefetch_group`): VectorE product, row sums and
+  subtract -- one engine, so no other in-order engine queue of the pipeline waits on the chain.
+  Stored negated so the main loop subtracts delta as the bias of its ScalarE eviction of dP.
 * ``lo``, ``hi``: the visible-key interval of the row (causal, window and document masks, from
   ``tiles.row_bounds``, per tile; only with documents: causal/window masks need no per-row data)
-* ``dsinks[h] = sum_{b,i} exp(sink_h - lse_i) * neg_delta_i``: ScalarE exp, VectorE product and
-  row reduce into a per-partition accumulator, one ones-vector matmul on TensorE for the
-  cross-partition sum. Without sinks, dsinks is zero-filled.
+* ``dsinks[h] = sum_{b,i} exp(sink_h - lse_i) * neg_delta_i`` (:func:`head_finish`, after the
+  groups no pair needed): ScalarE exp, VectorE product and row reduce into a per-partition
+  accumulator; :func:`finish` sums across partitions with a ones-vector matmul on TensorE.
+  Without sinks, dsinks is zero-filled (:func:`start`).
 
 lse and dlse arrive per (h, b) as contiguous rows of up to pmax query tiles per DMA, put on
 partitions by TensorE transposes. Rows past Sq hold 0 (zero rows of the row-group copies,
-zero-filled lse/dlse columns). The main loop calls :func:`head_stats` for the query heads of a
-kv head right before their pass (after issuing the pass's first loads), so the statistics stay
-on chip and this work overlaps the start of the pass.
+zero-filled lse/dlse columns). The statistics never leave SBUF.
 
 Output (SBUF, per (b, h)): stats (pmax, NT, NSTAT) fp32: [p, t, s] = statistic s of row
 t * pmax + p.
@@ -53,23 +54,21 @@ def num_stats(with_documents):
     return HI + 1 if with_documents else NEG_DELTA + 1
 
 
-def _neg_delta(stats_sb, od_rows, dlse_cols, b, h):
-    """stats_sb[:, :, NEG_DELTA] = dlse - rowsum(dO * O): per group one DMA (O and dO rows), one
-    VectorE product and a ScalarE row sum per tile."""
+def _group_neg_delta(prep, hs, gid):
+    """stats[:, group tiles, NEG_DELTA] = dlse - rowsum(dO * O) of one query group: its O and dO
+    rows (one DMA, prefetched), then three VectorE ops (product, row sums, subtract) -- one
+    engine, so no other engine's in-order queue waits on this chain inside the pipeline."""
     pmax = nl.tile_size.pmax
-    _, _, num_groups, _, per, _, head_dim = od_rows.shape
-    num_q_tiles = stats_sb.shape[1]
-    rowsum_sb = nl.ndarray((pmax, num_groups * per), dtype=nl.float32, buffer=nl.sbuf)
-    for g in nl.sequential_range(num_groups):
-        od_grp = nl.ndarray((pmax, per, 2, head_dim), dtype=od_rows.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=od_grp, src=od_rows[b, h, g])
-        prod_sb = nl.ndarray((pmax, per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod_sb, data1=od_grp[:, :, 1, :], data2=od_grp[:, :, 0, :], op=nl.multiply)
-        for slot in range(per):  # the row sums on ScalarE (idle while phase 0 runs; VectorE is not)
-            nisa.activation_reduce(dst=prod_sb[:, slot, :], op=nl.copy, data=prod_sb[:, slot, :], reduce_op=nl.add,
-                                   reduce_res=rowsum_sb[:, g * per + slot:g * per + slot + 1])
-    nisa.tensor_tensor(dst=stats_sb[:, :, NEG_DELTA], data1=dlse_cols, data2=rowsum_sb[:, :num_q_tiles],
-                       op=nl.subtract)
+    per, head_dim = prep.od_rows.shape[4], prep.od_rows.shape[6]
+    t0, t1 = gid * per, min(hs.stats_sb.shape[1], (gid + 1) * per)
+    prefetch_group(prep, hs, gid)
+    od_grp = hs.od.pop(gid)
+    prod_sb = nl.ndarray((pmax, per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=prod_sb, data1=od_grp[:, :, 1, :], data2=od_grp[:, :, 0, :], op=nl.multiply)
+    rowsum_sb = nl.ndarray((pmax, per), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=rowsum_sb, op=nl.add, data=prod_sb, axis=2)
+    nisa.tensor_tensor(dst=hs.stats_sb[:, t0:t1, NEG_DELTA], data1=hs.dlse_cols[:, t0:t1],
+                       data2=rowsum_sb[:, :t1 - t0], op=nl.subtract)
 
 
 def _neg_lse(stats_sb, lse_cols, zeros_sb):
@@ -167,30 +166,73 @@ def start(prep, dsinks, heads, zero_dsinks):
             prep.sink_acc[h] = (sink_sb, acc_sb)
 
 
-def head_stats(prep, b, h):
-    """The statistics of (batch b, query head h) as an SBUF tile ``(pmax, NT, NSTAT)`` (kept on
-    chip for the main loop); adds the head's dsinks partial sums."""
+class HeadStats(nl.NKIObject):
+    """Statistics of one (batch b, query head h): ``stats_sb`` (pmax, NT, NSTAT) fp32 in SBUF, the
+    lse/dlse columns, the query groups whose rows are done and the O/dO rows in flight."""
+
+    def __init__(self, b: int, h: int, stats_sb, lse_cols, dlse_cols):
+        self.b = b
+        self.h = h
+        self.stats_sb = stats_sb
+        self.lse_cols = lse_cols
+        self.dlse_cols = dlse_cols
+        self.done = set()
+        self.od = {}
+
+
+def head_start(prep, b, h):
+    """Start the statistics of (b, h): the lse/dlse columns and -lse of every row; the per-group
+    rows follow on demand (:func:`group_stats`)."""
     pmax = nl.tile_size.pmax
     seqlen_q = prep.lse.shape[2]
     num_q_tiles = (seqlen_q + pmax - 1) // pmax
     lse_cols = _columns(prep.lse[b, h], seqlen_q)
     dlse_cols = _columns(prep.dlse[b, h], seqlen_q)
     stats_sb = nl.ndarray((pmax, num_q_tiles, prep.num_stats), dtype=nl.float32, buffer=nl.sbuf)
-    _neg_delta(stats_sb, prep.od_rows, dlse_cols, b, h)
     _neg_lse(stats_sb, lse_cols, prep.zeros_sb)
+    if prep.num_stats > LO and seqlen_q % pmax:
+        nisa.memset(dst=stats_sb[:, num_q_tiles - 1, LO:], value=0.0)
+    return HeadStats(b, h, stats_sb, lse_cols, dlse_cols)
+
+
+def prefetch_group(prep, hs, gid):
+    """Issue the DMA of query group ``gid``'s O and dO rows (once), ahead of :func:`group_stats`."""
+    if gid in hs.done or gid in hs.od:
+        return
+    per, head_dim = prep.od_rows.shape[4], prep.od_rows.shape[6]
+    od_grp = nl.ndarray((nl.tile_size.pmax, per, 2, head_dim), dtype=prep.od_rows.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=od_grp, src=prep.od_rows[hs.b, hs.h, gid])
+    hs.od[gid] = od_grp
+
+
+def group_stats(prep, hs, gid):
+    """The per-row statistics of query group ``gid`` of ``hs`` (once): -delta and, with documents,
+    the visible-key bounds of its tiles. The main loop calls it when it loads the group's rows, so
+    phase 0 runs interleaved with the pass, ahead of the pairs that need it."""
+    if gid in hs.done:
+        return
+    pmax = nl.tile_size.pmax
+    per = prep.od_rows.shape[4]
+    seqlen_q = prep.lse.shape[2]
+    _group_neg_delta(prep, hs, gid)
+    hs.done.add(gid)
     if prep.num_stats > LO:
-        if seqlen_q % pmax:
-            nisa.memset(dst=stats_sb[:, num_q_tiles - 1, LO:], value=0.0)
-        for t in nl.sequential_range(num_q_tiles):
+        for t in range(gid * per, min(hs.stats_sb.shape[1], (gid + 1) * per)):
             q0 = t * pmax
             rows = min(pmax, seqlen_q - q0)
             lo_sb, hi_sb = tiles.row_bounds(prep.mask, q0, rows, *prep.doc_rows)
-            nisa.tensor_copy(dst=stats_sb[:rows, t, LO], src=lo_sb, engine=nisa.engine.vector)
-            nisa.tensor_copy(dst=stats_sb[:rows, t, HI], src=hi_sb, engine=nisa.engine.vector)
+            nisa.tensor_copy(dst=hs.stats_sb[:rows, t, LO], src=lo_sb, engine=nisa.engine.vector)
+            nisa.tensor_copy(dst=hs.stats_sb[:rows, t, HI], src=hi_sb, engine=nisa.engine.vector)
+
+
+def head_finish(prep, hs):
+    """The groups no pair needed (dsinks still counts their rows), then the head's dsinks partial
+    sums."""
+    for gid in range(prep.od_rows.shape[2]):
+        group_stats(prep, hs, gid)
     if prep.sinks is not None:
-        sink_sb, acc_sb = prep.sink_acc[h]
-        _dsink_partial(acc_sb, lse_cols, stats_sb, sink_sb)
-    return stats_sb
+        sink_sb, acc_sb = prep.sink_acc[hs.h]
+        _dsink_partial(acc_sb, hs.lse_cols, hs.stats_sb, sink_sb)
 
 
 def finish(prep, dsinks):
