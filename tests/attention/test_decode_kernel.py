@@ -94,6 +94,20 @@ def test_paged_long_chunk_steps_skip_unused_data():
     assert result.ok, str(result)
 
 
+def test_dominant_key_in_an_early_softmax_step():
+    """A key of the first softmax step scores ~160 (exp overflows fp32), the rest of the chunk ~0:
+    every later step must rescale against that maximum, never against a stale smaller one."""
+    sample = make_sample(1, 8, 1, 1, 16, [16384], torch.bfloat16)
+    q, k, v, seqlens, table, sinks = sample.args
+    q, k = torch.full_like(q, 2.0), k.clone()
+    k[0, 0, 37 * 128 + 5] = 20.0                     # partition 37, slot 5: the first step
+    boosted = Sample((q, k, v, seqlens, table, sinks), sample.kwargs, sample.label + " dominant key")
+    outs, _ = _launch(boosted)
+    assert all(torch.isfinite(o).all() for o in outs)
+    result = op_parity(SPEC, boosted, grads=False)
+    assert result.ok, str(result)
+
+
 def test_paged_reads_only_used_blocks():
     """Spare blocks and table entries past the used blocks point at NaN blocks: never read."""
     sample = make_sample(2, 4, 2, 3, 16, [40, 9], torch.bfloat16, block_size=8, num_blocks=12,

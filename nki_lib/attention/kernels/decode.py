@@ -269,9 +269,10 @@ def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, so
                 _evict_scores(s_sb[t][:, :, b0:b0 + bn].permute((0, 2, 1)), s_psum[t], scale, softcap)
 
 
-def _step_probs(state, s_sb, c0, dtype):
-    """P^T (128, n, rn) = exp(S^T - m_new) of the scores S^T (128, rn, n) of slots c0 .. c0 + n, and
-    -m_new (rn, 1).
+def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
+    """P^T (128, rn, n) = exp(S^T - m_new) of the scores S^T (128, rn, n) of slots c0 .. c0 + n, and
+    -m_new (rn, 1), with ``m_new = max(m_prev, rowmax)``: ``neg_m_prev`` is -m after the previous
+    step, whose state update may not be issued yet (its P @ V is deferred).
 
     mask + per-partition row max: one range_select per row r over its n slots (slot c of
       partition p is key p*M + c: visible iff lo_r - p*M <= c <= hi_r - p*M)
@@ -295,7 +296,7 @@ def _step_probs(state, s_sb, c0, dtype):
     nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
     neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
-                       op1=nl.minimum, operand1=state.neg_m)
+                       op1=nl.minimum, operand1=neg_m_prev)
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
     p_t = nl.ndarray((pmax, rn, n), dtype=dtype, buffer=nl.sbuf)
@@ -478,7 +479,8 @@ def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_d
         s_sb = s_next
         if i + 1 < len(steps):
             s_next = scores(steps[i + 1])
-        probs = [_step_probs(st, s_sb[t], step[0], dtype) for t, st in enumerate(split_states)]
+        probs = [_step_probs(st, s_sb[t], step[0], st.neg_m if pending is None else pending[1][t][1], dtype)
+                 for t, st in enumerate(split_states)]
         if pending is not None:
             _flush_pv(split_states, pending, v_chunk, ones_col, d_spans)
         pending = (step, probs)
