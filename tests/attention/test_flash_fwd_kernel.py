@@ -146,14 +146,15 @@ def _trace_of(case: Case):
 
 
 def _tile_pairs(case: Case):
-    """(visible, partial) counts of (query tile, key tile) pairs from the dense mask; a visible
+    """(visible, partial, keys) of (query tile, key tile) pairs from the dense mask; a visible
     tile is first cut to its 128-key blocks that some query sees (the kernel's ``trim_plan``),
-    and it is partial when that cut tile still hides a key from some query."""
+    it is partial when that cut tile still hides a key from some query, and ``keys`` sums the
+    widths of the cut tiles."""
     mask = masks.full_mask(case.sq, case.sk, causal=case.causal, window_left=case.window[0],
                            window_right=case.window[1], cu_seqlens=None, device="cpu")
     q_step, k_step = simulator.tile_size.pmax, tiles.key_tile_width()
     b_step = simulator.tile_size.pmax
-    visible = partial = 0
+    visible = partial = keys = 0
     for q0 in range(0, case.sq, q_step):
         for k0 in range(0, case.sk, k_step):
             block = mask[q0:q0 + q_step, k0:k0 + k_step]
@@ -164,7 +165,8 @@ def _tile_pairs(case: Case):
             cut = block[:, seen[0]:seen[-1] + b_step]
             visible += 1
             partial += not bool(cut.all())
-    return visible, partial
+            keys += cut.shape[1]
+    return visible, partial, keys
 
 
 @pytest.mark.parametrize("case", [
@@ -175,9 +177,32 @@ def _tile_pairs(case: Case):
 def test_skips_invisible_tiles_and_masks_only_partial_tiles(case):
     report = _trace_of(case)
     opcodes = [e.opcode for e in report.trace]
-    visible, partial = _tile_pairs(case)
+    visible, partial, _ = _tile_pairs(case)
     assert opcodes.count("range_select") == partial * case.hq
     assert opcodes.count("tensor_scalar_reduce") == (visible - partial) * case.hq
+
+
+@pytest.mark.parametrize("case", [
+    Case(sq=1024, sk=1024, d=64, causal=True),
+    Case(sq=700, sk=1500, d=32, window=(200, 100)),
+], ids=["causal", "window"])
+def test_scores_cover_only_key_blocks_some_query_sees(case):
+    """QK^T matmuls (contraction K = D; P @ V contracts 128 or the Sk % 128 remainder) span
+    exactly the visible tiles cut to their seen 128-key blocks."""
+    report = _trace_of(case)
+    qk_keys = sum(e.attrs["N"] for e in report.trace
+                  if e.opcode == "nc_matmul" and e.attrs["K"] == case.d)
+    assert qk_keys == _tile_pairs(case)[2] * case.hq
+
+
+def test_keys_loaded_once_per_kv_head():
+    """K^T of a kv head is loaded once (one aligned span here) and shared by its query tiles."""
+    case = Case(b=2, hq=2, hkv=1, sq=384, sk=600, d=64)
+    report = _trace_of(case)
+    key_loads = [e for e in report.trace
+                 if e.opcode == "dma_copy" and e.reads[0].memory.endswith("hbm")
+                 and e.reads[0].shape == (case.d, case.sk)]
+    assert len(key_loads) == case.b * case.hkv
 
 
 def test_gqa_loads_each_kv_tile_once_per_group():

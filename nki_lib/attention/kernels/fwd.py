@@ -20,39 +20,52 @@ Work decomposition (compile time, all loops unrolled)::
 
     group   = (batch b, kv head hk, query tile [q0, q0 + qn) with qn <= 128,
                pass = up to heads_per_pass query heads of hk's GQA group)
-    section = run of consecutive visible key tiles (kn <= 512 each) of the group's plan, at most
-              KEY_SECTION_BYTES of K^T per partition row (2048 keys in bf16/fp16, 1024 in fp32)
+    section = run of consecutive visible key tiles (kn <= 512 each) of the group's plan inside
+              one aligned span of KEY_SECTION_BYTES of K^T per partition row (2048 keys in
+              bf16/fp16, 1024 in fp32)
     step    = (group, section, query head of the pass)
 
-Key tiles no query of the tile can see are skipped (``tiles.plan_row``); masks (one VectorE
-``range_select`` against per-row key bounds) are applied to partial tiles only. The query heads
-of a pass share each K/V load (GQA/MQA without duplicating K/V).
+Key tiles no query of the tile can see are skipped (``tiles.plan_row``) and the visible ones are
+cut to the 128-key blocks some query sees (``fwd_plan.trim_plan``: the causal diagonal tile
+keeps 128 j keys); masks (one VectorE ``range_select`` against per-row key bounds) are applied
+to partial tiles only. The query heads of a pass share each V load, and K^T of a kv head is
+loaded once and shared by all its query tiles when it fits K_CACHE_SBUF_SHARE of SBUF.
 
 Per step (engines in brackets)::
 
     per score tile of the section:
       S (qn, kn) PSUM = sum over D chunks of matmul(q^T (dc, qn), k^T (dc, kn))          [PE]
-      -> S_sec SBUF fp32: scale (+ tanh softcap) (+ mask) + partial row max            [DVE/ACT]
-    row max of the section; neg_m, alpha; P = exp(S_sec - m) (qn, slen) in the P dtype with
-      the row sum fused                                                                  [DVE, ACT]
-    P^T: one TensorE transpose per 128-key block into bank-sized PSUM tiles, evicted by
-      ScalarE                                                                            [PE, ACT]
+      -> S_sec SBUF fp32 (+ tanh softcap on ACT) (+ mask, straight from PSUM), row max
+         chained over the section's tiles in the VectorE accumulator                    [DVE]
+    neg_m = min(neg_m, -scale' * rowmax) [POOL]; alpha [ACT]; P = exp(scale' S_sec - m)
+      (qn, slen) in the P dtype with the row sum fused                                  [ACT]
+    P^T: one TensorE transpose per 128-key block into bank-sized PSUM tiles, evicted
+      PT_DVE_SHARE on VectorE, the rest on ScalarE                                  [PE, DVE/ACT]
     O (qn, D) PSUM = sum over the section's blocks of matmul(P^T (bn, qn), V (bn, D))     [PE]
-    l = alpha * l + rowsum;  acc = alpha * acc + O                                       [DVE]
+    l = alpha * l + rowsum [POOL];  acc = alpha * acc [POOL] + O [DVE]
+
+``scale'`` is the softmax scale when it lies in [RAW_SCALE_MIN, 1] and there is no softcap (the
+scores stay unscaled, so a masked tile needs no ScalarE pass), else 1 (the evict scales). The
+first section of a state without sinks needs no alpha (l = rowsum, acc = O). Small SBUF-only
+state ops run on GpSimd so that ScalarE and VectorE carry only the per-key work.
 
 The steps run as a software pipeline (each engine executes its instruction stream in order):
-iteration ``it`` loads the K^T of step ``it + SCORE_LEAD + 1`` and the V of ``it + 1``, issues
-the softmax of ``it + 1``, QK^T and scores of ``it + SCORE_LEAD``, the transposes of ``it``, the
-P^T eviction of ``it - 1``, P @ V of ``it - PV_LAG`` and the l/acc update of ``it - ACC_LAG``.
-Every tile is a fresh allocation, so loads of later steps overlap compute (multi-buffering). A
-group's output is stored after its last acc update; lse is finished in batches of ``LSE_BATCH``
-(one ScalarE log per batch, a TensorE transpose so each row is stored contiguously).
+iteration ``it`` loads the K^T of step ``it + SCORE_LEAD + 1`` and the V of ``it + 1``, evicts
+the P^T of ``it - 1``, issues the softmax of ``it + 1``, QK^T and scores of ``it + SCORE_LEAD``
+(with softcap: of SOFTCAP_BATCH steps every SOFTCAP_BATCH iterations, so the tanh/exp table
+switches happen once per batch), the transposes of ``it``, P @ V of ``it - PV_LAG`` and the
+acc update of ``it - ACC_LAG``; a group's output is stored one iteration after its last acc
+update. Every tile is a fresh allocation, so loads of later steps overlap compute
+(multi-buffering). lse is gathered column by column as groups close and finished in batches of
+``LSE_BATCH`` (one ScalarE log per batch, a TensorE transpose so each row is stored
+contiguously).
 
 DMA layouts: q^T/k^T tiles read contiguous rows of the launcher's (D, S) layouts (q^T one DMA
-per head for QUERY_SECTION_TILES consecutive query tiles, K^T one DMA per section); V of a
-section is read "interleaved" (partition p of block j holds key ``s0 + n_full * p + j``) so
-every partition reads one contiguous run of ``n_full * D`` elements, and the transposes pick
-the matching strided columns of P.
+per head for QUERY_SECTION_TILES consecutive query tiles, K^T one DMA per aligned span); V of a
+section is read "interleaved" in runs of up to 8 blocks (4 in fp32; partition p of block
+g0 + i holds key ``s0 + 128 g0 + c p + i``) so every partition reads one contiguous run of
+``c * D`` elements per run, and the transposes read the matching columns of P with a stride of
+at most 16 B.
 
 Shapes (HBM, prepared by the launcher; transposes are layout glue): q_t (B, Hq, D, Sq),
 k_t (B, Hkv, D, Sk), v (B, Hkv, Sk, D), sinks (Hq,) float32, doc (2, S) float32 with the first
@@ -62,8 +75,9 @@ Dimension legend: B batch, Hq/Hkv query/kv heads, G = Hq / Hkv, Sq/Sk lengths, D
 dc head-dim chunk (<= 128), qn query rows of a tile (<= 128), kn keys of a tile (<= 512),
 slen keys of a section, s0 its first key, bn keys of a block (<= 128).
 
-Working set: independent of Sq and Sk (a few sections in flight plus the pass's per-head state,
-at most a quarter of SBUF); at most 5 of 8 PSUM banks. Measured peaks are in DESIGN.md.
+Working set: a few sections in flight plus the pass's per-head state (at most a quarter of SBUF)
+plus the K^T cache (at most K_CACHE_SBUF_SHARE of SBUF, else K^T streams per section);
+at most 5 of 8 PSUM banks. Measured peaks are in DESIGN.md.
 
 Limits: dtypes bf16/fp16/fp32 (P is cast to the V dtype for P @ V; fp32 stays fp32 throughout);
 D <= 256 (two head-dim chunks above 128); Sq + Sk < 2**24 (key indices are float32 in the
@@ -162,10 +176,10 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
     # iteration it emits the stages of several steps, ordered so that in the steady state an
     # engine only waits on work emitted in earlier iterations (except the short neg_m -> exp
     # and QK -> row max hand-offs):
-    #   load K^T(it + SCORE_LEAD + 1), V(it + 1)
-    #   softmax(it + 1) [DVE, ACT]   QK^T + scores(it + SCORE_LEAD) [PE, DVE/ACT]
-    #   P^T(it) [PE]   evict P^T(it - 1) [ACT]   P @ V(it - PV_LAG) [PE]
-    #   l, acc(it - ACC_LAG) [DVE] (+ the group's output stores after its last step)
+    #   load K^T(it + SCORE_LEAD + 1), V(it + 1)   evict P^T(it - 1) [ACT, DVE]
+    #   softmax(it + 1) [POOL, ACT]   QK^T + scores(it + SCORE_LEAD) [PE, DVE (+ ACT tanh)]
+    #   P^T(it) [PE]   P @ V(it - PV_LAG) [PE]   l, acc(it - ACC_LAG) [POOL, DVE]
+    #   outputs of the groups whose last acc update was in the previous iteration [POOL, DMA]
     # with softcap, the scores (tanh) of SOFTCAP_BATCH steps are issued together, so ScalarE
     # switches between the tanh and exp tables twice per batch instead of twice per step
     score_batch = SOFTCAP_BATCH if softcap > 0 else 1
