@@ -57,3 +57,11 @@ def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
     by_group = group_slots.reshape(n_groups, group_slots_n)
     tile_live = torch.stack([(by_group[:, s0:s0 + pmax] >= 0).any(1) for s0 in range(0, group_slots_n, pmax)], 1)
     return group_expert, group_slots, tile_live.reshape(-1).to(torch.int32).contiguous()
+
+
+def slot_positions(group_slots, n_assignments):
+    """(N,) int32: the position (row of the forward's slot-ordered output) of each assignment."""
+    live = group_slots >= 0
+    pos = torch.full((n_assignments,), -1, dtype=torch.int32)
+    pos[group_slots[live].long()] = torch.nonzero(live).reshape(-1).to(torch.int32)
+    return pos

@@ -1,45 +1,47 @@
 """Fused MoE expert MLP forward over a block plan (NKI kernel + launcher).
 
 Algorithm (one kernel launch, api-contract §4 ``moe_experts``):
-once: the plan's slot ids (token ids a // k and assignment ids a, -1 = padding) are loaded with
-  one contiguous DMA per 128 blocks and PE-transposed so that slots sit on partitions; the block
-  flags valid[b] = (block_expert[b] >= 0) are computed on VectorE.
-for each block b of the plan (static loop over NB, blocks in order):
-  ``register_load`` puts the expert id e and the trip count valid[b] in registers; a dynamic loop
-  with that trip count runs the block body once, or not at all for unused blocks (no DMA, no
-  matmul for them). Body:
-  1. per slot tile (<= 128 slots): gather the token rows of x with an indirect DMA
-     (``vector_offset`` = token ids; padding ids -1 are skipped and keep the zero fill),
-     PE-transpose the rows into xT (H on partitions, slots on the free axis).
-  2. per I tile (128): load the expert's gate and up weight rows (``scalar_offset`` = the expert
-     register; nn.Linear layout, long contiguous runs) and PE-transpose them to W^T tiles (H on
-     partitions); gT/uT = W^T-tile x xT into fp32 PSUM (contraction over H tiles, moving free size
-     <= 512 slots); hT = act(gT) * uT on ScalarE/VectorE -> SBUF (I on partitions, slots free).
+host (index metadata only, :mod:`.expert_groups`): up to G consecutive blocks of one expert are
+  merged into a group of S = G*B slots (S <= 512, the largest whose SBUF estimate fits), so every
+  weight tile is loaded and transposed once per group instead of once per block; per group the
+  expert id, per slot the token id (a // k, -1 = padding), per 128-slot tile a live flag, and per
+  assignment its slot position.
+once: the slot token ids are loaded with one contiguous DMA per 128 groups and PE-transposed so
+  that slots sit on partitions; the group flags valid[g] = (group_expert[g] >= 0) on VectorE.
+for each group g (static loop over NG, in order), with the expert id and a 0/1 trip count in
+  registers (a dynamic loop runs the body once, or not at all for unused groups), and each slot
+  tile under its own 0/1 live guard (padding tiles cost no gather, matmul or write):
+  1. gather the token rows of x with an indirect DMA per slot tile (``vector_offset``; -1 rows are
+     skipped and keep the zero fill); issued during the previous group (GpSimd issues DMAs in
+     program order), then PE-transposed into xT (H on partitions, slots on the free axis).
+  2. per I tile (128): the expert's gate and up weight rows (``scalar_offset`` = the expert
+     register; nn.Linear layout, long contiguous runs) PE-transposed to W^T tiles (H on
+     partitions; evictions alternate VectorE/ScalarE); per live slot tile gT/uT = W^T-tile x xT
+     into fp32 PSUM (contraction over H tiles); hT = act(gT) * uT -> SBUF (I on partitions).
   3. per H chunk (<= 512): W_down^T tiles (rows loaded and PE-transposed per span of I tiles),
-     o = h x W_down^T into fp32 PSUM (contraction over I tiles), evicted on ScalarE into fp32
-     rows staged in SBUF; the rows go to the fp32 scratch y_slots[a] with one indirect DMA
-     scatter per slot tile (per H chunk when SBUF is short): one row per assignment, written
-     exactly once, no read-modify-write, no race.
-finally, per 128 tokens: y[t] = sum_j topk_weights[t, j] * y_slots[t * k + j] in the fixed order
-j = 0..k-1 (fp32; the routing weights are read in token order, so no per-slot gather), cast to
-x's dtype.
+     o = h x W_down^T into fp32 PSUM per live slot tile (contraction over I tiles), evicted on
+     ScalarE into fp32 rows staged in SBUF and written with plain DMAs to the slot-ordered scratch
+     y_group[g * S + slot] (static addresses: no GpSimd descriptor work, no read-modify-write).
+finally, per 128 tokens: y[t] = sum_j topk_weights[t, j] * y_group[pos[t * k + j]] in the fixed
+order j = 0..k-1 (one indirect gather of whole fp32 rows per j; fp32 sum), cast to x's dtype.
 
-Loop structure: ids; blocks (static) > guard (dynamic, 0/1 trips) > {slot tiles; I tiles > H
-tiles > slot chunks; staging groups > H chunks > I spans > slot tiles}; then token tiles > H
-chunks > j.
+Loop structure: ids; groups (static) > guard (dynamic, 0/1 trips) > {slot tiles (guarded);
+I tiles > slot tiles (guarded) > H tiles; staging groups > H chunks > I spans > slot tiles
+(guarded) > I tiles}; then token tiles > j > H chunks.
 
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k
-assignments, NB blocks, B block size (slots per block). Kernel inputs (HBM): x (T, H),
-topk_w (N, 1) fp32, block_expert (NB,) int32, slot_token (NB*B,) int32 (a // k or -1),
-slot_assignment (NB*B,) int32 (a or -1), w_gate_up (E, 2I, H), w_down (E, H, I) (nn.Linear
-layouts, as the op receives them); compile-time activation, top_k, h_chunk, y_cols.
-Output y (T, H) in x's dtype.
+assignments, B plan block size, NG groups, S slots per group, ST slot tiles per group. Kernel
+inputs (HBM): x (T, H), topk_w (N, 1) fp32, group_expert (NG,) int32, slot_token (NG*S,) int32
+(a // k or -1), tile_live (NG*ST,) int32, slot_pos (N,) int32, w_gate_up (E, 2I, H), w_down
+(E, H, I) (nn.Linear layouts, as the op receives them); compile-time activation, top_k, h_chunk,
+y_cols. Output y (T, H) in x's dtype; scratch y_group (NG*S, H) fp32.
 
-Limits: x and weights bf16/fp16/fp32 (one dtype); B <= 512 (one PSUM bank per slot tile, at most
-4 slot tiles in flight); the SBUF estimate :func:`sbuf_bytes` (dominated by xT, hT, the x rows,
-double-buffered W_gate^T/W_up^T tiles and the staged y rows) must fit
-``nl.tile_size.total_available_sbuf_size`` at the narrowest tiling, else the launcher raises
-Unsupported; every assignment appears exactly once in the plan (validated by the op); LNC1.
+Limits: x and weights bf16/fp16/fp32 (one dtype); B <= 512 and S <= 512 (one PSUM bank per slot
+tile, at most 4 slot tiles in flight); the SBUF estimate :func:`sbuf_bytes` (dominated by xT, hT,
+two generations of x rows, double-buffered W_gate^T/W_up^T tiles and the staged y rows) must fit
+``nl.tile_size.total_available_sbuf_size`` for the plan's block at the narrowest tiling, else the
+launcher raises Unsupported; every assignment appears exactly once in the plan (validated by the
+op); LNC1. The group loop is unrolled NG times (program size grows with NG).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import torch
 
 from nki_lib._nki import nki, nisa, nl
 from nki_lib.dispatch import Unsupported, call_kernel
-from nki_lib.moe.kernels.expert_groups import merge_blocks
+from nki_lib.moe.kernels.expert_groups import merge_blocks, slot_positions
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are live at once
@@ -241,6 +243,35 @@ def reduce_assignments(src_slots, dst, top_k, topk_w=None):
             nisa.dma_copy(dst=dst[t0:t0 + tp, h0:h0 + hn], src=out_sb)
 
 
+def gather_reduce(y_rows, slot_pos, topk_w, dst, top_k):
+    """dst[t] = sum_j topk_w[t * k + j] * y_rows[slot_pos[t * k + j]] (fp32, j ascending), cast to
+    dst's dtype. Per 128 tokens and j: one indirect gather of whole fp32 rows (one descriptor per
+    row; every position is valid), then the weighted sum per H chunk on VectorE."""
+    t_len, hidden = dst.shape
+    for t0, tp in tiles(t_len, nl.tile_size.pmax):
+        w_sb = nl.ndarray((tp, top_k), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=w_sb, src=topk_w.ap([[top_k, tp], [1, top_k]], offset=t0 * top_k))
+        pos_sb = nl.ndarray((tp, top_k), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=pos_sb, src=slot_pos.ap([[top_k, tp], [1, top_k]], offset=t0 * top_k))
+        out_sb = nl.ndarray((tp, hidden), dtype=dst.dtype, buffer=nl.sbuf)
+        acc_sb = out_sb if top_k == 1 else nl.ndarray((tp, hidden), dtype=nl.float32, buffer=nl.sbuf)
+        for j in range(top_k):
+            row_sb = nl.ndarray((tp, hidden), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=row_sb, src=y_rows.ap([[hidden, tp], [1, hidden]], offset=0,
+                                                    vector_offset=pos_sb[:, j:j + 1], indirect_dim=0),
+                          dge_mode=nisa.dge_mode.swdge)
+            step_sb = out_sb if j == top_k - 1 else acc_sb
+            for h0, hn in tiles(hidden, nl.tile_size.gemm_moving_fmax):
+                if j == 0:
+                    nisa.tensor_scalar(dst=step_sb[:, h0:h0 + hn], data=row_sb[:, h0:h0 + hn], op0=nl.multiply,
+                                       operand0=w_sb[:, 0:1])
+                else:
+                    nisa.scalar_tensor_tensor(dst=step_sb[:, h0:h0 + hn], data=row_sb[:, h0:h0 + hn],
+                                              op0=nl.multiply, operand0=w_sb[:, j:j + 1], op1=nl.add,
+                                              operand1=acc_sb[:, h0:h0 + hn])
+        nisa.dma_copy(dst=dst[t0:t0 + tp, :], src=out_sb)
+
+
 # --------------------------------------------------------------------------- kernel
 
 def _gate_up(x_t, w_gate_up, expert_reg, slot_tiles, h_tiles, activation, h_t):
@@ -250,7 +281,7 @@ def _gate_up(x_t, w_gate_up, expert_reg, slot_tiles, h_tiles, activation, h_t):
     for it, (i0, isz) in enumerate(tiles(inter, nl.tile_size.pmax)):
         wg_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, i0, isz)
         wu_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, inter + i0, isz)
-        for s0, ps, _, _, _, live_reg in slot_tiles:
+        for s0, ps, _, _, live_reg in slot_tiles:
             for _ in nl.dynamic_range(0, live_reg):
                 g_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
                 u_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
@@ -264,9 +295,10 @@ def _gate_up(x_t, w_gate_up, expert_reg, slot_tiles, h_tiles, activation, h_t):
                 nisa.tensor_tensor(dst=h_t[:isz, it, s0:s0 + ps], data1=act_sb, data2=u_psum, op=nl.multiply)
 
 
-def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols):
-    """y_slots[a] = h @ W_down^T: per H chunk, contraction over I tiles in PSUM (per live slot
-    tile); the rows are staged ``y_cols`` wide in SBUF and scattered once per slot tile and group."""
+def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_group, row0, h_chunk, y_cols):
+    """y_group[row0 + slot] = h @ W_down^T: per H chunk, contraction over I tiles in PSUM (per live
+    slot tile); the rows are staged ``y_cols`` wide in SBUF and written in slot order with plain
+    DMAs (static addresses: no descriptors for GpSimd to build)."""
     hidden = w_down.shape[1]
     for g0, gn in tiles(hidden, y_cols):
         y_rows = [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
@@ -274,7 +306,7 @@ def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols
             y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
             for span in spans(i_tiles):
                 wd_t = load_expert_t(w_down, expert_reg, span, g0 + h0, hn)
-                for (s0, ps, _, _, _, live_reg), y_psum in zip(slot_tiles, y_psums):
+                for (s0, ps, _, _, live_reg), y_psum in zip(slot_tiles, y_psums):
                     for _ in nl.dynamic_range(0, live_reg):
                         for si, (i0, isz) in enumerate(span):
                             it = i0 // nl.tile_size.pmax
@@ -283,31 +315,31 @@ def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols
             for (*_, live_reg), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
                 for _ in nl.dynamic_range(0, live_reg):
                     nisa.activation(dst=y_sb[:, h0:h0 + hn], op=nl.copy, data=y_psum)
-        for (_, _, _, asg_sb, _, live_reg), y_sb in zip(slot_tiles, y_rows):
+        for (s0, ps, _, _, live_reg), y_sb in zip(slot_tiles, y_rows):
             for _ in nl.dynamic_range(0, live_reg):
-                scatter_rows(y_slots, asg_sb, y_sb, g0)
+                nisa.dma_copy(dst=y_group[row0 + s0:row0 + s0 + ps, g0:g0 + gn], src=y_sb)
 
 
-def _group_rows(x, tok_ids, asg_ids, live_sb, g, group):
-    """Slot tiles (s0, ps, token ids, assignment ids, x rows, live register) of group g: the x row
+def _group_rows(x, tok_ids, live_sb, g, group):
+    """Slot tiles (s0, ps, token ids, x rows, live register) of group g: the x row
     tiles are allocated here and filled by ``_gather_group``; the register is the tile's 0/1 guard."""
     slot_tiles = []
     for st, (s0, ps) in enumerate(tiles(group, nl.tile_size.pmax)):
         live_reg = nisa.register_alloc()
         nisa.register_load(live_reg, live_sb[0:1, g, st:st + 1])
-        slot_tiles.append((s0, ps, tok_ids[:ps, st, g:g + 1], asg_ids[:ps, st, g:g + 1],
+        slot_tiles.append((s0, ps, tok_ids[:ps, st, g:g + 1],
                            nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf), live_reg))
     return slot_tiles
 
 
 def _gather_group(x, slot_tiles):
-    for _, _, tok_sb, _, x_rows, live_reg in slot_tiles:
+    for _, _, tok_sb, x_rows, live_reg in slot_tiles:
         for _ in nl.dynamic_range(0, live_reg):
             gather_rows_into(x_rows, x, tok_sb)
 
 
 def _group_fwd(x, slot_tiles, w_gate_up, w_down, regs, next_group, group, activation, h_chunk, y_cols,
-               y_slots):
+               y_group, row0):
     """Group body in three guarded phases: xT and h (gate/up), then the gather of the next group's
     rows (``next_group`` = (registers, slot tiles) or None), then the down projection and scatter.
     GpSimd issues DMAs in program order, so the next gather must precede this group's scatter (which
@@ -318,7 +350,7 @@ def _group_fwd(x, slot_tiles, w_gate_up, w_down, regs, next_group, group, activa
     x_t = nl.ndarray((pmax, len(h_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
     h_t = nl.ndarray((pmax, len(i_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
     for _ in nl.dynamic_range(0, trips_reg):
-        for s0, _, _, _, x_rows, live_reg in slot_tiles:
+        for s0, _, _, x_rows, live_reg in slot_tiles:
             for _ in nl.dynamic_range(0, live_reg):
                 transpose_rows(x_t, x_rows, s0)
         _gate_up(x_t, w_gate_up, expert_reg, slot_tiles, h_tiles, activation, h_t)
@@ -327,25 +359,24 @@ def _group_fwd(x, slot_tiles, w_gate_up, w_down, regs, next_group, group, activa
         for _ in nl.dynamic_range(0, next_trips):
             _gather_group(x, next_tiles)
     for _ in nl.dynamic_range(0, trips_reg):
-        _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols)
+        _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_group, row0, h_chunk, y_cols)
 
 
 @nki.jit
-def moe_experts_fwd(x, topk_w, group_expert, slot_token, slot_assignment, tile_live, w_gate_up, w_down,
+def moe_experts_fwd(x, topk_w, group_expert, slot_token, tile_live, slot_pos, w_gate_up, w_down,
                     activation, top_k, h_chunk, y_cols):
     t_len, hidden = x.shape
     n_groups = group_expert.shape[0]
     group = slot_token.shape[0] // n_groups
     n_slot_tiles = len(tiles(group, nl.tile_size.pmax))
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
-    y_slots = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.private_hbm)
+    y_group = nl.ndarray((n_groups * group, hidden), dtype=nl.float32, buffer=nl.private_hbm)
     expert_sb, valid_sb = block_flags(group_expert)
     live_sb = nl.ndarray((1, n_groups, n_slot_tiles), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=live_sb, src=tile_live.ap([[n_groups * n_slot_tiles, 1], [n_slot_tiles, n_groups],
                                                  [1, n_slot_tiles]], offset=0))
     tok_ids = load_all_ids(slot_token, n_groups, group)
-    asg_ids = load_all_ids(slot_assignment, n_groups, group)
-    current = (block_registers(expert_sb, valid_sb, 0), _group_rows(x, tok_ids, asg_ids, live_sb, 0, group))
+    current = (block_registers(expert_sb, valid_sb, 0), _group_rows(x, tok_ids, live_sb, 0, group))
     for _ in nl.dynamic_range(0, current[0][1]):
         _gather_group(x, current[1])
     # Static unroll (compile-time Python loop): group g's body also issues group g + 1's gather.
@@ -353,11 +384,11 @@ def moe_experts_fwd(x, topk_w, group_expert, slot_token, slot_assignment, tile_l
         following = None
         if g + 1 < n_groups:
             following = (block_registers(expert_sb, valid_sb, g + 1),
-                         _group_rows(x, tok_ids, asg_ids, live_sb, g + 1, group))
+                         _group_rows(x, tok_ids, live_sb, g + 1, group))
         _group_fwd(x, current[1], w_gate_up, w_down, current[0], following, group, activation, h_chunk,
-                   y_cols, y_slots)
+                   y_cols, y_group, g * group)
         current = following
-    reduce_assignments(y_slots, y, top_k, topk_w)
+    gather_reduce(y_group, slot_pos, topk_w, y, top_k)
     return y
 
 
@@ -367,6 +398,12 @@ def tail_sbuf_bytes(top_k, itemsize):
     """SBUF bytes per partition of the final k-reduction (after the blocks; two generations)."""
     fmax = nl.tile_size.gemm_moving_fmax
     return 2 * ((top_k + 1) * fmax * 4 + fmax * itemsize + top_k * 4)
+
+
+def gather_tail_bytes(hidden, top_k, itemsize):
+    """SBUF bytes per partition of ``gather_reduce`` (two generations of gathered fp32 rows, the fp32
+    sum, the output rows, routing weights and positions)."""
+    return 2 * hidden * 4 + hidden * 4 + hidden * itemsize + 2 * 2 * top_k * 4
 
 
 def flags_sbuf_bytes(n_blocks, block):
@@ -409,7 +446,7 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     down = 2 * span_tiles * h_chunk * itemsize + staged_bytes(y_cols, hidden, st)   # W_down^T span, o rows
     body = slot_tiles + resident + staging + gate_up + down
     live_flags = n_blocks * st * 4
-    return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, tail_sbuf_bytes(top_k, itemsize))
+    return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, gather_tail_bytes(hidden, top_k, itemsize))
 
 
 def tiling(hidden, inter, block, itemsize, **counts):
@@ -447,16 +484,10 @@ def slot_tokens(slot_assignment, top_k):
 
 def group_blocks(hidden, inter, block, itemsize, **counts):
     """Blocks per group (see :mod:`.expert_groups`): the most, up to MAX_PSUM_SLOT_TILES * 128
-    slots, whose SBUF estimate fits with the output rows staged whole (a group staged in H chunks
-    issues one indirect scatter per chunk and slot tile, and GpSimd, which issues them in order,
-    becomes the bound); 1 when no larger group does."""
+    slots, whose SBUF estimate fits (1 when no larger group does)."""
     fit = nl.tile_size.total_available_sbuf_size
     blocks = max(1, MAX_PSUM_SLOT_TILES * nl.tile_size.pmax // block)
-    while blocks > 1:
-        group = blocks * block
-        if (sbuf_bytes(hidden, inter, group, itemsize, **counts) <= fit
-                and tiling(hidden, inter, group, itemsize, **counts)[1] >= hidden):
-            break
+    while blocks > 1 and sbuf_bytes(hidden, inter, blocks * block, itemsize, **counts) > fit:
         blocks //= 2
     return blocks
 
@@ -470,8 +501,9 @@ def run(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, ac
     counts = dict(top_k=top_k, n_blocks=block_expert.shape[0])
     blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
     group_expert, group_slots, tile_live = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
+    slot_pos = slot_positions(group_slots, topk_weights.numel())
     h_chunk, y_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
                              n_blocks=group_expert.shape[0])
     return call_kernel(moe_experts_fwd, x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
-                       group_expert, slot_tokens(group_slots, top_k), group_slots, tile_live,
+                       group_expert, slot_tokens(group_slots, top_k), tile_live, slot_pos,
                        w_gate_up.contiguous(), w_down.contiguous(), activation, top_k, h_chunk, y_cols)
