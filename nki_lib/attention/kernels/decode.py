@@ -126,14 +126,15 @@ def _floor_pow2(x):
     return 1 << (max(1, int(x)).bit_length() - 1)
 
 
-def chunk_plan(m, rows_max, itemsize):
+def chunk_plan(m, rows_max, rows_total, itemsize):
     """(step slots, score-block slots, K^T-block slots) for a chunk of M slots, row tiles of at
-    most ``rows_max`` rows and K/V of ``itemsize`` bytes; all powers of two dividing M. A score
-    block's fp32 S^T (128, n*rn) fills at most one PSUM bank, so does a K^T block; a softmax step's
-    covers at most ``STEP_SLOTS`` slots and ``STEP_SCORE_ELEMS`` fp32 scores per partition."""
+    most ``rows_max`` rows (``rows_total`` rows in all) and K/V of ``itemsize`` bytes; all powers of
+    two dividing M. A score block's fp32 S^T (128, n*rn) fills at most one PSUM bank, so does a K^T
+    block; a softmax step covers at most ``STEP_SLOTS`` slots and ``STEP_SCORE_ELEMS`` fp32 scores
+    per partition over all row tiles (their scores are live together)."""
     blk = min(m, max(1, _floor_pow2(nl.tile_size.psum_bank_fmax // rows_max)))
     kt = min(blk, block_slots(itemsize))
-    step = max(blk, min(m, STEP_SLOTS, _floor_pow2(STEP_SCORE_ELEMS // rows_max)))
+    step = max(blk, min(m, STEP_SLOTS, _floor_pow2(STEP_SCORE_ELEMS // rows_total)))
     return step, blk, kt
 
 
@@ -523,7 +524,7 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, row
     dtype = q.dtype
     row_spans = _spans(rows, pmax)
     d_spans = _spans(d, pmax)
-    plan = chunk_plan(m, row_spans[0][1], k_units.itemsize)
+    plan = chunk_plan(m, row_spans[0][1], rows, k_units.itemsize)
     out = nl.ndarray((batch, n_q_heads, sq, d), dtype=dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((batch, n_q_heads, sq), dtype=nl.float32, buffer=nl.shared_hbm)
 
