@@ -281,7 +281,7 @@ def _gate_up(x_t, w_gate_up, expert_reg, slot_tiles, h_tiles, activation, h_t):
     for it, (i0, isz) in enumerate(tiles(inter, nl.tile_size.pmax)):
         wg_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, i0, isz)
         wu_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, inter + i0, isz)
-        for s0, ps, _, _, live_reg in slot_tiles:
+        for s0, ps, _, live_reg in slot_tiles:
             for _ in nl.dynamic_range(0, live_reg):
                 g_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
                 u_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
@@ -306,7 +306,7 @@ def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_group, row0, h_chunk, 
             y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
             for span in spans(i_tiles):
                 wd_t = load_expert_t(w_down, expert_reg, span, g0 + h0, hn)
-                for (s0, ps, _, _, live_reg), y_psum in zip(slot_tiles, y_psums):
+                for (s0, ps, _, live_reg), y_psum in zip(slot_tiles, y_psums):
                     for _ in nl.dynamic_range(0, live_reg):
                         for si, (i0, isz) in enumerate(span):
                             it = i0 // nl.tile_size.pmax
@@ -315,51 +315,60 @@ def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_group, row0, h_chunk, 
             for (*_, live_reg), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
                 for _ in nl.dynamic_range(0, live_reg):
                     nisa.activation(dst=y_sb[:, h0:h0 + hn], op=nl.copy, data=y_psum)
-        for (s0, ps, _, _, live_reg), y_sb in zip(slot_tiles, y_rows):
+        for (s0, ps, _, live_reg), y_sb in zip(slot_tiles, y_rows):
             for _ in nl.dynamic_range(0, live_reg):
                 nisa.dma_copy(dst=y_group[row0 + s0:row0 + s0 + ps, g0:g0 + gn], src=y_sb)
 
 
-def _group_rows(x, tok_ids, live_sb, g, group):
-    """Slot tiles (s0, ps, token ids, x rows, live register) of group g: the x row
-    tiles are allocated here and filled by ``_gather_group``; the register is the tile's 0/1 guard."""
+def _group_tiles(tok_ids, live_sb, g, group):
+    """Slot tiles (s0, ps, token ids (ps, 1), live register) of group g; the register is the
+    tile's 0/1 guard."""
     slot_tiles = []
     for st, (s0, ps) in enumerate(tiles(group, nl.tile_size.pmax)):
         live_reg = nisa.register_alloc()
         nisa.register_load(live_reg, live_sb[0:1, g, st:st + 1])
-        slot_tiles.append((s0, ps, tok_ids[:ps, st, g:g + 1],
-                           nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf), live_reg))
+        slot_tiles.append((s0, ps, tok_ids[:ps, st, g:g + 1], live_reg))
     return slot_tiles
 
 
-def _gather_group(x, slot_tiles):
-    for _, _, tok_sb, x_rows, live_reg in slot_tiles:
-        for _ in nl.dynamic_range(0, live_reg):
-            gather_rows_into(x_rows, x, tok_sb)
+def _gather_group(x, slot_tiles, trips_reg):
+    """Token rows of x per slot tile of a group (indirect gathers under the group's guard and each
+    tile's guard)."""
+    x_rows = [nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf) for _, ps, _, _ in slot_tiles]
+    for _ in nl.dynamic_range(0, trips_reg):
+        for (_, _, tok_sb, live_reg), rows_sb in zip(slot_tiles, x_rows):
+            for _ in nl.dynamic_range(0, live_reg):
+                gather_rows_into(rows_sb, x, tok_sb)
+    return x_rows
 
 
-def _group_fwd(x, slot_tiles, w_gate_up, w_down, regs, next_group, group, activation, h_chunk, y_cols,
-               y_group, row0):
-    """Group body in three guarded phases: xT and h (gate/up), then the gather of the next group's
-    rows (``next_group`` = (registers, slot tiles) or None), then the down projection and scatter.
-    GpSimd issues DMAs in program order, so the next gather must precede this group's scatter (which
-    waits for the group's last matmul) for the gather to overlap this group's compute."""
+def _group_fwd(x, slot_tiles, x_rows, w_gate_up, w_down, regs, next_group, group, activation, h_chunk,
+               y_cols, y_group, row0):
+    """Group body in guarded phases: xT (then the x rows are released), h (gate/up; then xT is
+    released), the gather of the next group's rows (``next_group`` = (registers, slot tiles) or
+    None; returned), the down projection and the writes of y. GpSimd issues DMAs in program order,
+    so the next gather is issued before this group's last matmul; the releases keep the x rows of
+    two groups and xT from being live at once (SBUF: see :func:`sbuf_bytes_at`)."""
     pmax = nl.tile_size.pmax
     expert_reg, trips_reg = regs
     h_tiles, i_tiles = tiles(x.shape[1], pmax), tiles(w_down.shape[2], pmax)
     x_t = nl.ndarray((pmax, len(h_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
     h_t = nl.ndarray((pmax, len(i_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
     for _ in nl.dynamic_range(0, trips_reg):
-        for s0, _, _, x_rows, live_reg in slot_tiles:
+        for (s0, _, _, live_reg), rows_sb in zip(slot_tiles, x_rows):
             for _ in nl.dynamic_range(0, live_reg):
-                transpose_rows(x_t, x_rows, s0)
+                transpose_rows(x_t, rows_sb, s0)
+    x_rows.clear()                      # last use of this group's x rows
+    for _ in nl.dynamic_range(0, trips_reg):
         _gate_up(x_t, w_gate_up, expert_reg, slot_tiles, h_tiles, activation, h_t)
+    del x_t                             # last use of xT
+    next_rows = None
     if next_group is not None:
         (_, next_trips), next_tiles = next_group
-        for _ in nl.dynamic_range(0, next_trips):
-            _gather_group(x, next_tiles)
+        next_rows = _gather_group(x, next_tiles, next_trips)
     for _ in nl.dynamic_range(0, trips_reg):
         _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_group, row0, h_chunk, y_cols)
+    return next_rows
 
 
 @nki.jit
@@ -376,17 +385,16 @@ def moe_experts_fwd(x, topk_w, group_expert, slot_token, tile_live, slot_pos, w_
     nisa.dma_copy(dst=live_sb, src=tile_live.ap([[n_groups * n_slot_tiles, 1], [n_slot_tiles, n_groups],
                                                  [1, n_slot_tiles]], offset=0))
     tok_ids = load_all_ids(slot_token, n_groups, group)
-    current = (block_registers(expert_sb, valid_sb, 0), _group_rows(x, tok_ids, live_sb, 0, group))
-    for _ in nl.dynamic_range(0, current[0][1]):
-        _gather_group(x, current[1])
+    current = (block_registers(expert_sb, valid_sb, 0), _group_tiles(tok_ids, live_sb, 0, group))
+    x_rows = _gather_group(x, current[1], current[0][1])
     # Static unroll (compile-time Python loop): group g's body also issues group g + 1's gather.
     for g in range(n_groups):
         following = None
         if g + 1 < n_groups:
             following = (block_registers(expert_sb, valid_sb, g + 1),
-                         _group_rows(x, tok_ids, live_sb, g + 1, group))
-        _group_fwd(x, current[1], w_gate_up, w_down, current[0], following, group, activation, h_chunk,
-                   y_cols, y_group, g * group)
+                         _group_tiles(tok_ids, live_sb, g + 1, group))
+        x_rows = _group_fwd(x, current[1], x_rows, w_gate_up, w_down, current[0], following, group, activation,
+                            h_chunk, y_cols, y_group, g * group)
         current = following
     gather_reduce(y_group, slot_pos, topk_w, y, top_k)
     return y
@@ -438,13 +446,16 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     and y staging width ``y_cols`` (upper bound: two generations of every streamed tile)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
-    slot_tiles = st * (2 * hidden * itemsize + 2 * 4)            # x rows (this and the next block), ids
-    resident = (ht + it) * block * itemsize                     # xT, hT
+    rows = st * hidden * itemsize                                # x rows of one group
+    x_t, h_t = ht * block * itemsize, it * block * itemsize
     staging = 2 * min(max(hidden, inter), WEIGHT_SPAN) * itemsize   # natural weight rows before transposes
     gate_up = 2 * (2 * ht * pmax * itemsize + fmax * 4)         # W_gate^T/W_up^T tiles, act
     span_tiles = min(it, WEIGHT_SPAN // pmax)
     down = 2 * span_tiles * h_chunk * itemsize + staged_bytes(y_cols, hidden, st)   # W_down^T span, o rows
-    body = slot_tiles + resident + staging + gate_up + down
+    phases = (rows + x_t + h_t,                                 # transposes: x rows -> xT
+              x_t + h_t + staging + gate_up,                    # gate/up (x rows released)
+              rows + h_t + staging + down)                      # down, next group's rows (xT released)
+    body = max(phases)
     live_flags = n_blocks * st * 4
     return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, gather_tail_bytes(hidden, top_k, itemsize))
 
