@@ -168,10 +168,11 @@ def test_row_and_head_dim_tiles(hq, sq, d):
     _judge(sample, outs)
 
 
-def test_many_row_tiles_with_long_chunks_fit_sbuf():
-    """512 rows (4 row tiles) over a 16384-key chunk at D=128: the softmax step shrinks so that
-    every row tile's scores fit SBUF next to the chunk buffers."""
-    sample = make_sample(1, 32, 1, 16, 128, [16384], torch.bfloat16)
+@pytest.mark.parametrize("d, dtype", [(128, torch.bfloat16), (256, torch.float32)])
+def test_many_row_tiles_with_long_chunks_fit_sbuf(d, dtype):
+    """512 rows (4 row tiles) over chunks of up to 16384 keys: the softmax step and the chunk
+    buffers shrink so that every row tile's scores and P^T fit SBUF next to the chunk buffers."""
+    sample = make_sample(1, 32, 1, 16, d, [16384], dtype)
     outs, _ = _launch(sample)        # the simulator raises if the live SBUF exceeds the target's
     _judge(sample, outs)
 

@@ -112,7 +112,8 @@ DIRECT_PIECE_SLOTS = 32           # contiguous interior chunks load K and V in p
                                   # rows at D=128 bf16, >= 2 KiB per descriptor; 600 ns hwdge issue
                                   # each): the first scores and P @ V start while the rest lands
 KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
-CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers; streams (one per
+CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers (divided by the
+                                  # number of row tiles, whose working sets grow); streams (one per
                                   # (b, hk, split)) rotate over the pairs that fit, so consecutive
                                   # streams load and compute concurrently
 
@@ -533,7 +534,8 @@ def decode_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, row
     ones_col = nl.ndarray((pmax, 1), dtype=dtype, buffer=nl.sbuf)         # row sums of P by matmul
     nisa.memset(dst=ones_col, value=1.0)
     pair_bytes = m * d * (k_units.itemsize + v_units.itemsize)
-    n_pairs = max(1, min(batch * n_kv_heads * n_split, CHUNK_BUFFER_BUDGET // pair_bytes))
+    budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
+    n_pairs = max(1, min(batch * n_kv_heads * n_split, budget // pair_bytes))
     chunk_bufs = []   # K/V buffer pairs, never cleared: rows a gather skips only hold keys that every row
                       # masks by selection, and edge chunks zero those V rows (0 * NaN)
     for _ in range(n_pairs):
