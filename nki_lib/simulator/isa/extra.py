@@ -6,9 +6,8 @@
   occurrences of 8 values), ``exponential`` (NC-v4 fast ``exp(x - max)`` with a running sum).
 * Scalar engine: ``activate2`` (NC-v4 ``op((x op0 imm0) op1 imm1)`` with reduce).
 * GpSimd: ``nc_n_gather`` (per-partition gather by flattened free index).
-* NC-v4 MX (§8.16, §8.19): ``quantize_mx`` and ``nc_matmul_mx``. They replace the
-  NotImplementedError stubs of ``pe.py`` in the ``nisa`` namespace (``isa/__init__`` star-imports
-  this module last). Scale layout: the scale of group row g (partitions 8g..8g+7) lives at
+* NC-v4 MX (§8.16, §8.19): ``quantize_mx`` and ``nc_matmul_mx`` (``nisa`` gets them only from
+  here: ``isa/__init__`` star-imports this module). Scale layout: the scale of group row g (partitions 8g..8g+7) lives at
   partition ``(g // 4) * 32 + g % 4`` of the scale view (4 rows per 32-partition quadrant; slice the
   scale tile's start partition for the 0/4/8/12 offsets). Scale exponent: the 0.6 API doc value
   ``floor(log2 amax) - (Emax - 1)`` (§14 item 13), stored biased by 127 (e8m0).
