@@ -342,6 +342,15 @@ def _gather_group(x, slot_tiles, trips_reg):
     return x_rows
 
 
+def _transpose_group(x_t, slot_tiles, x_rows, trips_reg):
+    """xT[:, :, slots] = x rows^T per live slot tile (a function, so that no loop variable keeps a
+    row tile alive after the caller releases the rows)."""
+    for _ in nl.dynamic_range(0, trips_reg):
+        for (s0, _, _, live_reg), rows_sb in zip(slot_tiles, x_rows):
+            for _ in nl.dynamic_range(0, live_reg):
+                transpose_rows(x_t, rows_sb, s0)
+
+
 def _group_fwd(x, slot_tiles, x_rows, w_gate_up, w_down, regs, next_group, group, activation, h_chunk,
                y_cols, y_group, row0):
     """Group body in guarded phases: xT (then the x rows are released), h (gate/up; then xT is
@@ -354,10 +363,7 @@ def _group_fwd(x, slot_tiles, x_rows, w_gate_up, w_down, regs, next_group, group
     h_tiles, i_tiles = tiles(x.shape[1], pmax), tiles(w_down.shape[2], pmax)
     x_t = nl.ndarray((pmax, len(h_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
     h_t = nl.ndarray((pmax, len(i_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
-    for _ in nl.dynamic_range(0, trips_reg):
-        for (s0, _, _, live_reg), rows_sb in zip(slot_tiles, x_rows):
-            for _ in nl.dynamic_range(0, live_reg):
-                transpose_rows(x_t, rows_sb, s0)
+    _transpose_group(x_t, slot_tiles, x_rows, trips_reg)
     x_rows.clear()                      # last use of this group's x rows
     for _ in nl.dynamic_range(0, trips_reg):
         _gate_up(x_t, w_gate_up, expert_reg, slot_tiles, h_tiles, activation, h_t)
