@@ -8,8 +8,9 @@ Semantics: api-contract §4. Shapes: x (T, H), topk_weights float32 (T, k), bloc
 slot_assignment int32 (NB * B,), w_gate_up (E, 2I, H), w_down (E, H, I); y (T, H) in x's dtype.
 
 The plan (block_expert, slot_assignment) is the output of ``torch.ops.nki.moe_plan``; any plan in
-which every assignment 0 .. T*k-1 sits in exactly one slot of a block with an expert in [0, E) is
-accepted (checked on real tensors, like ``cu_seqlens`` in attention).
+which every assignment 0 .. T*k-1 sits in exactly one slot of a block with an expert in [0, E) and
+each expert's blocks are consecutive is accepted (checked on real tensors, like ``cu_seqlens`` in
+attention).
 """
 
 from __future__ import annotations
@@ -90,6 +91,13 @@ def validate_plan_values(block_expert, slot_assignment, *, num_assignments, num_
         raise ValueError(f"slot_assignment must hold every assignment 0..T*k-1 (T*k={num_assignments}) "
                          f"exactly once")
     if experts.numel():
+        run_start = torch.ones_like(experts, dtype=torch.bool)
+        run_start[1:] = experts[1:] != experts[:-1]
+        runs = experts[run_start & (experts >= 0)]
+        if runs.unique().numel() != runs.numel():
+            raise ValueError(f"block_expert: the blocks of each expert must be consecutive (as moe_plan makes "
+                             f"them; the backward accumulates an expert's weight gradients across its run), "
+                             f"got {experts.tolist()}")
         block_size = slots.numel() // experts.numel()
         idle = experts.repeat_interleave(block_size) < 0
         if bool((slots[idle] >= 0).any()):

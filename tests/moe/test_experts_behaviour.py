@@ -146,6 +146,8 @@ BAD = [
      "slot_assignment"),
     ("assignment in an idle block", dict(index=3, value=lambda t: _set(_set(t, t == 0, -1), -1, 0)), ValueError,
      "block_expert is -1"),
+    ("expert blocks not consecutive", dict(index=2, value=lambda t: _set(t, 0, int(t[t >= 0][-1]))), ValueError,
+     "block_expert: the blocks of each expert must be consecutive"),
     ("activation unknown", dict(activation="relu"), ValueError, "activation"),
 ]
 
