@@ -56,7 +56,7 @@ from nki_lib._nki import nki, nisa, nl
 from nki_lib.dispatch import call_kernel
 from nki_lib.moe.kernels.experts_fwd import (
     act_fn, block_flags, block_registers, check_supported, choose_tiling, flags_sbuf_bytes,
-    gather_rows, load_all_ids, load_block_inputs, load_expert_cols, load_expert_t, reduce_assignments,
+    gather_rows_into, load_all_ids, load_expert_cols, load_expert_t, reduce_assignments,
     WEIGHT_SPAN, scatter_rows, slot_tokens, staged_bytes, tail_sbuf_bytes, tiles, transpose_rows)
 from nki_lib.moe.reference_experts import _GELU_TANH_A, _GELU_TANH_C
 
@@ -224,18 +224,38 @@ def zero_idle_experts(block_expert, outs):
 
 # --------------------------------------------------------------------------- block phases
 
-def _load_grad_rows(dy, slot_tiles, block):
+def _block_rows(x, dy, tok_ids, asg_ids, b, block):
+    """Block b's slot tiles (s0, ps, token ids, assignment ids, routing weight (ps, 1) fp32, x rows)
+    and dy rows, allocated here and filled by ``_gather_block``."""
+    slot_tiles, dy_rows = [], []
+    for st, (s0, ps) in enumerate(tiles(block, nl.tile_size.pmax)):
+        slot_tiles.append((s0, ps, tok_ids[:ps, st, b:b + 1], asg_ids[:ps, st, b:b + 1],
+                           nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf),
+                           nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)))
+        dy_rows.append(nl.ndarray((ps, dy.shape[1]), dtype=dy.dtype, buffer=nl.sbuf))
+    return slot_tiles, dy_rows
+
+
+def _gather_block(x, dy, topk_w, slot_tiles, dy_rows):
+    """Indirect gathers of the block's x rows, routing weights and dy rows (padding stays zero)."""
+    for (_, _, tok_sb, asg_sb, w_col, x_rows), dy_sb in zip(slot_tiles, dy_rows):
+        gather_rows_into(x_rows, x, tok_sb)
+        gather_rows_into(w_col, topk_w, asg_sb)
+        gather_rows_into(dy_sb, dy, tok_sb)
+
+
+def _load_grad_rows(dy_rows, slot_tiles, block):
     """Per slot tile: dy rows scaled by the routing weight (do); and dyT (P, HT, B)."""
     pmax = nl.tile_size.pmax
-    hidden = dy.shape[1]
-    dy_t = nl.ndarray((pmax, len(tiles(hidden, pmax)), block), dtype=dy.dtype, buffer=nl.sbuf)
+    hidden = dy_rows[0].shape[1]
+    dy_t = nl.ndarray((pmax, len(tiles(hidden, pmax)), block), dtype=dy_rows[0].dtype, buffer=nl.sbuf)
     do_rows = []
-    for s0, ps, tok_sb, _, w_col, _ in slot_tiles:
-        dy_rows = gather_rows(dy, tok_sb, ps)
-        transpose_rows(dy_t, dy_rows, s0)
-        do_sb = nl.ndarray((ps, hidden), dtype=dy.dtype, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=do_sb, data=dy_rows, op0=nl.multiply, operand0=w_col)
+    for (s0, ps, _, _, w_col, _), dy_sb in zip(slot_tiles, dy_rows):
+        transpose_rows(dy_t, dy_sb, s0)
+        do_sb = nl.ndarray((ps, hidden), dtype=dy_sb.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=do_sb, data=dy_sb, op0=nl.multiply, operand0=w_col)
         do_rows.append(do_sb)
+    dy_rows.clear()                     # last use of the dy rows
     return do_rows, dy_t
 
 
@@ -309,22 +329,47 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_
     _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter)
 
 
-def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, mode_regs, b, block,
+def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
                activation, i_chunk, dx_cols, grad_bufs, dx_slots, dtopk):
+    """Block b in guarded phases: transposes, I chunks and weight gradients; then the gathers of
+    block b + 1 into rows allocated here (``next_regs`` = its registers, or None; the rows are
+    returned); then dx and d topk_weights. GpSimd issues DMAs in program order, so the next
+    block's gathers must precede this block's scatters (which wait for its last matmul) to overlap
+    this block's compute."""
     pmax = nl.tile_size.pmax
     inter = w_down.shape[2]
-    slot_tiles, x_t = load_block_inputs(x, topk_w, tok_ids, asg_ids, b, block)
-    do_rows, dy_t = _load_grad_rows(dy, slot_tiles, block)
+    expert_reg, trips_reg = regs
+    slot_tiles, dy_rows = rows
     n_it = len(tiles(inter, pmax))
     dg_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     du_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     dw_accs = [nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
-    for c0, cn in tiles(inter, i_chunk):
+    for _ in nl.dynamic_range(0, trips_reg):
+        _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg, mode_regs, block,
+                     activation, i_chunk, dg_t, du_t, grad_bufs)
+    next_rows = None
+    if next_regs is not None:
+        next_rows = _block_rows(x, dy, tok_ids, asg_ids, b + 1, block)
+        for _ in nl.dynamic_range(0, next_regs[1]):
+            _gather_block(x, dy, topk_w, *next_rows)
+    for _ in nl.dynamic_range(0, trips_reg):
+        _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols)
+        for (_, _, _, asg_sb, _, _), dw_acc in zip(slot_tiles, dw_accs):
+            scatter_rows(dtopk, asg_sb, dw_acc, 0)
+    return next_rows
+
+
+def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg, mode_regs, block,
+                 activation, i_chunk, dg_t, du_t, grad_bufs):
+    """xT, dyT and do from the gathered rows, then the I chunks (weight gradients, dgT, duT)."""
+    pmax = nl.tile_size.pmax
+    x_t = nl.ndarray((pmax, len(tiles(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
+    for s0, _, _, _, _, x_rows in slot_tiles:
+        transpose_rows(x_t, x_rows, s0)
+    do_rows, dy_t = _load_grad_rows(dy_rows, slot_tiles, block)
+    for c0, cn in tiles(w_down.shape[2], i_chunk):
         _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_reg, c0, cn, activation,
                  dg_t, du_t, grad_bufs, mode_regs)
-    _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols)
-    for (_, _, _, asg_sb, _, _), dw_acc in zip(slot_tiles, dw_accs):
-        scatter_rows(dtopk, asg_sb, dw_acc, 0)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -347,12 +392,18 @@ def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_
     modes_sb = accumulation_modes(expert_sb)
     tok_ids = load_all_ids(slot_token, n_blocks, block)
     asg_ids = load_all_ids(slot_assignment, n_blocks, block)
-    for b in nl.sequential_range(n_blocks):      # weight-gradient accumulation: blocks in order
-        expert_reg, trips_reg = block_registers(expert_sb, valid_sb, b)
+    regs = block_registers(expert_sb, valid_sb, 0)
+    rows = _block_rows(x, dy, tok_ids, asg_ids, 0, block)
+    for _ in nl.dynamic_range(0, regs[1]):
+        _gather_block(x, dy, topk_w, *rows)
+    # Blocks in order (weight-gradient accumulation), statically unrolled: block b's body also
+    # issues block b + 1's gathers.
+    for b in range(n_blocks):
         mode_regs = mode_registers(modes_sb, b)
-        for _ in nl.dynamic_range(0, trips_reg):
-            _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, expert_reg, mode_regs, b, block,
-                       activation, i_chunk, dx_cols, grad_bufs, dx_slots, dtopk)
+        next_regs = block_registers(expert_sb, valid_sb, b + 1) if b + 1 < n_blocks else None
+        rows = _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
+                          block, activation, i_chunk, dx_cols, grad_bufs, dx_slots, dtopk)
+        regs = next_regs
     reduce_assignments(dx_slots, dx, top_k)
     return dx, dtopk, dw_gate_up, dw_down
 
@@ -367,12 +418,13 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
     slot_tiles = st * (2 * hidden * itemsize + 4 * 4)            # x, do rows; ids, weight, d weight
     resident = (2 * ht + 2 * it) * block * itemsize             # xT, dyT, dgT, duT
-    load = 2 * hidden * itemsize                                # phase 1: dy rows (two generations)
+    load = st * hidden * itemsize                               # phase 1: dy rows (until scaled/transposed)
     staging = 2 * min(hidden, WEIGHT_SPAN) * itemsize           # natural W rows before transposes
     streamed = 3 * ht * i_chunk * itemsize + staging            # W_gate^T, W_up^T, W_down columns
     chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * _FP32_TEMPS * i_chunk * 4   # h, dg, du; fp32 temps
     chunks = streamed + chunk + 2 * fmax * (4 + itemsize)       # phase 2, with the accumulate tiles
     dx = 2 * fmax * itemsize + staged_bytes(dx_cols, hidden, st)   # phase 3: W rows, dx rows
+    dx += st * (2 * hidden * itemsize + 4)                      # and the next block's x, dy rows, weights
     body = slot_tiles + resident + max(load, chunks, dx)
     modes = len(ACC_MODES) * n_blocks * 4                       # block accumulation modes
     setup = max(4 * n_blocks * 4, 2 * n_blocks * 4 + fmax * itemsize)   # edges; idle-expert count, zeros
