@@ -91,13 +91,6 @@ def load_all_ids(slot_ids, n_blocks, block):
     return ids_sb
 
 
-def gather_rows(src, ids_sb, ps):
-    """(ps, C) tile of rows src[ids] (src (R, C) in HBM); rows with id -1 stay zero."""
-    rows_sb = nl.ndarray((ps, src.shape[1]), dtype=src.dtype, buffer=nl.sbuf)
-    gather_rows_into(rows_sb, src, ids_sb)
-    return rows_sb
-
-
 def gather_rows_into(rows_sb, src, ids_sb):
     """rows_sb (ps, C) = src[ids] (src (R, C) in HBM); rows with id -1 stay zero."""
     ps, cols = rows_sb.shape
@@ -141,24 +134,6 @@ def block_registers(expert_sb, valid_sb, b):
     trips_reg = nisa.register_alloc()
     nisa.register_load(trips_reg, valid_sb[0:1, b:b + 1])
     return expert_reg, trips_reg
-
-
-def load_block_inputs(x, topk_w, tok_ids, asg_ids, b, block):
-    """Per slot tile of block b: (s0, ps, token ids, assignment ids (ps, 1) views of the
-    ``load_all_ids`` tiles, routing weights (ps, 1) fp32 gathered from topk_w (N, 1) or None when
-    topk_w is None, token rows (ps, H)); and xT (P, HT, B)."""
-    pmax = nl.tile_size.pmax
-    hidden = x.shape[1]
-    x_t = nl.ndarray((pmax, len(tiles(hidden, pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
-    slot_tiles = []
-    for st, (s0, ps) in enumerate(tiles(block, pmax)):
-        tok_sb = tok_ids[:ps, st, b:b + 1]
-        asg_sb = asg_ids[:ps, st, b:b + 1]
-        x_rows = gather_rows(x, tok_sb, ps)
-        transpose_rows(x_t, x_rows, s0)
-        w_col = None if topk_w is None else gather_rows(topk_w, asg_sb, ps)
-        slot_tiles.append((s0, ps, tok_sb, asg_sb, w_col, x_rows))
-    return slot_tiles, x_t
 
 
 def load_expert_cols(w, expert_reg, row_tiles, col0, ncols):
