@@ -15,7 +15,9 @@ ids and block flags as in the forward, and each block's accumulation mode (its e
 first, middle or last block: the plan keeps an expert's blocks consecutive); for each block b
 (static loop, guarded by a dynamic loop of 0/1 trips as in the forward):
   1. per slot tile (<= 128): gather x and dy rows (indirect DMA, padding slots skipped -> zero),
-     routing weights; do = w_a * dy rows; PE-transpose x and dy into xT / dyT (H on partitions).
+     routing weights — issued during block b - 1, before its scatters of step 3 (GpSimd issues
+     DMAs in program order), into rows allocated after block b - 1's I chunks; do = w_a * dy
+     rows; PE-transpose x and dy into xT / dyT (H on partitions).
   2. per I chunk (<= 512, narrowed to fit SBUF): W_gate^T/W_up^T columns (rows loaded, then
      PE-transposed to H on partitions) and W_down columns (natural layout: H already on
      partitions), selected by the expert register; per slot tile g, u, dhy (slots on
@@ -45,9 +47,11 @@ dtopk (N, 1) fp32, dw_gate_up (E, 2I, H), dw_down (E, H, I).
 
 Limits: as the forward (bf16/fp16/fp32, B <= 512, LNC1) with the SBUF estimate :func:`sbuf_bytes`
 (x, do rows and xT, dyT, dgT, duT of one block are resident, plus one I chunk of three weight
-column tiles); every assignment appears exactly once in the plan (validated by the op); the
-mode guards nest dynamic loops inside the block guard (NKI >= 0.6). HBM scratch: dx_slots N x H fp32, fp32 weight-gradient accumulators
-3 x E x H x I (touched only by experts with several blocks).
+column tiles, plus the next block's gathered rows during step 3); every assignment appears
+exactly once in the plan and each expert's blocks are consecutive (validated by the op); the
+mode guards nest dynamic loops inside the block guard (NKI >= 0.6). HBM scratch: dx_slots N x H
+fp32, fp32 weight-gradient accumulators 3 x E x H x I (touched only by experts with several
+blocks).
 """
 
 from __future__ import annotations
