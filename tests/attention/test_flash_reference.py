@@ -133,4 +133,5 @@ def test_reference_long_sequence_memory_is_bounded():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     peak_mib = int(proc.stdout.strip().splitlines()[-1])
-    assert peak_mib < 2048, f"peak RSS {peak_mib} MiB"
+    dense_scores_mib = 32768 * 32768 * 4 // 2**20  # one fp32 S x S matrix: what chunking avoids
+    assert peak_mib < dense_scores_mib, f"peak RSS {peak_mib} MiB: the reference materialized S x S"
