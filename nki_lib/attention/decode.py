@@ -22,9 +22,11 @@ import torch
 
 from nki_lib import registry
 from nki_lib.attention import decode_reference
-from nki_lib.attention.ops import FLOAT_DTYPES, MAX_HEAD_DIM, _check_tensor
+from nki_lib.attention.ops import MAX_HEAD_DIM
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
+from nki_lib.validation import FLOAT_DTYPES
+from nki_lib.validation import check_tensor as _check_tensor
 
 INDEX_DTYPE = torch.int32
 

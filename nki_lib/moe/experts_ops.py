@@ -22,21 +22,13 @@ from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.dispatch import dispatch
 from nki_lib.moe import reference_experts as reference
 from nki_lib.registry import OpSpec, Sample
+from nki_lib.validation import FLOAT_DTYPES
+from nki_lib.validation import check_tensor as _check_tensor
 
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPE = torch.int32
 
 
 # --------------------------------------------------------------------------- validation
-
-def _check_tensor(name, t, *, rank, dtypes):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != rank:
-        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-
 
 def validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
     """Shape/dtype/argument checks (no data access: safe under fake tensors)."""
