@@ -2,7 +2,8 @@
 and the benchmarks, so a new op gets them for free.
 
 Each family declares an :class:`OpSpec` next to its op (``<family>/ops.py``) and calls
-:func:`register`. ``naive`` is the plain, dense PyTorch formula with the op's signature; it
+:func:`register`. FLOP/byte/element formulas per op live in ``nki_lib.bench.flops`` (``cost_of(name, sample)``).
+``naive`` is the plain, dense PyTorch formula with the op's signature; it
 computes in the dtype of its inputs and is differentiable by autograd. Called on float64 inputs it
 is the fp64 *oracle*; called on low-precision inputs it is the *baseline* ("plain PyTorch in the
 same low precision") of the parity rule in :mod:`nki_lib.numerics`.
@@ -39,16 +40,10 @@ class OpSpec:
     differentiable: bool = True
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     backward_name: str | None = None                  # torch.ops.nki.<backward_name>, if any
-    cost: Callable[[Sample], Any] | None = None       # FLOP/byte/element formulas (nki_lib.bench.flops)
 
     @property
     def op(self):
         return getattr(torch.ops.nki, self.name)
-
-    def float_inputs(self, sample: Sample) -> list[str]:
-        """Names (positional index as str) of floating tensor arguments that require grad."""
-        return [str(i) for i, a in enumerate(sample.args)
-                if isinstance(a, torch.Tensor) and a.is_floating_point() and a.requires_grad]
 
 
 _REGISTRY: dict[str, OpSpec] = {}
