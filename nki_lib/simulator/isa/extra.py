@@ -30,7 +30,7 @@ from ..tensor import NkiTensor
 from ._accum import accumulate
 from ._common import INSTRUCTION, as_op, begin, onchip, read_f32, read_raw, same_pf, scalar_operand, write
 from .constants import reduce_cmd as _reduce_cmd
-from .pe import _psum_dst
+from .pe import _psum_dst, _psum_write
 
 __all__ = ["tensor_scalar_cumulative", "tensor_tensor_scan", "select_reduce", "bn_stats", "bn_aggr",
            "nc_match_replace8", "exponential", "activate2", "nc_n_gather", "quantize_mx", "nc_matmul_mx"]
@@ -454,20 +454,3 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
              m * n * dst.itemsize, {"K": _MX_PACK * k, "M": m, "N": n, "accumulate": accumulated,
                                     "is_transpose": False, "mx": True})
     return INSTRUCTION
-
-
-def _psum_write(c, dst, result, accumulate, dpf) -> bool:
-    """Write a TensorE result with the overwrite/accumulate rule of nc_matmul (§8.8); True if it added."""
-    mask = dst._mask_view(dst._offset) if dst._dyn is None else None
-    if accumulate is False:
-        out, added = result, False
-    else:
-        old = read_f32(c, dst, "dst", dpf)
-        if accumulate is True or mask is None:
-            out, added = old + result, True
-        else:
-            started = mask.reshape(dpf).astype(bool)
-            added = bool(started.any())
-            out = np.where(started, old + result, result) if added else result
-    dst._scatter(out.astype(dst._dtype.np), c.opcode, "dst", matmul=True)
-    return added

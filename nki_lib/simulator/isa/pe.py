@@ -52,6 +52,23 @@ def _psum_dst(c, dst, n, transpose):
     return pf
 
 
+def _psum_write(c, dst, result, accumulate, dpf) -> bool:
+    """Write a TensorE result with the overwrite/accumulate rule of nc_matmul (§8.8); True if it added."""
+    mask = dst._mask_view(dst._offset) if dst._dyn is None else None
+    if accumulate is False:
+        out, added = result, False
+    else:
+        old = read_f32(c, dst, "dst", dpf)
+        if accumulate is True or mask is None:
+            out, added = old + result, True
+        else:
+            started = mask.reshape(dpf).astype(bool)
+            added = bool(started.any())
+            out = np.where(started, old + result, result) if added else result
+    dst._scatter(out.astype(dst._dtype.np), c.opcode, "dst", matmul=True)
+    return added
+
+
 def _tiling(c, tile_position, tile_size, k, m, dst):
     if not tile_position and not tile_size:
         return
@@ -118,18 +135,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
                            v.reshape(k, 2, n).transpose(1, 0, 2).reshape(2 * k, n)).astype(np.float32)
     else:
         result = np.matmul(s.T, v).astype(np.float32)
-    mask = dst._mask_view(dst._offset) if dst._dyn is None else None
-    if accumulate is False:
-        out, accumulated = result, False
-    else:
-        old = read_f32(c, dst, "dst", dpf)
-        if accumulate is True or mask is None:
-            out, accumulated = old + result, True
-        else:
-            started = mask.reshape(dpf).astype(bool)
-            accumulated = bool(started.any())
-            out = np.where(started, old + result, result) if accumulated else result
-    dst._scatter(out.astype(dst._dtype.np), c.opcode, "dst", matmul=True)
+    accumulated = _psum_write(c, dst, result, accumulate, dpf)
     c.record("tensor", (stationary, moving), (dst,), (m, n), dst._dtype, m * n, m * n * dst.itemsize,
              {"K": 2 * k if double else k, "M": m, "N": n, "accumulate": accumulated, "is_transpose": False,
               "perf_mode": perf_mode.value})
