@@ -26,3 +26,16 @@ def check_int(name: str, value, *, low: int | None = None, high: int | None = No
         bound = (f"[{low}, {high}]" if low is not None and high is not None
                  else f">= {low}" if low is not None else f"<= {high}")
         raise ValueError(f"{name} must be in {bound}, got {value}")
+
+
+def check_same_dtype(name: str, t, ref_name: str, ref: torch.Tensor) -> None:
+    """``t`` must have the dtype of the reference argument ``ref_name``."""
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {t.dtype}")
+
+
+def check_same_device(ref_name: str, ref: torch.Tensor, **tensors) -> None:
+    """Every given (non-None) tensor must be on the device of ``ref_name``."""
+    for name, t in tensors.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name} must be on the device of {ref_name} ({ref.device}), got {t.device}")

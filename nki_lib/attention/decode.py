@@ -27,6 +27,7 @@ from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.validation import FLOAT_DTYPES
 from nki_lib.validation import check_tensor as _check_tensor
+from nki_lib.validation import check_same_device, check_same_dtype
 
 INDEX_DTYPE = torch.int32
 
@@ -49,11 +50,9 @@ def validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, w
     _check_tensor("q", q, rank=4)
     _check_tensor("k_cache", k_cache, rank=4)
     _check_tensor("v_cache", v_cache, rank=4)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
+    check_same_dtype("k_cache", k_cache, "q", q)
+    check_same_dtype("v_cache", v_cache, "q", q)
+    check_same_device("q", q, k_cache=k_cache, v_cache=v_cache)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got k_cache "
                          f"{tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}")
@@ -85,9 +84,7 @@ def validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, w
             raise ValueError(f"block_table must have shape ({b}, max_blocks), got {tuple(block_table.shape)}")
         if block_table.shape[1] < 1:
             raise ValueError(f"block_table must have at least one column, got {tuple(block_table.shape)}")
-    for name, t in (("cache_seqlens", cache_seqlens), ("block_table", block_table)):
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
+    check_same_device("q", q, cache_seqlens=cache_seqlens, block_table=block_table)
     if not isinstance(window_left, (int, torch.SymInt)) or isinstance(window_left, bool):
         raise TypeError(f"window_left must be an int, got {type(window_left).__name__}")
     if window_left < -1:
@@ -103,8 +100,7 @@ def validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, w
         _check_tensor("sinks", sinks, rank=1, dtypes=allowed)
         if sinks.shape[0] != hq:
             raise ValueError(f"sinks must have shape ({hq},) (one logit per q head), got {tuple(sinks.shape)}")
-        if sinks.device != q.device:
-            raise ValueError(f"sinks must be on the device of q ({q.device}), got {sinks.device}")
+        check_same_device("q", q, sinks=sinks)
 
 
 def validate_values(q, k_cache, cache_seqlens, block_table):

@@ -22,6 +22,7 @@ from nki_lib.registry import OpSpec, Sample
 from nki_lib.validation import FLOAT_DTYPES
 from nki_lib.validation import check_int
 from nki_lib.validation import check_tensor as _check_tensor
+from nki_lib.validation import check_same_device, check_same_dtype
 
 MAX_HEAD_DIM = 256
 
@@ -33,11 +34,9 @@ def validate(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_r
     _check_tensor("q", q, rank=4)
     _check_tensor("k", k, rank=4)
     _check_tensor("v", v, rank=4)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
+    check_same_dtype("k", k, "q", q)
+    check_same_dtype("v", v, "q", q)
+    check_same_device("q", q, k=k, v=v)
     b, hq, sq, d = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
@@ -65,8 +64,7 @@ def validate(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_r
         _check_tensor("sinks", sinks, rank=1, dtypes=allowed)
         if sinks.shape[0] != hq:
             raise ValueError(f"sinks must have shape ({hq},) (one logit per q head), got {tuple(sinks.shape)}")
-        if sinks.device != q.device:
-            raise ValueError(f"sinks must be on the device of q ({q.device}), got {sinks.device}")
+        check_same_device("q", q, sinks=sinks)
     if cu_seqlens is not None:
         _check_tensor("cu_seqlens", cu_seqlens, rank=1, dtypes=(torch.int32,))
         if b != 1:
@@ -75,8 +73,7 @@ def validate(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_r
             raise ValueError(f"cu_seqlens requires Sq == Sk, got Sq={sq}, Sk={k.shape[2]}")
         if cu_seqlens.shape[0] < 2:
             raise ValueError(f"cu_seqlens must have N+1 >= 2 entries, got {cu_seqlens.shape[0]}")
-        if cu_seqlens.device != q.device:
-            raise ValueError(f"cu_seqlens must be on the device of q ({q.device}), got {cu_seqlens.device}")
+        check_same_device("q", q, cu_seqlens=cu_seqlens)
 
 
 def validate_cu_seqlens_values(cu_seqlens, seqlen):

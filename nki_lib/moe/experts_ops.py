@@ -24,6 +24,7 @@ from nki_lib.moe import reference_experts as reference
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.validation import FLOAT_DTYPES
 from nki_lib.validation import check_tensor as _check_tensor
+from nki_lib.validation import check_same_device, check_same_dtype
 
 INDEX_DTYPE = torch.int32
 
@@ -39,13 +40,10 @@ def validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, 
     _check_tensor("slot_assignment", slot_assignment, rank=1, dtypes=(INDEX_DTYPE,))
     _check_tensor("w_gate_up", w_gate_up, rank=3, dtypes=FLOAT_DTYPES)
     _check_tensor("w_down", w_down, rank=3, dtypes=FLOAT_DTYPES)
-    for name, t in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} must have the dtype of x ({x.dtype}), got {t.dtype}")
-    for name, t in (("topk_weights", topk_weights), ("block_expert", block_expert),
-                    ("slot_assignment", slot_assignment), ("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if t.device != x.device:
-            raise ValueError(f"{name} must be on the device of x ({x.device}), got {t.device}")
+    check_same_dtype("w_gate_up", w_gate_up, "x", x)
+    check_same_dtype("w_down", w_down, "x", x)
+    check_same_device("x", x, topk_weights=topk_weights, block_expert=block_expert,
+                      slot_assignment=slot_assignment, w_gate_up=w_gate_up, w_down=w_down)
     t_len, hidden = x.shape
     if topk_weights.shape[0] != t_len:
         raise ValueError(f"topk_weights must have shape (T={t_len}, k), got {tuple(topk_weights.shape)}")

@@ -21,6 +21,7 @@ from nki_lib.registry import OpSpec, Sample
 from nki_lib.validation import FLOAT_DTYPES
 from nki_lib.validation import check_int as _check_int
 from nki_lib.validation import check_tensor as _check_tensor
+from nki_lib.validation import check_same_device, check_same_dtype
 
 
 # --------------------------------------------------------------------------- validation
@@ -34,10 +35,8 @@ def validate(x, weight, expert_bias, *, top_k, score_func, renormalize, num_grou
     """Shape/dtype/argument checks (no data access: safe under fake tensors)."""
     _check_tensor("x", x, rank=2)
     _check_tensor("weight", weight, rank=2)
-    if weight.dtype != x.dtype:
-        raise TypeError(f"weight must have the dtype of x ({x.dtype}), got {weight.dtype}")
-    if weight.device != x.device:
-        raise ValueError(f"weight must be on the device of x ({x.device}), got {weight.device}")
+    check_same_dtype("weight", weight, "x", x)
+    check_same_device("x", x, weight=weight)
     num_experts, hidden = weight.shape
     if x.shape[1] != hidden:
         raise ValueError(f"x must have hidden size {hidden} (weight is (E, H) = {tuple(weight.shape)}), "
@@ -48,8 +47,7 @@ def validate(x, weight, expert_bias, *, top_k, score_func, renormalize, num_grou
         _check_tensor("expert_bias", expert_bias, rank=1, dtypes=(_aux_dtype(x),))
         if expert_bias.shape[0] != num_experts:
             raise ValueError(f"expert_bias must have shape ({num_experts},), got {tuple(expert_bias.shape)}")
-        if expert_bias.device != x.device:
-            raise ValueError(f"expert_bias must be on the device of x ({x.device}), got {expert_bias.device}")
+        check_same_device("x", x, expert_bias=expert_bias)
     _check_int("top_k", top_k, low=1, high=num_experts)
     if score_func not in reference.SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {reference.SCORE_FUNCS}, got {score_func!r}")
