@@ -77,15 +77,7 @@ def router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize, nu
 
         # 1. logits (fp32 PSUM accumulation over H chunks), one PSUM bank per E chunk
         logits_sb = nl.ndarray((pmax, num_experts), dtype=nl.float32, buffer=nl.sbuf)
-        for ni in range(rc.ceil_div(num_experts, n_chunk)):
-            n0 = ni * n_chunk
-            nc = min(n_chunk, num_experts - n0)
-            logits_psum = nl.ndarray((pmax, n_chunk), dtype=nl.float32, buffer=nl.psum)
-            for hi in range(h_tiles):
-                hc = min(pmax, hidden - hi * pmax)
-                nisa.nc_matmul(dst=logits_psum[:rows, :nc], stationary=x_t[:hc, hi, :rows],
-                               moving=weight_t[:hc, hi, n0:n0 + nc], accumulate=(hi > 0))
-            nisa.tensor_copy(dst=logits_sb[:rows, n0:n0 + nc], src=logits_psum[:rows, :nc], engine=nisa.engine.scalar)
+        rc.row_matmul(logits_sb, x_t, weight_t, rows, hidden, num_experts, n_chunk)
         nisa.dma_copy(dst=logits[t0:t0 + rows, :], src=logits_sb[:rows, :])
 
         # 2. scores

@@ -128,15 +128,7 @@ def router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, score
         d_mm_t = nl.ndarray((pmax, e_tiles, pmax), dtype=x.dtype, buffer=nl.sbuf)
         rc.load_transposed(d_mm_t, d_mm, rows, num_experts, x.dtype)
         dx_sb = nl.ndarray((pmax, hidden), dtype=x.dtype, buffer=nl.sbuf)
-        for ni in range(rc.ceil_div(hidden, n_chunk)):
-            n0 = ni * n_chunk
-            nc = min(n_chunk, hidden - n0)
-            dx_psum = nl.ndarray((pmax, n_chunk), dtype=nl.float32, buffer=nl.psum)
-            for ei in range(e_tiles):
-                ec = min(pmax, num_experts - ei * pmax)
-                nisa.nc_matmul(dst=dx_psum[:rows, :nc], stationary=d_mm_t[:ec, ei, :rows],
-                               moving=weight_sb[:ec, ei, n0:n0 + nc], accumulate=(ei > 0))
-            nisa.tensor_copy(dst=dx_sb[:rows, n0:n0 + nc], src=dx_psum[:rows, :nc], engine=nisa.engine.scalar)
+        rc.row_matmul(dx_sb, d_mm_t, weight_sb, rows, num_experts, hidden, n_chunk)
         nisa.dma_copy(dst=dx[t0:t0 + rows, :], src=dx_sb[:rows, :])
 
         # 6. dweight += d_total^T @ x (contraction over this tile's tokens on partitions)

@@ -62,6 +62,22 @@ def load_transposed(dst_sb, src_sb, rows, cols, dtype, dst_col0=0):
         nisa.tensor_copy(dst=dst_sb[:cc, ci, nl.ds(dst_col0, rows)], src=t_psum[:cc, :rows], engine=nisa.engine.scalar)
 
 
+def row_matmul(out_sb, lhs_t, rhs_t, rows, k_size, n_size, n_chunk):
+    """``out_sb[:rows, :n_size] = lhs @ rhs`` for one token tile: ``lhs_t`` (pmax, k_tiles, pmax) holds
+    lhs^T in K tiles, ``rhs_t`` (pmax, k_tiles, n_size) holds rhs in K tiles. fp32 PSUM accumulation over
+    the K tiles, one PSUM bank per ``n_chunk`` output columns, evicted by ScalarE."""
+    pmax = nl.tile_size.pmax
+    for ni in range(ceil_div(n_size, n_chunk)):
+        n0 = ni * n_chunk
+        nc = min(n_chunk, n_size - n0)
+        acc_psum = nl.ndarray((pmax, n_chunk), dtype=nl.float32, buffer=nl.psum)
+        for ki in range(ceil_div(k_size, pmax)):
+            kc = min(pmax, k_size - ki * pmax)
+            nisa.nc_matmul(dst=acc_psum[:rows, :nc], stationary=lhs_t[:kc, ki, :rows],
+                           moving=rhs_t[:kc, ki, n0:n0 + nc], accumulate=(ki > 0))
+        nisa.tensor_copy(dst=out_sb[:rows, n0:n0 + nc], src=acc_psum[:rows, :nc], engine=nisa.engine.scalar)
+
+
 def expert_iota(rows, width):
     """fp32 (pmax, width) tile with every row 0, 1, ..., width - 1."""
     iota_sb = nl.ndarray((nl.tile_size.pmax, width), dtype=nl.float32, buffer=nl.sbuf)
