@@ -87,7 +87,6 @@ most negative float32 before exp), else ``Unsupported``.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -96,6 +95,7 @@ from nki_lib.attention.kernels import bwd_prep, tiles
 from nki_lib.attention.kernels.bwd_tile import (Config, Pair, acc_stage, dk_stage, dq_stage, dscores_stage, dv_stage,
                                                 evict_stage, probs_stage, scores_stage, seen_blocks)
 from nki_lib.dispatch import Unsupported, call_kernel
+from nki_lib.backend import lnc_degree
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -481,15 +481,6 @@ def flash_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t, lse, sink
 
 
 # --------------------------------------------------------------------------- launcher
-
-def lnc_degree() -> int:
-    """Logical NeuronCore degree to launch with: ``NEURON_LOGICAL_NC_CONFIG`` (1 or 2, the
-    runtime's setting that a kernel launch must match), 1 when unset."""
-    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1").strip()
-    if value not in ("1", "2"):
-        raise ValueError(f"NEURON_LOGICAL_NC_CONFIG must be 1 or 2, got {value!r}")
-    return int(value)
-
 
 def flash_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale, window_left,
               window_right, softcap):

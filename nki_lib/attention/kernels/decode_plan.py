@@ -25,7 +25,6 @@ Dimension legend as in ``kernels/decode.py``.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -34,8 +33,9 @@ from nki_lib.attention.kernels.decode import decode_kernel
 from nki_lib.attention.kernels.tiles import MAX_INDEX
 from nki_lib.attention.reference import resolve_scale
 from nki_lib.dispatch import Unsupported, call_kernel
+from nki_lib.backend import lnc_degree
 
-__all__ = ["decode_fwd", "plan_splits", "lnc_degree", "KERNEL_DTYPES"]
+__all__ = ["decode_fwd", "plan_splits", "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STREAMS_PER_CORE = 16       # independent (sequence, kv head, split) streams wanted: one per DMA engine
@@ -70,14 +70,6 @@ def plan_splits(batch: int, n_kv_heads: int, max_chunks: int, grid: int = 1) -> 
 
 def _cores_share(n_split: int, units: int, grid: int) -> int:
     return -(-n_split // grid) * grid if units % grid else n_split
-
-
-def lnc_degree() -> int:
-    """Logical NeuronCore degree of the launch: ``NEURON_LOGICAL_NC_CONFIG`` (1 or 2, default 1)."""
-    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1").strip()
-    if value not in ("1", "2"):
-        raise ValueError(f"NEURON_LOGICAL_NC_CONFIG must be 1 or 2, got {value!r}")
-    return int(value)
 
 
 def _unit_view(cache, block_table, unit_keys):
