@@ -87,7 +87,6 @@ most negative float32 before exp), else ``Unsupported``.
 
 from __future__ import annotations
 
-
 import torch
 
 from nki_lib._nki import nki, nisa, nl
