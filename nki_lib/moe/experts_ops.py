@@ -180,8 +180,8 @@ def _(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_
 @torch.library.custom_op("nki::moe_experts_backward", mutates_args=())
 def moe_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
                             block_expert: torch.Tensor, slot_assignment: torch.Tensor,
-                            w_gate_up: torch.Tensor, w_down: torch.Tensor, b_gate_up: torch.Tensor | None,
-                            b_down: torch.Tensor | None, *, activation: str = "silu",
+                            w_gate_up: torch.Tensor, w_down: torch.Tensor, b_gate_up: torch.Tensor | None = None,
+                            b_down: torch.Tensor | None = None, *, activation: str = "silu",
                             swiglu_alpha: float = ALPHA, swiglu_limit: float = LIMIT
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                        torch.Tensor]:
@@ -210,7 +210,7 @@ def _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down):
 
 
 @moe_experts_backward_op.register_fake
-def _(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, *,
+def _(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None, *,
       activation="silu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT):
     return tuple(torch.empty_like(g) for g in _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down))
 
@@ -240,11 +240,10 @@ register_autocast("nki::moe_experts", ("x", "w_gate_up", "w_down", "b_gate_up", 
 # --------------------------------------------------------------------------- registry entry
 
 def make_sample(t, h, inter, e, k, block_size, dtype, requires_grad, *, activation="silu", seed=0,
-                topk_ids=None) -> Sample:
-    """Random x, weights and normalised routing weights; the plan from ``nki::moe_plan``.
-
-    Distinct random experts per token unless ``topk_ids`` (T, k) is given.
-    """
+                topk_ids=None, biases=False, **gate_flags) -> Sample:
+    """Random x, weights (and expert biases) and normalised routing weights; the plan from
+    ``nki::moe_plan``. Distinct random experts per token unless ``topk_ids`` (T, k) is given;
+    ``gate_flags``: swiglu_alpha / swiglu_limit."""
     from nki_lib.moe import plan  # noqa: F401  (registers torch.ops.nki.moe_plan)
 
     gen = torch.Generator().manual_seed(seed)
@@ -258,11 +257,14 @@ def make_sample(t, h, inter, e, k, block_size, dtype, requires_grad, *, activati
     mk = lambda shape, scale: (torch.randn(shape, generator=gen) * scale).to(dtype)  # noqa: E731
     tensors = [mk((t, h), 1.0), topk_weights.to(weight_dtype), block_expert, slot_assignment,
                mk((e, 2 * inter, h), h ** -0.5), mk((e, h, inter), inter ** -0.5)]
-    for i in (0, 1, 4, 5):
+    if biases:
+        tensors += [mk((e, 2 * inter), 1.0), mk((e, h), 1.0)]
+    for i in [0, 1, 4, 5] + ([6, 7] if biases else []):
         tensors[i].requires_grad_(requires_grad)
     label = (f"T={t} H={h} I={inter} E={e} k={k} B={block_size} {str(dtype).replace('torch.', '')} "
-             f"{activation}")
-    return Sample(tuple(tensors), dict(activation=activation), label)
+             f"{activation}" + (" biases" if biases else "")
+             + "".join(f" {n}={v}" for n, v in sorted(gate_flags.items())))
+    return Sample(tuple(tensors), dict(activation=activation, **gate_flags), label)
 
 
 def _samples(dtype, requires_grad):
@@ -270,6 +272,9 @@ def _samples(dtype, requires_grad):
         make_sample(13, 32, 16, 4, 2, 8, dtype, requires_grad),
         make_sample(20, 64, 48, 3, 3, 16, dtype, requires_grad, activation="gelu", seed=1),
         make_sample(9, 40, 24, 5, 1, 4, dtype, requires_grad, activation="gelu_tanh", seed=2),
+        # gpt-oss: clamped swiglu (a limit low enough that both clamps engage) with expert biases
+        make_sample(11, 48, 24, 4, 2, 8, dtype, requires_grad, activation="clamped_swiglu", seed=3,
+                    biases=True, swiglu_limit=0.5),
     ]
 
 
