@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from nki_lib.moe import ops  # noqa: F401  (registers the ops)
-from nki_lib.moe.module import MoE, load_balancing_loss, router_z_loss
+from nki_lib.moe.losses import load_balancing_loss, router_z_loss
+from nki_lib.moe.module import MoE
 
 __all__ = ["MoE", "load_balancing_loss", "router_z_loss", "moe_router", "moe_plan", "moe_experts"]
 

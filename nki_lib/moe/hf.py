@@ -14,6 +14,13 @@ gpt-oss ``GptOssExperts``). The decorator records the layout on the instance:
 back to the HF parameters); :func:`hf_expert_tensors` maps op-layout tensors back.
 :func:`expert_activation` names the op activation of the module's gate, or raises
 ``Unsupported`` with the reason (the caller records the fallback).
+
+Whole blocks (``MoE.from_hf`` / ``MoE.to_hf``): :func:`from_hf_block` reads a block's router
+(``block.gate`` or ``block.router``: Mixtral's and Qwen3-MoE's softmax -> top-k (-> renormalise),
+gpt-oss's top-k logits -> softmax, which is softmax -> top-k -> renormalise, with its logit bias)
+and experts into MoE constructor arguments and parameters; :func:`to_hf_block` writes them
+back. What has no MoE equivalent (router jitter, shared experts of another form, a custom gate)
+raises ValueError naming it.
 """
 
 from __future__ import annotations
@@ -94,3 +101,82 @@ def hf_expert_tensors(experts, w_gate_up, w_down, b_gate_up=None, b_down=None) -
             raise ValueError(f"{type(experts).__name__} has expert biases: b_gate_up and b_down are required")
         out.update(gate_up_proj_bias=b_gate_up.contiguous(), down_proj_bias=b_down.contiguous())
     return out
+
+
+# --------------------------------------------------------------------------- whole MoE blocks
+
+# transformers router classes -> whether the top-k weights are renormalised. gpt-oss takes the
+# softmax over the top-k logits, which equals softmax -> top-k -> renormalise.
+_ROUTERS = {
+    "MixtralTopKRouter": lambda router: True,
+    "Qwen3MoeTopKRouter": lambda router: bool(router.norm_topk_prob),
+    "GptOssTopKRouter": lambda router: True,
+}
+
+
+def _router(block):
+    for name in ("gate", "router"):
+        router = getattr(block, name, None)
+        if router is not None and type(router).__name__ in _ROUTERS:
+            return router
+    raise ValueError(f"{type(block).__name__}: no supported router (block.gate / block.router of type "
+                     f"{sorted(_ROUTERS)})")
+
+
+def _check_block(block):
+    if getattr(block, "jitter_noise", 0):
+        raise ValueError(f"{type(block).__name__}: router jitter noise ({block.jitter_noise}) has no MoE equivalent")
+    for name in ("shared_expert", "shared_experts"):
+        if getattr(block, name, None) is not None:
+            raise ValueError(f"{type(block).__name__}.{name}: shared experts of this form are not mapped")
+    experts = getattr(block, "experts", None)
+    if experts is None or not hasattr(experts, "gate_up_proj"):
+        raise ValueError(f"{type(block).__name__}: no 3-D experts module (block.experts.gate_up_proj)")
+    try:
+        activation, flags = expert_activation(experts)
+    except Unsupported as exc:
+        raise ValueError(f"{type(experts).__name__}: {exc.reason} has no MoE equivalent") from None
+    return experts, activation, flags
+
+
+def from_hf_block(block) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(MoE constructor arguments, {MoE parameter name: tensor}) of a transformers MoE block."""
+    router = _router(block)
+    experts, activation, flags = _check_block(block)
+    weights = expert_weights(experts)
+    num_experts, two_inter, hidden = weights["w_gate_up"].shape
+    router_bias = getattr(router, "bias", None)
+    config = dict(hidden_size=hidden, intermediate_size=two_inter // 2, num_experts=num_experts,
+                  top_k=int(router.top_k), score_func="softmax", renormalize=_ROUTERS[type(router).__name__](router),
+                  activation=activation, router_bias=router_bias is not None,
+                  expert_biases=weights["b_gate_up"] is not None, **flags)
+    tensors = dict(router_weight=router.weight, w_gate_up=weights["w_gate_up"], w_down=weights["w_down"])
+    if router_bias is not None:
+        tensors["router_bias"] = router_bias
+    if weights["b_gate_up"] is not None:
+        tensors.update(gate_up_bias=weights["b_gate_up"], down_bias=weights["b_down"])
+    return config, {name: t.detach() for name, t in tensors.items()}
+
+
+def to_hf_block(moe, block) -> None:
+    """Copy an MoE's weights into a transformers MoE block (its layout and dtype)."""
+    router = _router(block)
+    experts, activation, _ = _check_block(block)
+    if activation != moe.activation:
+        raise ValueError(f"{type(experts).__name__} uses activation {activation!r}, the MoE {moe.activation!r}")
+    if (getattr(router, "bias", None) is None) != (moe.router_bias is None):
+        raise ValueError(f"router bias: the block has {'one' if router.bias is not None else 'none'}, the MoE "
+                         f"{'has one' if moe.router_bias is not None else 'has none'}")
+    if moe.shared_down is not None:
+        raise ValueError("the MoE has shared experts, the block has none")
+    tensors = hf_expert_tensors(experts, moe.w_gate_up, moe.w_down, moe.gate_up_bias, moe.down_bias)
+    targets = [(getattr(experts, name), t, f"experts.{name}") for name, t in tensors.items()]
+    targets.append((router.weight, moe.router_weight, "router weight"))
+    if moe.router_bias is not None:
+        targets.append((router.bias, moe.router_bias, "router bias"))
+    for dst, src, name in targets:
+        if dst.shape != src.shape:
+            raise ValueError(f"{name}: the block has shape {tuple(dst.shape)}, the MoE gives {tuple(src.shape)}")
+    with torch.no_grad():
+        for dst, src, _ in targets:
+            dst.copy_(src)

@@ -30,8 +30,8 @@ def tiny_model(kind: str, layers: int = 2):
         model = transformers.MixtralForCausalLM(config)
     elif kind == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(intermediate_size=32, moe_intermediate_size=16, num_experts=4,
-                                             num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[],
-                                             **common)
+                                             num_experts_per_tok=2, norm_topk_prob=False,
+                                             mlp_only_layers=[], **common)
         model = transformers.Qwen3MoeForCausalLM(config)
     else:
         config = transformers.GptOssConfig(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
@@ -53,15 +53,17 @@ def _randomize_biases(model):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
 
 
-def run(model, impl, dtype, path="reference", strict=False):
-    """(logits, {param: grad}, outputs) of one forward/backward of a copy of ``model``."""
+def run(model, impl, dtype, path="reference", strict=False, autocast=None):
+    """(logits, {param: grad}, outputs) of one forward/backward of a copy of ``model`` (in
+    ``dtype``, inside ``torch.autocast(dtype=autocast)`` when given)."""
     m = copy.deepcopy(model).to(dtype)
     m.set_experts_implementation(impl)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     probe = torch.randn(BATCH, SEQ, VOCAB, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    with nki_lib.use_backend(path), nki_lib.strict(strict):
+    with nki_lib.use_backend(path), nki_lib.strict(strict), \
+            torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         out = m(ids, output_router_logits=True, labels=ids)
-        (out.logits * probe.to(dtype)).sum().backward()
+        (out.logits * probe.to(out.logits.dtype)).sum().backward()
     grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
     return out.logits.detach(), grads, out
 
@@ -102,6 +104,22 @@ def test_reference_path_matches_eager(kind, dtype):
 def test_simulator_path_matches_eager(kind, dtype):
     """The NKI kernels (strict: no fallback anywhere in the experts) on the simulator."""
     check_model(kind, dtype, "simulator", strict=True)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_autocast_matches_eager(kind):
+    """A float32 model under bf16 autocast: the experts op casts its operands like SDPA (no dtype
+    error between fp32 activations and bf16 routing weights) and matches the eager experts under
+    the same autocast (parity rule, bf16; fp64 oracle without autocast)."""
+    model = tiny_model(kind)
+    logits, grads, _ = run(model, "nki", torch.float32, "simulator", strict=True, autocast=torch.bfloat16)
+    base_logits, base_grads, _ = run(model, "eager", torch.float32, autocast=torch.bfloat16)
+    oracle_logits, oracle_grads, _ = run(model, "eager", torch.float64)
+    checks = [parity(logits, oracle_logits, base_logits, kind="output", dtype=torch.bfloat16, name="logits")]
+    checks += [parity(grads[n], oracle_grads[n], base_grads[n], kind="grad", dtype=torch.bfloat16, name=n)
+               for n in oracle_grads]
+    assert all(c.ok for c in checks), "\n".join(map(str, checks))
+    assert all(g.dtype == torch.float32 for g in grads.values())
 
 
 def test_unsupported_gate_is_a_recorded_fallback():
