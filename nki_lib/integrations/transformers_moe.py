@@ -6,7 +6,8 @@ transformers routes the forward of every expert module decorated with
 top_k_weights (T, k)) -> (T, H)``. :func:`register_experts` adds ``"nki"`` to that interface;
 :func:`nki_experts_forward` serves the call with ``torch.ops.nki.moe_plan`` and
 ``torch.ops.nki.moe_experts`` on the HF parameters themselves (checkpoints load unchanged, the
-HF router, its router-logit capture and its auxiliary loss are untouched):
+HF router, its router-logit capture and its auxiliary loss are untouched). :func:`register`
+adds the name (``nki_lib.integrations.transformers.register`` calls it):
 
 * layouts: concatenated or interleaved gate/up rows, plain or transposed weights, expert biases
   (:mod:`nki_lib.moe.hf`);
@@ -61,8 +62,9 @@ def nki_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
                                      weights["b_down"], activation=activation, **flags)
 
 
-def register_experts() -> None:
-    """Make ``experts_implementation="nki"`` available to every transformers model (idempotent)."""
+def register(name: str = IMPLEMENTATION) -> None:
+    """Make ``experts_implementation=name`` (default ``"nki"``) available to every transformers
+    model (idempotent); ``nki_lib.integrations.transformers.register`` calls it."""
     from transformers.integrations.moe import ExpertsInterface
 
-    ExpertsInterface.register(IMPLEMENTATION, nki_experts_forward)
+    ExpertsInterface.register(name, nki_experts_forward)

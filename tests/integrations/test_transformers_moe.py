@@ -70,7 +70,7 @@ def run(model, impl, dtype, path="reference", strict=False, autocast=None):
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    transformers_moe.register_experts()
+    transformers_moe.register()
 
 
 def check_model(kind, dtype, path, strict=False):
