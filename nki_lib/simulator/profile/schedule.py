@@ -51,11 +51,38 @@ def _region(access) -> tuple:
     return (access.partitions[0], access.partitions[1], access.byte_range[0], access.byte_range[1])
 
 
+_WHOLE_BUFFER = float("inf")
+
+
+def _key(access):
+    """Which memory a region lives in: tiles placed with ``address=`` share the program's physical
+    SBUF/PSUM (their byte ranges are physical), every other allocation is its own buffer."""
+    return ("placed", access.memory) if access.placed else access.buffer_id
+
+
+def footprint(entry) -> tuple[list, list]:
+    """``(reads, writes)`` of ``entry`` as ``(key, region)`` pairs for the hazard tables.
+
+    The HBM side of a DMA with runtime offsets (``attrs["indirect"]``) may touch any row of its
+    tensor, so it covers the whole buffer.
+    """
+    dynamic = bool(entry.attrs.get("indirect")) if entry.engine == "dma" else False
+
+    def one(acc):
+        region = _region(acc)
+        if dynamic and acc.memory not in ("sbuf", "psum"):
+            region = (region[0], region[1], 0, _WHOLE_BUFFER)
+        return _key(acc), region
+
+    return [one(a) for a in entry.reads], [one(a) for a in entry.writes]
+
+
 class _RegionTable:
     """Records keyed by region for one buffer, indexed by byte-range buckets for fast overlap queries.
 
     The bucket size is fixed per buffer from its first region (a power of two >= 4 KiB), so a
     buffer accessed in many equal slices (an HBM tensor tiled by a loop) costs O(1) per query.
+    Whole-buffer regions (the HBM side of an indirect DMA) live in one extra bucket.
     """
 
     MIN_BUCKET = 4096
@@ -64,14 +91,23 @@ class _RegionTable:
         self.bucket = 0
         self.buckets: dict[int, dict[tuple, tuple]] = defaultdict(dict)
 
+    WHOLE = -1  # the bucket of whole-buffer regions, visited by every query
+
     def _span(self, region: tuple) -> range:
+        if region[3] == _WHOLE_BUFFER:
+            return range(self.WHOLE, self.WHOLE + 1)
         if not self.bucket:
             size = max(region[3] - region[2], self.MIN_BUCKET)
-            self.bucket = 1 << (size - 1).bit_length()
+            self.bucket = 1 << (int(size) - 1).bit_length()
         return range(region[2] // self.bucket, max(region[3] - 1, region[2]) // self.bucket + 1)
 
+    def _visit(self, region: tuple):
+        if region[3] == _WHOLE_BUFFER:
+            return list(self.buckets)
+        return (self.WHOLE, *self._span(region))
+
     def overlapping(self, region: tuple):
-        for b in self._span(region):
+        for b in self._visit(region):
             bucket = self.buckets.get(b)
             if bucket:
                 for other, rec in bucket.items():
@@ -105,72 +141,95 @@ class _Regions:
     """
 
     def __init__(self) -> None:
-        self.writes: dict[int, _RegionTable] = defaultdict(_RegionTable)
-        self.reads: dict[int, _RegionTable] = defaultdict(_RegionTable)
+        self.writes: dict = defaultdict(_RegionTable)   # key (see _key) -> table
+        self.reads: dict = defaultdict(_RegionTable)
 
-    def ready(self, entry, engine: str) -> tuple[float, int | None]:
+    def ready(self, foot, engine: str) -> tuple[float, int | None]:
+        reads, writes = foot
         t, who = 0.0, None
-        tables = [(acc, (self.writes,)) for acc in entry.reads]                 # RAW
-        tables += [(acc, (self.writes, self.reads)) for acc in entry.writes]    # WAW, WAR
-        for acc, kinds in tables:
-            region = _region(acc)
+        tables = [(key, region, (self.writes,)) for key, region in reads]                # RAW
+        tables += [(key, region, (self.writes, self.reads)) for key, region in writes]   # WAW, WAR
+        for key, region, kinds in tables:
             for table in kinds:
-                for _, (done, in_order, producer, position) in table[acc.buffer_id].overlapping(region):
+                for _, (done, in_order, producer, position) in table[key].overlapping(region):
                     when = in_order if producer == engine else done
                     if when > t:
                         t, who = when, position
         return t, who
 
-    def commit(self, entry, done: float, end: float, engine: str, position: int) -> None:
+    def commit(self, foot, done: float, end: float, engine: str, position: int) -> None:
+        reads, writes = foot
         in_order = end if engine == "tensor" else done
-        for acc in entry.reads:
-            table, region = self.reads[acc.buffer_id], _region(acc)
+        for key, region in reads:
+            table = self.reads[key]
             old = table.get(region)
             if old is None or old[0] <= done:
                 table.put(region, (done, in_order, engine, position))
-        for acc in entry.writes:
-            region = _region(acc)
-            self.writes[acc.buffer_id].drop_contained(region)
-            self.reads[acc.buffer_id].drop_contained(region)
-            self.writes[acc.buffer_id].put(region, (done, in_order, engine, position))
+        for key, region in writes:
+            self.writes[key].drop_contained(region)
+            self.reads[key].drop_contained(region)
+            self.writes[key].put(region, (done, in_order, engine, position))
 
 
 class _PsumBanks:
     """PSUM banks as resources: a pool of ``psum_banks`` banks of ``psum_bank_bytes``.
 
-    The trace gives PSUM byte ranges relative to each allocation (the simulator places
-    automatic allocations itself), so a buffer is mapped to banks when it is first accessed:
-    it takes ``ceil(bytes / bank_bytes)`` banks, preferring banks that are empty or whose owner
-    is dead (no later access in the trace), earliest released first, and waits until every
-    access to their previous owners has completed. A buffer accessed again after losing a bank
-    takes it back the same way.
+    * A tile placed with ``address=`` occupies exactly the banks its byte range covers (its byte
+      range is physical). It waits for an automatic buffer that held those banks to finish;
+      between placed tiles the byte-level hazards of :class:`_Regions` order the accesses (two
+      placed tiles may share a bank on disjoint bytes).
+    * An automatic allocation's byte ranges are relative to the allocation, so it is mapped to
+      banks when it is first accessed: it takes ``ceil(extent / bank_bytes)`` banks (its largest
+      byte extent over the trace), preferring banks that are empty or whose owner is dead (no
+      later access in the trace), earliest released first, and waits until every access to their
+      previous owners has completed. A buffer accessed again after losing a bank takes it back
+      the same way.
     """
 
-    def __init__(self, hw: HardwareParams, last_use: dict[int, int]) -> None:
+    def __init__(self, hw: HardwareParams, entries: list) -> None:
         self.bank_bytes = hw.psum_bank_bytes
-        self.last_use = last_use  # buffer id -> position of its last access in program order
+        self.last_use: dict[int, int] = {}   # buffer id -> position of its last access in program order
+        self.need: dict[int, int] = {}       # automatic buffer id -> banks it spans
+        self.placed: set[int] = set()
+        for pos, entry in enumerate(entries):
+            for acc in (*entry.reads, *entry.writes):
+                if acc.memory != "psum":
+                    continue
+                self.last_use[acc.buffer_id] = pos
+                if acc.placed:
+                    self.placed.add(acc.buffer_id)
+                else:
+                    banks = max(1, -(-acc.byte_range[1] // self.bank_bytes))
+                    self.need[acc.buffer_id] = min(hw.psum_banks, max(self.need.get(acc.buffer_id, 1), banks))
         self.position = 0
         self.owner: list[int | None] = [None] * hw.psum_banks
         self.release = [0.0] * hw.psum_banks
         self.release_by: list[int | None] = [None] * hw.psum_banks
         self.banks_of: dict[int, list[int]] = {}
 
+    def covered(self, acc) -> list[int]:
+        """The physical banks a placed access's byte range covers."""
+        lo, hi = acc.byte_range
+        last = min(len(self.owner), -(-hi // self.bank_bytes)) - 1
+        return list(range(min(lo // self.bank_bytes, last), last + 1))
+
     def _claim(self, acc) -> tuple[list[int], float]:
+        if acc.placed:
+            banks = self.covered(acc)
+            waits = [self.release[b] for b in banks
+                     if self.owner[b] is not None and self.owner[b] != acc.buffer_id and self.owner[b] not in self.placed]
+            return banks, max(waits, default=0.0)
         banks = self.banks_of.get(acc.buffer_id)
         if banks is not None and all(self.owner[b] == acc.buffer_id for b in banks):
             return banks, 0.0
-        need = self._need(acc)
         order = sorted(range(len(self.owner)), key=lambda b: (self._live(b), self.owner[b] is not None,
                                                               self.release[b]))
-        banks = sorted(order[:need])
+        banks = sorted(order[:self.need[acc.buffer_id]])
         return banks, max(self.release[b] for b in banks)
 
     def _live(self, bank: int) -> bool:
         owner = self.owner[bank]
         return owner is not None and self.last_use.get(owner, -1) >= self.position
-
-    def _need(self, acc) -> int:
-        return min(len(self.owner), max(1, -(-acc.byte_range[1] // self.bank_bytes)))
 
     def ready(self, entry) -> tuple[float, int | None]:
         t, who = 0.0, None
@@ -189,12 +248,10 @@ class _PsumBanks:
                 for b in banks:
                     if self.owner[b] != acc.buffer_id or done >= self.release[b]:
                         self.release_by[b] = position
-                    if self.owner[b] != acc.buffer_id:
-                        self.owner[b] = acc.buffer_id
-                        self.release[b] = done
-                    else:
-                        self.release[b] = max(self.release[b], done)
-                self.banks_of[acc.buffer_id] = banks
+                    self.owner[b] = acc.buffer_id
+                    self.release[b] = max(self.release[b], done)
+                if not acc.placed:
+                    self.banks_of[acc.buffer_id] = banks
 
 
 @dataclass
@@ -221,9 +278,7 @@ class _Program:
         self.last_on: dict[str, int | None] = dict.fromkeys(ENGINES)
         self.dma_free = [(0.0, None)] * hw.dma_engines   # (free time, position of the last user)
         self.regions = _Regions()
-        last_use = {acc.buffer_id: pos for pos, entry in enumerate(entries)
-                    for acc in (*entry.reads, *entry.writes) if acc.memory == "psum"}
-        self.banks = _PsumBanks(hw, last_use)
+        self.banks = _PsumBanks(hw, entries)
         self.fence, self.fence_by = 0.0, None
         self.position = 0
         self.table: str | None = None
@@ -246,7 +301,7 @@ class _Program:
 
     def arrive(self, entry, cost: InstrCost) -> float:
         """Time the barrier ``entry`` would be reached on its engine."""
-        deps = max(self.regions.ready(entry, cost.engine)[0], self.fence)
+        deps = max(self.regions.ready(footprint(entry), cost.engine)[0], self.fence)
         return max(deps, self.free[cost.engine])
 
     def run(self, entry, cost: InstrCost, release: float | None = None) -> None:
@@ -255,7 +310,8 @@ class _Program:
         self.banks.position = position
         self.position += 1
         # the latest constraint decides the start; remember who imposed it (critical path)
-        ready, pred, why = max((*self.regions.ready(entry, cost.engine), "data"),
+        foot = footprint(entry)
+        ready, pred, why = max((*self.regions.ready(foot, cost.engine), "data"),
                                (*self.banks.ready(entry), "psum bank"), (self.fence, self.fence_by, "barrier"),
                                key=lambda c: c[0])
         if not cost.modelled:
@@ -306,7 +362,7 @@ class _Program:
         if release is not None:
             done = max(done, release)
             self.fence, self.fence_by = max(self.fence, done), position
-        self.regions.commit(entry, done, end, cost.engine, position)
+        self.regions.commit(foot, done, end, cost.engine, position)
         self.banks.commit(entry, done, position)
         res.instructions[cost.engine] += 1
         res.serial_ns += serial
