@@ -27,6 +27,8 @@ it is a no-op costing one sync-engine slot.
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -254,6 +256,88 @@ class _PsumBanks:
                     self.banks_of[acc.buffer_id] = banks
 
 
+class _InOrderLane:
+    """One engine running its instructions in program order: free from the end of the last one."""
+
+    def __init__(self) -> None:
+        self.free, self.last = 0.0, None
+
+    def fit(self, ready: float, service: float) -> tuple[float, int | None]:
+        """Earliest start >= ``ready`` and the position that kept the engine busy until then."""
+        return (self.free, self.last) if self.free > ready else (ready, None)
+
+    def take(self, start: float, end: float, position: int) -> None:
+        self.free, self.last = end, position
+
+
+class _GapLane:
+    """One engine whose instructions may run in any order (the dependency-bound schedule).
+
+    Free time is a sorted list of gaps ``[starts[i], ends[i])`` (the last one open-ended); an
+    instruction takes the first gap after its ready time that holds its service. At most
+    ``SCAN`` gaps are tried before the open end (a bounded search: the schedule stays valid,
+    it only reorders less).
+    """
+
+    SCAN = 64
+    MIN_GAP_NS = 1e-3
+
+    def __init__(self) -> None:
+        self.starts, self.ends = [0.0], [math.inf]
+        self.before: list[int | None] = [None]   # position whose instruction ends where the gap starts
+
+    def fit(self, ready: float, service: float) -> tuple[float, int | None]:
+        last = len(self.starts) - 1
+        first = max(bisect.bisect_right(self.starts, ready) - 1, 0)
+        for j in (*range(first, min(first + self.SCAN, last)), last):
+            start = max(ready, self.starts[j])
+            if self.ends[j] - start >= service - 1e-9:
+                return start, (self.before[j] if start > ready else None)
+        raise AssertionError("unreachable: the last gap is open-ended")
+
+    def take(self, start: float, end: float, position: int) -> None:
+        j = bisect.bisect_right(self.starts, start + 1e-9) - 1
+        gap_start, gap_end, before = self.starts[j], self.ends[j], self.before[j]
+        pieces = []
+        if start - gap_start > self.MIN_GAP_NS:
+            pieces.append((gap_start, start, before))
+        if gap_end - end > self.MIN_GAP_NS:
+            pieces.append((end, gap_end, position))
+        self.starts[j:j + 1] = [p[0] for p in pieces]
+        self.ends[j:j + 1] = [p[1] for p in pieces]
+        self.before[j:j + 1] = [p[2] for p in pieces]
+
+
+class _InOrderDma:
+    """The DMA engines in program order: a DMA takes the ``n`` earliest-free engines together."""
+
+    def __init__(self, engines: int) -> None:
+        self.free = [(0.0, None)] * engines   # (free time, position of the last user)
+
+    def place(self, ready: float, n: int, service: float, position: int) -> tuple[float, float, int | None]:
+        """(start, end, position that held the engines) of a DMA on ``n`` engines."""
+        self.free.sort(key=lambda f: f[0])
+        used = self.free[n - 1]
+        start, who = (used[0], used[1]) if used[0] > ready else (ready, None)
+        end = start + service
+        self.free[:n] = [(end, position)] * n
+        return start, end, who
+
+
+class _GapDma:
+    """The DMA engines with reordering: each engine fills its own gaps; a DMA ends with its last part."""
+
+    def __init__(self, engines: int) -> None:
+        self.lanes = [_GapLane() for _ in range(engines)]
+
+    def place(self, ready: float, n: int, service: float, position: int) -> tuple[float, float, int | None]:
+        fits = sorted((lane.fit(ready, service), i) for i, lane in enumerate(self.lanes))[:n]
+        for (start, _), i in fits:
+            self.lanes[i].take(start, start + service, position)
+        start, who = fits[-1][0]
+        return start, start + service, who
+
+
 @dataclass
 class ProgramResult:
     """What the scheduler found for one program (physical core)."""
@@ -271,12 +355,21 @@ class ProgramResult:
 
 
 class _Program:
-    def __init__(self, hw: HardwareParams, program_id: int, keep_timeline: bool, entries: list) -> None:
+    """The schedule of one program. ``services=None``: program order (each engine in order; the
+    ACT table switches and the PE throttle are computed here and logged in ``service_log``).
+    Otherwise the dependency-bound schedule: engines take instructions in any order (subject to
+    the data, PSUM-bank and barrier constraints), each compute instruction with the service the
+    program-order schedule found for it."""
+
+    def __init__(self, hw: HardwareParams, program_id: int, keep_timeline: bool, entries: list,
+                 services: list | None = None) -> None:
         self.hw = hw
         self.result = ProgramResult(program_id, timeline=[] if keep_timeline else None)
-        self.free = dict.fromkeys(ENGINES, 0.0)
-        self.last_on: dict[str, int | None] = dict.fromkeys(ENGINES)
-        self.dma_free = [(0.0, None)] * hw.dma_engines   # (free time, position of the last user)
+        self.services = services
+        self.service_log: list = []
+        lane = _InOrderLane if services is None else _GapLane
+        self.lanes = {e: lane() for e in ENGINES if e != "dma"}
+        self.dma = (_InOrderDma if services is None else _GapDma)(hw.dma_engines)
         self.regions = _Regions()
         self.banks = _PsumBanks(hw, entries)
         self.fence, self.fence_by = 0.0, None
@@ -300,9 +393,25 @@ class _Program:
         return service / rate
 
     def arrive(self, entry, cost: InstrCost) -> float:
-        """Time the barrier ``entry`` would be reached on its engine."""
+        """Time the barrier ``entry`` would start on its engine."""
         deps = max(self.regions.ready(footprint(entry), cost.engine)[0], self.fence)
-        return max(deps, self.free[cost.engine])
+        return self.lanes[cost.engine].fit(deps, cost.service_ns)[0]
+
+    def _compute_service(self, cost: InstrCost, start: float, position: int) -> float:
+        """Service of a compute instruction: program order adds table loads and the PE throttle."""
+        if self.services is not None:
+            return self.services[position]
+        res, hw = self.result, self.hw
+        service = cost.service_ns
+        if cost.table_func is not None and cost.table_func != self.table:
+            service += hw.act_table_load_ns
+            self.table = cost.table_func
+            res.act_table_loads += 1
+        if cost.engine == "tensor":
+            stretched = self._pe_service(start, service)
+            res.throttle_ns += stretched - service
+            service = stretched
+        return service
 
     def run(self, entry, cost: InstrCost, release: float | None = None) -> None:
         res, hw = self.result, self.hw
@@ -318,46 +427,37 @@ class _Program:
             res.unmodelled[entry.opcode] = res.unmodelled.get(entry.opcode, 0) + 1
         if cost.engine == "dma":
             if cost.issue_engine is not None:
-                if self.free[cost.issue_engine] > ready:
-                    ready, pred, why = self.free[cost.issue_engine], self.last_on[cost.issue_engine], "issue engine"
-                self.free[cost.issue_engine] = ready + cost.issue_ns
-                self.last_on[cost.issue_engine] = position
+                lane = self.lanes[cost.issue_engine]
+                issue_start, who = lane.fit(ready, cost.issue_ns)
+                if issue_start > ready:
+                    ready, pred, why = issue_start, who, "issue engine"
+                lane.take(ready, ready + cost.issue_ns, position)
                 res.busy_ns[cost.issue_engine] += cost.issue_ns
             path_start = ready  # the descriptor issue belongs to this DMA on the critical path
             ready += cost.issue_ns
-            self.dma_free.sort(key=lambda f: f[0])
-            used = self.dma_free[cost.dma_engines - 1]
-            start = ready
-            if used[0] > ready:
-                start, pred, why = used[0], used[1], "dma engines"
-                path_start = start
-            end = start + cost.service_ns
-            self.dma_free[:cost.dma_engines] = [(end, position)] * cost.dma_engines
+            start, end, who = self.dma.place(ready, cost.dma_engines, cost.service_ns, position)
+            if start > ready:
+                pred, why, path_start = who, "dma engines", start
             res.busy_ns["dma"] += cost.service_ns * cost.dma_engines / hw.dma_engines
             serial = cost.issue_ns + cost.service_ns + cost.latency_ns
+            self.service_log.append(None)
         else:
-            start = ready
-            if self.free[cost.engine] > ready:
-                start, pred, why = self.free[cost.engine], self.last_on[cost.engine], "engine"
-            service = cost.service_ns
-            if cost.table_func is not None and cost.table_func != self.table:
-                service += hw.act_table_load_ns
-                self.table = cost.table_func
-                res.act_table_loads += 1
-            if cost.engine == "tensor":
-                stretched = self._pe_service(start, service)
-                res.throttle_ns += stretched - service
-                service = stretched
+            lane = self.lanes[cost.engine]
+            known = self.services[position] if self.services is not None else 0.0
+            start, who = lane.fit(ready, known)
+            if start > ready:
+                pred, why = who, "engine"
+            service = self._compute_service(cost, start, position)
             if release is not None and release - cost.latency_ns - service > start:  # barrier: joint release
-                start, why = release - cost.latency_ns - service, "other core"
+                start, why = lane.fit(release - cost.latency_ns - service, service)[0], "other core"
             end = start + service
             path_start = start
-            self.free[cost.engine] = end
-            self.last_on[cost.engine] = position
+            lane.take(start, end, position)
             if cost.engine == "tensor":
                 self.pe_last_end = end
             res.busy_ns[cost.engine] += service
             serial = service + cost.latency_ns
+            self.service_log.append(service)
         done = end + cost.latency_ns
         if release is not None:
             done = max(done, release)
@@ -389,10 +489,10 @@ class _Program:
         return path[::-1]
 
 
-def schedule_programs(programs: dict[int, list], hw: HardwareParams, *, keep_timeline: bool = False
-                      ) -> list[ProgramResult]:
-    """Schedule each program's entries (in program order); barriers join all programs."""
-    states = {pid: _Program(hw, pid, keep_timeline, entries) for pid, entries in programs.items()}
+def _schedule(programs: dict[int, list], hw: HardwareParams, keep_timeline: bool,
+              services: dict[int, list] | None) -> list[_Program]:
+    states = {pid: _Program(hw, pid, keep_timeline, entries, None if services is None else services[pid])
+              for pid, entries in programs.items()}
     cursors = dict.fromkeys(programs, 0)
     while True:
         waiting = {}
@@ -416,9 +516,22 @@ def schedule_programs(programs: dict[int, list], hw: HardwareParams, *, keep_tim
         for pid, (entry, cost) in waiting.items():
             states[pid].run(entry, cost, release=release)
             cursors[pid] += 1
-    results = []
     for state in states.values():
         state.result.makespan_ns = state.end
         state.result.critical_path = state.critical_path()
-        results.append(state.result)
-    return results
+    return list(states.values())
+
+
+def schedule_programs(programs: dict[int, list], hw: HardwareParams, *, keep_timeline: bool = False,
+                      reordered: bool = False) -> list[ProgramResult] | tuple[list[ProgramResult], list[ProgramResult]]:
+    """Schedule each program's entries in program order; barriers join all programs.
+
+    With ``reordered=True`` also the dependency-bound schedule (same services, engines reorder
+    freely) and return ``(in_order_results, reordered_results)``.
+    """
+    in_order = _schedule(programs, hw, keep_timeline, None)
+    if not reordered:
+        return [s.result for s in in_order]
+    services = {s.result.program_id: s.service_log for s in in_order}
+    free = _schedule(programs, hw, False, services)
+    return [s.result for s in in_order], [s.result for s in free]
