@@ -10,6 +10,8 @@ The outputs are exact (a maximum and an index), so they are compared bit for bit
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from nki_lib import simulator as sim
 
@@ -38,6 +40,25 @@ def test_row_argmax(kernel_module, rng, grid, cols, chunk, hardware_dge):
     assert sum(e.opcode == "affine_select" for e in report.trace) == grid * (cols % chunk != 0)
     loads = [e for e in report.trace if e.opcode == "dma_copy" and e.writes[0].memory == "sbuf"]
     assert {e.attrs["dge_mode"] for e in loads} == {"hwdge" if hardware_dge else "unknown"}
+
+
+def test_row_argmax_any_width(kernel_module):
+    """Any column count and chunk width (padded tails included) on one or two programs."""
+    k = kernel_module("argmax")
+
+    @settings(max_examples=30)  # each example is a full kernel launch; keeps the folder fast
+    @given(cols=st.integers(1, 700), chunk=st.sampled_from([8, 64, 200, 512]), grid=st.sampled_from([1, 2]),
+           seed=st.integers(0, 99))
+    @example(cols=1, chunk=8, grid=1, seed=0)
+    @example(cols=513, chunk=512, grid=2, seed=1)
+    def check(cols, chunk, grid, seed):
+        x = _rows_with_ties(np.random.default_rng(seed), 4, cols)
+        kernel = k.row_argmax if grid == 1 else k.row_argmax[grid]
+        values, positions = sim.simulate(kernel)(x, k.ArgmaxConfig(chunk=chunk))
+        np.testing.assert_array_equal(values[0], x.max(axis=1))
+        np.testing.assert_array_equal(positions[0], x.argmax(axis=1))
+
+    check()
 
 
 def test_reduce_over_a_middle_axis_is_refused(kernel_module, rng):

@@ -8,6 +8,8 @@ starting at a quadrant boundary; a one-partition source broadcast with an all-ze
 
 import numpy as np
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from nki_lib import simulator as sim
 
@@ -51,3 +53,22 @@ def test_relocate_quadrant(kernel_module, rng, src_quadrant, dst_quadrant):
     expected = x.copy()
     expected[dst_quadrant * Q:(dst_quadrant + 1) * Q] = x[src_quadrant * Q:(src_quadrant + 1) * Q]
     np.testing.assert_array_equal(out, expected)
+
+
+def test_splice_rows_any_window(kernel_module):
+    """Every (quadrant, first, count) window: exactly the window's rows change."""
+    k = kernel_module("shuffle")
+
+    @given(quadrant=st.integers(0, 3), first=st.integers(0, Q - 1), count=st.integers(0, Q), seed=st.integers(0, 99))
+    @example(quadrant=3, first=0, count=Q, seed=0)
+    @example(quadrant=0, first=Q - 1, count=0, seed=1)
+    def check(quadrant, first, count, seed):
+        count = min(count, Q - first)
+        rng = np.random.default_rng(seed)
+        base, patch = (rng.standard_normal((128, 4)).astype(np.float32) for _ in range(2))
+        out = sim.simulate(k.splice_rows)(base, patch, quadrant, first, count)
+        changed = np.zeros(128, dtype=bool)
+        changed[quadrant * Q + first:quadrant * Q + first + count] = True
+        np.testing.assert_array_equal(out, np.where(changed[:, None], patch, base))
+
+    check()
