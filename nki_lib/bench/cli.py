@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-_FAMILIES = ("nki_lib.attention.decode", "nki_lib.moe")
+_FAMILIES = ("nki_lib.attention.decode_attention_op", "nki_lib.moe")
 
 
 def _import_families() -> None:
