@@ -4,8 +4,8 @@ A launcher prepares its kernel's inputs in torch (transposes, re-laid-out and pa
 tables) and post-processes its outputs; on a device each of those ops reads and writes HBM and
 costs a launch of its own. :func:`record_host_ops` captures them while an op runs: a
 ``TorchDispatchMode`` sees every aten op executed inside an ``nki::`` op (the op's own
-implementation, forward and backward, including ``call_kernel``'s argument preparation), and
-keeps the ones that move data:
+implementation, forward and backward, including ``call_kernel``'s argument preparation; an op
+call served by the reference backend is not recorded), and keeps the ones that move data:
 
 * a view or alias (the output shares storage with an input: ``view``, ``transpose``,
   ``reshape`` of a contiguous tensor, ``detach``, ...) moves nothing and is not an op on a device;
@@ -109,6 +109,10 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == _NAMESPACE:
+            from nki_lib import backend
+
+            if backend.requested_path(_tensors(args) + _tensors(kwargs)) == "reference":
+                return func(*args, **kwargs)  # the reference path: no kernel, no device op
             # run the op's CPU implementation with this mode active, so its aten ops come here
             self.inside.append(func.overloadpacket.__name__)
             try:
