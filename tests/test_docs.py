@@ -66,20 +66,19 @@ def cited_sections(tail: str) -> list[str]:
     """
     tail = tail.lstrip("`'\")")
     numbers: list[str] = []
-    pos = 0
+    pos, after_separator = 0, False
     while True:
         m = _TOKEN.match(tail, pos)
         if m is None or m.end() == pos:
             break
         section, separator, bare = m.groups()
-        if section:
-            numbers.append(section)
-        elif bare:
-            if not numbers:
-                break
-            numbers.append(bare)
-        elif separator and not numbers:
+        if bare and not after_separator:
             break
+        if separator and not numbers:
+            break
+        if section or bare:
+            numbers.append(section or bare)
+        after_separator = separator is not None
         pos = m.end()
     return numbers
 
@@ -149,6 +148,7 @@ def test_cost_model_constants_cite_existing_sections():
     (" §8.20–§8.28) including", ["8.20", "8.28"]),
     (" §2.5, NC-v2 arch guide", ["2.5"]),
     (" §14 item 13", ["14"]),
+    (" §1.2 128 partitions / compute lanes", ["1.2"]),
     (" (the contract)", []),
     (" 2024 notes", []),
 ])
