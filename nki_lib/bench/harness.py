@@ -145,16 +145,18 @@ def _summarise(estimates: list, scale: float, cost: flops.OpCost | None, target:
 
     Without a ``cost`` (no formula for that part) only the time figures are given.
     """
-    from nki_lib.simulator.profile import params, roofline
+    from nki_lib.simulator.profile import roofline
 
     launch = sum(e.launch_ns for e in estimates)
     span = sum(e.makespan_ns for e in estimates) * scale
     time_ns = launch + span
+    dep_ns = launch + sum(e.dependency_makespan_ns for e in estimates) * scale
     busy = {eng: scale * sum(e.busy_ns[eng] for e in estimates) for eng in estimates[0].busy_ns}
     grid = max(e.grid for e in estimates)
     slowest = max(estimates, key=lambda e: e.makespan_ns)
     out = {
         "time_us": time_ns * 1e-3,
+        "dependency_bound_us": dep_ns * 1e-3,
         "lower_bound_us": (launch + scale * sum(e.lower_bound_ns - e.launch_ns for e in estimates)) * 1e-3,
         "upper_bound_us": (launch + scale * sum(e.upper_bound_ns - e.launch_ns for e in estimates)) * 1e-3,
         "launches": len(estimates),
@@ -169,17 +171,29 @@ def _summarise(estimates: list, scale: float, cost: flops.OpCost | None, target:
     }
     if cost is not None:
         roof = roofline(cost, target, grid)
-        peak = params(target).pe_peak_flops(cost.pe_dtype) * grid
+        out.update(time_figures(cost, target, grid, time_ns))
+        out["dependency_bound"] = time_figures(cost, target, grid, dep_ns)
         out.update({
-            "tflops": cost.flops / time_ns * 1e-3,
-            "mfu": cost.flops / (peak * time_ns * 1e-9),
-            "roofline_fraction": roof.classical_ns / time_ns,
-            "engine_roofline_fraction": roof.engine_aware_ns / time_ns,
-            "hbm_roofline_fraction": roof.hbm_ns / time_ns,
             "roofline_bound": roof.bound,
             "roofline_us": {"pe": roof.pe_ns * 1e-3, "hbm": roof.hbm_ns * 1e-3, "act_dve": roof.element_ns * 1e-3},
         })
     return out
+
+
+def time_figures(cost: flops.OpCost, target: str, grid: int, time_ns: float) -> dict:
+    """The figures of one estimate that follow from its time: TFLOP/s, MFU, roofline fractions."""
+    from nki_lib.simulator.profile import params, roofline
+
+    roof = roofline(cost, target, grid)
+    peak = params(target).pe_peak_flops(cost.pe_dtype) * grid
+    return {
+        "time_us": time_ns * 1e-3,
+        "tflops": cost.flops / time_ns * 1e-3,
+        "mfu": cost.flops / (peak * time_ns * 1e-9),
+        "roofline_fraction": roof.classical_ns / time_ns,
+        "engine_roofline_fraction": roof.engine_aware_ns / time_ns,
+        "hbm_roofline_fraction": roof.hbm_ns / time_ns,
+    }
 
 
 def part_cost(case: Case, op_name: str) -> flops.OpCost | None:
