@@ -6,7 +6,7 @@ storage's elements per partition; the free dims must stay inside one partition. 
 and partition stride are validated when it is built; whether it stays inside its allocation is
 checked when an instruction first touches it (a kernel may build ``.ap()`` views for tiles it then
 skips), for dynamic ``scalar_offset`` / ``vector_offset`` views at every execution. A stride-0
-(broadcast) destination dim is written in order, so the last element along it wins. Indexing follows nki-api.md §4.2, ``.ap()`` §4.4 (not composable; explicit
+(broadcast) destination dim is written in order, so the last element along it wins. Indexing follows docs/nki-semantics.md §4.2, ``.ap()`` §4.4 (not composable; explicit
 ``offset`` is absolute from the storage start, ``None`` inherits the view's offset).
 """
 
@@ -121,7 +121,7 @@ class NkiTensor(ViewMethods):
     def __repr__(self):
         return f"NkiTensor(name={self._name!r}, shape={self._shape}, dtype={self._dtype}, buffer={self._st.kind})"
 
-    # tensor values are not available to Python on hardware (nki-api.md §2.5); the tile object itself
+    # tensor values are not available to Python on hardware (docs/nki-semantics.md §2.5); the tile object itself
     # is a trace-time value and is truthy (`if tile:`), as in NKI's front end
     def _no_value(self, *_):
         raise TypeError(f"tensor {self._name!r}: tensor contents are not available to Python code in a "
