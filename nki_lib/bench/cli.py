@@ -72,7 +72,7 @@ def _overrides(pairs: list[str], targets) -> tuple[dict, dict]:
     return hws, values
 
 
-_FAMILIES = ("nki_lib.attention.decode", "nki_lib.moe")
+_FAMILIES = ("nki_lib.attention.decode_attention_op", "nki_lib.moe")
 
 
 def _import_families() -> None:
