@@ -2,7 +2,7 @@
 
 Every number the model uses lives here, per target (``trn2`` = NeuronCore-v3, ``trn3`` =
 NeuronCore-v4), as a :class:`Param` carrying its value, unit, source and confidence tag.
-The values are copied from ``/work/shared/docs/trainium-cost-model.md`` (the section is named
+The values are copied from ``docs/cost-model.md`` (the section is named
 in each ``source``), which cites the AWS Neuron documentation they come from. Confidence tags
 follow that document:
 
@@ -13,7 +13,7 @@ follow that document:
 
 Rules for changing this file: a value changes only together with a cited source. Nothing here
 is tuned to make a kernel look good. ``trn3`` starts from ``trn2`` and overrides what the
-Trn3 documentation changes ("reuse trn2 values until calibrated", doc §7.1).
+Trn3 documentation changes ("reuse trn2 values until calibrated", docs/cost-model.md §7.1).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 __all__ = ["Param", "HardwareParams", "TARGETS", "params", "low_confidence"]
 
-DOC = "trainium-cost-model.md"
+DOC = "docs/cost-model.md"
 
 
 @dataclass(frozen=True)
@@ -249,7 +249,7 @@ class HardwareParams:
         return self.replace(**changes)
 
     def replace(self, **changes: Param) -> "HardwareParams":
-        """A copy with some constants replaced, e.g. by calibration on hardware (doc §7.8).
+        """A copy with some constants replaced, e.g. by calibration on hardware (docs/cost-model.md §7.8).
 
         Each new value must be a :class:`Param` with its own source and confidence; the table
         in this module stays the reference for what is published.
@@ -273,7 +273,7 @@ class HardwareParams:
     def items(self):
         return self._table.items()
 
-    # ---- derived peaks (doc §7.6), per physical core
+    # ---- derived peaks (docs/cost-model.md §7.6), per physical core
     def pe_peak_flops(self, dtype: str = "bfloat16") -> float:
         """Dense TensorE peak in FLOP/s: 2 FLOPs per MAC * MACs/cycle(dtype) * f_pe."""
         macs = self.pe_macs_per_cycle

@@ -1,4 +1,4 @@
-"""List scheduler over a simulator trace (``trainium-cost-model.md`` §7.4).
+"""List scheduler over a simulator trace (``docs/cost-model.md`` §7.4).
 
 Each physical core (one program of an LNC launch) has its own engines: ``tensor``, ``vector``,
 ``scalar``, ``gpsimd``, ``sync`` and a pool of 16 DMA engines. Instructions are visited in
@@ -381,7 +381,7 @@ class _Program:
         self.records: list = []  # per position: (entry, engine, start, done, predecessor, why)
 
     def _pe_service(self, start: float, service: float) -> float:
-        """Stretch a PE service by the dI/dt throttle ramp (doc §2.1)."""
+        """Stretch a PE service by the dI/dt throttle ramp (docs/cost-model.md §2.1)."""
         hw = self.hw
         idle_limit = hw.pe_throttle_ramp_ns * (1.0 - hw.pe_throttle_util_threshold)
         if self.pe_last_end is None or start - self.pe_last_end >= idle_limit:
