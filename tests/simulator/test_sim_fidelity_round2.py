@@ -16,12 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from sim_helpers import BF16, check_rule_error, run_tiles
 
-from nki_lib.simulator import NKIRuleError, jit, last_run, simulate
+from nki_lib.simulator import NKIRuleError, jit, last_run, simulate, tile_size
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from nki_lib.simulator import tile_size
-from sim_helpers import BF16, check_rule_error, run_tiles
 
 MARK = "# VIOLATION"
 P, F = 32, 16
