@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nki_lib.attention import ops  # noqa: F401  (registers the ops)
+from nki_lib.attention import flash_attention_op  # noqa: F401  (registers the ops)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -26,7 +26,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return (out, lse) if return_lse else out
 
 
-from nki_lib.attention import decode as _decode  # noqa: E402,F401  (registers torch.ops.nki.decode_attention)
+from nki_lib.attention import decode_attention_op as _decode  # noqa: E402,F401  (registers torch.ops.nki.decode_attention)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

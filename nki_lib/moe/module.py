@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nki_lib.moe import ops  # noqa: F401  (registers the MoE ops)
-from nki_lib.moe.reference_experts import ACTIVATIONS, act
-from nki_lib.moe.router_ops import validate as validate_router
+from nki_lib.moe import moe_experts_op, moe_plan_op, moe_router_op  # noqa: F401  (registers the MoE ops)
+from nki_lib.moe.moe_experts_reference import ACTIVATIONS, act
+from nki_lib.moe.moe_router_op import validate as validate_router
 
 
 def _positive_int(name, value):

@@ -275,7 +275,7 @@ class NkiTensor(ViewMethods):
         else:
             parts = (0, 1)
             brange = ((self._offset + lo) * isz, (self._offset + hi + 1) * isz)
-        acc = Access(st.id, st.kind, parts, brange, self._shape, str(self._dtype))
+        acc = Access(st.id, st.kind, parts, brange, self._shape, str(self._dtype), st.manual)
         if self._dyn is None:
             self._acc = acc
         return acc
