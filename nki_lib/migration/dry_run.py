@@ -57,7 +57,7 @@ def dry_run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DryRunReport:
     target = get_target()
     bar = _progress()
     started = time.perf_counter()
-    with LEDGER.scope() as scoped, LEDGER.on_call(lambda op, path: bar.update(1) if bar else None), \
+    with LEDGER.scope() as scoped, LEDGER.on_call(lambda op, path: bar.update(1) if bar is not None else None), \
             nki_lib.use_backend("simulator"), nki_lib.strict(False), collect_runs() as runs, \
             record_host_ops() as host_ops:
         result = fn(*args, **kwargs)
