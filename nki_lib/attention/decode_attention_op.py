@@ -3,7 +3,7 @@
     decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None, *,
                      scale=None, window_left=-1, softcap=0.0) -> (out, lse)
 
-Semantics: api-contract §3. Shapes (legend: B batch, Hq/Hkv query/kv heads, Sq new tokens,
+Semantics: docs/contract.md §3.2. Shapes (legend: B batch, Hq/Hkv query/kv heads, Sq new tokens,
 D head dim, Smax contiguous capacity, NB physical blocks, bs block size, MB block-table columns):
 
 * q (B, Hq, Sq, D); contiguous cache k_cache/v_cache (B, Hkv, Smax, D) with ``block_table=None``,

@@ -1,4 +1,4 @@
-"""PyTorch reference and dense oracle for ``nki::decode_attention`` (api-contract §3).
+"""PyTorch reference and dense oracle for ``nki::decode_attention`` (docs/contract.md §3.2).
 
 Shapes: B batch, Hq query heads, Hkv kv heads, Sq new tokens per sequence, D head dim,
 Smax contiguous-cache capacity, NB physical blocks, bs block size, MB block-table columns,

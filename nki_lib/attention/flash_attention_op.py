@@ -6,7 +6,7 @@ Forward:  flash_attention(q, k, v, sinks=None, cu_seqlens=None, cu_seqlens_k=Non
 Backward: flash_attention_backward(dout, dlse, q, k, v, out, lse, sinks=None, cu_seqlens=None,
                                    cu_seqlens_k=None, attn_mask=None, *, causal, scale,
                                    window_left, window_right, softcap) -> (dq, dk, dv, dsinks)
-Semantics: api-contract §3. Shapes: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), lse (B, Hq, Sq).
+Semantics: docs/contract.md §3.1. Shapes: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), lse (B, Hq, Sq).
 ``sinks`` (Hq,) in any floating dtype (math in fp32, gradient in the sinks' dtype);
 ``cu_seqlens`` / ``cu_seqlens_k`` int32 or int64 (N+1,) document offsets of the packed queries /
 keys (B == 1; without ``cu_seqlens_k`` the keys share the query offsets and Sq == Sk);

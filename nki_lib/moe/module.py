@@ -1,6 +1,6 @@
 """``nki_lib.moe.MoE`` (router -> plan -> experts, + shared experts) and the router losses.
 
-api-contract §4 "Module and losses". The module composes the three ops, so it runs on whatever
+docs/contract.md §4.4 "Module and losses". The module composes the three ops, so it runs on whatever
 path the backend selects (simulator/device kernels, or the PyTorch reference). Shapes: T tokens
 (all leading dims of x flattened), H hidden, I intermediate, E experts, k = top_k.
 

@@ -4,7 +4,7 @@ Forward:  moe_experts(x, topk_weights, block_expert, slot_assignment, w_gate_up,
                       activation="silu") -> y
 Backward: moe_experts_backward(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up,
                                w_down, *, activation="silu") -> (dx, dtopk_weights, dw_gate_up, dw_down)
-Semantics: api-contract §4. Shapes: x (T, H), topk_weights float32 (T, k), block_expert int32 (NB,),
+Semantics: docs/contract.md §4.3. Shapes: x (T, H), topk_weights float32 (T, k), block_expert int32 (NB,),
 slot_assignment int32 (NB * B,), w_gate_up (E, 2I, H), w_down (E, H, I); y (T, H) in x's dtype.
 
 The plan (block_expert, slot_assignment) is the output of ``torch.ops.nki.moe_plan``; any plan in

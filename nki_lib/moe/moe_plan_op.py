@@ -1,4 +1,4 @@
-"""``torch.ops.nki.moe_plan``: integer routing metadata with static shapes (api-contract §4).
+"""``torch.ops.nki.moe_plan``: integer routing metadata with static shapes (docs/contract.md §4.2).
 
 moe_plan(topk_ids, *, num_experts, block_size)
     -> (block_expert (NB,) int32, slot_assignment (NB * block_size,) int32, tokens_per_expert (E,) int32)

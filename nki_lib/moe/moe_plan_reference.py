@@ -1,4 +1,4 @@
-"""PyTorch reference of the MoE routing plan (api-contract §4), plain and clear.
+"""PyTorch reference of the MoE routing plan (docs/contract.md §4.2), plain and clear.
 
 Same argument names as the op; what every path but the NKI kernel runs.
 

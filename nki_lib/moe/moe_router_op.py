@@ -5,7 +5,7 @@ Forward:  moe_router(x, weight, expert_bias=None, *, top_k, score_func="softmax"
           -> (logits (T, E) f32, topk_weights (T, k) f32, topk_ids (T, k) int32)
 Backward: moe_router_backward(dlogits, dtopk_weights, x, weight, logits, topk_ids, *,
                               score_func, renormalize) -> (dx (T, H), dweight (E, H))
-Semantics: api-contract §4. Shapes: T tokens, H hidden, E experts, k = top_k.
+Semantics: docs/contract.md §4.1. Shapes: T tokens, H hidden, E experts, k = top_k.
 The selection bias and the group limit steer selection only and carry no gradient.
 """
 

@@ -1,4 +1,4 @@
-"""PyTorch reference of the MoE router (api-contract §4), plain and clear.
+"""PyTorch reference of the MoE router (docs/contract.md §4.1), plain and clear.
 
 Same argument names as the ops. What CPU/CUDA users run by default (the ``reference`` path) and
 the formulas the NKI kernels are judged against.

@@ -1,5 +1,5 @@
 """The attention reference path and op semantics that do not depend on the kernels:
-bad inputs (api-contract §5), autograd behaviour, empty rows, bounded memory at long S."""
+bad inputs (docs/contract.md §5), autograd behaviour, empty rows, bounded memory at long S."""
 
 import math
 import subprocess

@@ -1,5 +1,5 @@
 """moe_experts behaviour: bitwise determinism, free idle blocks, empty inputs, NaN propagation,
-visible fallbacks, and bad inputs raising errors that name the argument (api-contract §4, §5)."""
+visible fallbacks, and bad inputs raising errors that name the argument (docs/contract.md §4.3, §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""moe_router bad inputs (api-contract §5): ValueError / TypeError naming the argument, raised
+"""moe_router bad inputs (docs/contract.md §5): ValueError / TypeError naming the argument, raised
 before any kernel runs; launcher limits raise ``Unsupported`` and fall back visibly."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Flash-attention forward NKI kernel (online softmax) and its launcher ``launch_flash_attention_fwd``.
 
-Algorithm (FlashAttention-2 forward, api-contract §3 semantics). For every query tile the kernel
+Algorithm (FlashAttention-2 forward, docs/contract.md §3.1 semantics). For every query tile the kernel
 streams the visible key tiles once and keeps, per query row, the running max ``m`` (stored
 negated, ``neg_m``), the running denominator ``l`` and the unnormalised output ``acc`` in fp32::
 

@@ -22,7 +22,7 @@ __all__ = ["FP32_BYTES", "HALF_BYTES", "PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "
 FP32_BYTES = 4
 HALF_BYTES = 2        # bfloat16 / float16
 MAX_READ_STRIDE_BYTES = 16  # innermost read stride above which an engine port runs at half
-                            # bandwidth (trainium-cost-model.md §2.5, NC-v2 arch guide)
+                            # bandwidth (docs/cost-model.md §2.5, NC-v2 arch guide)
 PT_DVE_SHARE = 0.4    # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
                       # Per 2048-key bf16 section (trn2 rates) ScalarE has ~1.8 us fixed work
                       # (exp) and VectorE ~2.5 us (score evicts + max, acc), and a P^T block costs

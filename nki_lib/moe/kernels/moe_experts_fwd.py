@@ -1,6 +1,6 @@
 """Fused MoE expert MLP forward over a block plan (NKI kernel + launcher).
 
-Algorithm (one kernel launch, api-contract §4 ``moe_experts``):
+Algorithm (one kernel launch, docs/contract.md §4.3 ``moe_experts``):
 host (index metadata only, :mod:`.moe_experts_groups`): up to G consecutive blocks of one expert are
   merged into a group of S = G*B slots (S <= 512, the largest whose SBUF estimate fits), so every
   weight tile is loaded and transposed once per group instead of once per block; per group the

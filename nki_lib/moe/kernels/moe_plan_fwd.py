@@ -1,6 +1,6 @@
 """MoE routing plan (``moe_plan``) as one NKI kernel: counts, ranks, block layout, slot scatter.
 
-Algorithm (api-contract §4; assignment ``a = t * k + j``, N = T * k, B = block_size, E experts,
+Algorithm (docs/contract.md §4.2; assignment ``a = t * k + j``, N = T * k, B = block_size, E experts,
 NB = ceil(N / B) + E - 1):
   Pass 1, per tile of pmax assignments on partitions (ids as fp32, exact below 2^24):
     * ``onehot[a, e] = (iota_e == id_a)``.

@@ -1,6 +1,6 @@
 """MoE router forward: logits, scores, (group-limited) top-k selection, gathered weights.
 
-Algorithm (api-contract §4, per token tile of <= pmax tokens):
+Algorithm (docs/contract.md §4.1, per token tile of <= pmax tokens):
   1. ``logits = x @ weight.T``: ``nc_matmul(stationary = x^T (H chunk, T tile), moving = weight^T
      (H chunk, E chunk <= gemm_moving_fmax))`` accumulating over H chunks in one fp32 PSUM bank,
      evicted to an fp32 SBUF tile. ``weight^T`` is built once (TensorE transposes) and stays in SBUF;
