@@ -3,4 +3,4 @@
 from nki_lib.migration.dry_run import dry_run
 from nki_lib.migration.report import DryRunReport, OpReport, Specialization
 
-__all__ = ["dry_run", "DryRunReport", "OpReport", "Specialization"]
+__all__ = ["DryRunReport", "OpReport", "Specialization", "dry_run"]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter, defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from nki_lib.migration.report import DryRunReport, OpReport, Specialization
 

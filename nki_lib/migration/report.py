@@ -96,8 +96,9 @@ class DryRunReport:
                          f"{op.per_call(op.kernel_us + op.host_us):.1f}",
                          f"{op.per_call(op.dependency_bound_us + op.host_us):.1f}",
                          f"{op.per_call(op.host_us):.1f}", f"{100 * self.share(op):.0f}%", reasons))
-        lines = [f"nki dry run on {self.target} (estimated device time; kernels on the simulator, "
-                 f"{self.wall_s:.1f} s here)"]
+        title = (f"nki dry run on {self.target} (estimated device time; kernels on the simulator, "
+                 f"{self.wall_s:.1f} s here)")
+        lines = [title]
         if len(rows) == 1:
             return lines[0] + "\nno nki op was called"
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
