@@ -5,12 +5,11 @@
 
 import torch
 
+from nki_lib import attention, moe  # noqa: E402  (register the ops in torch.ops.nki)
+from nki_lib.attention import decode_attention, flash_attention
 from nki_lib.backend import get_backend, is_strict, set_backend, set_strict, strict, use_backend
 from nki_lib.coverage import coverage, reset_coverage
 from nki_lib.dispatch import NKIFallbackError, Unsupported
-
-from nki_lib import attention, moe  # noqa: E402  (register the ops in torch.ops.nki)
-from nki_lib.attention import decode_attention, flash_attention
 from nki_lib.migration import dry_run
 from nki_lib.neuron import emulate_neuron
 

@@ -300,8 +300,25 @@ def no_reorder():
     yield
 
 
-from .wrappers import (all, broadcast_to, expand_dims, load, load_transpose2d, matmul, max, mean, min,  # noqa: E402
-                       prod, rms_norm, softmax, store, sum, transpose, var, where)
+from .wrappers import (  # noqa: E402
+    all,
+    broadcast_to,
+    expand_dims,
+    load,
+    load_transpose2d,
+    matmul,
+    max,
+    mean,
+    min,
+    prod,
+    rms_norm,
+    softmax,
+    store,
+    sum,
+    transpose,
+    var,
+    where,
+)
 
 _INTERNAL = {"builtins", "contextlib", "np", "annotations", "ALL_DTYPES", "NkiDType", "as_dtype", "is_float",
              "NKIRuleError", "kernel_source", "ONCHIP", "Storage", "OPS", "Op", "current", "VirtualRegister"}

@@ -190,7 +190,6 @@ class _Args:
             if isinstance(original, np.ndarray):
                 original[...] = contiguous.reshape(original.shape)
             else:
-                import torch
 
                 original.copy_(_to_torch(contiguous).reshape(original.shape))
 

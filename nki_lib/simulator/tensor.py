@@ -21,8 +21,8 @@ from .hw import MAX_FREE_DIMS
 from .memory import KIND_TO_REGION, ONCHIP, MemoryRegion, Storage
 from .registers import VirtualRegister
 from .trace import Access
-from .views import ViewMethods, compact_strides
 from .trace_tensor import identity, zeros  # noqa: F401 - `nki.tensor` trace-time constants
+from .views import ViewMethods, compact_strides
 
 __all__ = ["NkiTensor", "MemoryRegion", "VirtualRegister", "dynamic_value"]
 

@@ -165,8 +165,8 @@ def test_loop_local_tiles_are_freed_and_overflow_is_reported():
 def test_psum_banks_are_counted():
     @jit
     def banks(x_hbm):
-        live = [nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum) for _ in range(8)]
-        extra = nl.ndarray((128, 4), dtype=nl.float32, buffer=nl.psum)
+        _live = [nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum) for _ in range(8)]
+        _extra = nl.ndarray((128, 4), dtype=nl.float32, buffer=nl.psum)
         return x_hbm
 
     with pytest.raises(NKIRuleError, match="PSUM capacity"):

@@ -7,12 +7,11 @@ tiles do not accumulate toward the capacity limits.
 import ml_dtypes
 import numpy as np
 import pytest
+from sim_helpers import BF16, check_rule_error
 
-from nki_lib.simulator import NKIRuleError, jit, simulate
+from nki_lib.simulator import NKIRuleError, jit, simulate, tile_size
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from nki_lib.simulator import tile_size
-from sim_helpers import BF16, check_rule_error
 
 MARK = "# VIOLATION"
 
@@ -135,7 +134,7 @@ def test_too_many_psum_buffers(trn2):
 def test_psum_tile_larger_than_psum(trn2):
     def huge_psum(x_hbm):
         cols = tile_size.psum_num_banks * tile_size.psum_fmax + 1
-        acc_psum = nl.ndarray((128, cols), dtype=nl.float32, buffer=nl.psum)  # VIOLATION
+        _acc_psum = nl.ndarray((128, cols), dtype=nl.float32, buffer=nl.psum)  # VIOLATION
         return x_hbm
 
     err = _raise(huge_psum, np.zeros((1, 1), np.float32))
@@ -167,7 +166,7 @@ def test_sbuf_single_tile_over_capacity(trn2):
     cols = _sbuf_cols(1.0) + 1
 
     def too_big(x_hbm):
-        a_sb = nl.ndarray((1, cols), dtype=nl.float32, buffer=nl.sbuf)  # VIOLATION
+        _a_sb = nl.ndarray((1, cols), dtype=nl.float32, buffer=nl.sbuf)  # VIOLATION
         return x_hbm
 
     check_rule_error(_raise(too_big, np.zeros((1, 1), np.float32)), too_big, MARK, rule_words=("sbuf",))
@@ -223,7 +222,7 @@ def test_float64_kernel_argument_rejected():
 
 def test_float64_allocation_rejected():
     def f64(x_hbm):
-        t_sb = nl.ndarray((4, 4), dtype=np.float64, buffer=nl.sbuf)  # VIOLATION
+        _t_sb = nl.ndarray((4, 4), dtype=np.float64, buffer=nl.sbuf)  # VIOLATION
         return x_hbm
 
     with pytest.raises((NKIRuleError, TypeError), match="float64"):

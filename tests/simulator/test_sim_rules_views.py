@@ -6,12 +6,11 @@ instruction, operand, rule and the ``# VIOLATION`` line.
 
 import numpy as np
 import pytest
+from sim_helpers import check_rule_error
 
-from nki_lib.simulator import NKIRuleError, jit, simulate
+from nki_lib.simulator import NKIRuleError, jit, simulate, tile_size
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from nki_lib.simulator import tile_size
-from sim_helpers import check_rule_error
 
 MARK = "# VIOLATION"
 ONE = np.zeros((1, 1), np.float32)

@@ -4,12 +4,12 @@ element/byte counts, source lines, peak SBUF/PSUM use computed by hand, ``record
 """
 
 import numpy as np
+from sim_helpers import BF16, line_of
 
-from nki_lib.simulator import jit, last_run, recording, simulate
 from nki_lib.simulator import isa as nisa
+from nki_lib.simulator import jit, last_run, recording, simulate
 from nki_lib.simulator import language as nl
 from nki_lib.simulator.trace import Access, TraceEntry
-from sim_helpers import BF16, line_of
 
 HBM_ARG = {"hbm", "private_hbm"}
 
