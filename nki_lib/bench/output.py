@@ -82,7 +82,8 @@ def table(results: list[CaseResult]) -> str:
         for r in hot:
             spots = r.estimates["trn2"]["hotspots"][:3]
             lines.append(f"  {r.label}:")
-            lines += [f"      {h['share']:5.1%}  {h['source']}  {h['opcode']}  waited on {h['waited_on']}" for h in spots]
+            lines += [f"      {h['share']:5.1%}  {h['source']}  {h['opcode']}  waited on {h['waited_on']}"
+                      for h in spots]
     sens = [r for r in results if r.estimates.get("trn2", {}).get("sensitivity")]
     if sens:
         lines.append("")

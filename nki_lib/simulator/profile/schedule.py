@@ -218,8 +218,8 @@ class _PsumBanks:
     def _claim(self, acc) -> tuple[list[int], float]:
         if acc.placed:
             banks = self.covered(acc)
-            waits = [self.release[b] for b in banks
-                     if self.owner[b] is not None and self.owner[b] != acc.buffer_id and self.owner[b] not in self.placed]
+            others = [b for b in banks if self.owner[b] not in (None, acc.buffer_id)]
+            waits = [self.release[b] for b in others if self.owner[b] not in self.placed]
             return banks, max(waits, default=0.0)
         banks = self.banks_of.get(acc.buffer_id)
         if banks is not None and all(self.owner[b] == acc.buffer_id for b in banks):
