@@ -23,7 +23,10 @@ For a :class:`~nki_lib.bench.shapes.Case` the harness
 3. times, on the same (simulated) shape, the op's reference path and the natural PyTorch
    baseline (:func:`nki_lib.bench.inputs.baseline`), first call and steady state;
 4. computes TFLOP/s, MFU and both roofline fractions from the op's minimum-work formula
-   (:mod:`nki_lib.bench.flops`) at the real shape.
+   (:mod:`nki_lib.bench.flops`) at the real shape;
+5. records the host-side torch ops of the call (:mod:`nki_lib.bench.whole_op`) and charges each
+   its HBM bytes (scaled like the makespan) plus one launch, beside the kernels (``host``,
+   ``whole_op_us``, ``whole_op_dependency_bound_us``).
 
 A case whose op is not registered, or whose call falls back to the reference (no kernel yet),
 is reported with that status and no device estimate: nothing is filled in.
@@ -39,6 +42,7 @@ import torch
 from nki_lib.bench import flops
 from nki_lib.bench.inputs import baseline, make_call
 from nki_lib.bench.shapes import Case
+from nki_lib.bench.whole_op import host_cost, record_host_ops
 
 __all__ = ["SimPlan", "plan", "run_case", "CaseResult"]
 
@@ -140,21 +144,23 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _summarise(estimates: list, scale: float, cost: flops.OpCost | None, target: str) -> dict:
+def _summarise(estimates: list, scale: float, cost: flops.OpCost | None, target) -> dict:
     """Figures of the launches of one op call, the makespans scaled to the real shape.
 
     Without a ``cost`` (no formula for that part) only the time figures are given.
     """
-    from nki_lib.simulator.profile import params, roofline
+    from nki_lib.simulator.profile import roofline
 
     launch = sum(e.launch_ns for e in estimates)
     span = sum(e.makespan_ns for e in estimates) * scale
     time_ns = launch + span
+    dep_ns = launch + sum(e.dependency_makespan_ns for e in estimates) * scale
     busy = {eng: scale * sum(e.busy_ns[eng] for e in estimates) for eng in estimates[0].busy_ns}
     grid = max(e.grid for e in estimates)
     slowest = max(estimates, key=lambda e: e.makespan_ns)
     out = {
         "time_us": time_ns * 1e-3,
+        "dependency_bound_us": dep_ns * 1e-3,
         "lower_bound_us": (launch + scale * sum(e.lower_bound_ns - e.launch_ns for e in estimates)) * 1e-3,
         "upper_bound_us": (launch + scale * sum(e.upper_bound_ns - e.launch_ns for e in estimates)) * 1e-3,
         "launches": len(estimates),
@@ -169,17 +175,33 @@ def _summarise(estimates: list, scale: float, cost: flops.OpCost | None, target:
     }
     if cost is not None:
         roof = roofline(cost, target, grid)
-        peak = params(target).pe_peak_flops(cost.pe_dtype) * grid
+        out.update(time_figures(cost, target, grid, time_ns))
+        out["dependency_bound"] = time_figures(cost, target, grid, dep_ns)
         out.update({
-            "tflops": cost.flops / time_ns * 1e-3,
-            "mfu": cost.flops / (peak * time_ns * 1e-9),
-            "roofline_fraction": roof.classical_ns / time_ns,
-            "engine_roofline_fraction": roof.engine_aware_ns / time_ns,
-            "hbm_roofline_fraction": roof.hbm_ns / time_ns,
             "roofline_bound": roof.bound,
             "roofline_us": {"pe": roof.pe_ns * 1e-3, "hbm": roof.hbm_ns * 1e-3, "act_dve": roof.element_ns * 1e-3},
         })
     return out
+
+
+def time_figures(cost: flops.OpCost, target, grid: int, time_ns: float) -> dict:
+    """The figures of one estimate that follow from its time: TFLOP/s, MFU, roofline fractions.
+
+    ``target``: a target name or a :class:`~nki_lib.simulator.profile.HardwareParams`.
+    """
+    from nki_lib.simulator.profile import HardwareParams, params, roofline
+
+    hw = target if isinstance(target, HardwareParams) else params(target)
+    roof = roofline(cost, hw, grid)
+    peak = hw.pe_peak_flops(cost.pe_dtype) * grid
+    return {
+        "time_us": time_ns * 1e-3,
+        "tflops": cost.flops / time_ns * 1e-3,
+        "mfu": cost.flops / (peak * time_ns * 1e-9),
+        "roofline_fraction": roof.classical_ns / time_ns,
+        "engine_roofline_fraction": roof.engine_aware_ns / time_ns,
+        "hbm_roofline_fraction": roof.hbm_ns / time_ns,
+    }
 
 
 def part_cost(case: Case, op_name: str) -> flops.OpCost | None:
@@ -199,7 +221,7 @@ def part_cost(case: Case, op_name: str) -> flops.OpCost | None:
 
 
 def _simulate(case: Case, args, kwargs, target: str):
-    """One strict simulator call on ``target``: (wall seconds, runs, coverage snapshot)."""
+    """One strict simulator call on ``target``: (wall seconds, runs, coverage snapshot, host ops)."""
     import nki_lib
     from nki_lib.dispatch import collect_runs
     from nki_lib.simulator import get_target, set_target
@@ -208,19 +230,65 @@ def _simulate(case: Case, args, kwargs, target: str):
     set_target(target)
     nki_lib.reset_coverage()
     try:
-        with nki_lib.use_backend("simulator"), nki_lib.strict(True), collect_runs() as runs:
+        with nki_lib.use_backend("simulator"), nki_lib.strict(True), collect_runs() as runs, \
+                record_host_ops() as host_ops:
             wall = _timed(lambda: _call(case.op, args, kwargs, case.mode))
     finally:
         set_target(previous)
-    return wall, list(runs), nki_lib.coverage()
+    return wall, list(runs), nki_lib.coverage(), list(host_ops)
 
 
-def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_paths: bool = True) -> CaseResult:
-    """Benchmark one case (see the module docstring)."""
+def _figures(case: Case, runs: list, scale: float, cost: flops.OpCost, hw) -> dict:
+    """The figures of one op call's launches on the target table ``hw`` (per op in ``parts``)."""
+    from nki_lib.simulator.profile import estimate
+
+    ests = [(op_name, estimate(r, hw)) for op_name, r in runs if r is not None]
+    out = _summarise([e for _, e in ests], scale, cost, hw)
+    ops = sorted({op_name for op_name, _ in ests})
+    if len(ops) > 1:
+        out["parts"] = {op_name: _summarise([e for o, e in ests if o == op_name], scale,
+                                            part_cost(case, op_name), hw) for op_name in ops}
+    return out
+
+
+def _add_host(figures: dict, host_ops: list, scale: float, hw) -> None:
+    """The host-side torch ops of the call (whole-op estimate, nki_lib.bench.whole_op) beside the
+    kernels: ``host`` figures, ``whole_op_us`` and ``whole_op_dependency_bound_us`` (per op too)."""
+    host = host_cost(host_ops, hw, scale)
+    figures["host"] = host
+    figures["whole_op_us"] = figures["time_us"] + host["time_us"]
+    figures["whole_op_dependency_bound_us"] = figures["dependency_bound_us"] + host["time_us"]
+    for op, part in figures.get("parts", {}).items():
+        _add_host(part, [o for o in host_ops if o.op == op], scale, hw)
+
+
+_COMPACT = ("time_us", "dependency_bound_us", "tflops", "mfu", "roofline_fraction", "engine_roofline_fraction",
+            "hbm_roofline_fraction", "dependency_bound", "bound_engine")
+
+
+def _compact(figures: dict) -> dict:
+    """The time-derived figures of a sensitivity corner (per op too)."""
+    out = {k: figures[k] for k in _COMPACT if k in figures}
+    if "parts" in figures:
+        out["parts"] = {op: _compact(f) for op, f in figures["parts"].items()}
+    return out
+
+
+def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_paths: bool = True,
+             hw: dict | None = None, sensitivity: bool = False) -> CaseResult:
+    """Benchmark one case (see the module docstring).
+
+    ``hw``: target -> :class:`~nki_lib.simulator.profile.HardwareParams` replacing the published
+    table (``nki-lib bench --set``). ``sensitivity``: also estimate the first target with each
+    low-confidence constant at each documented bound (``estimates[target]["sensitivity"]``:
+    corner label -> figures).
+    """
     import nki_lib
     from nki_lib import registry
     from nki_lib.dispatch import NKIFallbackError
-    from nki_lib.simulator.profile import estimate
+    from nki_lib.simulator.profile import corners, params
+
+    hw = hw or {}
 
     sim = plan(case)
     cost = op_cost(case)
@@ -238,7 +306,7 @@ def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_p
         args, kwargs = make_call(case.op, sim.dims, dtype, requires_grad=train)
         for i, target in enumerate(targets):
             try:
-                wall, runs, cov = _simulate(case, args, kwargs, target)
+                wall, runs, cov, host_ops = _simulate(case, args, kwargs, target)
             except NKIFallbackError as exc:
                 res.status = f"fallback: {exc}"
                 break
@@ -246,7 +314,7 @@ def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_p
                 res.cpu_s["simulator_first"] = wall
                 res.specializations = sum(cov.specializations.values())
                 if steady:
-                    wall, runs, _ = _simulate(case, args, kwargs, target)
+                    wall, runs, _, host_ops = _simulate(case, args, kwargs, target)
                     res.cpu_s["simulator_steady"] = wall
                 res.kernels = sorted({r.kernel for _, r in runs if r is not None})
                 res.instructions = sum(r.instructions for _, r in runs if r is not None)
@@ -255,13 +323,13 @@ def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_p
             if not reports or any(r.trace is None for r in reports):
                 res.status = "no trace recorded"
                 break
-            ests = [(op_name, estimate(r, target)) for op_name, r in runs if r is not None]
-            res.estimates[target] = _summarise([e for _, e in ests], sim.scale, cost, target)
-            ops = sorted({op_name for op_name, _ in ests})
-            if len(ops) > 1:
-                res.estimates[target]["parts"] = {
-                    op_name: _summarise([e for o, e in ests if o == op_name], sim.scale, part_cost(case, op_name),
-                                        target) for op_name in ops}
+            target_hw = hw.get(target) or params(target)
+            res.estimates[target] = _figures(case, runs, sim.scale, cost, target_hw)
+            _add_host(res.estimates[target], host_ops, sim.scale, target_hw)
+            if sensitivity and i == 0:
+                res.estimates[target]["sensitivity"] = {
+                    corner.label: _compact(_figures(case, runs, sim.scale, cost, corner.hw))
+                    for corner in corners(target_hw)}
         if cpu_paths:
             with nki_lib.use_backend("reference"):
                 res.cpu_s["reference_first"] = _timed(lambda: _call(case.op, args, kwargs, case.mode))

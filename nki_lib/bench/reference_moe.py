@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import nki_lib
-from nki_lib.moe import experts_ops
+from nki_lib.moe import moe_experts_op
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,9 @@ class Case:
 
 
 CASES = (
-    Case(1024, 1024, 512, 8, 2),      # Mixtral-like routing, few experts
-    Case(512, 2048, 768, 16, 4),      # wider hidden
-    Case(2048, 512, 256, 64, 8),      # many small experts (per-expert overhead dominates)
+    Case(512, 1024, 512, 8, 2),       # Mixtral-like routing, few experts
+    Case(256, 2048, 768, 16, 4),      # wider hidden
+    Case(1024, 512, 256, 64, 8),      # many small experts (per-expert overhead dominates)
 )
 BLOCK_SIZE = 128
 
@@ -64,7 +64,7 @@ def expert_loop(x, topk_weights, topk_ids, w_gate_up, w_down):
 def _inputs(case: Case, requires_grad: bool):
     gen = torch.Generator().manual_seed(0)
     topk_ids = torch.argsort(torch.rand(case.t, case.e, generator=gen), dim=1)[:, :case.k]
-    sample = experts_ops.make_sample(case.t, case.h, case.inter, case.e, case.k, BLOCK_SIZE, case.dtype,
+    sample = moe_experts_op.make_sample(case.t, case.h, case.inter, case.e, case.k, BLOCK_SIZE, case.dtype,
                                      requires_grad, topk_ids=topk_ids)
     return sample.args, topk_ids
 

@@ -24,7 +24,7 @@ import torch
 from nki_lib import backend
 from nki_lib.coverage import LEDGER
 from nki_lib.dispatch import NKIFallbackError, Unsupported
-from nki_lib.moe import ops  # noqa: F401  (registers the MoE ops)
+import nki_lib.moe  # noqa: F401  (registers the MoE ops)
 from nki_lib.moe.hf import expert_activation, expert_weights
 
 IMPLEMENTATION = "nki"

@@ -1,6 +1,6 @@
 """``nki_lib.moe.MoE`` (router -> plan -> experts, + shared experts) and the router losses.
 
-api-contract §4 "Module and losses". The module composes the three ops, so it runs on whatever
+docs/contract.md §4.4 "Module and losses". The module composes the three ops, so it runs on whatever
 path the backend selects (simulator/device kernels, or the PyTorch reference). Shapes: T tokens
 (all leading dims of x flattened), H hidden, I intermediate, E experts, k = top_k.
 
@@ -13,7 +13,7 @@ path the backend selects (simulator/device kernels, or the PyTorch reference). S
   router op on [x, 1] and [W | b] (the bias as one more weight column: its gradient is that
   column's); ``expert_biases=True``: learned ``gate_up_bias`` (E, 2I) and ``down_bias`` (E, H).
 * ``activation="clamped_swiglu"`` (gpt-oss, with ``swiglu_alpha`` / ``swiglu_limit``) or the
-  plain gates (``reference_experts``).
+  plain gates (``moe_experts_reference``).
 * ``MoE.from_hf(block)`` / ``moe.to_hf(block)``: weights from / into a transformers MoE block
   (Mixtral, Qwen3-MoE, gpt-oss; :mod:`nki_lib.moe.hf`).
 * ``load_balancing_loss`` (Switch/GShard ``E * sum_e f_e * P_e``, or transformers' scale with
@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from nki_lib.moe import hf
-from nki_lib.moe import ops  # noqa: F401  (registers the MoE ops)
+from nki_lib.moe import moe_experts_op, moe_plan_op, moe_router_op  # noqa: F401  (registers the MoE ops)
 from nki_lib.moe.losses import check_positive_int as _positive_int
 from nki_lib.moe.losses import load_balancing_loss, router_z_loss  # noqa: F401  (public here too)
-from nki_lib.moe.reference_experts import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, gate
-from nki_lib.moe.router_ops import validate as validate_router
+from nki_lib.moe.moe_experts_reference import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, gate
+from nki_lib.moe.moe_router_op import validate as validate_router
 
 
 class MoE(nn.Module):

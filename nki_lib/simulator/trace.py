@@ -15,6 +15,7 @@ class Access:
     byte_range: tuple            # [start, stop) bounding byte range within each partition (HBM: flat buffer)
     shape: tuple                 # shape of the view
     dtype: str                   # numpy dtype name: "bfloat16", "float32", "int32", ...
+    placed: bool = False         # on-chip tile placed with address=: partitions/byte_range are physical
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nki_lib.moe  # noqa: F401  (registers the ops)
-from nki_lib.moe import experts_ops, router_ops
+from nki_lib.moe import moe_experts_op, moe_router_op
 
 AUTOCAST = torch.bfloat16
 
@@ -20,7 +20,7 @@ def experts_call(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_do
 
 
 def _experts_args():
-    s = experts_ops.make_sample(11, 24, 16, 4, 2, 8, torch.float32, True, activation="clamped_swiglu",
+    s = moe_experts_op.make_sample(11, 24, 16, 4, 2, 8, torch.float32, True, activation="clamped_swiglu",
                                 biases=True, swiglu_limit=0.5)
     return list(s.args)
 
@@ -64,7 +64,7 @@ def test_experts_routing_weights_keep_their_dtype():
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_router_follows_sdpa_policy(compiled):
-    s = router_ops.make_sample(13, 32, 6, torch.float32, True, top_k=2)
+    s = moe_router_op.make_sample(13, 32, 6, torch.float32, True, top_k=2)
     call = lambda x, w: torch.ops.nki.moe_router(x, w, **s.kwargs)  # noqa: E731
     fn = torch.compile(call, fullgraph=True, backend="aot_eager") if compiled else call
     args = list(s.args[:2])

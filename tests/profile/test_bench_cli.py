@@ -29,6 +29,7 @@ def test_table_marks_extrapolated_and_missing_rows():
             CaseResult("b", "moe_router", "prefill", "m", "moe", {}, "bfloat16", status="not registered")]
     text = table(rows)
     assert "* a" in text and "a: x2" in text and "b: not registered" in text
+    assert "trn2 dep" in text.splitlines()[0]
 
 
 def test_cli_smoke_writes_jsonl_table_and_plot(tmp_path):
@@ -42,29 +43,34 @@ def test_cli_smoke_writes_jsonl_table_and_plot(tmp_path):
     if row["status"] == "ok":
         for target in ("trn2", "trn3"):
             est = row["estimates"][target]
-            assert est["lower_bound_us"] <= est["time_us"] <= est["upper_bound_us"]
+            assert est["lower_bound_us"] <= est["dependency_bound_us"] <= est["time_us"] <= est["upper_bound_us"]
+            assert est["dependency_bound"]["time_us"] == est["dependency_bound_us"]
+            assert est["dependency_bound"]["mfu"] >= est["mfu"]
             assert 0 < est["mfu"] < 1 and 0 < est["engine_roofline_fraction"] <= 1
         assert row["instructions"] > 0 and row["cpu_s"]["simulator_first"] > 0
         assert (tmp_path / "roofline_attention.png").exists()
     assert (tmp_path / "bench.txt").read_text().startswith("case")
 
 
-def test_targets_report_judges_the_named_part():
+def _target_row(case, in_order: float, dependency_bound: float, forward: float = 0.1) -> CaseResult:
+    fig = {"engine_roofline_fraction": in_order, "bound_engine": "scalar",
+           "dependency_bound": {"engine_roofline_fraction": dependency_bound},
+           "hotspots": [{"source": "bwd.py:1", "opcode": "activation (scalar)", "waited_on": "data"}]}
+    fwd = {**fig, "engine_roofline_fraction": forward, "dependency_bound": {"engine_roofline_fraction": forward}}
+    return CaseResult(case.label, "flash_attention", "train", case.model, "attention", {}, "bfloat16",
+                      estimates={"trn2": {"parts": {"flash_attention": fwd, "flash_attention_backward": fig}}})
+
+
+def test_targets_report_judges_the_named_part_on_both_estimates():
     from nki_lib.bench.output import targets_report
     from nki_lib.bench.shapes import TUNING_TARGETS
 
     bwd = next(t for t in TUNING_TARGETS if t.part == "flash_attention_backward")
-    fig = {"engine_roofline_fraction": 0.8, "bound_engine": "scalar",
-           "hotspots": [{"source": "bwd.py:1", "opcode": "activation (scalar)", "waited_on": "data"}]}
-    row = CaseResult(bwd.case.label, "flash_attention", "train", bwd.case.model, "attention", {}, "bfloat16",
-                     estimates={"trn2": {"parts": {"flash_attention": {**fig, "engine_roofline_fraction": 0.1},
-                                                   "flash_attention_backward": fig}}})
-    text = targets_report([row])
-    assert "MET" in text and "80.0%" in text and "bwd.py:1" in text
-    short = CaseResult(bwd.case.label, "flash_attention", "train", bwd.case.model, "attention", {}, "bfloat16",
-                       estimates={"trn2": {"parts": {"flash_attention_backward": {**fig, "engine_roofline_fraction":
-                                                                                  0.5}}}})
-    assert "SHORT" in targets_report([short])
+    text = targets_report([_target_row(bwd.case, 0.8, 0.9)])
+    assert "PASS" in text and "80.0% / 90.0%" in text and "bwd.py:1" in text
+    # a claim holds only if it holds on both estimates
+    assert "SHORT" in targets_report([_target_row(bwd.case, 0.5, 0.9)])
+    assert "SHORT" in targets_report([_target_row(bwd.case, 0.9, 0.5)])
     assert targets_report([]) == ""
 
 

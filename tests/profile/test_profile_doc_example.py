@@ -1,4 +1,4 @@
-"""The worked example of trainium-cost-model.md §7.7: one forward-attention step on trn2.
+"""The worked example of docs/cost-model.md §7.7: one forward-attention step on trn2.
 
 128 queries x 512 keys, d = 128, bf16, non-causal. The doc derives TensorE 1,536 cycles
 (= 640 ns: S = QK^T with N = 512, four 128x128 transposes of P, four PV matmuls), ScalarE
@@ -7,9 +7,9 @@ row max over 512 fp32 in PSUM (533 ns) plus the bf16 PSUM eviction of P^T (267 n
 """
 
 import pytest
+from profile_tracegen import Trace, new_id, onchip
 
 from nki_lib.simulator.profile import instruction_cost, params
-from profile_tracegen import Trace, new_id, onchip
 
 HW = params("trn2")
 

@@ -1,4 +1,4 @@
-"""Views and access patterns (nki-api.md §4): indexing rules, ``nl.ds``, ``get_pattern``, exact
+"""Views and access patterns (docs/nki-semantics.md §4): indexing rules, ``nl.ds``, ``get_pattern``, exact
 ``.ap()`` semantics (non-composable, offset inheritance, stride-0 reads, dtype reinterpretation,
 partition-stride rule, scalar/vector dynamic offsets with oob_mode), ``.view(dtype)`` and
 ``reshape``, and a hypothesis sweep over tile shapes.
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from sim_helpers import BF16, FLOAT_DTYPES, INT_DTYPES, bits, run_tiles
 
 from nki_lib.simulator import NKIRuleError, jit, simulate
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import BF16, FLOAT_DTYPES, INT_DTYPES, bits, run_tiles
 
 
 def _hbm_kernel(body):

@@ -1,4 +1,4 @@
-"""NC-v4 MX instructions of isa/extra.py (nki-api.md §8.16, §8.19, §14 item 13) against loop-based
+"""NC-v4 MX instructions of isa/extra.py (docs/nki-semantics.md §8.16, §8.19, §14.13) against loop-based
 NumPy references: quantize_mx (group scales, saturation, x4 packing, quadrant scale layout) and
 nc_matmul_mx (MXFP8 x MXFP4 dequantized product, accumulate), and their trn3-only gating.
 
@@ -10,12 +10,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from sim_helpers import BF16, run_tiles
 
 from nki_lib.numerics import assert_parity
 from nki_lib.simulator import NKIRuleError
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import BF16, run_tiles
 
 E4M3FN = np.dtype(ml_dtypes.float8_e4m3fn)
 E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)

@@ -1,16 +1,16 @@
 """Reductions, index generation, selection and cross-partition instructions against NumPy
-(nki-api.md §8.11, §8.13, §8.15, §8.20–§8.28) including the self-test vectors of §13.7.
+(docs/nki-semantics.md §8.11, §8.13, §8.15, §8.20–§8.28) including the self-test vectors of §13.7.
 """
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from sim_helpers import BF16, bits, run_tiles
 
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import jit, simulate
 from nki_lib.simulator import language as nl
-from sim_helpers import BF16, bits, run_tiles
 
 FP32_MIN = float(np.finfo(np.float32).min)
 

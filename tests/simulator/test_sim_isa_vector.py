@@ -1,4 +1,4 @@
-"""Vector/Scalar/GpSimd elementwise instructions against NumPy (nki-api.md §6.3, §8.2–§8.5, §8.7,
+"""Vector/Scalar/GpSimd elementwise instructions against NumPy (docs/nki-semantics.md §6.3, §8.2–§8.5, §8.7,
 §8.12, §8.17, §8.22): fp32 math, round-to-nearest-even on write, operand order and reverse flags,
 per-partition scalar operands, activation scale/bias/reduce, copies and casts per dtype.
 
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from sim_helpers import BF16, FLOAT_DTYPES, FP32, INT_DTYPES, bits, run_tiles
 
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import BF16, FLOAT_DTYPES, FP32, INT_DTYPES, bits, run_tiles
 
 P, F = 64, 48
 

@@ -1,4 +1,4 @@
-"""``nki.language`` beyond raw instructions (nki-api.md §3.6, §5, §6.3, §9, §17): the 0.3+
+"""``nki.language`` beyond raw instructions (docs/nki-semantics.md §3.6, §5, §6.3, §9, §17): the 0.3+
 convenience wrappers, creation functions, dynamic loops and registers, manual placement rules,
 float->int conversion, DMA dtype rules, engine restrictions, integer sentinels.
 """
@@ -6,13 +6,12 @@ float->int conversion, DMA dtype rules, engine restrictions, integer sentinels.
 import numpy as np
 import pytest
 import torch
+from sim_helpers import BF16, bits, run_tiles
 
 from nki_lib.numerics import assert_parity
-from nki_lib.simulator import NKIRuleError, jit, simulate
+from nki_lib.simulator import NKIRuleError, jit, simulate, tile_size
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from nki_lib.simulator import tile_size
-from sim_helpers import BF16, bits, run_tiles
 
 
 def _ints(rng, shape, dtype=np.float32, lo=-8, hi=8):
@@ -201,7 +200,7 @@ def test_manual_placement_in_sbuf_and_psum(rng):
 def test_psum_manual_placement_must_start_at_a_bank():
     @jit
     def misplaced(x_hbm):
-        acc_psum = nl.ndarray((16, 16), dtype=nl.float32, buffer=nl.psum, address=(0, 1024))
+        _acc_psum = nl.ndarray((16, 16), dtype=nl.float32, buffer=nl.psum, address=(0, 1024))
         return x_hbm
 
     with pytest.raises(NKIRuleError):
@@ -211,7 +210,7 @@ def test_psum_manual_placement_must_start_at_a_bank():
 def test_sbuf_manual_placement_must_fit():
     @jit
     def beyond(x_hbm):
-        t_sb = nl.ndarray((16, 16), dtype=nl.float32, buffer=nl.sbuf,
+        _t_sb = nl.ndarray((16, 16), dtype=nl.float32, buffer=nl.sbuf,
                           address=(0, tile_size.total_available_sbuf_size - 32))
         return x_hbm
 
@@ -220,7 +219,7 @@ def test_sbuf_manual_placement_must_fit():
 
 
 def test_float_to_int_rounds_half_to_even_and_saturates():
-    # nki-api.md §6.3 / §14.2 REC: round half to even, then saturate to the integer range
+    # docs/nki-semantics.md §6.3 / §14.2: round half to even, then saturate to the integer range
     x = np.array([[0.5, 1.5, 2.5, -2.5, 3.7, -3.7, 1e10, -1e10]], dtype=np.float32)
 
     def to_int(x_sb):

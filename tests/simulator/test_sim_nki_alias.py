@@ -1,4 +1,4 @@
-"""The simulator as a drop-in ``nki`` package (nki-api.md §2, §7.5, §17): sys.modules aliasing,
+"""The simulator as a drop-in ``nki`` package (docs/nki-semantics.md §2, §7.5, §17): sys.modules aliasing,
 the import forms real kernels use, launch forms, targets, tile_size, dtype objects, in-place
 HBM outputs, torch in/torch out.
 """
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from sim_helpers import BF16
 
 from nki_lib import simulator as sim
-from sim_helpers import BF16
 
 ALIASES = ("nki", "nki.language", "nki.isa", "nki.isa.constants")
 

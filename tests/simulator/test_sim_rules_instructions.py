@@ -1,15 +1,15 @@
-"""Per-instruction argument rules (nki-api.md §5.3, §8.9–§8.28): each kernel body breaks one
+"""Per-instruction argument rules (docs/nki-semantics.md §5.3, §8.9–§8.28): each kernel body breaks one
 documented constraint of one instruction and must raise NKIRuleError naming that instruction and
 the offending operand, at the ``# VIOLATION`` line.
 """
 
 import numpy as np
 import pytest
+from sim_helpers import check_rule_error
 
 from nki_lib.simulator import NKIRuleError, jit, simulate
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import check_rule_error
 
 MARK = "# VIOLATION"
 

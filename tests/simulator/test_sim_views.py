@@ -1,15 +1,15 @@
-"""NkiTensor view methods (nki-api.md §4.1, §4.2): slice, select, permute, broadcast, expand_dim /
+"""NkiTensor view methods (docs/nki-semantics.md §4.1, §4.2): slice, select, permute, broadcast, expand_dim /
 squeeze_dim, reshape_dim, flatten_dims, reshape, is_contiguous, and the on-chip partition-dim
 restrictions. Every view is materialised with tensor_copy / dma_copy and compared with NumPy.
 """
 
 import numpy as np
 import pytest
+from sim_helpers import run_tiles
 
 from nki_lib.simulator import NKIRuleError, jit, simulate
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import run_tiles
 
 P, A, B = 8, 6, 5
 

@@ -1,7 +1,7 @@
 """Elementwise pieces of gpt-oss's clamped swiglu gate and of the expert biases, shared by the
 expert-MLP forward and backward kernels.
 
-Gate (reference_experts.gate): with g, u the gate/up projections (fp32, PSUM or SBUF),
+Gate (moe_experts_reference.gate): with g, u the gate/up projections (fp32, PSUM or SBUF),
   gc = min(g, limit),  s = sigmoid(alpha gc),  a = gc s,  v = clamp(u, -limit, limit) + 1,
   h = a v;  dh/dg = v da with da = s (1 + alpha gc (1 - s)) [g <= limit],  dh/du = a [|u| <= limit]
 (the clamps pass gradient where the bound holds with equality, as torch.clamp does). Engines:

@@ -1,4 +1,4 @@
-"""DMA instructions: dma_copy, dma_transpose, dma_compute (nki-api.md §8.1, §8.10, §8.24).
+"""DMA instructions: dma_copy, dma_transpose, dma_compute (docs/nki-semantics.md §8.1, §8.10, §8.24).
 
 DMA moves data between HBM and SBUF (and HBM->HBM, SBUF->SBUF), never PSUM. Both operands are
 flattened in row-major view order; only the element counts must match. Differing dtypes convert
@@ -49,9 +49,23 @@ def _convert(c, vals, src_dt, dst_dt, operand="src"):
 
 def _attrs(src, dst, **extra):
     attrs = {"src_memory": src._st.kind, "dst_memory": dst._st.kind,
-             "contiguous_bytes": min(src._contig_bytes(), dst._contig_bytes()), "queue": "dma"}
+             "contiguous_bytes": min(src._contig_bytes(), dst._contig_bytes()), "queue": "dma",
+             "indirect": _indirect_form(src, dst)}
     attrs.update(extra)
     return attrs
+
+
+def _indirect_form(*views):
+    """The DMA's addressing form for the cost model's DGE rule: ``"vector"`` (per-partition
+    ``vector_offset`` gather/scatter), ``"scalar"`` (one runtime ``scalar_offset``) or None."""
+    forms = {v._dyn[0] for v in views if v._dyn is not None}
+    return "vector" if "vector" in forms else ("scalar" if forms else None)
+
+
+def _reads(src, dst):
+    """``src`` plus the SBUF tensors holding either view's runtime offsets (the DMA reads those too)."""
+    offsets = tuple(v._dyn[1] for v in (src, dst) if v._dyn is not None and isinstance(v._dyn[1], NkiTensor))
+    return (src,) + offsets
 
 
 def dma_copy(dst, src, priority=None, oob_mode=_oob_mode.error, dge_mode=_dge_mode.unknown,
@@ -68,7 +82,8 @@ def dma_copy(dst, src, priority=None, oob_mode=_oob_mode.error, dge_mode=_dge_mo
         c.check(dst._dyn is None or dst._dyn[0] != "vector", "dst", "vector_offset indirection requires swdge")
     vals, rows = src._gather(c.opcode, "src", skip)
     if vals is None:                      # whole transfer skipped (scalar offset out of bounds)
-        c.record("dma", (src,), (dst,), dst._shape, dst._dtype, 0, 0, _attrs(src, dst, skipped=True))
+        c.record("dma", _reads(src, dst), (dst,), dst._shape, dst._dtype, 0, 0,
+                 _attrs(src, dst, skipped=True))
         return INSTRUCTION
     out = _convert(c, np.asarray(vals), src._dtype, dst._dtype)
     if rows is not None and not rows.all():
@@ -78,8 +93,8 @@ def dma_copy(dst, src, priority=None, oob_mode=_oob_mode.error, dge_mode=_dge_mo
         merged[keep] = out.reshape(-1)[keep]
         out = merged
     dst._scatter(out, c.opcode, "dst", skip=skip)
-    c.record("dma", (src,), (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
-             _attrs(src, dst, dge_mode=dge_mode.name, oob_mode=oob_mode.name))
+    c.record("dma", _reads(src, dst), (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
+             _attrs(src, dst, dge_mode=dge_mode.name, oob_mode=oob_mode.name, engine=getattr(engine, "name", engine)))
     return INSTRUCTION
 
 
@@ -105,17 +120,18 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=_dge_mode.unknown
         _hwdge_transpose_shape(c, src._shape)
     vals, rows = src._gather(c.opcode, "src", skip)
     if vals is None:
-        c.record("dma", (src,), (dst,), dst._shape, dst._dtype, 0, 0, _attrs(src, dst, skipped=True))
+        c.record("dma", _reads(src, dst), (dst,), dst._shape, dst._dtype, 0, 0,
+                 _attrs(src, dst, skipped=True))
         return INSTRUCTION
     out = np.transpose(np.asarray(vals), axes)
     dst._scatter(np.ascontiguousarray(out), c.opcode, "dst")
-    c.record("dma", (src,), (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
+    c.record("dma", _reads(src, dst), (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
              _attrs(src, dst, axes=axes, dge_mode=dge_mode.name))
     return INSTRUCTION
 
 
 def _hwdge_transpose_shape(c, shape):
-    """HW-DGE transpose shapes (nki-api.md §8.10): rows 16 (2-D) or a power of two <= 16 with
+    """HW-DGE transpose shapes (docs/nki-semantics.md §8.10): rows 16 (2-D) or a power of two <= 16 with
     rows * shape[-2] a multiple of 16 (3/4-D); at most 128 elements in the last dim."""
     rows = shape[0]
     if len(shape) == 2:

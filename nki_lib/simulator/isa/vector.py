@@ -1,4 +1,4 @@
-"""Vector-engine (DVE) instructions (nki-api.md §8.2-8.5, 8.11, 8.12, 8.15, 8.17, 8.21-8.23, 8.27).
+"""Vector-engine (DVE) instructions (docs/nki-semantics.md §8.2-8.5, 8.11, 8.12, 8.15, 8.17, 8.21-8.23, 8.27).
 
 All arithmetic is fp32 with cast on write; bitvec ops act on raw integers; ``tensor_tensor`` on
 int32/uint32 operands outside PSUM runs on GpSimd with exact integer math. Operands are (P, F)
@@ -13,8 +13,7 @@ from ..dtypes import is_float, is_int
 from ..hw import QUADRANT, SHUFFLE_KEEP, TOPK_MAX_FREE, TOPK_WIDTH
 from ..tensor import NkiTensor
 from ._accum import accumulate
-from ._common import (INSTRUCTION, as_op, begin, engine_name, onchip, read_f32, read_raw, same_pf,
-                      scalar_operand, write)
+from ._common import INSTRUCTION, as_op, begin, engine_name, onchip, read_f32, read_raw, same_pf, scalar_operand, write
 from .constants import engine as _engine
 from .constants import reduce_cmd as _reduce_cmd
 

@@ -1,6 +1,6 @@
 """Per-instruction cost rules: one trace entry -> engine occupancy and completion latency.
 
-Each rule is the formula of ``trainium-cost-model.md`` §7.2 (compute engines) or §7.3 (DMA),
+Each rule is the formula of ``docs/cost-model.md`` §7.2 (compute engines) or §7.3 (DMA),
 evaluated on the shapes, dtypes and memories recorded in the trace entry, with the constants of
 :mod:`.constants`. Notation: ``P`` = partitions (cost does not depend on it, §2.2), ``N`` = free
 elements per partition of the streamed operand (the largest non-HBM access of the entry), ``w``
@@ -33,10 +33,13 @@ DMA (§7.3): ``E_used = min(16, ceil(P / 8))`` engines, each moving ``ceil(P / E
 ``ceil(row_bytes / chunk)`` contiguous chunks, each chunk costing ``max(chunk / BW, 105 ns)``;
 BW is the per-engine bandwidth, capped at the core's HBM share / 16 when HBM is involved; DMA
 transposes run at 90 % (from HBM) or 50 % (SBUF->SBUF) of it. Consumers see the data
-``dma_latency`` (1.3 us) after the transfer ends. Descriptor generation costs 600 ns on the
-triggering engine for ``hwdge``, ~1 us + 50 ns per descriptor (one per contiguous chunk) on
-GpSimd for ``swdge`` (which indirect gathers/scatters require), ~0.1 us (no engine) for static
-or unspecified descriptor generation.
+``dma_latency`` (1.3 us) after the transfer ends. Descriptor generation (:func:`dge_mode_of`,
+docs/cost-model.md "DGE") costs 600 ns on the triggering engine (sync, or scalar when the DMA
+names it) for ``hwdge``, ~1 us + 50 ns per descriptor (one per contiguous chunk) on GpSimd for
+``swdge``, ~0.1 us (no engine) for precomputed descriptors (``none``). The mode follows the
+DMA's recorded form (``attrs["indirect"]``), not only what the kernel names: a ``vector_offset``
+DMA is always ``swdge``; ``unknown`` with a ``scalar_offset`` is ``hwdge``; a static
+``unknown`` DMA is ``none``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from dataclasses import dataclass
 
 from .constants import HardwareParams
 
-__all__ = ["InstrCost", "instruction_cost", "DTYPE_BYTES"]
+__all__ = ["InstrCost", "instruction_cost", "dge_mode_of", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {
     "float64": 8, "int64": 8, "uint64": 8,
@@ -204,6 +207,35 @@ def _pool_cycles(entry, hw: HardwareParams) -> tuple[float, bool]:
     return max(hw.min_ii_cycles, n / hw.pool_width), known
 
 
+def dge_mode_of(attrs) -> str:
+    """The DGE mode that generates a DMA's descriptors (docs/cost-model.md "DGE").
+
+    ``vector_offset`` (per-partition indices) is served only by software DGE, whatever mode the
+    kernel names (``unknown`` resolves to ``swdge``); a named mode is used as named; ``unknown``
+    with a runtime ``scalar_offset`` is hardware DGE (dynamic addresses rule out descriptors
+    precomputed in HBM; NeuronCore-v3+ has hardware DGE); a static ``unknown`` DMA gets
+    precomputed descriptors (``none``).
+    """
+    mode = str(attrs.get("dge_mode", "") or "unknown").rsplit(".", 1)[-1].lower()
+    form = attrs.get("indirect")
+    if form == "vector" or form is True:
+        return "swdge"
+    if mode in ("swdge", "hwdge", "none"):
+        return mode
+    return "hwdge" if form == "scalar" else "none"
+
+
+def _descriptor_generation(attrs, descriptors: int, hw: HardwareParams) -> tuple[str | None, float]:
+    """(engine that generates the descriptors or None, its time in ns) for one DMA."""
+    mode = dge_mode_of(attrs)
+    if mode == "swdge":
+        return "gpsimd", hw.dma_issue_swdge_ns + hw.dma_issue_swdge_per_descriptor_ns * descriptors
+    if mode == "hwdge":
+        trigger = str(attrs.get("engine") or "sync").rsplit(".", 1)[-1].lower()
+        return ("scalar" if trigger in ("scalar", "act", "activation") else "sync"), hw.dma_issue_hwdge_ns
+    return None, hw.dma_issue_static_ns
+
+
 def _dma_cost(entry, hw: HardwareParams) -> InstrCost:
     attrs = entry.attrs
     on_chip = [a for a in (*entry.writes, *entry.reads) if a.memory in _ON_CHIP]
@@ -224,16 +256,7 @@ def _dma_cost(entry, hw: HardwareParams) -> InstrCost:
     if entry.opcode == "dma_transpose":
         bw *= hw.dma_transpose_eff_hbm if hbm else hw.dma_transpose_eff_sbuf
     service = rows_per_engine * chunks_per_row * max(chunk / bw, hw.dma_chunk_floor_ns)
-    mode = str(attrs.get("dge_mode", "") or "").rsplit(".", 1)[-1].lower()
-    if mode == "swdge" or attrs.get("indirect"):
-        issue_engine = "gpsimd"
-        issue = hw.dma_issue_swdge_ns + hw.dma_issue_swdge_per_descriptor_ns * rows * chunks_per_row
-    elif mode == "hwdge":
-        trigger = str(attrs.get("engine") or attrs.get("queue") or "sync").rsplit(".", 1)[-1].lower()
-        issue_engine = "scalar" if trigger in ("scalar", "act", "activation") else "sync"
-        issue = hw.dma_issue_hwdge_ns
-    else:
-        issue_engine, issue = None, hw.dma_issue_static_ns
+    issue_engine, issue = _descriptor_generation(attrs, rows * chunks_per_row, hw)
     known = entry.opcode in ("dma_copy", "dma_transpose", "dma_compute", "sendrecv")
     return InstrCost("dma", service, hw.dma_latency_ns, dma_engines=engines, issue_engine=issue_engine,
                      issue_ns=issue, modelled=known)

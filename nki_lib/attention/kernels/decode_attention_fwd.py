@@ -1,0 +1,571 @@
+"""Decode-attention NKI kernel: a few new tokens per sequence over a contiguous or paged KV cache.
+
+Algorithm (flash-decoding, keys on partitions). For every (sequence b, kv head hk) the
+``R = G * Sq`` query rows of the GQA group (all query heads of hk and all new tokens, row
+``r = g * Sq + t``) share every K/V byte read; the *keys* sit on the 128 partitions and the rows on
+the free axis (scores are S^T), so VectorE/ScalarE use all lanes even when R is 8. The sequence's
+needed key range ``[first, L_b)`` (``first = max(0, L_b - Sq - window_left)``, 0 without a window)
+is cut into ``S`` contiguous splits; each split
+streams its chunks of ``C = 128 * M`` keys through a *device loop* (``nl.dynamic_range``) whose
+bounds are runtime registers loaded from ``split_bounds``, keeping the online-softmax state
+(negated running max ``neg_m``, sum ``l``, unnormalised output ``acc``; fp32 SBUF)::
+
+    s     = scale * q @ k^T          (softcap: softcap * tanh(s / softcap)); keys outside [lo, hi]
+                                     of the row -> MASK_FILL (range_select, which also gives rowmax)
+    m_new = max(m, rowmax(s));  alpha = exp(m - m_new);  p = exp(s - m_new)
+    l     = alpha * l + rowsum(p);   acc = alpha * acc + p @ v
+
+The splits are merged exactly through their maxima and sums, together with the sink (a virtual key
+with logit ``sinks[h]`` and no value)::
+
+    M = max(m_1..m_S, sink);  w_s = exp(m_s - M);  L = sum_s w_s l_s + exp(sink - M)
+    out = (sum_s w_s acc_s) / L;  lse = M + log(L)
+
+Every row sees at least its own position, so ``L >= 1`` (decode has no empty rows); an empty split
+keeps ``m = STAT_INIT`` and gets weight exactly 0.
+
+One chunk (``u`` keys per gathered unit, ``M`` keys per partition)::
+
+    unit ids (C/u, 1) int32   <- DMA of unit_table[b, col : col + C/u]      (col = loop register)
+    K, V chunk (128, M*D)     <- indirect DMAs (vector_offset = unit ids, oob_mode.skip), K one per
+                                 softmax step, V whole: unit i lands on keys [i*u, (i+1)*u), key k
+                                 on partition k // M, slot k % M: one contiguous run per partition
+    per softmax step of n slots (``chunk_plan``: n*rn <= 4096 fp32, n <= 128):
+      K^T (dc, 128*nk) PSUM   <- nk TensorE transposes of slots c (keys {p*M + c}) per K^T block
+                                 (one PSUM bank), evicted by VectorE, issued 3 blocks ahead
+      S^T[:, :, c] (128, rn)  =  sum over head-dim chunks of matmul(K^T slot c (dc, 128), q^T (dc, rn))
+                                 into a score block (one PSUM bank), evicted by ScalarE with the
+                                 scale (and tanh for softcap) into S^T (128, rn, n) (rows outermost)
+      mask + partial max      :  one range_select per row r over its n slots: slot c of partition p
+                                 is key p*M + c, visible iff lo_r - p*M <= c <= hi_r - p*M
+      row max                 :  partial max (128, rn) -> PE transpose -> VectorE max -> (rn, 1);
+                                 -m_new broadcast to (128, rn) by a PE transpose of a stride-0 view
+      P^T (128, rn, n)        =  exp(S^T + (-m_r)): one ScalarE exp per row (per-partition bias)
+      O^T (dc, rn) PSUM       += matmul(V slot c (128, dc), P^T slot c (128, rn)); row sums (rn, 1)
+                                 += matmul(P^T slot c, ones (128, 1)); O^T -> O (rn, D) by a PE
+                                 transpose; issued after the next step's scores
+
+Each split visits three chunk ranges in key order (``split_bounds`` (B, S, 6)): edge chunks,
+interior chunks (every key inside ``[first, L_b)``), edge chunks. For a contiguous cache an
+interior chunk is one contiguous HBM run per kv head and loads with hardware-DGE DMAs
+(``.ap(scalar_offset=col)``, ``DIRECT_PIECE_SLOTS`` slots each, no GpSimd descriptor generation);
+everything else gathers.
+
+Only needed units are read: the launcher replaces the ids of units that hold no key of
+``[first, L_b)`` by an out-of-range sentinel and the indirect DMA skips them (their SBUF rows keep
+stale or never-written data, which the mask and the V cleaning remove). The device loops visit only
+the chunks of ``[first, L_b)``, so traffic and work follow ``L_b``, not the capacity. Row bounds
+(128, rn, 2): ``(lo_r - p*M, hi_r - p*M)`` relative to the chunk start, moved by ``-C`` per chunk.
+
+Loop structure::
+
+    for b, hk (static):                          q^T (dc, rn) per row tile and head-dim chunk
+      for split s (static):                      state; 6 registers <- split_bounds[b, s]
+      for split s (static):
+        for range in (edge, interior, edge):
+          for col in dynamic_range(lo, hi, C/u):     load (edge: + zero V rows outside
+                                                     [first, L_b)), one chunk (above), every row tile
+      merge splits + sink; store out (rn, D) and lse (rn, 1) per row tile
+
+K/V chunk buffers: pairs rotate over the (b, hk, split) streams (as many pairs as fit
+``CHUNK_BUFFER_BUDGET``), so one stream's gathers overlap another stream's compute.
+
+LNC2 (``kernel[2]``): when B*Hkv is even the (b, hk) units alternate between the cores; otherwise
+(S is then even) core p runs splits p, p+2, ... of every unit, the cores swap their packed split
+states with ``sendrecv`` and both merge; core p stores the row tiles t with t % 2 == p.
+
+Shapes (HBM): q (B, Hq, Sq, D); k_units/v_units (N_units, row_stride) -- the cache viewed as rows
+of gatherable units (paged: one block of all kv heads per row, head hk at ``hk * head_offset``;
+contiguous: ``u`` keys of one head per row, ``seq_units`` rows per sequence); unit_table (B, n_cols)
+int32 unit ids of kv head 0;
+split_bounds (B, S, 6) int32: three [start, stop) ranges in unit columns; key_window (B, S, 2)
+float32 [first, L_b) relative to the split's first key; row_bounds (B, S, R, 2) float32
+(lo, hi) relative to the split's first key; sink_rows (Hkv, R) float32 or None.
+Outputs: out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32.
+Dimension legend: B batch, Hq/Hkv heads, G = Hq/Hkv, Sq new tokens, D head dim, R = G*Sq rows,
+rn rows of a row tile (<= 128), dc head-dim chunk (<= 128), M keys per partition of a chunk,
+C = 128*M keys per chunk (M <= 128), n slots of a softmax step, nk slots of a K^T block (one PSUM
+bank), u keys per unit, S splits.
+
+Garbage is harmless: K rows of keys outside ``[first, L_b)`` only produce masked scores (masking
+is a select), and edge chunks zero the V rows of such keys (``key_window``), so NaN/inf in unused
+slots, in stale rows of skipped units or outside the window never reach P @ V (0 * NaN).
+
+Limits: bf16/fp16/fp32 (P in the input dtype for P @ V); D <= 256; R any (row tiles of 128);
+positions < 2**24 (float32 bounds); unit size u a power of two with C/u <= 128.
+"""
+
+from __future__ import annotations
+
+from nki_lib._nki import nisa, nki, nl
+from nki_lib.attention.kernels.tiles import STAT_INIT
+
+__all__ = ["decode_attention_fwd_kernel", "block_slots", "chunk_plan"]
+
+INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
+STEP_SCORE_ELEMS = 4096           # fp32 scores per partition of one softmax step (16 KiB of SBUF)
+STEP_SLOTS = 64                   # slots per softmax step: >= 64 keeps the per-row range_select at
+                                  # one element per cycle; a chunk has >= 2 steps to pipeline
+MIN_II_ELEMS = 64                 # an instruction costs at least ~64 engine cycles (MIN_II): per-row
+                                  # instructions pay off only when a row has this many slots
+DIRECT_PIECE_SLOTS = 32           # contiguous interior chunks load K and V in pieces of 32 slots (8 KiB
+                                  # rows at D=128 bf16, >= 2 KiB per descriptor; 600 ns hwdge issue
+                                  # each): the first scores and P @ V start while the rest lands
+KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
+CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers (divided by the
+                                  # number of row tiles, whose working sets grow); streams (one per
+                                  # (b, hk, split)) rotate over the pairs that fit, so consecutive
+                                  # streams load and compute concurrently
+
+
+def block_slots(itemsize: int = 4) -> int:
+    """Key slots per K^T block: 128 keys per slot, one PSUM bank of ``itemsize``-byte K^T columns."""
+    return nl.tile_size.psum_bank_fmax_bytes // (itemsize * nl.tile_size.pmax)
+
+
+def _floor_pow2(x):
+    return 1 << (max(1, int(x)).bit_length() - 1)
+
+
+def chunk_plan(m, rows_max, rows_total, itemsize):
+    """(step slots, score-block slots, K^T-block slots) for a chunk of M slots, row tiles of at
+    most ``rows_max`` rows (``rows_total`` rows in all) and K/V of ``itemsize`` bytes; all powers of
+    two dividing M. A score block's fp32 S^T (128, n*rn) fills at most one PSUM bank, so does a K^T
+    block; a softmax step covers at most ``STEP_SLOTS`` slots and ``STEP_SCORE_ELEMS`` fp32 scores
+    per partition over all row tiles (their scores are live together)."""
+    blk = min(m, max(1, _floor_pow2(nl.tile_size.psum_bank_fmax // rows_max)))
+    kt = min(blk, block_slots(itemsize))
+    step = max(blk, min(m, STEP_SLOTS, _floor_pow2(STEP_SCORE_ELEMS // rows_total)))
+    return step, blk, kt
+
+
+def _spans(length, width):
+    return tuple((start, min(width, length - start)) for start in range(0, length, width))
+
+
+class _SplitState(nl.NKIObject):
+    """Online-softmax state of one split over one row tile (fp32 SBUF). ``packed`` (rn, D + 2)
+    holds acc | neg_m | l, so one ``sendrecv`` moves a split's state to the other core (LNC2)."""
+    packed: object   # (rn, D + 2)
+    acc: object      # (rn, D) unnormalised output            = packed[:, :D]
+    neg_m: object    # (rn, 1) negated running max            = packed[:, D]
+    l: object        # (rn, 1) running sum                    = packed[:, D + 1]  # noqa: E741
+    bounds: object   # (128, rn, 2) per partition p and row r: (lo_r - p*M, hi_r - p*M), lo/hi
+                     # relative to the chunk start: the visible slots of partition p
+
+
+def _state_views(packed, bounds=None):
+    d = packed.shape[1] - 2
+    return _SplitState(packed=packed, acc=packed[:, 0:d], neg_m=packed[:, d:d + 1],
+                       l=packed[:, d + 1:d + 2], bounds=bounds)
+
+
+def _load_q_t(q, row0, rn, d_spans, dtype):
+    """q^T chunks (dc, rn) of rows ``row0 .. row0 + rn`` of the flattened (B*Hq*Sq, D) queries."""
+    d = q.shape[3]
+    q_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=q_sb, src=q.ap([[d, rn], [1, d]], offset=row0 * d))
+    q_t = []
+    for d0, dn in d_spans:
+        q_t_psum = nl.ndarray((dn, rn), dtype=dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=q_t_psum, data=q_sb[:, d0:d0 + dn])
+        q_t_sb = nl.ndarray((dn, rn), dtype=dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=q_t_sb, src=q_t_psum)
+        q_t.append(q_t_sb)
+    return q_t
+
+
+def _init_state(row_bounds, b, s, r0, rn, d, part_keys):
+    """Fresh state; the row bounds (lo, hi) of rows r0 .. r0 + rn are broadcast to every partition
+    (one DMA with partition stride 0) and shifted by the partition's first key p*M."""
+    pmax = nl.tile_size.pmax
+    state = _state_views(nl.ndarray((rn, d + 2), dtype=nl.float32, buffer=nl.sbuf),
+                         nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf))
+    nisa.memset(dst=state.neg_m, value=-STAT_INIT)
+    nisa.memset(dst=state.l, value=0.0)
+    nisa.memset(dst=state.acc, value=0.0)
+    n_split, rows = row_bounds.shape[1], row_bounds.shape[2]
+    nisa.dma_copy(dst=state.bounds, src=row_bounds.ap([[0, pmax], [1, rn * 2]],
+                                                      offset=((b * n_split + s) * rows + r0) * 2))
+    nisa.tensor_scalar(dst=state.bounds, data=state.bounds, op0=nl.subtract, operand0=part_keys)
+    return state
+
+
+def _gather_chunk(cache_units, idx_sb, head_offset, unit_keys, chunk_sb, slots=None):
+    """One indirect DMA: units ``idx_sb`` of the cache (this kv head) -> chunk_sb (128, M*D), or
+    only the slots ``(c0, n)`` of every partition -> chunk_sb[:, c0*D : (c0+n)*D] (each unit covers
+    u/M whole partitions; M <= u)."""
+    n_units = idx_sb.shape[0]
+    row_stride = cache_units.shape[1]
+    m = unit_keys * n_units // nl.tile_size.pmax
+    d = chunk_sb.shape[1] // m
+    c0, n = slots or (0, m)
+    src = cache_units.ap([[row_stride, n_units], [m * d, unit_keys // m], [1, n * d]], offset=head_offset + c0 * d,
+                         vector_offset=idx_sb, indirect_dim=0)
+    nisa.dma_copy(dst=chunk_sb[:, c0 * d:(c0 + n) * d], src=src, oob_mode=nisa.oob_mode.skip,
+                  dge_mode=nisa.dge_mode.swdge)
+
+
+def _block_keys_transposed(k_chunk, block, d_spans, m, dtype):
+    """K^T chunks (dc, 128 * n) of one K^T block (slots c0 .. c0 + n): column j*128 + p is key
+    p*M + c0 + j of the chunk (evicted from PSUM by VectorE)."""
+    pmax = nl.tile_size.pmax
+    c0, n = block
+    d = k_chunk.shape[1] // m
+    k_t = []
+    for d0, dn in d_spans:
+        k_t_psum = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.psum)
+        for j in range(n):
+            c = c0 + j
+            nisa.nc_transpose(dst=k_t_psum[:, j * pmax:(j + 1) * pmax],
+                              data=k_chunk[:, c * d + d0:c * d + d0 + dn])
+        k_t_sb = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=k_t_sb, src=k_t_psum, engine=nisa.engine.vector)
+        k_t.append(k_t_sb)
+    return k_t
+
+
+def _evict_scores(s_view, s_psum, scale, softcap):
+    """S^T block PSUM -> SBUF with the scale (and softcap) applied (ScalarE)."""
+    if softcap > 0:
+        nisa.activation(dst=s_view, op=nl.tanh, data=s_psum, scale=scale / softcap)
+        nisa.tensor_scalar(dst=s_view, data=s_view, op0=nl.multiply, operand0=softcap)
+    else:
+        nisa.activation(dst=s_view, op=nl.copy, data=s_psum, scale=scale)
+
+
+def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap):
+    """S^T (128, rn, n) of every row tile for the slots of one softmax step: element [p, r, j] is
+    the score of row r with key p*M + c0 + j (rows outermost, so each row's slots are one
+    contiguous run for its range_select). One matmul per slot and head-dim chunk
+    (stationary K^T slot (dc, 128), moving q^T (dc, rn)) into a score block's PSUM tile, evicted
+    with the scale when the block is complete. K^T blocks are software-pipelined
+    ``KT_LOOKAHEAD`` blocks deep (their transposes are issued that far ahead of their matmuls,
+    hiding the PE -> eviction -> PE latency)."""
+    pmax = nl.tile_size.pmax
+    c0, n = step
+    _, blk_slots, kt_slots = plan
+    kt_blocks = tuple((b0 + k0, kn) for b0, bn in _spans(n, blk_slots) for k0, kn in _spans(bn, kt_slots))
+
+    def transposed(i):
+        k0, kn = kt_blocks[i]
+        return _block_keys_transposed(k_chunk, (c0 + k0, kn), d_spans, m, kv_dtype)
+
+    pending = [transposed(i) for i in range(min(KT_LOOKAHEAD, len(kt_blocks)))]
+    s_psum = None
+    for i, (k0, kn) in enumerate(kt_blocks):
+        k_t = pending.pop(0)
+        if i + KT_LOOKAHEAD < len(kt_blocks):
+            pending.append(transposed(i + KT_LOOKAHEAD))
+        b0 = k0 - k0 % blk_slots
+        bn = min(blk_slots, n - b0)
+        if k0 == b0:
+            s_psum = [nl.ndarray((pmax, bn, s.shape[1]), dtype=nl.float32, buffer=nl.psum) for s in s_sb]
+        for t in range(len(s_sb)):
+            for j in range(kn):
+                for h in range(len(q_t[t])):
+                    nisa.nc_matmul(dst=s_psum[t][:, k0 - b0 + j, :], stationary=k_t[h][:, j * pmax:(j + 1) * pmax],
+                                   moving=q_t[t][h], accumulate=(h > 0))
+        if k0 + kn == b0 + bn:
+            for t in range(len(s_sb)):
+                _evict_scores(s_sb[t][:, :, b0:b0 + bn].permute((0, 2, 1)), s_psum[t], scale, softcap)
+
+
+def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
+    """P^T (128, rn, n) = exp(S^T - m_new) of the scores S^T (128, rn, n) of slots c0 .. c0 + n, and
+    -m_new (rn, 1), with ``m_new = max(m_prev, rowmax)``: ``neg_m_prev`` is -m after the previous
+    step, whose state update may not be issued yet (its P @ V is deferred).
+
+    mask + per-partition row max: one range_select per row r over its n slots (slot c of
+      partition p is key p*M + c: visible iff lo_r - p*M <= c <= hi_r - p*M)
+    row max across partitions: PE transpose (128, rn) -> (rn, 128), VectorE max
+    -m broadcast to the partitions: PE transpose of a stride-0 (rn, 128) view -> (128, rn)
+    P^T = exp(S^T - m) in the input dtype: one ScalarE exp per row r with the per-partition bias
+      -m_r (column r of the broadcast) when a row has >= MIN_II_ELEMS slots, else one VectorE add of
+      the broadcast and a single exp"""
+    pmax = nl.tile_size.pmax
+    rn, d = state.acc.shape
+    n = s_sb.shape[2]
+    part_max = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
+    for r in range(rn):
+        nisa.range_select(dst=s_sb[:, r, :], on_true_tile=s_sb[:, r, :], comp_op0=nl.greater_equal,
+                          comp_op1=nl.less_equal, bound0=state.bounds[:, r, 0:1], bound1=state.bounds[:, r, 1:2],
+                          reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=part_max[:, r:r + 1],
+                          reduce_op=nl.maximum, range_start=c0)
+    part_max_t = nl.ndarray((rn, pmax), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=part_max_t, data=part_max)
+    rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
+    neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
+                       op1=nl.minimum, operand1=neg_m_prev)
+    neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
+    p_t = nl.ndarray((pmax, rn, n), dtype=dtype, buffer=nl.sbuf)
+    if n >= MIN_II_ELEMS:                       # one exp per row, bias -m_r = column r of the broadcast
+        neg_m_bias = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=neg_m_bias, src=neg_m_cols, engine=nisa.engine.scalar)
+        for r in range(rn):
+            nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1])
+    else:                                       # short rows: one VectorE shift, one exp for all rows
+        nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(2).broadcast(2, n), op=nl.add)
+        nisa.activation(dst=p_t, op=nl.exp, data=s_sb)
+    return p_t, neg_m_new
+
+
+def _step_pv(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
+    """O^T (dc, rn) = sum_j matmul(V slot j (128, dc), P^T slot j (128, rn)) per head-dim chunk (the
+    wide V slot is the stationary operand, so each matmul streams only rn columns), transposed
+    back to O (rn, D); the row sums (rn, 1) likewise with a ones column as the moving operand
+    (TensorE has room, VectorE does not); then the online-softmax update of ``state``."""
+    rn, d = state.acc.shape
+    n = p_t.shape[2]
+    rowsum = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.psum)
+    o_t = [nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.psum) for _, dn in d_spans]
+    for j in range(n):
+        c = c0 + j
+        for h, (d0, dn) in enumerate(d_spans):
+            nisa.nc_matmul(dst=o_t[h], stationary=v_chunk[:, c * d + d0:c * d + d0 + dn], moving=p_t[:, :, j],
+                           accumulate=(j > 0))
+        nisa.nc_matmul(dst=rowsum, stationary=p_t[:, :, j], moving=ones_col, accumulate=(j > 0))
+    o_psum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.psum)
+    for h, (d0, dn) in enumerate(d_spans):
+        o_t_sb = nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=o_t_sb, src=o_t[h])
+        nisa.nc_transpose(dst=o_psum[:, d0:d0 + dn], data=o_t_sb)
+    alpha = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, bias=neg_m_new, scale=-1.0)
+    nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=alpha,
+                              op1=nl.add, operand1=rowsum)
+    nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
+    nisa.scalar_tensor_tensor(dst=state.acc, data=state.acc, op0=nl.multiply, operand0=alpha,
+                              op1=nl.add, operand1=o_psum)
+
+
+def _merge_and_store(states, sink_rows, hk, r0, out, lse, row0, dtype):
+    """Merge the split states of one row tile (and the sink), store out rows and lse."""
+    rn, d = states[0].acc.shape
+    neg_big = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)     # -M
+    nisa.tensor_copy(dst=neg_big, src=states[0].neg_m)
+    for st in states[1:]:
+        nisa.tensor_tensor(dst=neg_big, data1=neg_big, data2=st.neg_m, op=nl.minimum)
+    sink_sb = None
+    if sink_rows is not None:
+        r_total = sink_rows.shape[1]
+        sink_sb = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sink_sb, src=sink_rows.ap([[1, rn], [1, 1]], offset=hk * r_total + r0))
+        nisa.tensor_scalar(dst=neg_big, data=sink_sb, op0=nl.multiply, operand0=-1.0,
+                           op1=nl.minimum, operand1=neg_big)
+    total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    o_sum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.sbuf)
+    for i, st in enumerate(states):
+        weight = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)  # exp(m_s - M)
+        nisa.activation(dst=weight, op=nl.exp, data=st.neg_m, bias=neg_big, scale=-1.0)
+        if i == 0:
+            nisa.tensor_scalar(dst=total, data=st.l, op0=nl.multiply, operand0=weight)
+            nisa.tensor_scalar(dst=o_sum, data=st.acc, op0=nl.multiply, operand0=weight)
+        else:
+            nisa.scalar_tensor_tensor(dst=total, data=st.l, op0=nl.multiply, operand0=weight,
+                                      op1=nl.add, operand1=total)
+            nisa.scalar_tensor_tensor(dst=o_sum, data=st.acc, op0=nl.multiply, operand0=weight,
+                                      op1=nl.add, operand1=o_sum)
+    if sink_sb is not None:
+        sink_term = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sink_term, op=nl.exp, data=sink_sb, bias=neg_big)
+        nisa.tensor_tensor(dst=total, data1=total, data2=sink_term, op=nl.add)
+    inv_total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=inv_total, data=total)
+    out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out_sb, data=o_sum, op0=nl.multiply, operand0=inv_total)
+    nisa.dma_copy(dst=out.ap([[d, rn], [1, d]], offset=row0 * d), src=out_sb)
+    lse_sb = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=lse_sb, op=nl.log, data=total)
+    nisa.tensor_tensor(dst=lse_sb, data1=lse_sb, data2=neg_big, op=nl.subtract)
+    nisa.dma_copy(dst=lse.ap([[1, rn], [1, 1]], offset=row0), src=lse_sb)
+
+
+class _StreamSetup(nl.NKIObject):
+    """Runtime metadata of one (b, hk, split) stream, loaded before any stream of its unit runs."""
+    regs: object       # 6 registers: [start, stop) unit columns of the edge, interior, edge ranges
+    window: object     # (128, 2) float32 [first, L_b) relative to the current chunk, every partition
+
+
+def _stream_setup(split_bounds, key_window, b, s):
+    """Registers of the split's three chunk ranges and its key window. Issued for every split of a
+    unit before the first gather, so these small DMAs do not queue behind the K/V transfers."""
+    pmax = nl.tile_size.pmax
+    n_ranges = split_bounds.shape[2] // 2
+    bounds_sb = nl.ndarray((1, 2 * n_ranges), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=bounds_sb, src=split_bounds[b, s])
+    regs = []
+    for i in range(2 * n_ranges):
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, bounds_sb[0:1, i:i + 1])
+        regs.append(reg)
+    window_sb = nl.ndarray((pmax, 2), dtype=nl.float32, buffer=nl.sbuf)
+    n_split = key_window.shape[1]
+    nisa.dma_copy(dst=window_sb, src=key_window.ap([[0, pmax], [1, 2]], offset=(b * n_split + s) * 2))
+    return _StreamSetup(regs=regs, window=window_sb)
+
+
+def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
+            b, head_offset, seq_offset, unit_keys, chunk_pair, plan, ones_col, d_spans, scale, softcap, dtype):
+    """One (b, hk, split) stream: three device loops over the split's chunks, in key order --
+    edge chunks (gathered; V rows of keys outside [first, L_b) zeroed, so garbage or stale
+    NaN/inf there cannot reach P @ V), interior chunks (one hardware-DGE DMA per K/V for a
+    contiguous cache, ``seq_offset`` is None for paged caches, else gathered), edge chunks."""
+    pmax = nl.tile_size.pmax
+    m = key_slots.shape[1]
+    d = split_states[0].acc.shape[1]
+    units_per_chunk = m * pmax // unit_keys
+    k_chunk, v_chunk = chunk_pair
+    regs, window_sb = setup.regs, setup.window
+    steps = _spans(m, plan[0])       # gathered K per softmax step: the first step's scores start early
+    n_cols = unit_table.shape[1]
+    for r in range(len(regs) // 2):
+        interior = r == INTERIOR_RANGE
+        direct = interior and seq_offset is not None
+        for col in nl.dynamic_range(regs[2 * r], regs[2 * r + 1], units_per_chunk):
+            if direct:                                  # K, then V, in pieces
+                pieces = _spans(m, DIRECT_PIECE_SLOTS)
+                for cache, buf in ((k_units, k_chunk), (v_units, v_chunk)):
+                    for c0, n in pieces:
+                        src = cache.ap([[m * d, pmax], [1, n * d]], offset=seq_offset + head_offset + c0 * d,
+                                       scalar_offset=col, indirect_dim=0)
+                        nisa.dma_copy(dst=buf[:, c0 * d:(c0 + n) * d], src=src, dge_mode=nisa.dge_mode.hwdge)
+            else:
+                idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=idx_sb, src=unit_table.ap([[1, units_per_chunk], [1, 1]],
+                                                            offset=b * n_cols, scalar_offset=col,
+                                                            indirect_dim=1))
+                for step in steps:
+                    _gather_chunk(k_units, idx_sb, head_offset, unit_keys, k_chunk, step)
+                _gather_chunk(v_units, idx_sb, head_offset, unit_keys, v_chunk)
+                if not interior:
+                    _zero_invisible_rows(v_chunk, key_slots, window_sb)
+            _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, k_units.dtype, scale,
+                   softcap, dtype)
+            nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
+
+
+def _zero_invisible_rows(v_chunk, key_slots, window_sb):
+    """V rows of keys outside [first, L) (relative to the chunk) -> 0: their probabilities are 0,
+    but 0 * NaN (garbage past L_b, or stale rows of skipped units) would poison P @ V."""
+    pmax, m = key_slots.shape
+    outside = nl.ndarray((pmax, m), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=outside, data=key_slots, op0=nl.greater_equal, operand0=window_sb[:, 1:2])
+    nisa.scalar_tensor_tensor(dst=outside, data=key_slots, op0=nl.less, operand0=window_sb[:, 0:1],
+                              op1=nl.maximum, operand1=outside)
+    d = v_chunk.shape[1] // m
+    nisa.tensor_copy_predicated(dst=v_chunk, src=0.0, predicate=outside.expand_dim(2).broadcast(2, d))
+
+
+def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
+    """Scores, mask, softmax and P @ V of one loaded chunk for every row tile, one softmax step
+    (``plan[0]`` slots) at a time, software-pipelined: the scores of step i+1 are issued before the
+    softmax of step i, and the P @ V of step i after the softmax of step i+1 (TensorE transposes
+    and multiplies while VectorE/ScalarE run the mask, max and exp chain of the step before); then
+    the row bounds move to the next chunk (-128*M keys)."""
+    pmax = nl.tile_size.pmax
+    steps = _spans(m, plan[0])
+
+    def scores(step):
+        s_sb = [nl.ndarray((pmax, st.acc.shape[0], step[1]), dtype=nl.float32, buffer=nl.sbuf)
+                for st in split_states]
+        _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap)
+        return s_sb
+
+    pending = None                  # (step, P^T and -m_new per row tile) awaiting P @ V
+    s_next = scores(steps[0])
+    for i, step in enumerate(steps):
+        s_sb = s_next
+        if i + 1 < len(steps):
+            s_next = scores(steps[i + 1])
+        probs = [_step_probs(st, s_sb[t], step[0], st.neg_m if pending is None else pending[1][t][1], dtype)
+                 for t, st in enumerate(split_states)]
+        if pending is not None:
+            _flush_pv(split_states, pending, v_chunk, ones_col, d_spans)
+        pending = (step, probs)
+    _flush_pv(split_states, pending, v_chunk, ones_col, d_spans)
+    for st in split_states:
+        nisa.tensor_scalar(dst=st.bounds, data=st.bounds, op0=nl.add, operand0=-float(m * pmax))
+
+
+def _flush_pv(split_states, pending, v_chunk, ones_col, d_spans):
+    step, probs = pending
+    for st, (p_t, neg_m_new) in zip(split_states, probs):
+        _step_pv(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans)
+
+
+def _exchange(states, pid, first_pipe):
+    """LNC2 split sharding: swap the packed split states with the other core (same count on both).
+    Every exchange gets its own ``pipe_id`` (``first_pipe`` onwards)."""
+    received = []
+    for i, split_states in enumerate(states):
+        peer = []
+        for t, st in enumerate(split_states):
+            buf = nl.ndarray(st.packed.shape, dtype=nl.float32, buffer=nl.sbuf)
+            nisa.sendrecv(src=st.packed, dst=buf, send_to_rank=1 - pid, recv_from_rank=1 - pid,
+                          pipe_id=first_pipe + i * len(split_states) + t)
+            peer.append(_state_views(buf))
+        received.append(peer)
+    return received
+
+
+@nki.jit
+def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, row_bounds, sink_rows,
+                  n_kv_heads, head_offset, seq_units, unit_keys, keys_per_partition, scale, softcap):
+    """Decode attention; see the module docstring for shapes and the algorithm."""
+    pmax = nl.tile_size.pmax
+    batch, n_q_heads, sq, d = q.shape
+    group = n_q_heads // n_kv_heads
+    rows = group * sq
+    n_split = split_bounds.shape[1]
+    m = keys_per_partition
+    dtype = q.dtype
+    row_spans = _spans(rows, pmax)
+    d_spans = _spans(d, pmax)
+    plan = chunk_plan(m, row_spans[0][1], rows, k_units.itemsize)
+    out = nl.ndarray((batch, n_q_heads, sq, d), dtype=dtype, buffer=nl.shared_hbm)
+    lse = nl.ndarray((batch, n_q_heads, sq), dtype=nl.float32, buffer=nl.shared_hbm)
+
+    key_slots = nl.ndarray((pmax, m), dtype=nl.float32, buffer=nl.sbuf)   # [p, c] = key p*M + c
+    nisa.iota(dst=key_slots, pattern=[[1, m]], offset=0, channel_multiplier=m)
+    ones_col = nl.ndarray((pmax, 1), dtype=dtype, buffer=nl.sbuf)         # row sums of P by matmul
+    nisa.memset(dst=ones_col, value=1.0)
+    pair_bytes = m * d * (k_units.itemsize + v_units.itemsize)
+    budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
+    n_pairs = max(1, min(batch * n_kv_heads * n_split, budget // pair_bytes))
+    chunk_bufs = []   # K/V buffer pairs, never cleared: rows a gather skips only hold keys that every row
+                      # masks by selection, and edge chunks zero those V rows (0 * NaN)
+    for _ in range(n_pairs):
+        pair = (nl.ndarray((pmax, m * d), dtype=k_units.dtype, buffer=nl.sbuf),
+                nl.ndarray((pmax, m * d), dtype=v_units.dtype, buffer=nl.sbuf))
+        chunk_bufs.append(pair)
+
+    n_prog = nl.num_programs(0)
+    pid = nl.program_id(0)
+    units = tuple((b, hk) for b in range(batch) for hk in range(n_kv_heads))
+    shard_units = len(units) % n_prog == 0          # LNC2: whole (b, hk) units per core ...
+    stream = 0                                      # this core's streams rotate over the buffer pairs
+    for u_idx, (b, hk) in enumerate(units):
+        if shard_units and u_idx % n_prog != pid:
+            continue
+        my_splits = range(n_split) if shard_units else range(pid, n_split, n_prog)  # ... or splits
+        row_base = (b * n_q_heads + hk * group) * sq
+        q_t = [_load_q_t(q, row_base + r0, rn, d_spans, dtype) for r0, rn in row_spans]
+        states = [[_init_state(row_bounds, b, s, r0, rn, d, key_slots[:, 0:1]) for r0, rn in row_spans]
+                  for s in my_splits]
+        setups = [_stream_setup(split_bounds, key_window, b, s) for s in my_splits]
+        seq_offset = None if seq_units is None else b * seq_units * k_units.shape[1]
+        for split_states, setup in zip(states, setups):
+            _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots, b,
+                    hk * head_offset, seq_offset, unit_keys, chunk_bufs[stream % n_pairs], plan,
+                    ones_col, d_spans, scale, softcap, dtype)
+            stream += 1
+        if not shard_units:
+            states = states + _exchange(states, pid, first_pipe=u_idx * n_split * len(row_spans))
+        for t, (r0, rn) in enumerate(row_spans):
+            if shard_units or t % n_prog == pid:
+                _merge_and_store([st[t] for st in states], sink_rows, hk, r0, out, lse, row_base + r0, dtype)
+    return out, lse

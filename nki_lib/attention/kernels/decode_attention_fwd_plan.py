@@ -1,0 +1,174 @@
+"""Launcher of the decode-attention kernel: what it can serve, the split plan, and the metadata.
+
+Host work here is layout glue and small index metadata only (no attention math):
+
+* the cache viewed as rows of gatherable *units* (a reshape, no copy for contiguous caches):
+  paged -> one block of all kv heads per row (unit = block, ``u = block_size``); contiguous ->
+  ``u = gcd(Smax, C, 128)`` keys of one head per row;
+* ``unit_table`` (B, n_cols) int32: unit ids of kv head 0 per logical unit column (the block table
+  itself when paged), padded to whole chunks, with every unit that holds no key of the needed
+  range ``[max(0, L_b - Sq - window_left), L_b)`` replaced by an out-of-range sentinel (the
+  kernel's indirect DMA skips it);
+* ``split_bounds`` (B, S, 6) int32: each split's chunk range in unit columns, as three ranges in
+  key order -- edge chunks, interior chunks (every key inside ``[first, L_b)``: no cleaning, and
+  for a contiguous cache one hardware-DGE DMA per K/V), edge chunks;
+* ``key_window`` (B, S, 2) float32: ``[first, L_b)`` relative to the split's first key (edge
+  chunks zero the V rows of keys outside it);
+* ``row_bounds`` (B, S, R, 2) float32: per query row the visible key interval [lo, hi]
+  (position ``L_b - Sq + t`` and the window) relative to the split's first key;
+* ``sink_rows`` (Hkv, R) float32: the sink logit of each query row (an expand of ``sinks``).
+
+All of it is computed with tensor ops from ``cache_seqlens`` (no host synchronisation).
+Dimension legend as in ``kernels/decode_attention_fwd.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nki_lib._nki import nl
+from nki_lib.attention.flash_attention_reference import resolve_scale
+from nki_lib.attention.kernels.decode_attention_fwd import decode_attention_fwd_kernel
+from nki_lib.attention.kernels.tiles import MAX_INDEX
+from nki_lib.backend import lnc_degree
+from nki_lib.dispatch import Unsupported, call_kernel
+
+__all__ = ["launch_decode_attention_fwd", "plan_splits", "KERNEL_DTYPES"]
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+STREAMS_PER_CORE = 16       # independent (sequence, kv head, split) streams wanted: one per DMA engine
+CHUNK_BUFFER_BYTES = 32768  # per partition for one K or V chunk buffer: each gather descriptor moves
+                            # one partition's row, and GpSimd pays ~50 ns per descriptor (cost model
+                            # §7.3), so 32 KiB rows keep descriptor generation below the DMA time
+MAX_KEYS_PER_PARTITION = 128  # chunk <= 16384 keys: bounds the masked-away compute of a sequence's
+                            # last chunk (work follows L_b, not the chunk)
+CONTIGUOUS_UNIT_KEYS = 128   # gather granularity of a contiguous cache: reads stop within 127 keys
+                            # of L_b; one unit = one 32 KiB descriptor run at D=128 bf16
+
+
+def keys_per_partition(capacity: int, d: int, itemsize: int) -> int:
+    """Chunk depth M (keys per partition; a chunk holds 128*M keys): the largest power of two
+    <= MAX_KEYS_PER_PARTITION whose K (or V) chunk fits ``CHUNK_BUFFER_BYTES`` per partition and
+    whose chunk is no longer than the capacity (a chunk is computed whole)."""
+    by_bytes = CHUNK_BUFFER_BYTES // (d * itemsize)
+    by_capacity = capacity // nl.tile_size.pmax
+    return _floor_pow2(max(1, min(by_bytes, by_capacity, MAX_KEYS_PER_PARTITION)))
+
+
+def _floor_pow2(x: int) -> int:
+    return 1 << (int(x).bit_length() - 1)
+
+
+def plan_splits(batch: int, n_kv_heads: int, max_chunks: int, grid: int = 1) -> int:
+    """Number of splits of each sequence: enough streams to occupy the cores, at least one chunk each;
+    a multiple of ``grid`` when the cores share the splits of each (b, hk) (B*Hkv not a multiple)."""
+    wanted = -(-STREAMS_PER_CORE * grid // (batch * n_kv_heads))
+    return _cores_share(max(1, min(wanted, max_chunks)), batch * n_kv_heads, grid)
+
+
+def _cores_share(n_split: int, units: int, grid: int) -> int:
+    return -(-n_split // grid) * grid if units % grid else n_split
+
+
+def _unit_view(cache, block_table, unit_keys):
+    """(cache rows of units, head offset in elements, unit ids of kv head 0 per column, #rows)."""
+    cache = cache.contiguous()
+    if block_table is not None:
+        nb, hkv, bs, d = cache.shape
+        return cache.reshape(nb, hkv * bs * d), bs * d, block_table.to(torch.int32), nb
+    b, hkv, smax, d = cache.shape
+    per_head = smax // unit_keys
+    rows = cache.reshape(b * hkv * per_head, unit_keys * d)
+    table = (torch.arange(b, dtype=torch.int32, device=cache.device)[:, None] * (hkv * per_head)
+             + torch.arange(per_head, dtype=torch.int32, device=cache.device)[None, :])
+    return rows, per_head * unit_keys * d, table, b * hkv * per_head
+
+
+def _interior_chunks(first, lengths, chunk):
+    """Chunks [lo, hi) of each sequence whose keys are all visible to some new token (inside
+    [first, L_b)): no slot needs cleaning, and for a contiguous cache one hardware-DGE DMA loads
+    them whole. Empty (lo = hi = end of the last chunk) when there is none."""
+    end = (lengths + chunk - 1) // chunk
+    lo = (first + chunk - 1) // chunk
+    hi = lengths // chunk
+    none = hi <= lo
+    return torch.where(none, end, lo), torch.where(none, end, hi)
+
+
+def _split_ranges(edges, direct_lo, direct_hi):
+    """(B, S, 6) chunk ranges of each split, in key order: edge, interior, edge."""
+    start, stop = edges[:, :-1], edges[:, 1:]
+    lo = torch.minimum(torch.maximum(direct_lo[:, None], start), stop)
+    hi = torch.minimum(torch.maximum(direct_hi[:, None], lo), stop)
+    return torch.stack([start, lo, lo, hi, hi, stop], dim=-1)
+
+
+def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, window_left,
+               softcap, num_splits=None, grid=None):
+    """Run ``decode_attention_fwd_kernel``; raises ``Unsupported`` (before launching) for what it cannot serve."""
+    if q.dtype not in KERNEL_DTYPES:
+        raise Unsupported(f"dtype {q.dtype}")
+    b, hq, sq, d = q.shape
+    hkv = k_cache.shape[1]
+    pmax = nl.tile_size.pmax
+    paged = block_table is not None
+    cap = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+    m = keys_per_partition(cap, d, q.element_size())
+    if paged:
+        unit_keys = k_cache.shape[2]
+        if unit_keys & (unit_keys - 1):
+            raise Unsupported(f"block_size {unit_keys}: the kernel gathers whole blocks of a power-of-two size")
+        m = max(1, min(m, unit_keys), unit_keys // pmax)     # 128*M/bs units per chunk, <= 128
+        if m * d * q.element_size() > CHUNK_BUFFER_BYTES:
+            raise Unsupported(f"block_size {unit_keys} with D={d}: a whole block per chunk exceeds the "
+                              f"{CHUNK_BUFFER_BYTES} B chunk buffer")
+    else:
+        unit_keys = math.gcd(k_cache.shape[2], m * pmax, CONTIGUOUS_UNIT_KEYS)
+        m = min(m, unit_keys)
+    chunk = m * pmax
+    units_per_chunk = chunk // unit_keys
+    if cap + chunk >= MAX_INDEX:
+        raise Unsupported(f"cache capacity {cap}: key positions must stay below {MAX_INDEX} (float32 bounds)")
+
+    k_units, head_offset, table, n_rows = _unit_view(k_cache, block_table, unit_keys)
+    v_units, _, _, _ = _unit_view(v_cache, block_table, unit_keys)
+    dev = q.device
+    lengths = cache_seqlens.to(torch.int64)
+    first = (lengths - sq - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(lengths)
+
+    n_cols = table.shape[1]
+    n_cols_pad = -(-n_cols // units_per_chunk) * units_per_chunk
+    cols = torch.arange(n_cols_pad, device=dev)
+    needed = ((cols[None, :] * unit_keys < lengths[:, None])
+              & ((cols[None, :] + 1) * unit_keys > first[:, None]) & (cols[None, :] < n_cols))
+    padded = torch.nn.functional.pad(table, (0, n_cols_pad - n_cols))
+    unit_table = torch.where(needed, padded, torch.full_like(padded, n_rows)).to(torch.int32)
+
+    grid = grid or lnc_degree()
+    n_split = (_cores_share(num_splits, b * hkv, grid) if num_splits
+               else plan_splits(b, hkv, -(-cap // chunk), grid))
+    c0 = first // chunk
+    n_chunks = (lengths + chunk - 1) // chunk - c0
+    s_idx = torch.arange(n_split + 1, device=dev)
+    edges = c0[:, None] + (s_idx[None, :] * n_chunks[:, None]) // n_split          # (B, S+1) chunks
+    split_bounds = _split_ranges(edges, *_interior_chunks(first, lengths, chunk)) * units_per_chunk
+    split_key0 = edges[:, :-1] * chunk                                              # (B, S)
+    key_window = torch.stack([first[:, None] - split_key0, lengths[:, None] - split_key0], dim=-1)
+    rows = hq // hkv * sq
+    t = torch.arange(rows, device=dev) % sq
+    pos = (lengths[:, None] - sq + t[None, :]).to(torch.float32)                      # (B, R)
+    hi = pos[:, None, :] - (edges[:, :-1] * chunk).to(torch.float32)[:, :, None]      # (B, S, R)
+    lo = hi - window_left if window_left >= 0 else torch.full_like(hi, -float(MAX_INDEX))
+    row_bounds = torch.stack([lo, hi], dim=-1).contiguous()
+    sink_rows = None
+    if sinks is not None:
+        sink_rows = sinks.to(torch.float32).reshape(hkv, hq // hkv, 1).expand(hkv, hq // hkv, sq)
+        sink_rows = sink_rows.reshape(hkv, rows).contiguous()
+
+    return call_kernel(decode_attention_fwd_kernel, q.contiguous(), k_units, v_units, unit_table,
+                       split_bounds.to(torch.int32).contiguous(),
+                       key_window.to(torch.float32).contiguous(), row_bounds, sink_rows,
+                       hkv, head_offset, None if paged else n_rows // b, unit_keys, m,
+                       resolve_scale(scale, d), float(softcap), grid=grid)

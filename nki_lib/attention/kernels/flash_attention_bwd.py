@@ -1,0 +1,548 @@
+"""Flash-attention backward: the NKI kernel and its launcher ``launch_flash_attention_bwd``.
+
+Math (``reference.flash_attention_backward``), per query row i and key j, with s = scale * q.k
+(then ``softcap * tanh(s / softcap)`` when softcap > 0) and masked pairs excluded:
+
+    P = exp(s - lse)                 recomputed from the forward's lse (no softmax statistics pass)
+    delta = rowsum(dO * O) - dlse    the gradient through lse shifts the row term
+    dV += P^T dO,  dP = dO V^T,  dS = P * (dP - delta) [* (1 - tanh^2) under softcap]
+    dQ = scale * dS K,  dK += scale * dS^T Q,  dsinks[h] = -sum_i exp(sink_h - lse_i) * delta_i
+
+Files: this one (launcher, kernel, pipeline, query groups, K/V tiles), ``flash_attention_bwd_tile`` (the stages
+of one query tile x key tile pair), ``flash_attention_bwd_prep`` (phase 0: per-row statistics, dsinks).
+
+Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace time):
+
+    for b, kv head hk (one pass each, LNC2: split between the programs):
+        issue the first key tile's loads; phase 0 (bwd_prep) of hk's query heads: -lse of all
+        rows now, -delta (and the per-row key bounds with documents) of a query group when the
+        pass first loads it (its O/dO rows prefetched STATS_AHEAD groups earlier), all kept in
+        SBUF; dsinks partials at the end of the pass
+        pairs = [(key tile [k0, k0 + kn), kn <= 512, query head h, query group, query tile)
+                 for every key tile, query head of the group, visiting query tile]
+        one software pipeline over all pairs (STAGES; pair j's stage runs at step j + lag):
+            scores   S = Q K^T, dP = dO V^T          TensorE -> PSUM fp32 (diagonal tiles: up to
+                                                     the last visible 128-key block)
+            probs    P = exp(scale * S - lse)        ScalarE (reads PSUM); masks of partial tiles:
+                                                     GpSimd affine_select on P (causal/window),
+                                                     documents: VectorE range_select before exp;
+                     dP - delta                      ScalarE eviction (the bias of a copy), fp32
+            dscores  dS = (dP - delta) * P           VectorE, one product
+            dv       dV += P^T dO                    TensorE, per visible 128-key block (queries
+                                                     are the contraction dim: no transpose)
+            dk       dK += dS^T Q, dS^T              TensorE, per visible block
+            evict    dS^T PSUM -> SBUF               VectorE
+            dq       dQ_part = dS K                  TensorE -> PSUM fp32
+            acc      acc (+)= dQ_part                ScalarE (first visit) / VectorE
+        loads run one unit ahead: a key tile's K (rows), K^T, V^T when the previous key tile
+        starts; a query group's Q/dO rows and Q^T/dO^T (one DMA each) when the previous group
+        starts; after a group's last pair: dq = scale * acc in the output dtype for the tiles
+        whose last key tile this is; after a key tile's last pair: dK = scale * acc (ScalarE),
+        dV = acc (VectorE) -> HBM (one DMA each).
+
+dQ accumulates over key tiles in fp32, in key-tile order: in SBUF for the whole pass when the
+GQA group's accumulators take at most half a partition (``dq_resident``; Sq <= 16384 at G = 1,
+D = 128), else in an fp32 HBM scratch (loaded / stored per group visit, one DMA each). dK/dV of
+a kv head accumulate over every query head of its GQA group in the same PSUM tiles.
+Deterministic: one fixed accumulation order, no atomics. Whole-tile skipping and masks follow
+``tiles.plan_row`` / ``tiles.row_bounds`` exactly like the forward; 128-key blocks no query of
+the tile sees also skip the dV/dK/dQ matmuls.
+
+LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two programs split the kv heads (hk % 2), each with
+its GQA group's query heads, so every output row and dsinks entry has one writer and no
+barrier is needed; with a single kv head the second program idles.
+
+Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile TensorE does S, dP,
+4 x (dV, dK, dS^T, dQ) (3072 cycles, 2560 of them useful: the dS^T transposes bound TensorE at
+83% of its roofline); ScalarE the exp and the dP - delta eviction (854 ns); VectorE dS, the dS^T
+evictions and the dQ accumulation (933 ns); GpSimd the causal/window masks of diagonal tiles.
+Busy times at Sq = Sk = 4096 causal: TensorE 169 us, VectorE 134, ScalarE 124, DMA 108; estimated
+193 us (71% of the engine-aware roofline; 8192 causal and 4096 full reach 77%).
+Every streamed DMA moves one contiguous run of >= 1 KiB per partition (Q/dO rows and Q^T/dO^T
+2 KiB per group, O/dO 2 KiB per group in phase 0, K rows and dK/dV 1 KiB per key tile).
+
+Working set (per partition; D <= 128, 16-bit inputs): SBUF about 38 KiB (eight pairs, three
+query groups and two key tiles in flight, phase-0 rows of the next group) plus 24 B per query
+tile and query head of the GQA group (statistics, lse/dlse columns), plus, when resident,
+4 * D B of fp32 dQ accumulator per query tile and query head of the GQA group.
+PSUM: dK, dV (one bank each, two each for D in (128, 256]) and one S, dP, dS^T and dQ tile each
+(every PSUM tile is consumed one pipeline step after it is made): 6 banks at D <= 128, 8 at
+D = 256.
+
+Shapes (HBM; the launcher prepares the layouts, layout glue): qdo_rows, od_rows
+(B, Hq, NG, pmax, per, 2, D) (Q and dO / O and dO rows in row-group layout, ``row_groups``:
+[.., g, p, s, :] = row (g * per + s) * pmax + p, zero rows past Sq); qdo_t (B, Hq, NG, D, 2,
+per * pmax) (Q^T and dO^T by group); k_rows (B, Hkv, NKT, pmax, per, D); k_t, v_t
+(B, Hkv, D, Sk); lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32; doc (2, Sq) fp32 first/last
+position of each position's document (cu_seqlens). Outputs dq (B, Hq, NG, pmax, per, D) and
+dk, dv (B, Hkv, NKT, pmax, per, D) in row-group layout (the launcher turns them back).
+Scratch (non-resident dQ): dq_acc like dq, fp32.
+Dimension legend: B batch, Hq/Hkv query/kv heads (G = Hq // Hkv), Sq/Sk lengths, D head dim,
+pmax partitions, per = 128-row tiles per group (= 128-key blocks per key tile, 4), NG query
+groups, NKT key tiles, qn/kn rows/keys of the current tile, NT query tiles.
+Limits: D <= 256 (two contraction chunks); bf16/fp16/fp32; Sq + Sk < 2**24 (float32 key
+indices); with cu_seqlens and no softcap, scale > 0 (document-masked scores are filled with the
+most negative float32 before exp), else ``Unsupported``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nki_lib._nki import nisa, nki, nl
+from nki_lib.attention.kernels import flash_attention_bwd_prep, tiles
+from nki_lib.attention.kernels.flash_attention_bwd_tile import (
+    Config,
+    Pair,
+    acc_stage,
+    dk_stage,
+    dq_stage,
+    dscores_stage,
+    dv_stage,
+    evict_stage,
+    probs_stage,
+    scores_stage,
+    seen_blocks,
+)
+from nki_lib.backend import lnc_degree
+from nki_lib.dispatch import Unsupported, call_kernel
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def _acc_stride(head_dim: int) -> int:
+    """Free stride of one 128-key block in the dK/dV PSUM accumulators: the next power of two
+    >= D, so no block straddles a 2 KiB bank (a matmul result must fit one bank)."""
+    return 1 << (head_dim - 1).bit_length()
+
+
+# --------------------------------------------------------------------------- K/V tile
+
+def _full_blocks(blocks):
+    """Number of leading full (pmax-row) blocks; a partial last block moves on its own."""
+    pmax = nl.tile_size.pmax
+    return sum(1 for _, sn in blocks if sn == pmax)
+
+
+def _move_rows(hbm_rows, sb, blocks, to_sbuf):
+    """A key tile's rows in row-group layout ``(pmax, nblocks, D)`` between HBM and SBUF: one DMA for
+    the full blocks (one contiguous run per partition), one for a partial last block."""
+    nfull = _full_blocks(blocks)
+    pairs = [(hbm_rows[:, :nfull, :], sb[:, :nfull, :])] if nfull else []
+    if nfull < len(blocks):
+        sn = blocks[nfull][1]
+        pairs.append((hbm_rows[:sn, nfull, :], sb[:sn, nfull, :]))
+    for hbm, tile in pairs:
+        nisa.dma_copy(dst=tile if to_sbuf else hbm, src=hbm if to_sbuf else tile)
+
+
+class KeyTile(nl.NKIObject):
+    """One key tile ``[k0, k0 + kn)`` of a kv head: K ``(pmax, nblocks, D)`` (keys on partitions),
+    K^T and V^T ``(pmax, nchunks, kn)`` (head dim on partitions), and the dK/dV fp32 PSUM
+    accumulators (made when the first pair reaches its dV stage, stored after the last pair's dK
+    stage), with per-block flags telling whether a matmul started them."""
+
+    def __init__(self, kt: int, k0: int, kn: int):
+        self.kt = kt
+        self.k0 = k0
+        self.kn = kn
+        self.blocks = tiles.key_blocks(kn)
+        self.k_sb = self.kT_sb = self.vT_sb = None
+        self.dk_psum = self.dv_psum = None
+        self.dk_started = [False] * len(self.blocks)
+        self.dv_started = [False] * len(self.blocks)
+
+
+def _load_kv(kv, k_rows, k_t, v_t, b, hk, head_dim):
+    """K rows (one DMA, row-group layout), K^T and V^T (one DMA each per head-dim chunk)."""
+    pmax = nl.tile_size.pmax
+    chunks = tiles.head_dim_chunks(head_dim)
+    k0, kn = kv.k0, kv.kn
+    kv.k_sb = nl.ndarray((pmax, len(kv.blocks), head_dim), dtype=k_rows.dtype, buffer=nl.sbuf)
+    _move_rows(k_rows[b, hk, kv.kt], kv.k_sb, kv.blocks, True)
+    kv.kT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=k_t.dtype, buffer=nl.sbuf)
+    kv.vT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=v_t.dtype, buffer=nl.sbuf)
+    for ch, (d0, dc) in enumerate(chunks):
+        nisa.dma_copy(dst=kv.kT_sb[:dc, ch, :], src=k_t[b, hk, d0:d0 + dc, k0:k0 + kn])
+        nisa.dma_copy(dst=kv.vT_sb[:dc, ch, :], src=v_t[b, hk, d0:d0 + dc, k0:k0 + kn])
+
+
+def _store_kv_grads(dk, dv, b, hk, kv, cfg):
+    """dK = scale * acc (ScalarE), dV = acc (VectorE), one DMA each per key tile; blocks no query saw
+    get zeros."""
+    pmax = nl.tile_size.pmax
+    d = cfg.head_dim
+    blocks = kv.blocks
+    dk_sb = nl.ndarray((pmax, len(blocks), d), dtype=dk.dtype, buffer=nl.sbuf)
+    dv_sb = nl.ndarray((pmax, len(blocks), d), dtype=dv.dtype, buffer=nl.sbuf)
+    for c, (s0, sn) in enumerate(blocks):
+        if kv.dk_started[c]:
+            nisa.activation(dst=dk_sb[:sn, c, :], op=nl.copy, data=kv.dk_psum[:sn, c, :d], scale=cfg.scale)
+        else:
+            nisa.memset(dst=dk_sb[:sn, c, :], value=0.0)
+        if kv.dv_started[c]:
+            nisa.tensor_copy(dst=dv_sb[:sn, c, :], src=kv.dv_psum[:sn, c, :d], engine=nisa.engine.vector)
+        else:
+            nisa.memset(dst=dv_sb[:sn, c, :], value=0.0)
+    _move_rows(dk[b, hk, kv.kt], dk_sb, blocks, False)
+    _move_rows(dv[b, hk, kv.kt], dv_sb, blocks, False)
+
+
+# --------------------------------------------------------------------------- query groups
+
+def _q_groups(visits):
+    """``((group id, visits of the group), ...)`` by aligned query group (``_group_tiles`` query
+    tiles each): one DMA moves a group's Q^T, dO^T, Q, dO or dQ rows (>= 1 KiB per partition)."""
+    per = _group_tiles()
+    gids = []
+    for t, _ in visits:
+        if t // per not in gids:
+            gids.append(t // per)
+    return tuple((gid, tuple(v for v in visits if v[0] // per == gid)) for gid in gids)
+
+
+def _group_tiles():
+    """Query tiles per group: as many 128-row tiles as a key tile has 128-key blocks (queries and
+    keys share the row-group HBM layout of :func:`row_groups`)."""
+    return tiles.key_tile_width() // nl.tile_size.pmax
+
+
+def _runs(slots, partial_slot):
+    """Maximal runs ``(start, stop)`` of consecutive slots; the partial last tile is its own run."""
+    runs = []
+    for s in slots:
+        if runs and runs[-1][1] == s and s != partial_slot and runs[-1][0] != partial_slot:
+            runs[-1] = (runs[-1][0], s + 1)
+        else:
+            runs.append((s, s + 1))
+    return runs
+
+
+class Streams(nl.NKIObject):
+    """The query-side HBM tensors of one launch: ``qdo_rows`` (Q and dO rows, row-group layout),
+    ``qdo_t`` (Q^T and dO^T by group), ``dq`` (output, row-group layout), ``dq_acc`` (fp32
+    scratch between key tiles; None when the accumulators stay in SBUF), ``dq_res`` (the SBUF
+    accumulators of the current kv head's query heads, or None)."""
+
+    def __init__(self, qdo_rows, qdo_t, dq, dq_acc, seqlen_q):
+        self.qdo_rows = qdo_rows
+        self.qdo_t = qdo_t
+        self.dq = dq
+        self.dq_acc = dq_acc
+        self.dq_res = None
+        self.seqlen_q = seqlen_q
+
+
+def _load_q_group(ins, b, h, gid, head_dim):
+    """Q^T and dO^T ``(pmax, nchunks, 2, group rows)`` (one DMA per head-dim chunk) and Q, dO
+    rows-on-partitions ``(pmax, group tiles, 2, D)`` (one DMA): 2 KiB contiguous per partition."""
+    pmax = nl.tile_size.pmax
+    per = _group_tiles()
+    width = per * pmax
+    chunks = tiles.head_dim_chunks(head_dim)
+    qdoT_sb = nl.ndarray((pmax, len(chunks), 2, width), dtype=ins.qdo_t.dtype, buffer=nl.sbuf)
+    for ch, (d0, dc) in enumerate(chunks):
+        nisa.dma_copy(dst=qdoT_sb[:dc, ch, :, :], src=ins.qdo_t[b, h, gid, d0:d0 + dc, :, :])
+    qdo_sb = nl.ndarray((pmax, per, 2, head_dim), dtype=ins.qdo_rows.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=qdo_sb, src=ins.qdo_rows[b, h, gid])
+    return qdoT_sb, qdo_sb
+
+
+def _move_dq(dq_grp, hbm_grp, runs, q_tiles, gid, to_sbuf):
+    """Group rows ``(pmax, group tiles, D)`` <-> a row-group HBM tensor (the fp32 scratch or dq),
+    one DMA per run of slots (each partition moves one contiguous run)."""
+    per = _group_tiles()
+    for s0, s1 in runs:
+        rows = q_tiles[gid * per + s0][1]
+        hbm = hbm_grp[:rows, s0:s1, :]
+        sb = dq_grp[:rows, s0:s1, :]
+        nisa.dma_copy(dst=sb if to_sbuf else hbm, src=hbm if to_sbuf else sb)
+
+
+def _group_flags(group, gid, k0, plans, num_q_tiles, last_rows):
+    """Slots of the group's visiting tiles, whether this is their first / last key tile, and the
+    slot of the partial last query tile (-1 if none in this group)."""
+    pmax = nl.tile_size.pmax
+    per = _group_tiles()
+    partial = num_q_tiles - 1 - gid * per if last_rows < pmax else -1
+    slots = [t - gid * per for t, _ in group]
+    first = [plans[t][0][0] == k0 for t, _ in group]
+    last = [plans[t][-1][0] == k0 for t, _ in group]
+    return slots, first, last, partial
+
+
+def _load_group(ins, b, h, gid, flags, cfg):
+    """Q^T, dO^T, Q, dO and the dQ accumulator (tiles visited before) of one query group."""
+    pmax = nl.tile_size.pmax
+    per = _group_tiles()
+    slots, first, _, partial = flags
+    qdoT_sb, qdo_sb = _load_q_group(ins, b, h, gid, cfg.head_dim)
+    if ins.dq_res is not None:
+        dq_grp = ins.dq_res[:, h % ins.dq_res.shape[1], gid * per:(gid + 1) * per, :]
+    else:
+        dq_grp = nl.ndarray((pmax, per, cfg.head_dim), dtype=nl.float32, buffer=nl.sbuf)
+        loads = _runs([s for s, f in zip(slots, first) if not f], partial)
+        _move_dq(dq_grp, ins.dq_acc[b, h, gid], loads, tiles.query_tiles(ins.seqlen_q), gid, True)
+    return qdoT_sb, qdo_sb, dq_grp
+
+
+def _finish_group(ins, loaded, b, h, gid, flags, q_tiles, cfg):
+    """After the group's last pair on this key tile: dq (scale applied, output dtype) leaves for
+    the tiles whose last key tile this is; without SBUF residency the other accumulators return
+    to the fp32 scratch."""
+    slots, _, last, partial = flags
+    per = _group_tiles()
+    dq_grp = loaded[2]
+    done = [s for s, f in zip(slots, last) if f]
+    if done:
+        out_sb = nl.ndarray((nl.tile_size.pmax, per, cfg.head_dim), dtype=ins.dq.dtype, buffer=nl.sbuf)
+        for s in done:
+            qn = q_tiles[gid * per + s][1]
+            nisa.activation(dst=out_sb[:qn, s, :], op=nl.copy, data=dq_grp[:qn, s, :], scale=cfg.scale)
+        _move_dq(out_sb, ins.dq[b, h, gid], _runs(done, partial), q_tiles, gid, False)
+    if ins.dq_res is None:
+        stores = _runs([s for s, f in zip(slots, last) if not f], partial)
+        _move_dq(dq_grp, ins.dq_acc[b, h, gid], stores, q_tiles, gid, False)
+
+
+def dq_resident(group, seqlen_q, head_dim):
+    """Whether the fp32 dQ accumulators of a GQA group's query heads stay in SBUF for a whole kv
+    head (no HBM round trip per key tile): when they take at most half of a partition's SBUF."""
+    per = _group_tiles()
+    rows = -(-seqlen_q // (per * nl.tile_size.pmax)) * per
+    return group * rows * head_dim * 4 <= nl.tile_size.sbuf_fmax_bytes // 2
+
+
+# Software pipeline: the stage of pair j issued at step j + lag. Per step, the program order below
+# puts each engine's work whose inputs were produced in earlier steps first, so no in-order engine
+# queue waits behind a result of the same step. Each PSUM tile is consumed one step after it is made
+# and consumers come first in a step: at most dK, dV, S, dP, dS^T and dQ tiles are live (6 banks at
+# D <= 128, 8 at D = 256). Lags measured on trn2 at Sq = Sk = 4096 causal (cost model).
+STAGES = (  # (lag, stage)
+    (7, "acc"),       # VectorE/ScalarE: dQ_part into the group accumulator (then a group may finish)
+    (4, "evict"),     # VectorE: dS^T PSUM -> SBUF
+    (1, "probs"),     # ScalarE: P = exp(...), dP - delta; GpSimd masks
+    (2, "dscores"),   # VectorE: dS
+    (0, "scores"),    # TensorE: S, dP
+    (3, "dv"),        # TensorE: dV += P^T dO
+    (6, "dq"),        # TensorE: dQ_part = dS K
+    (3, "dk"),        # TensorE: dK += dS^T Q, dS^T
+)
+PIPELINE_LAG = max(lag for lag, _ in STAGES)
+STATS_AHEAD = 1   # query groups whose phase-0 rows (O, dO) are in flight before their statistics are due
+
+
+def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
+    """Everything of kv head hk: every (query head of the GQA group, key tile, query tile) pair in
+    one software pipeline (:data:`STAGES`), key tile by key tile, so it never drains between key
+    tiles or query heads. Loads run one unit ahead (the next key tile's K/V when a key tile's
+    first pair is scored, the next query group's rows when a group's first pair is scored);
+    a group finishes (dq out / accumulators back) after its last pair's accumulate stage, a key
+    tile's dK/dV leave after its last pair's dK stage."""
+    k_rows, k_t, v_t, dk, dv = kvs
+    q_tiles = tiles.query_tiles(ins.seqlen_q)
+    units = []   # (key tile, query head, group id, visits of the group, flags)
+    order = []   # (unit, index in the unit)
+    ktiles = []
+    for kt, (k0, kn) in enumerate(tiles.key_tiles(cfg.mask.sk)):
+        kv = KeyTile(kt, k0, kn)
+        visits = _visits(plans, k0)
+        if not visits:
+            _store_kv_grads(dk, dv, b, hk, kv, cfg)
+            continue
+        ktiles.append(kv)
+        for g in range(group):
+            for gid, grp in _q_groups(visits):
+                flags = _group_flags(grp, gid, k0, plans, len(q_tiles), q_tiles[-1][1])
+                units.append((kv, g, gid, grp, flags))
+                order.extend((len(units) - 1, i) for i in range(len(grp)))
+    last_pair = [max(j for j, (n, _) in enumerate(order) if units[n][0] is kv) for kv in ktiles]
+    loaded = [None] * len(units)
+    pairs = [None] * len(order)
+
+    def ensure(n):
+        if n < len(units) and loaded[n] is None:
+            kv, g, gid, _, flags = units[n]
+            flash_attention_bwd_prep.prefetch_group(prep, hstats[g], gid)
+            loaded[n] = _load_group(ins, b, hk * group + g, gid, flags, cfg)
+            for m in range(n + 1, min(n + STATS_AHEAD + 1, len(units))):   # O/dO rows a few groups ahead
+                flash_attention_bwd_prep.prefetch_group(prep, hstats[units[m][1]], units[m][2])
+            flash_attention_bwd_prep.group_stats(prep, hstats[g], gid)
+
+    def ensure_kv(m):
+        if m < len(ktiles) and ktiles[m].k_sb is None:
+            _load_kv(ktiles[m], k_rows, k_t, v_t, b, hk, cfg.head_dim)
+
+    ensure_kv(0)
+    hstats = [flash_attention_bwd_prep.head_start(prep, b, hk * group + g) for g in range(group)]
+    for step in range(len(order) + PIPELINE_LAG):
+        for lag, stage in STAGES:
+            j = step - lag
+            if not 0 <= j < len(order):
+                continue
+            n, i = order[j]
+            kv, g, gid, grp, flags = units[n]
+            k0, kn = kv.k0, kv.kn
+            if stage == "scores":
+                m = ktiles.index(kv)
+                ensure_kv(m)
+                ensure(n)
+                ensure(n + 1)
+                ensure_kv(m + 1)
+                t, tile_masked = grp[i]
+                pairs[j] = Pair(loaded[n], flags[0][i], t, q_tiles[t][1], tile_masked, flags[1][i])
+                scores_stage(pairs[j], kv, k0, _seen_width(pairs[j], kv, cfg), cfg)
+            elif stage == "probs":
+                probs_stage(pairs[j], hstats[g].stats_sb, k0, _seen_width(pairs[j], kv, cfg), cfg)
+            elif stage == "dscores":
+                dscores_stage(pairs[j], _seen_width(pairs[j], kv, cfg))
+            elif stage == "dv":
+                if kv.dv_psum is None:
+                    _alloc_kv_grads(kv, cfg)
+                dv_stage(pairs[j], kv, k0, kn, cfg)
+            elif stage == "dk":
+                dk_stage(pairs[j], kv, k0, kn, cfg)
+                if last_pair[ktiles.index(kv)] == j:
+                    _store_kv_grads(dk, dv, b, hk, kv, cfg)
+                    kv.dk_psum = kv.dv_psum = None
+            elif stage == "evict":
+                evict_stage(pairs[j], k0, kn, cfg)
+            elif stage == "dq":
+                dq_stage(pairs[j], kv, k0, kn, cfg)
+                if last_pair[ktiles.index(kv)] == j:
+                    kv.k_sb = kv.kT_sb = kv.vT_sb = None
+            else:
+                acc_stage(pairs[j])
+                pairs[j] = None
+                if i == len(grp) - 1:
+                    _finish_group(ins, loaded[n], b, hk * group + g, gid, flags, q_tiles, cfg)
+                    loaded[n] = None
+    for hs in hstats:
+        flash_attention_bwd_prep.head_finish(prep, hs)
+
+
+def _seen_width(pair, kv, cfg):
+    """Keys of the tile the scores stages compute: up to the end of the last 128-key block some
+    row of the pair sees (a diagonal tile skips the S/dP/exp/dS columns past the diagonal)."""
+    s0, sn = kv.blocks[seen_blocks(cfg, pair.t, pair.qn, kv.k0, kv.kn)[-1]]
+    return s0 + sn
+
+
+def _alloc_kv_grads(kv, cfg):
+    pmax = nl.tile_size.pmax
+    acc_free = _acc_stride(cfg.head_dim)
+    kv.dk_psum = nl.ndarray((pmax, len(kv.blocks), acc_free), dtype=nl.float32, buffer=nl.psum)
+    kv.dv_psum = nl.ndarray((pmax, len(kv.blocks), acc_free), dtype=nl.float32, buffer=nl.psum)
+
+
+# --------------------------------------------------------------------------- kernel
+
+def _visits(plans, k0):
+    """``((query tile, masked), ...)`` of the query tiles whose plan visits key tile ``k0``."""
+    return tuple((t, masked) for t, plan in enumerate(plans) for pk0, _, masked in plan if pk0 == k0)
+
+
+@nki.jit
+def flash_attention_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t, lse, sinks, doc, causal, scale, window_left,
+                     window_right, softcap):
+    """Returns ``(dq, dk, dv, dsinks)`` (dq, dk, dv in row-group layout); see the module docstring."""
+    batch, num_heads, seqlen_q = lse.shape
+    num_kv_heads, head_dim, seqlen_k = k_t.shape[1], k_t.shape[2], k_t.shape[3]
+    group = num_heads // num_kv_heads
+    pmax = nl.tile_size.pmax
+    per = _group_tiles()
+    mask = tiles.MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right, doc is not None)
+    cfg = Config(mask, scale, softcap, head_dim, flash_attention_bwd_prep.num_stats(mask.has_docs))
+    q_tiles = tiles.query_tiles(seqlen_q)
+    num_groups = qdo_rows.shape[2]
+
+    dq = nl.ndarray(qdo_rows.shape[:5] + (head_dim,), dtype=qdo_rows.dtype, buffer=nl.shared_hbm)
+    dk = nl.ndarray(k_rows.shape, dtype=k_rows.dtype, buffer=nl.shared_hbm)
+    dv = nl.ndarray(k_rows.shape, dtype=v_t.dtype, buffer=nl.shared_hbm)
+    dsinks = nl.ndarray((num_heads,), dtype=nl.float32, buffer=nl.shared_hbm)
+    resident = dq_resident(group, seqlen_q, head_dim)
+    dq_acc = None if resident else nl.ndarray(dq.shape, dtype=nl.float32, buffer=nl.private_hbm)
+    ins = Streams(qdo_rows, qdo_t, dq, dq_acc, seqlen_q)
+
+    # LNC2: the programs split the kv heads (each owns its GQA group's dq/dk/dv rows and dsinks)
+    num_progs = nl.num_programs(0) if nl.program_ndim() > 0 else 1
+    pid = nl.program_id(0) if num_progs > 1 else 0
+    kv_heads = list(range(pid, num_kv_heads, num_progs))
+    heads = [hk * group + g for hk in kv_heads for g in range(group)]
+    prep = flash_attention_bwd_prep.Prep(od_rows, dlse, lse, sinks, doc, mask, cfg.num_stats)
+    flash_attention_bwd_prep.start(prep, dsinks, heads, zero_dsinks=sinks is None and pid == 0)
+
+    plans = [tiles.plan_row(mask, q0, qn) for q0, qn in q_tiles]
+    for b in nl.sequential_range(batch):
+        for hk in kv_heads:
+            if resident:
+                ins.dq_res = nl.ndarray((pmax, group, num_groups * per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
+            _kv_pass(ins, (k_rows, k_t, v_t, dk, dv), prep, b, hk, group, plans, cfg)
+            ins.dq_res = None
+        for h in heads:
+            for t, (q0, qn) in enumerate(q_tiles):
+                if not plans[t]:
+                    zeros_sb = nl.ndarray((pmax, head_dim), dtype=dq.dtype, buffer=nl.sbuf)
+                    nisa.memset(dst=zeros_sb[:qn, :], value=0.0)
+                    nisa.dma_copy(dst=dq[b, h, t // per, :qn, t % per, :], src=zeros_sb[:qn, :])
+    flash_attention_bwd_prep.finish(prep, dsinks)
+    return dq, dk, dv, dsinks
+
+
+# --------------------------------------------------------------------------- launcher
+
+def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale, window_left,
+              window_right, softcap):
+    """Launch the backward kernel: ``(dq, dk, dv, dsinks)`` (dsinks float32 (Hq,), zeros without
+    sinks). Raises :class:`Unsupported` before launching when the kernel cannot serve the call."""
+    if q.dtype not in KERNEL_DTYPES:
+        raise Unsupported(f"dtype {q.dtype} (the backward kernel handles bfloat16, float16, float32)")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise Unsupported(f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}")
+    if q.shape[2] + k.shape[2] >= tiles.MAX_INDEX:
+        raise Unsupported(f"Sq + Sk = {q.shape[2] + k.shape[2]} >= 2**24 (key indices are float32 in the kernel)")
+    if cu_seqlens is not None and softcap == 0 and scale <= 0:
+        raise Unsupported("scale <= 0 with cu_seqlens: document-masked scores would not vanish under exp")
+    grid = lnc_degree()
+    doc = None if cu_seqlens is None else tiles.document_bounds(cu_seqlens, q.shape[2])
+    pair = lambda x, y: torch.stack([row_groups(x), row_groups(y)], dim=5)  # noqa: E731
+    qdo_t = torch.stack([col_groups(q.transpose(2, 3)), col_groups(dout.transpose(2, 3))], dim=4)
+    k_t, v_t = (x.transpose(2, 3).contiguous() for x in (k, v))
+    dq, dk, dv, dsinks = call_kernel(
+        flash_attention_bwd_kernel, pair(q, dout), qdo_t, pair(out, dout), dlse.contiguous(), row_groups(k), k_t, v_t,
+        lse.contiguous(), None if sinks is None else sinks.contiguous(), doc, causal=bool(causal), scale=float(scale),
+        window_left=int(window_left), window_right=int(window_right), softcap=float(softcap), grid=grid)
+    return from_row_groups(dq, q.shape[2]), from_row_groups(dk, k.shape[2]), from_row_groups(dv, k.shape[2]), dsinks
+
+
+def _padded(x, dim):
+    """x with zero rows appended along ``dim`` up to a multiple of the group rows."""
+    rows = _group_tiles() * nl.tile_size.pmax
+    pad = -x.shape[dim] % rows
+    if not pad:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def row_groups(x):
+    """Layout glue: ``(B, H, S, D)`` -> ``(B, H, NG, pmax, per, D)`` with
+    ``[.., g, p, s, :] = x[.., (g * per + s) * pmax + p, :]`` (zero rows past S), so one DMA moves a
+    group of ``per`` row tiles with one contiguous run per partition."""
+    per, pmax = _group_tiles(), nl.tile_size.pmax
+    b, h, _, d = x.shape
+    return _padded(x, 2).reshape(b, h, -1, per, pmax, d).transpose(3, 4).contiguous()
+
+
+def col_groups(xt):
+    """Layout glue: ``(B, H, D, S)`` -> ``(B, H, NG, D, per * pmax)`` (zero columns past S)."""
+    b, h, d, _ = xt.shape
+    return _padded(xt, 3).reshape(b, h, d, -1, _group_tiles() * nl.tile_size.pmax).transpose(2, 3)
+
+
+def from_row_groups(y, s):
+    """Inverse of :func:`row_groups` (drops the padding rows)."""
+    b, h, ng, pmax, per, d = y.shape
+    return y.transpose(3, 4).reshape(b, h, ng * per * pmax, d)[:, :, :s].contiguous()

@@ -1,0 +1,247 @@
+"""Flash-attention forward NKI kernel (online softmax) and its launcher ``launch_flash_attention_fwd``.
+
+Algorithm (FlashAttention-2 forward, docs/contract.md §3.1 semantics). For every query tile the kernel
+streams the visible key tiles once and keeps, per query row, the running max ``m`` (stored
+negated, ``neg_m``), the running denominator ``l`` and the unnormalised output ``acc`` in fp32::
+
+    s      = scale * q @ k^T                 (softcap: s = softcap * tanh(s / softcap); then mask)
+    m_new  = max(m, rowmax(s));   alpha = exp(m - m_new)
+    p      = exp(s - m_new);      l = alpha * l + rowsum(p)
+    acc    = alpha * acc + p @ v
+    out    = acc / l;             lse = m + log(l)
+
+Sinks join the denominator as a virtual key with no value: the state starts at
+``m = max(sink, STAT_INIT)``, ``l = exp(sink - m)``, ``acc = 0``. Masked scores are
+``MASK_FILL`` and the running max starts at the finite ``STAT_INIT``, so masked keys contribute
+exactly 0 and a row that sees no key (and no sink) ends with ``l = 0``: ``out = 0`` and
+``lse = -inf`` (set by a predicated copy), never NaN.
+
+Work decomposition (compile time, all loops unrolled)::
+
+    group   = (batch b, kv head hk, query tile [q0, q0 + qn) with qn <= 128,
+               pass = up to heads_per_pass query heads of hk's GQA group)
+    section = run of consecutive visible key tiles (kn <= 512 each) of the group's plan inside
+              one aligned span of KEY_SECTION_BYTES of K^T per partition row (2048 keys in
+              bf16/fp16, 1024 in fp32)
+    step    = (group, section, query head of the pass)
+
+Key tiles no query of the tile can see are skipped (``tiles.plan_row``) and the visible ones are
+cut to the 128-key blocks some query sees (``flash_attention_fwd_plan.trim_plan``: the causal diagonal tile
+keeps 128 j keys); masks (one VectorE ``range_select`` against per-row key bounds) are applied
+to partial tiles only. The query heads of a pass share each V load, and K^T of a kv head is
+loaded once and shared by all its query tiles when it fits K_CACHE_SBUF_SHARE of SBUF.
+
+Per step (engines in brackets)::
+
+    per score tile of the section:
+      S (qn, kn) PSUM = sum over D chunks of matmul(q^T (dc, qn), k^T (dc, kn))          [PE]
+      -> S_sec SBUF fp32 (+ tanh softcap on ACT) (+ mask, straight from PSUM), row max
+         chained over the section's tiles in the VectorE accumulator                    [DVE]
+    neg_m = min(neg_m, -scale' * rowmax) [POOL]; alpha [ACT]; P = exp(scale' S_sec - m)
+      (qn, slen) in the P dtype with the row sum fused                                  [ACT]
+    P^T: one TensorE transpose per 128-key block into bank-sized PSUM tiles, evicted
+      PT_DVE_SHARE on VectorE, the rest on ScalarE                                  [PE, DVE/ACT]
+    O (qn, D) PSUM = sum over the section's blocks of matmul(P^T (bn, qn), V (bn, D))     [PE]
+    l = alpha * l + rowsum [POOL];  acc = alpha * acc [POOL] + O [DVE]
+
+``scale'`` is the softmax scale when it lies in [RAW_SCALE_MIN, 1] and there is no softcap (the
+scores stay unscaled, so a masked tile needs no ScalarE pass), else 1 (the evict scales). The
+first section of a state without sinks needs no alpha (l = rowsum, acc = O). Small SBUF-only
+state ops run on GpSimd so that ScalarE and VectorE carry only the per-key work.
+
+The steps run as a software pipeline (each engine executes its instruction stream in order):
+iteration ``it`` loads the K^T of step ``it + SCORE_LEAD + 1`` and the V of ``it + 1``, evicts
+the P^T of ``it - 1``, issues the softmax of ``it + 1``, QK^T and scores of ``it + SCORE_LEAD``
+(with softcap: of SOFTCAP_BATCH steps every SOFTCAP_BATCH iterations, so the tanh/exp table
+switches happen once per batch), the transposes of ``it``, P @ V of ``it - PV_LAG`` and the
+acc update of ``it - ACC_LAG``; a group's output is stored one iteration after its last acc
+update. Every tile is a fresh allocation, so loads of later steps overlap compute
+(multi-buffering). lse is gathered column by column as groups close and finished in batches of
+``LSE_BATCH`` (one ScalarE log per batch, a TensorE transpose so each row is stored
+contiguously).
+
+DMA layouts: q^T/k^T tiles read contiguous rows of the launcher's (D, S) layouts (q^T one DMA
+per head for QUERY_SECTION_TILES consecutive query tiles, K^T one DMA per aligned span); V of a
+section is read "interleaved" in runs of up to 8 blocks (4 in fp32; partition p of block
+g0 + i holds key ``s0 + 128 g0 + c p + i``) so every partition reads one contiguous run of
+``c * D`` elements per run, and the transposes read the matching columns of P with a stride of
+at most 16 B.
+
+Shapes (HBM, prepared by the launcher; transposes are layout glue): q_t (B, Hq, D, Sq),
+k_t (B, Hkv, D, Sk), v (B, Hkv, Sk, D), sinks (Hq,) float32, doc (2, S) float32 with the first
+and last position of each position's document (cu_seqlens). Outputs: out (B, Hq, Sq, D) in q's
+dtype, lse (B, Hq, Sq) float32.
+Dimension legend: B batch, Hq/Hkv query/kv heads, G = Hq / Hkv, Sq/Sk lengths, D head dim,
+dc head-dim chunk (<= 128), qn query rows of a tile (<= 128), kn keys of a tile (<= 512),
+slen keys of a section, s0 its first key, bn keys of a block (<= 128).
+
+Working set: a few sections in flight plus the pass's per-head state (at most a quarter of SBUF)
+plus the K^T cache (at most K_CACHE_SBUF_SHARE of SBUF, else K^T streams per section);
+at most 5 of 8 PSUM banks. Measured peaks are in DESIGN.md.
+
+Limits: dtypes bf16/fp16/fp32 (P is cast to the V dtype for P @ V; fp32 stays fp32 throughout);
+D <= 256 (two head-dim chunks above 128); Sq + Sk < 2**24 (key indices are float32 in the
+masks). LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two NeuronCores take contiguous halves of
+the groups (balanced by step count) and write disjoint rows of the shared outputs.
+
+Files: this one (kernel entry, pipeline loop, launcher), ``flash_attention_fwd_plan.py`` (compile-time work
+decomposition), ``flash_attention_fwd_pipeline.py`` (stages), ``flash_attention_fwd_step.py`` (per-step tile work),
+``flash_attention_fwd_state.py`` (online-softmax state, out/lse finalisation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nki_lib._nki import nki, nl
+from nki_lib.attention.kernels.flash_attention_fwd_pipeline import (
+    close_group,
+    load_k,
+    load_v_of,
+    stage_acc,
+    stage_evict_pt,
+    stage_pv,
+    stage_scores,
+    stage_softmax,
+    stage_transpose,
+)
+from nki_lib.attention.kernels.flash_attention_fwd_plan import (
+    QUERY_SECTION_TILES,
+    Ctx,
+    plan_groups,
+    plan_steps,
+    program_share,
+)
+from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, new_lse_batch
+from nki_lib.attention.kernels.flash_attention_fwd_step import (
+    FP32_BYTES,
+    HALF_BYTES,
+    PT_DVE_SHARE,
+    PT_DVE_SHARE_SOFTCAP,
+)
+from nki_lib.attention.kernels.tiles import (
+    MAX_INDEX,
+    STAT_INIT,
+    MaskSpec,
+    document_bounds,
+    head_dim_chunks,
+    heads_per_pass,
+    key_tile_width,
+)
+from nki_lib.backend import lnc_degree
+from nki_lib.dispatch import Unsupported, call_kernel
+
+__all__ = ["launch_flash_attention_fwd", "flash_attention_fwd_kernel", "KERNEL_DTYPES"]
+
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+STATE_SBUF_SHARE = 4   # per-head resident state may use 1/4 of SBUF; the rest streams K/V/S/P
+SCORE_LEAD = 3         # QK^T and the row max of a step are issued this many iterations before
+                       # its P^T, so the PE -> DVE -> ACT chain feeding each exp is covered
+PV_LAG = 2             # P @ V of a step is issued this many iterations after its P^T (its V
+                       # is loaded one iteration before the P^T)
+ACC_LAG = 3            # the acc update of a step is issued this many iterations after its P^T
+SOFTCAP_BATCH = 4      # softcap: steps whose tanh scores are issued together (2 table switches
+                       # per batch, 1.3 us each on trn2); costs 3 more S sections in SBUF
+LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
+                       # ScalarE table switch to log and back per batch, 8 B/partition each
+K_CACHE_SBUF_SHARE = 4  # K^T of a whole kv head stays resident (loaded once, reused by every
+                        # query tile) when it needs at most 1/4 of SBUF per partition
+RAW_SCALE_MIN = 2.0 ** -20  # scales in [RAW_SCALE_MIN, 1] (no softcap) keep the scores unscaled
+                            # and apply the scale in the exp: scale * MASK_FILL / 2 stays finite
+                            # and far below any real score, so masked keys still give exp() = 0
+KEY_SECTION_BYTES = 4096  # a step covers consecutive visible key tiles whose K^T (and V) rows
+                          # hold up to this many bytes per partition, past the ~2.4 KiB where a
+                          # DMA row reaches bandwidth: 4 tiles of 512 keys in bf16/fp16, 2 in fp32
+
+
+@nki.jit
+def flash_attention_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale, window_left,
+                     window_right, softcap):
+    """(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32); see the module docstring."""
+    n_batch, n_q_heads, d, sq = q_t.shape
+    n_kv_heads, sk = k_t.shape[1], k_t.shape[3]
+    out = nl.ndarray((n_batch, n_q_heads, sq, d), dtype=q_t.dtype, buffer=nl.shared_hbm)
+    lse = nl.ndarray((n_batch, n_q_heads, sq), dtype=nl.float32, buffer=nl.shared_hbm)
+    mask = MaskSpec(sq=sq, sk=sk, causal=causal, window_left=window_left,
+                    window_right=window_right, has_docs=has_docs)
+    chunks = head_dim_chunks(d)
+    q_bytes = FP32_BYTES if q_t.dtype == nl.float32 else HALF_BYTES
+    state_bytes = (len(chunks) * QUERY_SECTION_TILES * nl.tile_size.pmax * q_bytes
+                   + (d + 2) * FP32_BYTES)
+    group = n_q_heads // n_kv_heads
+    n_pass = heads_per_pass(group, state_bytes,
+                            nl.tile_size.total_available_sbuf_size // STATE_SBUF_SHARE)
+    ctx = Ctx(q_t=q_t, k_t=k_t, v=v, sinks=sinks, has_sinks=has_sinks, d=d, chunks=chunks,
+              mask=mask, doc_lo=doc[0] if has_docs else None, doc_hi=doc[1] if has_docs else None)
+    section_keys = max(key_tile_width(), KEY_SECTION_BYTES // q_bytes)
+    n_spans = -(-sk // section_keys)
+    k_fits = (len(chunks) * sk * q_bytes
+              <= nl.tile_size.total_available_sbuf_size // K_CACHE_SBUF_SHARE)
+    ctx.section_keys = section_keys
+    # unscaled scores (the exp applies the scale): masked tiles are selected straight from PSUM
+    exp_scale = scale if softcap == 0 and RAW_SCALE_MIN <= scale <= 1.0 else 1.0
+    ctx.stat_init = STAT_INIT * exp_scale
+    ctx.k_cache = [None] * n_spans if k_fits else None
+    ctx.k_owner = None
+    groups = program_share(plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys),
+                           nl.num_programs(axes=0), nl.program_id(axis=0))
+    for grp in groups:              # query sections are released after their last group here
+        grp.q_sec.users = 0
+    for grp in groups:
+        grp.q_sec.users += 1
+    steps = plan_steps(groups)
+    n_steps = len(steps)
+    work = [None] * n_steps
+    lse_batch = new_lse_batch(lse, LSE_BATCH)
+
+    # Software pipeline over the steps. Each engine runs its stream in program order, so
+    # iteration it emits the stages of several steps, ordered so that in the steady state an
+    # engine only waits on work emitted in earlier iterations (except the short neg_m -> exp
+    # and QK -> row max hand-offs):
+    #   load K^T(it + SCORE_LEAD + 1), V(it + 1)   evict P^T(it - 1) [ACT, DVE]
+    #   softmax(it + 1) [POOL, ACT]   QK^T + scores(it + SCORE_LEAD) [PE, DVE (+ ACT tanh)]
+    #   P^T(it) [PE]   P @ V(it - PV_LAG) [PE]   l, acc(it - ACC_LAG) [POOL, DVE]
+    #   outputs of the groups whose last acc update was in the previous iteration [POOL, DMA]
+    # with softcap, the scores (tanh) of SOFTCAP_BATCH steps are issued together, so ScalarE
+    # switches between the tanh and exp tables twice per batch instead of twice per step
+    score_batch = SOFTCAP_BATCH if softcap > 0 else 1
+    pt_dve_share = PT_DVE_SHARE_SOFTCAP if softcap > 0 else PT_DVE_SHARE
+    load_k(ctx, groups, steps, 0)
+    closing = []
+    for it in nl.sequential_range(-SCORE_LEAD, n_steps + ACC_LAG + 1):   # + 1: the last closes
+        load_k(ctx, groups, steps, it + SCORE_LEAD + score_batch)
+        load_v_of(ctx, groups, steps, it + 1)
+        stage_evict_pt(groups, steps, work, it - 1, pt_dve_share)
+        stage_softmax(groups, steps, work, it + 1, v.dtype, exp_scale)
+        if (it + SCORE_LEAD) % score_batch == 0:
+            for s in range(it + SCORE_LEAD, it + SCORE_LEAD + score_batch):
+                load_k(ctx, groups, steps, s)
+                stage_scores(groups, steps, work, s, scale / exp_scale, softcap)
+        stage_transpose(steps, work, it)
+        stage_pv(groups, steps, work, it - PV_LAG)
+        closing, closed = [], closing
+        stage_acc(groups, steps, work, it - ACC_LAG, closing)
+        for grp in closed:
+            close_group(grp, out, lse_batch)
+    flush_lse(lse_batch)
+    return out, lse
+
+
+# --------------------------------------------------------------------------- launcher
+
+def launch_flash_attention_fwd(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_right, softcap):
+    """Launch :func:`flash_attention_fwd_kernel` for ``nki::flash_attention`` (arguments already validated,
+    ``scale`` resolved). Returns ``(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32)``."""
+    if q.dtype not in KERNEL_DTYPES:
+        raise Unsupported(f"dtype {q.dtype} (the kernel handles bfloat16, float16, float32)")
+    sq, sk = q.shape[2], k.shape[2]
+    if sq + sk >= MAX_INDEX:
+        raise Unsupported(f"Sq + Sk = {sq + sk} >= 2**24 (key indices are float32 in the kernel)")
+    q_t = q.transpose(2, 3).contiguous()
+    k_t = k.transpose(2, 3).contiguous()
+    sinks_c = None if sinks is None else sinks.contiguous()
+    doc = None if cu_seqlens is None else document_bounds(cu_seqlens, sq)
+    return call_kernel(flash_attention_fwd_kernel, q_t, k_t, v.contiguous(), sinks_c, doc,
+                       sinks is not None, cu_seqlens is not None, bool(causal), float(scale),
+                       int(window_left), int(window_right), float(softcap), grid=lnc_degree())

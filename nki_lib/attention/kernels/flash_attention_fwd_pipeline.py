@@ -1,0 +1,182 @@
+"""Pipeline stages of the flash-attention forward kernel (``flash_attention_fwd.py``): each stage emits the
+instructions of one step (index ``s`` into the planned steps) and hands its tiles to the next
+stage through ``work[s]``; the kernel's loop issues the stages of different steps in one
+iteration (software pipeline, see ``flash_attention_fwd.py``).
+"""
+
+from __future__ import annotations
+
+from nki_lib._nki import nisa, nl
+from nki_lib.attention.kernels.flash_attention_fwd_plan import section_span
+from nki_lib.attention.kernels.flash_attention_fwd_state import add_lse, init_state, store_out
+from nki_lib.attention.kernels.flash_attention_fwd_step import (
+    evict_pt,
+    load_k_section,
+    load_q,
+    load_v,
+    p_times_v,
+    section_scores,
+    softmax_step,
+    transpose_p,
+)
+from nki_lib.attention.kernels.tiles import row_bounds
+
+__all__ = ["load_k", "section_k", "load_v_of", "stage_scores", "stage_softmax", "stage_transpose",
+           "stage_evict_pt", "stage_pv", "stage_acc", "close_group"]
+
+
+def load_k(ctx, groups, steps, s):
+    """Issue the loads step s needs first: open its group (q^T, state init, mask bounds) and
+    load the K^T of its key section (once per section, shared by the heads of the pass)."""
+    if s < 0 or s >= len(steps):
+        return
+    gi, si, _ = steps[s]
+    grp = groups[gi]
+    if grp.states is None:
+        sec = grp.q_sec
+        if sec.tiles is None:
+            sec.tiles = [load_q(ctx.q_t, grp.b, h, sec.q0, sec.length, ctx.chunks)
+                         for h in grp.heads]
+        off = grp.q0 - sec.q0
+        grp.q_tiles = [[q_sb[:, off:off + grp.qn] for q_sb in head_tiles]
+                       for head_tiles in sec.tiles]
+        grp.states = [init_state(ctx.sinks, h, grp.qn, ctx.d, ctx.has_sinks,
+                                 len(grp.sections) == 0, ctx.stat_init) for h in grp.heads]
+        grp.k = [None] * len(grp.sections)
+        grp.v = [None] * len(grp.sections)
+        if any(masked for _, _, masked in grp.plan):
+            grp.bounds = row_bounds(ctx.mask, grp.q0, grp.qn, ctx.doc_lo, ctx.doc_hi)
+    if si >= 0 and grp.k[si] is None:
+        s0, slen, _ = section_span(grp, si)
+        grp.k[si] = section_k(ctx, grp, s0, slen)
+
+
+def section_k(ctx, grp, s0, slen):
+    """K^T tiles (dc, slen) of the keys [s0, s0 + slen) of a section of ``grp``.
+
+    With ``ctx.k_cache`` (K^T of the whole key range fits its SBUF budget) K^T is loaded once
+    per (batch, kv head) in aligned spans of ``ctx.section_keys`` keys, one DMA per span and
+    chunk, and every query tile and head of that kv head slices it; the cache is dropped when
+    the kv head changes. Without it, each group loads its own sections."""
+    if ctx.k_cache is None:
+        return load_k_section(ctx.k_t, grp.b, grp.hk, s0, slen, ctx.chunks)
+    if ctx.k_owner != (grp.b, grp.hk):
+        ctx.k_cache = [None] * len(ctx.k_cache)
+        ctx.k_owner = (grp.b, grp.hk)
+    a = s0 // ctx.section_keys
+    a0 = a * ctx.section_keys
+    if ctx.k_cache[a] is None:
+        span = min(ctx.mask.sk, a0 + ctx.section_keys) - a0
+        ctx.k_cache[a] = load_k_section(ctx.k_t, grp.b, grp.hk, a0, span, ctx.chunks)
+    return [k_sb[:, s0 - a0:s0 - a0 + slen] for k_sb in ctx.k_cache[a]]
+
+
+def load_v_of(ctx, groups, steps, s):
+    """Load the V of step s's key section (once per section)."""
+    if real(steps, s):
+        gi, si, _ = steps[s]
+        grp = groups[gi]
+        if grp.v[si] is None:
+            s0, slen, _ = section_span(grp, si)
+            grp.v[si] = load_v(ctx.v, grp.b, grp.hk, s0, slen)
+
+
+class Work(nl.NKIObject):
+    """In-flight tiles of one step between pipeline stages (dropped as soon as consumed)."""
+
+
+def real(steps, s):
+    """Step s exists and computes something (not past the ends, not a keyless group)."""
+    return 0 <= s < len(steps) and steps[s][1] >= 0
+
+
+def stage_scores(groups, steps, work, s, scale, softcap):
+    """A: final scores of step s in SBUF and their row max: per score tile QK^T into one PSUM
+    bank [PE], then its evict/scale/mask/max [DVE/ACT]; drops K^T after the last head."""
+    if real(steps, s):
+        gi, si, hi = steps[s]
+        grp = groups[gi]
+        s0, _, sub_tiles = section_span(grp, si)
+        s_sb, rowmax = section_scores(grp.q_tiles[hi], grp.k[si], sub_tiles, s0, scale,
+                                        softcap, grp.bounds)
+        work[s] = Work(s_sb=s_sb, rowmax=rowmax)
+        if hi == len(grp.heads) - 1:
+            grp.k[si] = None
+
+
+def stage_softmax(groups, steps, work, s, p_dtype, exp_scale):
+    """B1: online-softmax statistics and P of step s [DVE/ACT]."""
+    if real(steps, s):
+        gi, _, hi = steps[s]
+        w = work[s]
+        w.p_sb, w.alpha, w.rowsum = softmax_step(groups[gi].states[hi], w.s_sb, w.rowmax,
+                                                 p_dtype, exp_scale)
+        w.s_sb, w.rowmax = None, None
+
+
+def stage_transpose(steps, work, s):
+    """B2a: P^T of step s in PSUM [PE]."""
+    if real(steps, s):
+        w = work[s]
+        w.pt_psum = transpose_p(w.p_sb)
+        w.p_sb = None
+
+
+def stage_evict_pt(groups, steps, work, s, dve_share):
+    """B2b: P^T of step s to SBUF [ACT]."""
+    if real(steps, s):
+        gi, si, _ = steps[s]
+        w = work[s]
+        w.pt_sb = evict_pt(w.pt_psum, section_span(groups[gi], si)[1], dve_share)
+        w.pt_psum = None
+
+
+def stage_pv(groups, steps, work, s):
+    """B2c: O = P @ V of step s [PE]; drops the K/V tile after the group's last head."""
+    if real(steps, s):
+        gi, si, hi = steps[s]
+        grp = groups[gi]
+        w = work[s]
+        w.o_psum = p_times_v(w.pt_sb, grp.v[si], section_span(grp, si)[1])
+        w.pt_sb = None
+        if hi == len(grp.heads) - 1:
+            grp.v[si] = None
+
+
+def stage_acc(groups, steps, work, s, closing):
+    """B3: l = alpha * l + rowsum [GpSimd] and acc = alpha * acc [GpSimd] + O [DVE] of step s;
+    queues the group in ``closing`` after its last step (its outputs are stored one iteration
+    later, :func:`close_group`, so that the in-order GpSimd stream does not hold the next steps'
+    neg_m behind the output scaling, which waits for this acc update)."""
+    if s < 0 or s >= len(steps):
+        return
+    gi, si, hi = steps[s]
+    grp = groups[gi]
+    if si >= 0:
+        w = work[s]
+        state = grp.states[hi]
+        if w.alpha is None:     # fresh state: l = 0 + rowsum
+            state.l = w.rowsum
+        else:
+            nisa.tensor_scalar(dst=state.l, data=state.l, op0=nl.multiply, operand0=w.alpha,
+                               op1=nl.add, operand1=w.rowsum, engine=nisa.engine.gpsimd)
+        if si == 0:     # first section: acc is uninitialised, alpha * 0 + O = O
+            nisa.tensor_copy(dst=state.acc, src=w.o_psum)
+        else:           # alpha * acc on GpSimd (SBUF only), + O on VectorE (one PSUM pass)
+            nisa.tensor_scalar(dst=state.acc, data=state.acc, op0=nl.multiply, operand0=w.alpha,
+                               engine=nisa.engine.gpsimd)
+            nisa.tensor_tensor(dst=state.acc, data1=state.acc, data2=w.o_psum, op=nl.add)
+        work[s] = None
+    if si == len(grp.sections) - 1 and (si < 0 or hi == len(grp.heads) - 1):
+        closing.append(grp)
+
+
+def close_group(grp, out, lse_batch):
+    """Store the group's outputs now; queue its lse (computed in batches, ``flash_attention_fwd_state.add_lse``)."""
+    for i in range(len(grp.heads)):
+        store_out(grp.states[i], out, grp.b, grp.heads[i], grp.q0)
+        add_lse(lse_batch, grp.states[i], grp.b, grp.heads[i], grp.q0)
+    grp.q_sec.users -= 1
+    if grp.q_sec.users == 0:
+        grp.q_sec.tiles = None
+    grp.q_tiles, grp.states, grp.bounds, grp.k, grp.v = None, None, None, None, None

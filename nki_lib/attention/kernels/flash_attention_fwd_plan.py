@@ -1,0 +1,121 @@
+"""Compile-time work decomposition of the flash-attention forward kernel (``flash_attention_fwd.py``): groups
+(batch, kv head, query tile, pass of query heads), key sections, steps, and the LNC2 split.
+Plain Python on ints, evaluated while the kernel is traced.
+"""
+
+from __future__ import annotations
+
+from nki_lib._nki import nl
+from nki_lib.attention.kernels.tiles import key_blocks, plan_row, query_tiles
+
+__all__ = ["QUERY_SECTION_TILES", "Ctx", "Group", "plan_groups", "trim_plan", "program_share",
+           "plan_steps", "section_span"]
+
+QUERY_SECTION_TILES = 4  # q^T of this many consecutive query tiles is loaded by one DMA per head
+                         # (1 KiB rows in bf16 instead of 256 B)
+
+
+class Ctx(nl.NKIObject):
+    """Kernel-wide inputs, outputs and compile-time flags, passed to the step helpers."""
+
+
+class QuerySection(nl.NKIObject):
+    """q^T of up to QUERY_SECTION_TILES consecutive query tiles of the same heads, loaded by one
+    DMA per head and chunk, shared by the groups of those tiles (released after the last)."""
+
+
+class Group(nl.NKIObject):
+    """One query tile [q0, q0 + qn) of one pass over (part of) the GQA group of kv head hk: the
+    query heads it serves, its key-tile plan, and once opened its resident tiles."""
+
+
+def plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys):
+    q_spans = query_tiles(mask.sq)
+    n_tiles = len(q_spans)
+    groups = []
+    for b in range(n_batch):
+        for hk in range(n_kv_heads):
+            passes = [tuple(hk * group + g for g in range(g0, min(group, g0 + n_pass)))
+                      for g0 in range(0, group, n_pass)]
+            q_secs = []
+            for t0 in range(0, n_tiles, QUERY_SECTION_TILES):
+                t1 = min(n_tiles, t0 + QUERY_SECTION_TILES)
+                first = q_spans[t0][0]
+                span = q_spans[t1 - 1][0] + q_spans[t1 - 1][1] - first
+                q_secs.append([QuerySection(q0=first, length=span, users=0, tiles=None)
+                              for _ in passes])
+            for t, (q0, qn) in enumerate(q_spans):
+                plan = trim_plan(mask, q0, qn, plan_row(mask, q0, qn))
+                for pi, heads in enumerate(passes):
+                    groups.append(Group(b=b, hk=hk, q0=q0, qn=qn, heads=heads, plan=plan,
+                                        sections=key_sections(plan, section_keys),
+                                        q_sec=q_secs[t // QUERY_SECTION_TILES][pi],
+                                        q_tiles=None, states=None, bounds=None, k=None, v=None))
+    return groups
+
+
+def trim_plan(mask, q0, qn, plan):
+    """``plan_row`` with every tile cut to its 128-key blocks that some query of the tile can see
+    (the causal diagonal tile keeps ``128 * j`` keys instead of 512; a window's first tile loses
+    its leading blocks), so no score, exp, transpose or P @ V is spent on keys no row sees.
+    ``masked`` is recomputed for the cut tile. Returns ``((k0, kn, masked), ...)``."""
+    trimmed = []
+    for k0, kn, _ in plan:
+        seen = [(k0 + j0, bn) for j0, bn in key_blocks(kn)
+                if mask.tile_visible(q0, qn, k0 + j0, bn)]
+        t0 = seen[0][0]
+        tn = seen[-1][0] + seen[-1][1] - t0
+        trimmed.append((t0, tn, not mask.tile_full(q0, qn, t0, tn)))
+    return tuple(trimmed)
+
+
+def key_sections(plan, max_keys):
+    """Key sections of a plan: runs of consecutive visible tiles (adjacent keys) within one
+    aligned span ``[a * max_keys, (a + 1) * max_keys)`` of keys, the unit of one step (aligned,
+    so that a section is a slice of the K^T span cached by ``flash_attention_fwd_pipeline.section_k``).
+    Returns ``((first tile, last tile), ...)``."""
+    sections = []
+    for ti in range(len(plan)):
+        if len(sections) > 0:
+            first, last = sections[-1]
+            adjacent = plan[last][0] + plan[last][1] == plan[ti][0]
+            if adjacent and plan[ti][0] // max_keys == plan[first][0] // max_keys:
+                sections[-1] = (first, ti)
+                continue
+        sections.append((ti, ti))
+    return tuple(sections)
+
+
+def program_share(groups, n_prog, pid):
+    """The contiguous run of groups program ``pid`` of ``n_prog`` (LNC2: one per NeuronCore)
+    serves, cut so that every program gets about the same number of steps (causal rows differ)."""
+    work = [max(1, len(grp.plan) * len(grp.heads)) for grp in groups]   # score tiles
+    total = sum(work)
+    lo, hi, done = 0, 0, 0
+    for i in range(len(groups)):
+        if done * n_prog < total * pid:
+            lo = i + 1
+        if done * n_prog < total * (pid + 1):
+            hi = i + 1
+        done += work[i]
+    return groups[lo:hi]
+
+
+def plan_steps(groups):
+    """Program order of the work: ``(group, key section, head)`` per step; a group with no
+    visible key tile gets one step ``(group, -1, -1)`` (it only initialises and stores)."""
+    steps = []
+    for gi, grp in enumerate(groups):
+        if len(grp.sections) == 0:
+            steps.append((gi, -1, -1))
+        for si in range(len(grp.sections)):
+            for hi in range(len(grp.heads)):
+                steps.append((gi, si, hi))
+    return tuple(steps)
+
+
+def section_span(grp, si):
+    """(first key, number of keys, its score tiles) of key section si of a group."""
+    first, last = grp.sections[si]
+    s0 = grp.plan[first][0]
+    return s0, grp.plan[last][0] + grp.plan[last][1] - s0, grp.plan[first:last + 1]

@@ -1,0 +1,223 @@
+"""Per-step tile work of the flash-attention forward kernel (``flash_attention_fwd.py``): loads, scores, softmax,
+P transposes and P @ V of one step (group, key section, query head). Each function emits the
+NKI instructions of one stage; :mod:`fwd_pipeline` orders them across steps.
+
+Shapes: q^T tiles (dc, qn), K^T section tiles (dc, slen), V section (128, blocks, D) interleaved
+(:func:`block_keys`), scores S (qn, slen) fp32, P (qn, slen) in the V dtype, P^T PSUM tiles
+(128, blocks per bank, qn), O (qn, D) fp32 PSUM.
+Dimension legend: dc head-dim chunk (<= 128), qn query rows (<= 128), kn keys of a score tile
+(<= 512), slen keys of a section, s0 its first key, D head dim.
+Limits: those of ``flash_attention_fwd.py`` (bf16/fp16/fp32, D <= 256).
+"""
+
+from __future__ import annotations
+
+from nki_lib._nki import nisa, nl
+from nki_lib.attention.kernels.tiles import key_blocks, mask_scores
+
+__all__ = ["FP32_BYTES", "HALF_BYTES", "PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "load_q",
+           "load_k_section", "load_v", "section_scores", "softmax_step", "transpose_p", "evict_pt",
+           "p_times_v"]
+
+FP32_BYTES = 4
+HALF_BYTES = 2        # bfloat16 / float16
+MAX_READ_STRIDE_BYTES = 16  # innermost read stride above which an engine port runs at half
+                            # bandwidth (docs/cost-model.md §2.5, NC-v2 arch guide)
+PT_DVE_SHARE = 0.4    # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
+                      # Per 2048-key bf16 section (trn2 rates) ScalarE has ~1.8 us fixed work
+                      # (exp) and VectorE ~2.5 us (score evicts + max, acc), and a P^T block costs
+                      # ScalarE 0.107 us, VectorE 0.067 us (16-bit PSUM at 2x): 0.4 balances them
+                      # (masked tiles add a ScalarE evict, so causal runs favour more)
+PT_DVE_SHARE_SOFTCAP = 1.0  # softcap adds a tanh pass (1.7 us per section) on ScalarE, which then
+                            # stays the busier engine with every P^T block on VectorE
+
+
+def load_q(q_t, b, h, q0, qn, chunks):
+    """q^T tiles (dc, qn) of head h for the queries [q0, q0 + qn), one per head-dim chunk."""
+    q_tiles = []
+    for c0, dc in chunks:
+        q_sb = nl.ndarray((dc, qn), dtype=q_t.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=q_sb, src=q_t[b, h, c0:c0 + dc, q0:q0 + qn])
+        q_tiles.append(q_sb)
+    return q_tiles
+
+
+def load_k_section(k_t, b, hk, s0, slen, chunks):
+    """k^T tiles (dc, slen) per head-dim chunk for the keys [s0, s0 + slen) of a key section."""
+    k_tiles = []
+    for c0, dc in chunks:
+        k_sb = nl.ndarray((dc, slen), dtype=k_t.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=k_sb, src=k_t[b, hk, c0:c0 + dc, s0:s0 + slen])
+        k_tiles.append(k_sb)
+    return k_tiles
+
+
+def interleave_blocks(dtype):
+    """Full 128-key blocks of V interleaved together (see :func:`block_keys`): as many as keep
+    the column stride of the P transposes at ``MAX_READ_STRIDE_BYTES`` (8 in bf16/fp16, 4 in
+    fp32)."""
+    p_bytes = FP32_BYTES if dtype == nl.float32 else HALF_BYTES
+    return max(1, MAX_READ_STRIDE_BYTES // p_bytes)
+
+
+def load_v(v, b, hk, k0, kn):
+    """V of the keys [k0, k0 + kn) as (128, blocks, D) in the interleaved layout of
+    :func:`block_keys`: one DMA per run of up to ``interleave_blocks`` full blocks, each
+    partition reading one contiguous HBM run of ``c * D`` elements per run."""
+    _, hkv, sk, d = v.shape
+    pmax = nl.tile_size.pmax
+    blocks = key_blocks(kn)
+    v_sb = nl.ndarray((pmax, len(blocks), d), dtype=v.dtype, buffer=nl.sbuf)
+    n_full = kn // pmax
+    il = interleave_blocks(v.dtype)
+    for g0 in range(0, n_full, il):
+        c = min(il, n_full - g0)
+        first = ((b * hkv + hk) * sk + k0 + g0 * pmax) * d
+        nisa.dma_copy(dst=v_sb[:, g0:g0 + c, :],
+                      src=v.ap(pattern=[[c * d, pmax], [d, c], [1, d]], offset=first))
+    if n_full < len(blocks):
+        j0, bn = blocks[n_full]
+        nisa.dma_copy(dst=v_sb[0:bn, n_full, :], src=v[b, hk, k0 + j0:k0 + j0 + bn, :])
+    return v_sb
+
+
+def block_keys(p_sb, j, n_full):
+    """Columns of P (qn, kn) that block j of V holds on its partitions. The n_full full blocks
+    interleave in runs of ``c <= interleave_blocks`` blocks starting at block g0: partition p of
+    block g0 + i is key ``128 * g0 + c * p + i`` (so each partition's V rows of a run are one
+    contiguous HBM run, and the transpose reads P with a column stride of c elements, at most
+    16 B); the remainder block holds the last ``kn % 128`` keys in order."""
+    pmax = nl.tile_size.pmax
+    if j < n_full:
+        il = interleave_blocks(p_sb.dtype)
+        g0 = j - j % il
+        c = min(il, n_full - g0)
+        return p_sb[:, g0 * pmax + j - g0:(g0 + c) * pmax:c]
+    return p_sb[:, n_full * pmax:p_sb.shape[1]]
+
+
+def qk(q_tiles, k_tiles, qn, kn):
+    """Raw scores (qn, kn) fp32 PSUM = q @ k^T, accumulated over the head-dim chunks [PE]."""
+    s_psum = nl.ndarray((qn, kn), dtype=nl.float32, buffer=nl.psum)
+    for c in range(len(q_tiles)):
+        nisa.nc_matmul(dst=s_psum, stationary=q_tiles[c], moving=k_tiles[c], accumulate=c > 0)
+    return s_psum
+
+
+def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
+    """Final scores (qn, slen) fp32 in SBUF of a key section and their row max (qn, 1).
+
+    Per score tile (``sub_tiles`` = ``((k0, kn, masked), ...)``): QK^T into one PSUM bank, then
+    one evict: scaled, capped, masked on partial tiles only; unmasked tiles take one VectorE
+    tensor_scalar_reduce (evict + scale + max). The row max is chained over the section's tiles
+    in the VectorE accumulator (``reset_reduce`` on the first tile, ``reduce`` after it; no other
+    accumulator instruction runs on VectorE in between) and read out once, by the last tile."""
+    qn = q_tiles[0].shape[1]
+    slen = sub_tiles[-1][0] + sub_tiles[-1][1] - s0
+    s_sb = nl.ndarray((qn, slen), dtype=nl.float32, buffer=nl.sbuf)
+    rowmax = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    last = len(sub_tiles) - 1
+    for i, (k0, kn, masked) in enumerate(sub_tiles):
+        s_tile = s_sb[:, k0 - s0:k0 - s0 + kn]
+        cmd = nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce
+        res = rowmax if i == last else None
+        s_psum = qk(q_tiles, [k_sb[:, k0 - s0:k0 - s0 + kn] for k_sb in k_tiles], qn, kn)
+        src, factor = s_psum, scale
+        if softcap > 0:
+            nisa.activation(dst=s_tile, op=nl.tanh, data=src, scale=scale / softcap)
+            src, factor = s_tile, softcap
+        if masked and softcap == 0 and factor == 1.0:    # select straight from PSUM
+            mask_scores(s_tile, bounds[0], bounds[1], k0, res, reduce_cmd=cmd, src=src)
+        elif masked:
+            if softcap > 0:
+                nisa.tensor_scalar(dst=s_tile, data=src, op0=nl.multiply, operand0=factor)
+            else:
+                nisa.activation(dst=s_tile, op=nl.copy, data=src, scale=factor)
+            mask_scores(s_tile, bounds[0], bounds[1], k0, res, reduce_cmd=cmd)
+        else:
+            nisa.tensor_scalar_reduce(dst=s_tile, data=src, op0=nl.multiply, operand0=factor,
+                                      reduce_op=nl.maximum, reduce_res=res, reduce_cmd=cmd)
+    return s_sb, rowmax
+
+
+def softmax_step(state, s_sb, rowmax, p_dtype, exp_scale):
+    """Update neg_m = min(neg_m, -exp_scale * rowmax) with the section (GpSimd; ``exp_scale`` is
+    the softmax scale when the scores are kept unscaled, see ``flash_attention_fwd.RAW_SCALE_MIN``, else 1);
+    returns
+    P = exp(s - m_new) (qn, slen), alpha = exp(m - m_new) (None for a fresh state: its first
+    section sets l and acc instead of rescaling them) and the row sum of P (qn, 1) (l is updated
+    later, with acc, by ``flash_attention_fwd_pipeline.stage_acc``)."""
+    qn, slen = s_sb.shape
+    neg_m_new = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-exp_scale,
+                       op1=nl.minimum, operand1=state.neg_m, engine=nisa.engine.gpsimd)
+    alpha = None        # a fresh state (l = 0, acc unset) needs no rescale
+    if not state.fresh:
+        alpha = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, scale=-1.0, bias=neg_m_new)
+    p_sb = nl.ndarray((qn, slen), dtype=p_dtype, buffer=nl.sbuf)
+    rowsum = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=p_sb, op=nl.exp, data=s_sb, scale=exp_scale, bias=neg_m_new,
+                    reduce_op=nl.add,
+                    reduce_res=rowsum, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    state.neg_m = neg_m_new
+    state.fresh = False
+    return p_sb, alpha, rowsum
+
+
+def transpose_p(p_sb):
+    """P^T in PSUM: one TensorE transpose per 128-key block of P (qn, slen), taking the block's
+    key columns (:func:`block_keys`); blocks are grouped into PSUM tiles of one bank each.
+    Returns ``((first block, pt_psum (128, blocks, qn)), ...)``."""
+    qn, slen = p_sb.shape
+    pmax = nl.tile_size.pmax
+    blocks = key_blocks(slen)
+    n_full = slen // pmax
+    p_bytes = FP32_BYTES if p_sb.dtype == nl.float32 else HALF_BYTES
+    per_bank = max(1, nl.tile_size.psum_fmax * FP32_BYTES // (pmax * p_bytes))
+    pt_tiles = []
+    for j0 in range(0, len(blocks), per_bank):
+        nb = min(per_bank, len(blocks) - j0)
+        pt_psum = nl.ndarray((pmax, nb, qn), dtype=p_sb.dtype, buffer=nl.psum)
+        for j in range(j0, j0 + nb):
+            nisa.nc_transpose(dst=pt_psum[0:blocks[j][1], j - j0, :],
+                              data=block_keys(p_sb, j, n_full), engine=nisa.engine.tensor)
+        pt_tiles.append((j0, pt_psum))
+    return pt_tiles
+
+
+def evict_pt(pt_tiles, slen, dve_share):
+    """P^T to SBUF (128, blocks, qn), one instruction per PSUM tile and engine: the first full
+    blocks of the section on ScalarE, the last ``round(dve_share * blocks)`` on VectorE (the
+    remainder block, only its rows, on ScalarE)."""
+    pmax = nl.tile_size.pmax
+    n_blocks = len(key_blocks(slen))
+    n_full = slen // pmax
+    cut = n_full - min(n_full, int(dve_share * n_blocks + 0.5))   # first block on VectorE
+    qn = pt_tiles[0][1].shape[2]
+    pt_sb = nl.ndarray((pmax, n_blocks, qn), dtype=pt_tiles[0][1].dtype, buffer=nl.sbuf)
+    for j0, pt_psum in pt_tiles:
+        full_end = min(n_full, j0 + pt_psum.shape[1])
+        act_end = max(j0, min(cut, full_end))
+        if act_end > j0:
+            nisa.activation(dst=pt_sb[:, j0:act_end, :], op=nl.copy,
+                            data=pt_psum[:, 0:act_end - j0, :])
+        if full_end > act_end:
+            nisa.tensor_copy(dst=pt_sb[:, act_end:full_end, :],
+                             src=pt_psum[:, act_end - j0:full_end - j0, :],
+                             engine=nisa.engine.vector)
+        if full_end < j0 + pt_psum.shape[1]:
+            bn = slen - n_full * pmax
+            nisa.activation(dst=pt_sb[0:bn, n_full, :], op=nl.copy,
+                            data=pt_psum[0:bn, n_full - j0, :])
+    return pt_sb
+
+
+def p_times_v(pt_sb, v_sb, slen):
+    """O (qn, D) fp32 PSUM = P @ V, contracting the 128-key blocks of P^T on TensorE."""
+    qn = pt_sb.shape[2]
+    o_psum = nl.ndarray((qn, v_sb.shape[2]), dtype=nl.float32, buffer=nl.psum)
+    for j, (_, bn) in enumerate(key_blocks(slen)):
+        nisa.nc_matmul(dst=o_psum, stationary=pt_sb[0:bn, j, :], moving=v_sb[0:bn, j, :],
+                       accumulate=j > 0)
+    return o_psum

@@ -1,0 +1,68 @@
+"""Host-side index metadata for the expert-MLP forward: consecutive blocks of one expert merged
+into groups that share every weight tile.
+
+Why: the forward kernel loads and PE-transposes all 3*H*I weights of a block's expert once per
+block, so a plan with small blocks pays the weight DMA and the transposes once per 128 slots. An
+expert's blocks are consecutive in the plan (``moe_plan``), so up to G of them are merged into one
+group of G*B slots: the kernel then loads each weight tile once per group, and slot tiles (128
+slots) that hold only padding are skipped by a per-tile guard (no gather, matmul or scatter), so a
+partly filled group costs what its real slots cost, apart from the shared weight work.
+
+Shapes (dimension legend): NB blocks of B slots in the plan; G blocks per group; S = G*B slots per
+group; NG groups (a static bound, see :func:`group_count`); ST = ceil(S / 128) slot tiles per group.
+Every output is index metadata built with torch index ops: no op math runs here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nki_lib._nki import nl
+
+
+def group_count(n_blocks, n_experts, group_blocks, n_runs):
+    """Groups for a plan of ``n_blocks`` blocks: the static bound min(NB, (NB + E (G-1)) // G) (an
+    expert run of n blocks makes ceil(n / G) groups), or more when the plan has more runs than
+    experts (an expert's blocks not consecutive)."""
+    runs = max(n_experts, n_runs)
+    return min(n_blocks, (n_blocks + runs * (group_blocks - 1)) // group_blocks)
+
+
+def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
+    """(group_expert (NG,) int32, group_slots (NG*S,) int32, tile_live (NG*ST,) int32).
+
+    Runs of consecutive blocks with one expert (>= 0) are cut into groups of at most
+    ``group_blocks`` blocks, in plan order; a group's slots are its blocks' slots in order, then -1
+    padding; tile_live[g * ST + t] = 1 when slot tile t of group g holds an assignment. Blocks with
+    expert -1 are dropped; unused groups have expert -1 and no live tiles."""
+    n_blocks = block_expert.numel()
+    block = slot_assignment.numel() // max(n_blocks, 1)
+    group_slots_n = group_blocks * block
+    dev = block_expert.device
+    idx = torch.arange(n_blocks, device=dev)
+    valid = block_expert >= 0
+    prev = torch.cat([torch.full((1,), -2, dtype=block_expert.dtype, device=dev), block_expert[:-1]])
+    run_start = valid & (block_expert != prev)
+    start_of_run = torch.cummax(torch.where(run_start, idx, torch.zeros_like(idx)), 0).values
+    pos = idx - start_of_run
+    group_start = valid & (pos % group_blocks == 0)
+    group_id = torch.cumsum(group_start.to(torch.int64), 0) - 1
+    n_groups = group_count(n_blocks, n_experts, group_blocks, int(run_start.sum()))
+    group_expert = torch.full((n_groups,), -1, dtype=torch.int32, device=dev)
+    group_expert[group_id[valid]] = block_expert[valid].to(torch.int32)
+    group_slots = torch.full((n_groups * group_slots_n,), -1, dtype=torch.int32, device=dev)
+    base = group_id[valid] * group_slots_n + (pos[valid] % group_blocks) * block
+    dst = (base[:, None] + torch.arange(block, device=dev)[None, :]).reshape(-1)
+    group_slots[dst] = slot_assignment.reshape(n_blocks, block)[valid].reshape(-1).to(torch.int32)
+    pmax = nl.tile_size.pmax
+    by_group = group_slots.reshape(n_groups, group_slots_n)
+    tile_live = torch.stack([(by_group[:, s0:s0 + pmax] >= 0).any(1) for s0 in range(0, group_slots_n, pmax)], 1)
+    return group_expert, group_slots, tile_live.reshape(-1).to(torch.int32).contiguous()
+
+
+def slot_positions(group_slots, n_assignments):
+    """(N,) int32: the position (row of the forward's slot-ordered output) of each assignment."""
+    live = group_slots >= 0
+    pos = torch.full((n_assignments,), -1, dtype=torch.int32, device=group_slots.device)
+    pos[group_slots[live].long()] = torch.nonzero(live).reshape(-1).to(torch.int32)
+    return pos
