@@ -39,3 +39,18 @@ def check_same_device(ref_name: str, ref: torch.Tensor, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != ref.device:
             raise ValueError(f"{name} must be on the device of {ref_name} ({ref.device}), got {t.device}")
+
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def layout_hint(q: torch.Tensor, k: torch.Tensor) -> str:
+    """A hint for errors of the (B, H, S, D) layout rule: if reading q and k as (B, S, H, D)
+    (``transpose(1, 2)`` forgotten) would give a consistent head count, say so."""
+    if q.dim() != 4 or k.dim() != 4:
+        return ""
+    heads_q, heads_k = q.shape[2], k.shape[2]
+    if heads_k >= 1 and heads_q % heads_k == 0:
+        return (f"; q {tuple(q.shape)} and k {tuple(k.shape)} read as (B, S, H, D) would be "
+                f"consistent: nki-lib takes (B, H, S, D), transpose(1, 2) first")
+    return ""

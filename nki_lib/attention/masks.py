@@ -3,7 +3,8 @@
 With ``off = Sk - Sq`` (bottom-right alignment), key j is visible to query i iff
 ``not causal or j <= i + off``, ``window_left < 0 or j >= i + off - window_left``,
 ``window_right < 0 or j <= i + off + window_right`` and, with ``cu_seqlens``, i and j lie in the
-same document. The reference, the naive oracle and the kernels' host-side tile planning all use
+same document (each document aligned on its own: with ``cu_seqlens_k`` its ``off`` is its key
+count minus its query count). The reference, the naive oracle and the kernels' host-side tile planning all use
 these definitions.
 """
 
@@ -15,7 +16,14 @@ import torch
 def visible(q_idx: torch.Tensor, k_idx: torch.Tensor, *, sq: int, sk: int, causal: bool,
             window_left: int, window_right: int) -> torch.Tensor:
     """Boolean mask ``[len(q_idx), len(k_idx)]`` of the causal/window rules."""
-    diag = q_idx[:, None] + (sk - sq)            # the key aligned with each query
+    return visible_at(q_idx, k_idx, offset=sk - sq, causal=causal, window_left=window_left,
+                      window_right=window_right)
+
+
+def visible_at(q_idx: torch.Tensor, k_idx: torch.Tensor, *, offset: int, causal: bool,
+               window_left: int, window_right: int) -> torch.Tensor:
+    """The causal/window rules with query i aligned to key ``i + offset``."""
+    diag = q_idx[:, None] + offset               # the key aligned with each query
     k = k_idx[None, :]
     mask = torch.ones(q_idx.numel(), k_idx.numel(), dtype=torch.bool, device=q_idx.device)
     if causal:
@@ -34,15 +42,22 @@ def segment_ids(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def full_mask(sq: int, sk: int, *, causal: bool, window_left: int, window_right: int,
-              cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
-    """The dense ``[Sq, Sk]`` mask (for the naive oracle and small problems only)."""
-    q_idx = torch.arange(sq, device=device)
-    k_idx = torch.arange(sk, device=device)
-    mask = visible(q_idx, k_idx, sq=sq, sk=sk, causal=causal, window_left=window_left,
-                   window_right=window_right)
-    if cu_seqlens is not None:
-        seg = segment_ids(cu_seqlens.to(device), sq)
-        mask &= seg[:, None] == seg[None, :]
+              cu_seqlens: torch.Tensor | None, device,
+              cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense ``[Sq, Sk]`` mask (for the naive oracle and small problems only). With
+    ``cu_seqlens`` (and ``cu_seqlens_k`` for keys, default the same offsets) each document is
+    bottom-right aligned on its own and sees only its own keys."""
+    if cu_seqlens is None:
+        return visible(torch.arange(sq, device=device), torch.arange(sk, device=device), sq=sq,
+                       sk=sk, causal=causal, window_left=window_left, window_right=window_right)
+    cu_q = [int(x) for x in cu_seqlens.tolist()]
+    cu_k = cu_q if cu_seqlens_k is None else [int(x) for x in cu_seqlens_k.tolist()]
+    mask = torch.zeros(sq, sk, dtype=torch.bool, device=device)
+    for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+        mask[q0:q1, k0:k1] = visible(torch.arange(q1 - q0, device=device),
+                                     torch.arange(k1 - k0, device=device), sq=q1 - q0,
+                                     sk=k1 - k0, causal=causal, window_left=window_left,
+                                     window_right=window_right)
     return mask
 
 

@@ -4,9 +4,11 @@ Usage::
 
     nki-lib bench [--sweep default|full|smoke|targets] [--ops OP ...] [--models NAME ...]
                   [--targets trn2,trn3] [--out DIR] [--no-steady] [--no-cpu] [--no-plot] [--limit N]
-                  [--lnc 1|2]
+                  [--lnc 1|2] [--set NAME=VALUE ...] [--sensitivity]
 
-Writes ``DIR/bench.jsonl`` (schema in benchmarks/README.md), ``DIR/bench.txt`` (the table),
+``--set dma_chunk_floor_ns=150`` replaces a cost-model constant (both targets) for this run;
+``--sensitivity`` also estimates trn2 with each low-confidence constant at each of its documented
+bounds (docs/cost-model.md §7.9) and prints every figure's range. Writes ``DIR/bench.jsonl`` (schema in benchmarks/README.md), ``DIR/bench.txt`` (the table),
 ``DIR/roofline_<family>.png`` and ``DIR/command.txt``; prints the table, with a progress bar on
 stderr while it runs. Exit status 1 if a case errored (a missing kernel is not an error).
 """
@@ -39,7 +41,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lnc", type=int, choices=(1, 2), default=None,
                    help="logical NeuronCore degree the kernels launch with (sets NEURON_LOGICAL_NC_CONFIG; "
                         "default: the environment's, else 1)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="set a cost-model constant for this run (repeatable), e.g. dma_chunk_floor_ns=150")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="also estimate trn2 at each documented bound of each low-confidence constant")
     return p
+
+
+def _overrides(pairs: list[str], targets) -> tuple[dict, dict]:
+    """(target -> HardwareParams with the ``--set`` values, the values) ; bad names are an error."""
+    from nki_lib.simulator.profile import params
+
+    values = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set: expected NAME=VALUE, got {pair!r}")
+        try:
+            values[name.strip()] = float(text)
+        except ValueError:
+            raise SystemExit(f"--set {name}: {text!r} is not a number") from None
+    if not values:
+        return {}, {}
+    try:
+        hws = {t: params(t).with_values("set on the command line (nki-lib bench --set)", **values) for t in targets}
+    except ValueError as exc:
+        raise SystemExit(f"--set: {exc}") from None
+    return hws, values
 
 
 _FAMILIES = ("nki_lib.attention.decode", "nki_lib.moe")
@@ -73,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in targets:
         if t not in ("trn2", "trn3"):
             raise SystemExit(f"--targets: unknown target {t!r} (trn2, trn3)")
+    hws, values = _overrides(args.set, targets)
     cases = [c for c in sweep(args.sweep)
              if (args.ops is None or c.op in args.ops) and (args.models is None or c.model in args.models)
              and (args.modes is None or c.mode in args.modes)]
@@ -82,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for case in cases:
         progress.step(case.label)
-        results.append(run_case(case, targets, steady=not args.no_steady, cpu_paths=not args.no_cpu))
+        results.append(run_case(case, targets, steady=not args.no_steady, cpu_paths=not args.no_cpu, hw=hws,
+                                sensitivity=args.sensitivity))
     progress.close()
     text = table(results)
     goals = targets_report(results)
@@ -94,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         command = "nki-lib bench " + " ".join(argv if argv is not None else sys.argv[1:])
         header = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   "sweep": args.sweep, "targets": list(targets),
-                  "lnc": os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1"), "torch": torch.__version__,
+                  "lnc": os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1"), "set": values,
+                  "sensitivity": args.sensitivity, "torch": torch.__version__,
                   "python": platform.python_version(), "machine": platform.machine(),
                   "nki_lib": getattr(nki_lib, "__version__", "?")}
         write_jsonl(os.path.join(args.out, "bench.jsonl"), results, header)

@@ -140,7 +140,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _summarise(estimates: list, scale: float, cost: flops.OpCost | None, target: str) -> dict:
+def _summarise(estimates: list, scale: float, cost: flops.OpCost | None, target) -> dict:
     """Figures of the launches of one op call, the makespans scaled to the real shape.
 
     Without a ``cost`` (no formula for that part) only the time figures are given.
@@ -180,12 +180,16 @@ def _summarise(estimates: list, scale: float, cost: flops.OpCost | None, target:
     return out
 
 
-def time_figures(cost: flops.OpCost, target: str, grid: int, time_ns: float) -> dict:
-    """The figures of one estimate that follow from its time: TFLOP/s, MFU, roofline fractions."""
-    from nki_lib.simulator.profile import params, roofline
+def time_figures(cost: flops.OpCost, target, grid: int, time_ns: float) -> dict:
+    """The figures of one estimate that follow from its time: TFLOP/s, MFU, roofline fractions.
 
-    roof = roofline(cost, target, grid)
-    peak = params(target).pe_peak_flops(cost.pe_dtype) * grid
+    ``target``: a target name or a :class:`~nki_lib.simulator.profile.HardwareParams`.
+    """
+    from nki_lib.simulator.profile import HardwareParams, params, roofline
+
+    hw = target if isinstance(target, HardwareParams) else params(target)
+    roof = roofline(cost, hw, grid)
+    peak = hw.pe_peak_flops(cost.pe_dtype) * grid
     return {
         "time_us": time_ns * 1e-3,
         "tflops": cost.flops / time_ns * 1e-3,
@@ -229,12 +233,46 @@ def _simulate(case: Case, args, kwargs, target: str):
     return wall, list(runs), nki_lib.coverage()
 
 
-def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_paths: bool = True) -> CaseResult:
-    """Benchmark one case (see the module docstring)."""
+def _figures(case: Case, runs: list, scale: float, cost: flops.OpCost, hw) -> dict:
+    """The figures of one op call's launches on the target table ``hw`` (per op in ``parts``)."""
+    from nki_lib.simulator.profile import estimate
+
+    ests = [(op_name, estimate(r, hw)) for op_name, r in runs if r is not None]
+    out = _summarise([e for _, e in ests], scale, cost, hw)
+    ops = sorted({op_name for op_name, _ in ests})
+    if len(ops) > 1:
+        out["parts"] = {op_name: _summarise([e for o, e in ests if o == op_name], scale,
+                                            part_cost(case, op_name), hw) for op_name in ops}
+    return out
+
+
+_COMPACT = ("time_us", "dependency_bound_us", "tflops", "mfu", "roofline_fraction", "engine_roofline_fraction",
+            "hbm_roofline_fraction", "dependency_bound", "bound_engine")
+
+
+def _compact(figures: dict) -> dict:
+    """The time-derived figures of a sensitivity corner (per op too)."""
+    out = {k: figures[k] for k in _COMPACT if k in figures}
+    if "parts" in figures:
+        out["parts"] = {op: _compact(f) for op, f in figures["parts"].items()}
+    return out
+
+
+def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_paths: bool = True,
+             hw: dict | None = None, sensitivity: bool = False) -> CaseResult:
+    """Benchmark one case (see the module docstring).
+
+    ``hw``: target -> :class:`~nki_lib.simulator.profile.HardwareParams` replacing the published
+    table (``nki-lib bench --set``). ``sensitivity``: also estimate the first target with each
+    low-confidence constant at each documented bound (``estimates[target]["sensitivity"]``:
+    corner label -> figures).
+    """
     import nki_lib
     from nki_lib import registry
     from nki_lib.dispatch import NKIFallbackError
-    from nki_lib.simulator.profile import estimate
+    from nki_lib.simulator.profile import corners, params
+
+    hw = hw or {}
 
     sim = plan(case)
     cost = op_cost(case)
@@ -269,13 +307,12 @@ def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_p
             if not reports or any(r.trace is None for r in reports):
                 res.status = "no trace recorded"
                 break
-            ests = [(op_name, estimate(r, target)) for op_name, r in runs if r is not None]
-            res.estimates[target] = _summarise([e for _, e in ests], sim.scale, cost, target)
-            ops = sorted({op_name for op_name, _ in ests})
-            if len(ops) > 1:
-                res.estimates[target]["parts"] = {
-                    op_name: _summarise([e for o, e in ests if o == op_name], sim.scale, part_cost(case, op_name),
-                                        target) for op_name in ops}
+            target_hw = hw.get(target) or params(target)
+            res.estimates[target] = _figures(case, runs, sim.scale, cost, target_hw)
+            if sensitivity and i == 0:
+                res.estimates[target]["sensitivity"] = {
+                    corner.label: _compact(_figures(case, runs, sim.scale, cost, corner.hw))
+                    for corner in corners(target_hw)}
         if cpu_paths:
             with nki_lib.use_backend("reference"):
                 res.cpu_s["reference_first"] = _timed(lambda: _call(case.op, args, kwargs, case.mode))

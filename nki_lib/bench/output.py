@@ -82,6 +82,17 @@ def table(results: list[CaseResult]) -> str:
             spots = r.estimates["trn2"]["hotspots"][:3]
             lines.append(f"  {r.label}:")
             lines += [f"      {h['share']:5.1%}  {h['source']}  {h['opcode']}  waited on {h['waited_on']}" for h in spots]
+    sens = [r for r in results if r.estimates.get("trn2", {}).get("sensitivity")]
+    if sens:
+        lines.append("")
+        lines.append("trn2 sensitivity: each figure's range with every low-confidence constant at each documented "
+                     "bound (docs/cost-model.md §7.9), and the constant at each end:")
+        for r in sens:
+            lines.append(f"  {r.label}:")
+            for key in (None, "dependency_bound"):
+                rng = _range_of_total(r, key)
+                name = "in order" if key is None else "dependency bound"
+                lines.append(f"      {name:<16} {rng[0]:9.1f} us ({rng[2]}) .. {rng[1]:9.1f} us ({rng[3]})")
     specs: dict = {}
     for r in results:
         if r.status == "ok":
@@ -103,16 +114,32 @@ def table(results: list[CaseResult]) -> str:
 ESTIMATES = (("in order", None), ("dependency bound", "dependency_bound"))
 
 
+def _lookup(est: dict, op: str, part: str, metric: str, estimate: str | None):
+    figures = est.get("parts", {}).get(part, est if op == part and "parts" not in est else None)
+    if figures is not None and estimate is not None:
+        figures = figures.get(estimate)
+    return None if figures is None else figures.get(metric)
+
+
 def target_value(result: CaseResult, part: str, metric: str, estimate: str | None = None):
     """The trn2 figure ``metric`` of the kernels of op ``part`` in ``result`` (None if missing).
 
     ``estimate``: None for the program-order estimate, ``"dependency_bound"`` for the other.
     """
+    return _lookup(result.estimates.get("trn2", {}), result.op, part, metric, estimate)
+
+
+def sensitivity_range(result: CaseResult, part: str, metric: str, estimate: str | None = None):
+    """``(min, max, corner at min, corner at max)`` of a trn2 figure over the nominal constants and
+    each sensitivity corner, or None without a sensitivity run."""
+    from nki_lib.simulator.profile import figure_range  # noqa: PLC0415
+
     est = result.estimates.get("trn2", {})
-    figures = est.get("parts", {}).get(part, est if result.op == part and "parts" not in est else None)
-    if figures is not None and estimate is not None:
-        figures = figures.get(estimate)
-    return None if figures is None else figures.get(metric)
+    nominal = target_value(result, part, metric, estimate)
+    if "sensitivity" not in est or nominal is None:
+        return None
+    values = {label: _lookup(fig, result.op, part, metric, estimate) for label, fig in est["sensitivity"].items()}
+    return figure_range(nominal, {k: v for k, v in values.items() if v is not None})
 
 
 def targets_report(results: list[CaseResult]) -> str:
@@ -129,8 +156,13 @@ def targets_report(results: list[CaseResult]) -> str:
         if any(v is None for v in values):
             lines.append(f"  n/a   {t.name}: {t.metric} >= {t.threshold:.0%}: {r.status}")
             continue
-        verdict = "PASS " if all(v >= t.threshold for v in values) else "SHORT"
+        ranges = [sensitivity_range(r, t.part, t.metric, key) for _, key in ESTIMATES]
+        lows = [rng[0] if rng else v for rng, v in zip(ranges, values)]
+        verdict = "PASS " if all(v >= t.threshold for v in lows) else "SHORT"
         both = " / ".join(f"{v:.1%}" for v in values)
+        if all(ranges):
+            both += " (over the documented ranges: " + " / ".join(
+                f"{rng[0]:.1%} at {rng[2]} .. {rng[1]:.1%} at {rng[3]}" for rng in ranges) + ")"
         est = r.estimates["trn2"].get("parts", {}).get(t.part, r.estimates["trn2"])
         top = est.get("hotspots", [{}])[0] if est.get("hotspots") else {}
         lines.append(f"  {verdict} {t.name}: {t.metric} {both} (in order / dependency bound; target "
@@ -138,7 +170,20 @@ def targets_report(results: list[CaseResult]) -> str:
                      f"{top.get('source', '?')} {top.get('opcode', '')} waited on {top.get('waited_on', '?')}")
     if not lines:
         return ""
-    return "\n".join(["tuning targets (trn2, cost-model estimates; PASS only on both estimates):"] + lines)
+    return "\n".join(["tuning targets (trn2, cost-model estimates; PASS only on both estimates, and with "
+                      "--sensitivity only at every documented bound):"] + lines)
+
+
+def _range_of_total(result: CaseResult, estimate: str | None):
+    """Sensitivity range of the whole call's time (all its ops)."""
+    from nki_lib.simulator.profile import figure_range  # noqa: PLC0415
+
+    est = result.estimates["trn2"]
+
+    def total(fig):
+        return fig["time_us"] if estimate is None else fig["dependency_bound_us"]
+
+    return figure_range(total(est), {label: total(fig) for label, fig in est["sensitivity"].items()})
 
 
 def _ms(seconds):

@@ -8,10 +8,12 @@ upper bounds, and MFU / roofline fractions for an :class:`OpCost`. Every constan
 :mod:`.costs`, the scheduler in :mod:`.schedule`, the rooflines in :mod:`.roofline`.
 """
 
-from .constants import TARGETS, HardwareParams, Param, params
+from .constants import TARGETS, HardwareParams, Param, low_confidence, params
 from .costs import InstrCost, instruction_cost
 from .estimate import Estimate, estimate
 from .roofline import ElementWork, OpCost, Roofline, element_time_ns, roofline
+from .sensitivity import Corner, corners, figure_range
 
-__all__ = ["TARGETS", "HardwareParams", "Param", "params", "InstrCost", "instruction_cost", "Estimate",
-           "estimate", "ElementWork", "OpCost", "Roofline", "element_time_ns", "roofline"]
+__all__ = ["TARGETS", "HardwareParams", "Param", "params", "low_confidence", "InstrCost", "instruction_cost",
+           "Estimate", "estimate", "ElementWork", "OpCost", "Roofline", "element_time_ns", "roofline", "Corner",
+           "corners", "figure_range"]

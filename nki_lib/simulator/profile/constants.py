@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["Param", "HardwareParams", "TARGETS", "params"]
+__all__ = ["Param", "HardwareParams", "TARGETS", "params", "low_confidence"]
 
 DOC = "trainium-cost-model.md"
 
@@ -35,10 +35,24 @@ class Param:
     unit: str
     source: str
     confidence: str  # "H" | "M" | "L"
+    bounds: tuple | None = None   # (low, high) a low-confidence value may take (docs/cost-model.md §7.9)
+    bounds_source: str = ""
 
     def __post_init__(self) -> None:
         if self.confidence not in ("H", "M", "L"):
             raise ValueError(f"confidence must be H, M or L, got {self.confidence!r}")
+        if self.bounds is not None:
+            low, high = self.bounds
+            if not low <= self.value <= high or not self.bounds_source:
+                raise ValueError(f"bounds {self.bounds} must contain the value {self.value!r} and cite a source")
+
+
+SENS = "docs/cost-model.md §7.9"
+
+
+def _bounded(param: Param, low, high, why: str) -> Param:
+    """``param`` with documented sensitivity bounds (each bound's source in ``why``)."""
+    return Param(param.value, param.unit, param.source, param.confidence, (low, high), f"{SENS}: {why}")
 
 
 _TRN2: dict[str, Param] = {
@@ -138,6 +152,33 @@ _TRN2: dict[str, Param] = {
                               "(nrtpy tutorial-validate-benchmark.rst; 3-10 us range)", "M"),
 }
 
+_BOUNDS = {
+    "pe_result_latency_ns": (27.0, 808.0,
+        "low: MM_INIT_LATENCY 64 PE cycles at 2.4 GHz (§2.1); high: the whole 808 ns issue-to-consumable figure of the third-party probe (§2.7)"),
+    "dve_width_fp32": (1, 2,
+        "low: the isa-2.26 estimate, 1 element/lane/cycle (§2.2); high: 256 elements/cycle of arch-trn2 and the third-party probe (§2.2, §3)"),
+    "act_table_load_ns": (0.0, 1283.0,
+        "low: no load when the functions share a table set (grouping unpublished, §2.3, §8); high: the only measurement, 1,283 ns (§3)"),
+    "dve_completion_ns": (104.0, 274.0,
+        "low: the ~100-cycle static overhead of dependent instructions at 0.96 GHz (arch-v2, §2.2); high: the longest third-party intercept, 274 ns (§2.7)"),
+    "act_completion_ns": (83.0, 274.0,
+        "low: the ~100-cycle static overhead at 1.2 GHz (arch-v2, §2.2); high: the third-party ScalarE PSUM->SBUF copy, 265-274 ns (§2.7)"),
+    "sync_op_cycles": (64, 164,
+        "low: MIN_II 64 cycles (shared, §2); high: MIN_II + the ~100-cycle dependent-instruction overhead (arch-v2, §2.2)"),
+    "dma_chunk_floor_ns": (89.0, 178.0,
+        "low: 2 KiB per partition is close to peak (dma-bw), so the floor is at least 2048 B / 23 B/ns; high: 4 KiB saturates (dma-bw), so at most 4096 B / 23 B/ns (§2.6)"),
+    "dma_issue_swdge_ns": (600.0, 1300.0,
+        "low: a hardware-DGE instruction, 600 ns (dge, §2.6); high: the whole DMA fixed latency, 1300 ns (dma-bw, §2.6); no published figure"),
+    "dma_issue_swdge_per_descriptor_ns": (6.7, 105.0,
+        "low: one MIN_II (64-cycle) GpSimd instruction per descriptor on each of the 8 GpSimd cores at 1.2 GHz (§1.2, §2); high: the DMA per-chunk floor, 105 ns (§2.6); no published figure"),
+    "dma_issue_static_ns": (0.0, 600.0,
+        "low: no on-device generation for precomputed descriptors (dge); high: hardware DGE's 600 ns, since precomputed descriptors have the lowest latency (dge, §2.6)"),
+    "barrier_ns": (190.0, 2600.0,
+        "low: one semaphore hand-off, ~190 ns (third-party, §2.7); high: a DMA semaphore round trip to the other core, 2 x 1300 ns (dma-bw, §2.6)"),
+}
+for _name, (_low, _high, _why) in _BOUNDS.items():
+    _TRN2[_name] = _bounded(_TRN2[_name], _low, _high, _why)
+
 _TRN3_OVERRIDES: dict[str, Param] = {
     "f_dve": Param(1.2e9, "Hz", f"{DOC} §1.2 VectorE clock (trainium3_arch.rst)", "H"),
     "pe_macs_per_cycle": Param(
@@ -179,6 +220,22 @@ class HardwareParams:
         self._table = TARGETS[target] if table is None else table
         for name, param in self._table.items():  # plain attributes: the cost rules read them often
             setattr(self, name, param.value)
+
+    def with_values(self, source: str, **values) -> "HardwareParams":
+        """A copy with some constants set to plain values (sensitivity runs, ``nki-lib bench --set``).
+
+        Each keeps its unit and bounds; ``source`` says where the value comes from.
+        """
+        changes = {}
+        for name, value in values.items():
+            if name not in self._table:
+                raise ValueError(f"no cost-model constant {name!r}; known: {', '.join(sorted(self._table))}")
+            old = self._table[name]
+            if not isinstance(old.value, (int, float)) or isinstance(old.value, bool):
+                raise ValueError(f"{name}: only numeric constants can be set, this one is {old.value!r}")
+            changes[name] = Param(type(old.value)(value) if isinstance(old.value, float) else value, old.unit,
+                                  source, old.confidence)
+        return self.replace(**changes)
 
     def replace(self, **changes: Param) -> "HardwareParams":
         """A copy with some constants replaced, e.g. by calibration on hardware (doc §7.8).
@@ -227,3 +284,8 @@ def params(target: str) -> HardwareParams:
     if target not in _CACHE:
         _CACHE[target] = HardwareParams(target)
     return _CACHE[target]
+
+
+def low_confidence(hw: HardwareParams) -> dict[str, tuple]:
+    """The low-confidence (``L``) constants of ``hw`` that have documented bounds: name -> (low, high)."""
+    return {name: p.bounds for name, p in hw.items() if p.confidence == "L" and p.bounds is not None}
