@@ -65,8 +65,9 @@ def _validate(q, k, v, sinks, *, causal, scale, window, softcap, split):
         raise ValueError(f"window must be a pair (left, right), got {window!r}")
     if not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
         raise TypeError(f"window must hold two ints (-1 for unbounded), got {window!r}")
-    flash_ops.validate(q, k, v, sinks, None, causal=causal, scale=scale, window_left=window[0],
-                       window_right=window[1], softcap=softcap)
+    flash_ops.validate(q, k, v, sinks, cu_seqlens=None, cu_seqlens_k=None, attn_mask=None,
+                       causal=causal, scale=scale, window_left=window[0], window_right=window[1],
+                       softcap=softcap)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if k.shape[2] != q.shape[2]:
@@ -143,7 +144,7 @@ class _RingAttention(torch.autograd.Function):
             for q_seg, k_seg, block in config.blocks(step):
                 out_b, lse_b = torch.ops.nki.flash_attention(
                     _rows(q, q_seg, block), _cols(kv[0], k_seg, block), _cols(kv[1], k_seg, block),
-                    None, None, **config.flags(block))
+                    **config.flags(block))
                 merge(_rows(out, q_seg, block), _rows(lse, q_seg, block), out_b, lse_b)
             if pending is not None:
                 kv = pending.wait()
@@ -175,7 +176,7 @@ class _RingAttention(torch.autograd.Function):
                     _rows(dout, q_seg, block), _rows(dlse, q_seg, block),
                     _rows(q, q_seg, block), _cols(kv[0], k_seg, block), _cols(kv[1], k_seg, block),
                     _rows(out, q_seg, block), _rows(lse, q_seg, block),
-                    None, None, **config.flags(block))
+                    **config.flags(block))
                 _rows(dq, q_seg, block).add_(dq_b)
                 _cols(dkv[0], k_seg, block).add_(dk_b)
                 _cols(dkv[1], k_seg, block).add_(dv_b)
