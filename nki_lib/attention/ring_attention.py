@@ -1,13 +1,13 @@
 """Context-parallel (ring) attention on torch.distributed: ``ring_attention``.
 
-Each of the P ranks of ``group`` holds L tokens of one sequence (placement: ``ring_plan``);
+Each of the P ranks of ``group`` holds L tokens of one sequence (placement: ``ring_attention_plan``);
 q (B, Hq, L, D), k/v (B, Hkv, L, D) are that rank's shards. The result on every rank is its rows
 of ``flash_attention`` over the full sequence (S = P L, self-attention) with the same flags.
 
 Forward (P steps). At step t the rank holds the K/V block of rank ``r - t``; it first posts that
 block to rank r + 1 (``RingTransfer``, one tensor holding K and V), then runs ``flash_attention``
 (``return_lse=True``) on every visible (query segment, key segment) sub-rectangle with the mask
-of its global positions (``ring_plan.plan_block``), and merges the partial ``(out, lse)`` exactly:
+of its global positions (``ring_attention_plan.plan_block``), and merges the partial ``(out, lse)`` exactly:
 ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a e^(lse_a - lse) + out_b e^(lse_b - lse)`` (float32
 accumulators). Sinks join once, after the last block: ``lse' = logaddexp(lse, sink)``,
 ``out *= e^(lse - lse')``.
@@ -33,9 +33,9 @@ import math
 
 import torch
 
-from nki_lib.attention import ops as flash_ops
-from nki_lib.attention import reference
-from nki_lib.attention.ring_plan import SPLITS, plan_block, segments
+from nki_lib.attention import flash_attention_op as flash_ops
+from nki_lib.attention import flash_attention_reference as reference
+from nki_lib.attention.ring_attention_plan import SPLITS, plan_block, segments
 from nki_lib.collectives import RingTransfer, group_info
 
 _TAG_KV, _TAG_DKV = 71, 72

@@ -14,8 +14,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import nki_lib
-from nki_lib.attention import flash_attention, masks, reference, ring_attention
-from nki_lib.attention.ring_plan import plan_block, segments
+from nki_lib.attention import flash_attention, masks, ring_attention
+from nki_lib.attention import flash_attention_reference as reference
+from nki_lib.attention.ring_attention_plan import plan_block, segments
 from nki_lib.numerics import parity
 
 # --------------------------------------------------------------------------- planning (pure)
