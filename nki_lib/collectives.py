@@ -7,13 +7,46 @@
   ``batch_isend_irecv``; ``wait()`` returns the received tensor. Posting before a block's compute
   and waiting after it is what overlaps the transfer with the compute.
 
-Peers are group ranks; they are translated to global ranks for ``P2POp``.
+Peers are group ranks; they are translated to global ranks for ``P2POp``. Inside
+``count_traffic()`` every call adds the bytes this rank sends to other ranks (an all-to-all's own
+slice stays local) to the yielded counter, by kind (``"all_to_all"``, ``"ring"``): what the
+scale-out bench's formulas are checked against.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
+
+_traffic: list[Counter] = []
+
+
+@contextlib.contextmanager
+def count_traffic() -> Iterator[Counter]:
+    """Count the bytes this rank sends inside the block (by kind)."""
+    counter: Counter = Counter()
+    _traffic.append(counter)
+    try:
+        yield counter
+    finally:
+        _traffic.remove(counter)
+
+
+def _count(kind: str, nbytes: int) -> None:
+    for counter in _traffic:
+        counter[kind] += nbytes
+
+
+def _exchange(x: torch.Tensor, group) -> torch.Tensor:
+    size, _ = group_info(group)
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    _count("all_to_all", x.numel() * x.element_size() * (size - 1) // size)
+    return out
 
 
 def group_info(group) -> tuple[int, int]:
@@ -37,9 +70,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
-        return out
+        return _exchange(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -52,11 +83,7 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     size, _ = group_info(group)
     if x.shape[0] % size:
         raise ValueError(f"all_to_all needs dim 0 ({x.shape[0]}) to be a multiple of the group size {size}")
-    if not x.requires_grad:
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
-        return out
-    return _AllToAll.apply(x, group)
+    return _AllToAll.apply(x, group) if x.requires_grad else _exchange(x, group)
 
 
 class RingTransfer:
@@ -69,6 +96,7 @@ class RingTransfer:
         ops = [dist.P2POp(dist.isend, send, _global_rank(group, (rank + 1) % size), group, tag),
                dist.P2POp(dist.irecv, self._recv, _global_rank(group, (rank - 1) % size), group, tag)]
         self._keep = send  # the send buffer must outlive the transfer
+        _count("ring", send.numel() * send.element_size())
         self._works = dist.batch_isend_irecv(ops)
 
     def wait(self) -> torch.Tensor:

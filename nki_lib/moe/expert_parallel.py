@@ -49,6 +49,13 @@ def _check_capacity_factor(value):
     return float(value)
 
 
+def capacity_slots(assignments: int, size: int, capacity_factor: float | None) -> int:
+    """C: slots per (source, destination) pair (see the module doc)."""
+    if capacity_factor is None:
+        return max(1, assignments)
+    return max(1, min(assignments, math.ceil(capacity_factor * assignments / size)))
+
+
 class ExpertParallel:
     """The expert-parallel layout of one MoE layer and its dispatch/combine (see module doc)."""
 
@@ -67,9 +74,7 @@ class ExpertParallel:
 
     def capacity(self, assignments: int) -> int:
         """Slots per (source, destination) pair for ``assignments`` local assignments."""
-        if self.capacity_factor is None:
-            return max(1, assignments)
-        return max(1, min(assignments, math.ceil(self.capacity_factor * assignments / self.size)))
+        return capacity_slots(assignments, self.size, self.capacity_factor)
 
     def stats(self) -> dict:
         return {"capacity": self.last_capacity, "last_dropped": int(self.last_dropped),
@@ -104,9 +109,18 @@ class ExpertParallel:
         return y, tokens_per_expert
 
     def _count(self, cap, dropped):
+        """Record the drops without a host sync (``stats()`` reads them)."""
         self.last_capacity = cap
-        self.last_dropped = dropped.detach().to("cpu", torch.int64)
-        self.dropped_total = self.dropped_total + self.last_dropped
+        self.last_dropped = dropped.detach()
+        self.dropped_total = self.dropped_total.to(dropped.device) + self.last_dropped
+
+    def __deepcopy__(self, memo):
+        """Copies of a module share its process group (a handle) and start with fresh counters."""
+        clone = copy.copy(self)
+        clone.last_capacity = 0
+        clone.last_dropped = torch.zeros((), dtype=torch.int64)
+        clone.dropped_total = torch.zeros((), dtype=torch.int64)
+        return clone
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group in place (e.g. the expert loads of aux-loss-free balancing)."""
@@ -137,11 +151,8 @@ def gather_moe(module):
     ep = module.expert_parallel
     if ep is None:
         raise ValueError("gather_moe needs an expert-parallel MoE (built with ep_group)")
-    module.expert_parallel = None          # the process group does not deep-copy
-    try:
-        full = copy.deepcopy(module)
-    finally:
-        module.expert_parallel = ep
+    full = copy.deepcopy(module)
+    full.expert_parallel = None
     for name in module.EXPERT_PARAMETERS:
         local = getattr(module, name).detach().contiguous()
         parts = [torch.empty_like(local) for _ in range(ep.size)]

@@ -4,6 +4,8 @@ experts, the counted drop policy and the checkpoint helpers."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -162,7 +164,28 @@ def _checkpoint_rank(rank, world):
             errors.append(None)
         except ValueError as err:
             errors.append(str(err))
-    return local, same, list(single.state_dict()) == list(back.state_dict()), errors
+    clone = copy.deepcopy(sharded)
+    shares_group = clone.expert_parallel.group is sharded.expert_parallel.group
+    return local, same and shares_group, list(single.state_dict()) == list(back.state_dict()), errors
+
+
+def _bias_rank(rank, world):
+    """aux-loss-free balancing moves the replicated bias by the group's load, the same on every rank."""
+    torch.manual_seed(5)
+    moe = shard_moe(MoE(HIDDEN, INTER, EXPERTS, TOP_K, block_size=4, aux_loss_free=True), None,
+                    capacity_factor=None)
+    x, _ = _tokens(rank, world)      # different tokens per rank
+    moe.train()
+    moe(x[:TOKENS].float())
+    load = _all_reduce(moe._load.clone())
+    moe.update_expert_bias(0.5)
+    return _all_gather_cat(moe.expert_bias[None]), load
+
+
+def test_expert_bias_update_uses_the_group_load():
+    (biases, load), _ = run_ranks(2, _bias_rank)
+    assert torch.equal(biases[0], biases[1])
+    assert torch.equal(biases[0], 0.5 * torch.sign(load.mean() - load))
 
 
 @pytest.mark.parametrize("world", [2])
