@@ -44,4 +44,4 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return (out, lse) if return_lse else out
 
 
-from nki_lib.attention.ring_attention import ring_attention  # noqa: E402  (context parallelism)
+from nki_lib.attention.ring_attention import ring_attention  # noqa: E402, F401  (context parallelism)

@@ -2,7 +2,8 @@
 
 ``run_ranks(world, fn, *args)`` forks ``world`` processes (fork: the test process's imports are
 reused, so a group starts in well under a second), each joins a gloo group on 127.0.0.1 at a free
-port, runs ``fn(rank, world, *args)`` and reports its return value (picklable) or its traceback.
+port, runs ``fn(rank, world, *args)`` and reports its return value (pickled by value: tensors are
+copied, not shared with a process that exits) or its traceback.
 Every wait is bounded: a group that does not finish within ``timeout`` seconds is terminated and
 the test fails with what each rank reported.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -36,9 +38,11 @@ def _entry(rank, world, port, fn, args, results):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-        results.put((rank, True, fn(rank, world, *args)))
+        value = fn(rank, world, *args)
+        dist.barrier()   # no rank tears the group down while another is still connecting or sending
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001  (reported to the parent, which fails the test)
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, pickle.dumps(traceback.format_exc())))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -66,7 +70,7 @@ def run_ranks(world: int, fn, *args, timeout: float = RUN_TIMEOUT_S) -> list:
                 if any(p.exitcode not in (None, 0) for p in procs if p.pid) and results.empty():
                     break
                 continue
-            reports[rank] = (ok, value)
+            reports[rank] = (ok, pickle.loads(value))
     finally:
         for proc in procs:
             proc.join(timeout=5)
