@@ -53,9 +53,10 @@ def launch_on_device(kernel, grid: int, args: tuple, kwargs: dict):
     call, which routes neuron tensors to TorchNeuron's kernel HOP.
     """
     if emulation.active():
+        from nki_lib.dispatch import current_op
         from nki_lib.neuron.kernel_call import launch
 
-        return launch(kernel, grid, args, kwargs)
+        return launch(kernel, grid, args, kwargs, op=current_op())
     wrap_nki = getattr(sys.modules.get("torch_neuronx"), "wrap_nki", None)
     if wrap_nki is not None:
         caller = wrap_nki(kernel)

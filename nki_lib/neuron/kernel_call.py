@@ -54,7 +54,7 @@ class _Table:
 
 
 KERNELS = _Table()
-CONSTANTS = _Table()   # (treespec, leaves with SLOT where a tensor goes)
+CONSTANTS = _Table()   # (treespec, leaves with SLOT where a tensor goes, nki op name)
 
 
 class _Slot:
@@ -76,19 +76,20 @@ class NKIKernelCall(HigherOrderOperator):
 nki_kernel_call = NKIKernelCall()
 
 
-def launch(kernel, grid: int, args: tuple, kwargs: dict):
-    """Launch ``kernel[grid](*args, **kwargs)`` through ``nki_kernel_call`` (eager or traced)."""
+def launch(kernel, grid: int, args: tuple, kwargs: dict, op: str | None = None):
+    """Launch ``kernel[grid](*args, **kwargs)`` for nki op ``op`` through ``nki_kernel_call``
+    (eager or traced)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     template = tuple(SLOT if isinstance(v, torch.Tensor) else v for v in leaves)
     tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
     kernel_idx = KERNELS.add(id(kernel), kernel)
-    constants_idx = CONSTANTS.add((str(spec), repr(template)), (spec, template))
+    constants_idx = CONSTANTS.add((str(spec), repr(template), op), (spec, template, op))
     return nki_kernel_call(kernel_idx, int(grid), constants_idx, tensors)
 
 
 def _arguments(constants_idx: int, tensors) -> tuple[tuple, dict]:
     """The launch's ``(args, kwargs)`` with ``tensors`` in the tensor slots."""
-    spec, template = CONSTANTS[constants_idx]
+    spec, template, _ = CONSTANTS[constants_idx]
     it = iter(tensors)
     return pytree.tree_unflatten([next(it) if v is SLOT else v for v in template], spec)
 
@@ -104,9 +105,13 @@ def _device_of(tensors) -> torch.device:
 
 @nki_kernel_call.py_impl(DispatchKey.CompositeExplicitAutograd)
 def _dense(kernel_idx, grid, constants_idx, tensors):
-    from nki_lib.dispatch import run_on_simulator
+    from nki_lib.coverage import LEDGER
+    from nki_lib.dispatch import current_op, run_on_simulator
 
     args, kwargs = _arguments(constants_idx, tensors)
+    op = CONSTANTS[constants_idx][2]
+    if current_op() is None and op is not None:   # a compiled graph's node: the op call runs here
+        LEDGER.record_call(op, "device")
     return run_on_simulator(_launchable(kernel_idx, grid), args, kwargs, _device_of(tensors))
 
 
