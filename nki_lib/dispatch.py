@@ -91,12 +91,6 @@ def _tracing(tensors) -> bool:
     return not has_values(*tensors)
 
 
-def current_op() -> str | None:
-    """The op whose call is being served (``None`` outside an op)."""
-    launch = _launch.get()
-    return None if launch is None else launch.op
-
-
 def _dispatch(op, tensors, kernel, reference):
     path = backend.requested_path(tensors)
     if path != "reference":
@@ -208,7 +202,7 @@ def call_kernel(kernel: Any, *args: Any, grid: int = 1, **kwargs: Any) -> Any:
     if launch.path == "device":
         from nki_lib import neuron
 
-        return neuron.launch_on_device(kernel, grid, args, kwargs)
+        return neuron.launch_on_device(kernel, grid, args, kwargs, op=launch.op)
     launchable = kernel[grid] if grid != 1 else kernel
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     return run_on_simulator(launchable, args, kwargs, device)

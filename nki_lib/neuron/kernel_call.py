@@ -1,5 +1,5 @@
 """``nki_kernel_call``: one NKI kernel launch as a graph node, the emulation's stand-in for
-TorchNeuron's ``nki_kernel_wrapper`` higher-order operator (torch-integration notes §2.2).
+TorchNeuron's ``nki_kernel_wrapper`` higher-order operator (docs/neuron.md §1, §4).
 
 A launch is ``nki_kernel_call(kernel_idx, grid, constants_idx, tensors)``: the kernel and the
 non-tensor arguments live in side tables (every distinct constant set is a distinct compilation,
@@ -18,6 +18,7 @@ No autograd formula and no autocast: gradients come from the enclosing op's ``re
 
 from __future__ import annotations
 
+import contextvars
 import threading
 
 import numpy as np
@@ -84,7 +85,14 @@ def launch(kernel, grid: int, args: tuple, kwargs: dict, op: str | None = None):
     tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
     kernel_idx = KERNELS.add(id(kernel), kernel)
     constants_idx = CONSTANTS.add((str(spec), repr(template), op), (spec, template, op))
-    return nki_kernel_call(kernel_idx, int(grid), constants_idx, tensors)
+    token = _eager_op_call.set(True)   # dispatch counts this call; a compiled graph's run does not pass here
+    try:
+        return nki_kernel_call(kernel_idx, int(grid), constants_idx, tensors)
+    finally:
+        _eager_op_call.reset(token)
+
+
+_eager_op_call: contextvars.ContextVar[bool] = contextvars.ContextVar("nki_lib_eager_op_call", default=False)
 
 
 def _arguments(constants_idx: int, tensors) -> tuple[tuple, dict]:
@@ -106,11 +114,11 @@ def _device_of(tensors) -> torch.device:
 @nki_kernel_call.py_impl(DispatchKey.CompositeExplicitAutograd)
 def _dense(kernel_idx, grid, constants_idx, tensors):
     from nki_lib.coverage import LEDGER
-    from nki_lib.dispatch import current_op, run_on_simulator
+    from nki_lib.dispatch import run_on_simulator
 
     args, kwargs = _arguments(constants_idx, tensors)
     op = CONSTANTS[constants_idx][2]
-    if current_op() is None and op is not None:   # a compiled graph's node: the op call runs here
+    if not _eager_op_call.get() and op is not None:   # a compiled graph's node: the op call runs here
         LEDGER.record_call(op, "device")
     return run_on_simulator(_launchable(kernel_idx, grid), args, kwargs, _device_of(tensors))
 
