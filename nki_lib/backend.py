@@ -1,4 +1,4 @@
-"""Execution-path selection and strict mode (api-contract §2).
+"""Execution-path selection and strict mode (docs/contract.md §2).
 
 Every op call runs on exactly one path: ``device`` (the NKI kernel through the real ``nki``
 package on a Trainium ``neuron`` tensor), ``simulator`` (the same kernel source on
@@ -109,7 +109,7 @@ def requested_path(tensors: Iterable[torch.Tensor | None]) -> str:
 
 def lnc_degree() -> int:
     """Logical NeuronCore degree for kernel launches: ``NEURON_LOGICAL_NC_CONFIG`` (1 or 2;
-    default 1), the variable the Neuron runtime and compiler read (nki-api.md §2.1)."""
+    default 1), the variable the Neuron runtime and compiler read (docs/nki-semantics.md §2.1)."""
     value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1").strip()
     if value not in ("1", "2"):
         raise ValueError(f"NEURON_LOGICAL_NC_CONFIG must be 1 or 2, got {value!r}")

@@ -1,4 +1,4 @@
-"""Running an op on its path: the one fallback mechanism for every op (api-contract §2).
+"""Running an op on its path: the one fallback mechanism for every op (docs/contract.md §2).
 
 An op implementation calls::
 

@@ -1,7 +1,7 @@
 """The op registry: one declaration per op drives the contract tests, parity tests, the report
 and the benchmarks, so a new op gets them for free.
 
-Each family declares an :class:`OpSpec` next to its op (``<family>/ops.py``) and calls
+Each family declares an :class:`OpSpec` next to its op (``<family>/<op>_op.py``) and calls
 :func:`register`. FLOP/byte/element formulas per op live in ``nki_lib.bench.flops`` (``cost_of(name, sample)``).
 ``naive`` is the plain, dense PyTorch formula with the op's signature; it
 computes in the dtype of its inputs and is differentiable by autograd. Called on float64 inputs it

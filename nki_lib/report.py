@@ -15,13 +15,14 @@ import time
 
 import nki_lib
 from nki_lib import registry
+from nki_lib.bench.whole_op import host_cost, record_host_ops
 from nki_lib.dispatch import collect_runs
 from nki_lib.numerics.oppar import op_parity
 
 TARGET = "trn2"
 COLUMNS = (("op", 18), ("case", 62), ("path", 9), ("worst", 11), ("ratio", 6), ("ok", 4),
            ("instr", 7), ("sbuf KiB/p", 10), ("psum bk", 7), ("fwd us", 8), ("fwd dep", 8), ("fwd roof", 8),
-           ("bwd us", 8), ("bwd dep", 8), ("wall s", 6))
+           ("bwd us", 8), ("bwd dep", 8), ("host us", 8), ("wall s", 6))
 
 
 def _row(values) -> str:
@@ -54,6 +55,8 @@ def _estimates(spec, sample, runs) -> tuple[str, ...]:
 
 
 def run_report(ops: list[str] | None = None) -> bool:
+    from nki_lib.simulator.profile import params
+
     specs = [s for s in registry.all_specs() if not ops or s.name in ops]
     header = _row([name for name, _ in COLUMNS])
     print(header)
@@ -64,7 +67,7 @@ def run_report(ops: list[str] | None = None) -> bool:
             nki_lib.reset_coverage()
             start = time.perf_counter()
             try:
-                with collect_runs() as runs:
+                with collect_runs() as runs, record_host_ops() as host_ops:
                     result = op_parity(spec, sample, path="simulator")
             except Exception as exc:  # a failing kernel is a report line, not a crash
                 all_ok = False
@@ -82,14 +85,17 @@ def run_report(ops: list[str] | None = None) -> bool:
                         sum(r.instructions for r in sims),
                         f"{max((r.peak_sbuf_bytes for r in sims), default=0) / 1024:.1f}",
                         max((r.peak_psum_banks for r in sims), default=0),
-                        *_estimates(spec, sample, runs), f"{wall:.1f}"]))
+                        *_estimates(spec, sample, runs),
+                        f"{host_cost(host_ops, params(TARGET))['time_us']:.1f}", f"{wall:.1f}"]))
             if not result.ok:
                 print(result)
     print(f"\nratio: kernel error / error of plain PyTorch in the same dtype, both vs an fp64 oracle "
           f"(allowed: 2x outputs, 3x gradients, plus a noise floor). Times: {TARGET} cost-model "
           f"estimates (one NeuronCore), not measurements: 'us' in program order, 'dep' the "
           f"dependency-bound estimate (engines reorder freely subject to dependencies); 'fwd roof' = "
-          f"engine-aware roofline time over the program-order forward time.")
+          f"engine-aware roofline time over the program-order forward time; 'host us' = the host-side "
+          f"torch ops of the op calls (each one launch plus its HBM bytes at HBM bandwidth), to add to "
+          f"the kernels for the whole op.")
     print("\nall kernels pass" if all_ok else "\nFAILURES above")
     return all_ok
 

@@ -1,5 +1,5 @@
 """Argument checks shared by every op: errors name the argument and what was expected
-(api-contract §5). They read only metadata, so they are safe inside fake (meta) kernels, and they
+(docs/contract.md §5). They read only metadata, so they are safe inside fake (meta) kernels, and they
 accept symbolic ints (``torch.SymInt``), which is what int arguments become under
 ``torch.compile(dynamic=True)``."""
 

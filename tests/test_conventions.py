@@ -50,9 +50,15 @@ def test_kernels_import_nki_only_through_nki_lib(path):
 
 
 def test_every_family_has_its_files():
+    registered = {s.name for s in registry.all_specs()}
     for family in ("attention", "moe"):
-        for name in ("reference.py", "ops.py", "DESIGN.md", "kernels"):
+        for name in ("DESIGN.md", "kernels"):
             assert (ROOT / family / name).exists(), f"nki_lib/{family}/{name} is missing"
+        ops = sorted(p.name.removesuffix("_op.py") for p in (ROOT / family).glob("*_op.py"))
+        assert ops, f"nki_lib/{family}: no <op>_op.py"
+        for op in ops:
+            assert (ROOT / family / f"{op}_reference.py").exists(), f"nki_lib/{family}/{op}_reference.py is missing"
+            assert op in registered, f"nki_lib/{family}/{op}_op.py does not register an op named {op!r}"
 
 
 def test_every_registered_op_is_complete():

@@ -1,4 +1,4 @@
-"""Paths, fallback, strict mode, the coverage ledger and the float64 rule (api-contract §2)."""
+"""Paths, fallback, strict mode, the coverage ledger and the float64 rule (docs/contract.md §2)."""
 
 import os
 import subprocess

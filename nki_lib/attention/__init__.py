@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nki_lib.attention import ops  # noqa: F401  (registers the ops)
+from nki_lib.attention import flash_attention_op  # noqa: F401  (registers the ops)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -12,7 +12,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     softcap: float = 0.0, sinks: torch.Tensor | None = None,
                     cu_seqlens: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                     attn_mask: torch.Tensor | None = None, return_lse: bool = False):
-    """Flash attention over q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D); see api-contract §3.
+    """Flash attention over q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D); see docs/contract.md §3.1.
 
     ``window = (left, right)``, -1 for unbounded; masks are bottom-right aligned. Packed
     documents: ``cu_seqlens`` (query offsets) and optionally ``cu_seqlens_k`` (key offsets; each
@@ -31,7 +31,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return (out, lse) if return_lse else out
 
 
-from nki_lib.attention import decode as _decode  # noqa: E402,F401  (registers torch.ops.nki.decode_attention)
+from nki_lib.attention import decode_attention_op as _decode  # noqa: E402,F401  (registers torch.ops.nki.decode_attention)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -42,7 +42,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Contiguous cache: k_cache/v_cache (B, Hkv, Smax, D). Paged cache: (num_blocks, Hkv,
     block_size, D) with ``block_table`` int32 (B, max_blocks). ``cache_seqlens`` int32 (B,) are the
-    valid lengths; see api-contract §3. Inference only. Returns ``out`` or ``(out, lse)``.
+    valid lengths; see docs/contract.md §3.2. Inference only. Returns ``out`` or ``(out, lse)``.
     """
     out, lse = torch.ops.nki.decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
                                               scale=scale, window_left=window_left, softcap=softcap)

@@ -1,4 +1,4 @@
-"""Which keys a query sees (api-contract §3), as small pure predicates on index tensors.
+"""Which keys a query sees (docs/contract.md §3), as small pure predicates on index tensors.
 
 With ``off = Sk - Sq`` (bottom-right alignment), key j is visible to query i iff
 ``not causal or j <= i + off``, ``window_left < 0 or j >= i + off - window_left``,

@@ -1,6 +1,6 @@
 """Shared autograd glue for the ops' ``register_autograd`` formulas.
 
-Per-op formulas stay in ``<family>/ops.py``; this module holds only what every op repeats.
+Per-op formulas stay in ``<family>/<op>_op.py``; this module holds only what every op repeats.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ Usage::
 
 ``--set dma_chunk_floor_ns=150`` replaces a cost-model constant (both targets) for this run;
 ``--sensitivity`` also estimates trn2 with each low-confidence constant at each of its documented
-bounds (docs/cost-model.md §7.9) and prints every figure's range. Writes ``DIR/bench.jsonl`` (schema in benchmarks/README.md), ``DIR/bench.txt`` (the table),
+bounds (docs/cost-model.md §7.9) and prints every figure's range.
+
+Writes ``DIR/bench.jsonl`` (schema in benchmarks/README.md), ``DIR/bench.txt`` (the table),
 ``DIR/roofline_<family>.png`` and ``DIR/command.txt``; prints the table, with a progress bar on
 stderr while it runs. Exit status 1 if a case errored (a missing kernel is not an error).
 """
@@ -70,7 +72,7 @@ def _overrides(pairs: list[str], targets) -> tuple[dict, dict]:
     return hws, values
 
 
-_FAMILIES = ("nki_lib.attention.decode", "nki_lib.moe")
+_FAMILIES = ("nki_lib.attention.decode_attention_op", "nki_lib.moe")
 
 
 def _import_families() -> None:

@@ -2,7 +2,7 @@
 
 Each function takes the op's argument shapes (and flags) and returns the useful FLOPs, the HBM
 bytes that must move at least once, and the ScalarE/VectorE element work, following
-``trainium-cost-model.md`` §7.6 and the protocol in ``nki_lib.simulator.profile.roofline``.
+``docs/cost-model.md`` §7.6 and the protocol in ``nki_lib.simulator.profile.roofline``.
 ``cost_of(op_name, sample)`` maps a registry ``Sample`` of an op to its cost. Op authors may
 move a formula beside their op; keep the signature ``(<shapes>, *, <flags>) -> OpCost``.
 
@@ -42,7 +42,7 @@ def pe_dtype(dtype) -> str:
 
 def visible_pairs(sq: int, sk: int, *, causal: bool = False, window_left: int = -1, window_right: int = -1,
                   cu_seqlens: Sequence[int] | None = None) -> int:
-    """Number of visible (query, key) pairs under the mask of api-contract §3 (exact count)."""
+    """Number of visible (query, key) pairs under the mask of docs/contract.md §3.1 (exact count)."""
     if cu_seqlens is not None:
         bounds = [int(x) for x in cu_seqlens]
         return sum(visible_pairs(b - a, b - a, causal=causal, window_left=window_left, window_right=window_right)
@@ -60,7 +60,7 @@ def visible_pairs(sq: int, sk: int, *, causal: bool = False, window_left: int = 
 
 
 def _attention_work(scores: float) -> tuple[ElementWork, ...]:
-    """Forward softmax work per visible score (doc §7.6 N_exp and N_vec, c_v = 2).
+    """Forward softmax work per visible score (docs/cost-model.md §7.6 N_exp and N_vec, c_v = 2).
 
     One exp (ScalarE; VectorE ``exponential`` on trn3), one row-max read of the fp32 scores in
     PSUM (VectorE only: ScalarE reduces only with add) and one PSUM eviction of P^T after its
@@ -87,7 +87,7 @@ def flash_attention_fwd(b: int, hq: int, hkv: int, sq: int, sk: int, d: int, *, 
 def flash_attention_bwd(b: int, hq: int, hkv: int, sq: int, sk: int, d: int, *, dtype="bfloat16",
                         causal: bool = False, window_left: int = -1, window_right: int = -1,
                         cu_seqlens: Sequence[int] | None = None) -> OpCost:
-    """Backward (doc §7.6): F = 2.5 x forward (recompute S, dV, dP, dQ, dK).
+    """Backward (docs/cost-model.md §7.6): F = 2.5 x forward (recompute S, dV, dP, dQ, dK).
 
     Bytes: Q, K, V, O, dO read, dQ, dK, dV written, LSE and D = rowsum(dO * O) (fp32). Element
     work per visible score: the exp that recomputes P, dS = P * (dP - D) (the subtraction can be
@@ -109,7 +109,7 @@ def flash_attention_bwd(b: int, hq: int, hkv: int, sq: int, sk: int, d: int, *, 
 
 def decode_attention(b: int, hq: int, hkv: int, sq: int, seqlens: Sequence[int], d: int, *, dtype="bfloat16",
                      kv_dtype=None, window_left: int = -1) -> OpCost:
-    """Decode (doc §7.6): bytes ~ s_kv * 2 * Hkv * D * sum(L_b) (the cache) + q, out, lse.
+    """Decode (docs/cost-model.md §7.6): bytes ~ s_kv * 2 * Hkv * D * sum(L_b) (the cache) + q, out, lse.
 
     FLOPs and element work count the visible cached positions of each new query token.
     """
@@ -144,7 +144,7 @@ def _expert_blocks(t: int, e: int, k: int, block_size: int) -> int:
 
 
 def moe_experts_fwd(t: int, h: int, i: int, e: int, k: int, *, block_size: int = 128, dtype="bfloat16") -> OpCost:
-    """Gated expert MLP (doc §7.6): F_useful = 2 * 3 * T*k * H * I.
+    """Gated expert MLP (docs/cost-model.md §7.6): F_useful = 2 * 3 * T*k * H * I.
 
     ``executed_flops`` counts the padded blocks of a balanced routing. Bytes: every touched
     expert's three matrices once, plus a gather read and a scatter write of H per assignment,

@@ -23,7 +23,10 @@ For a :class:`~nki_lib.bench.shapes.Case` the harness
 3. times, on the same (simulated) shape, the op's reference path and the natural PyTorch
    baseline (:func:`nki_lib.bench.inputs.baseline`), first call and steady state;
 4. computes TFLOP/s, MFU and both roofline fractions from the op's minimum-work formula
-   (:mod:`nki_lib.bench.flops`) at the real shape.
+   (:mod:`nki_lib.bench.flops`) at the real shape;
+5. records the host-side torch ops of the call (:mod:`nki_lib.bench.whole_op`) and charges each
+   its HBM bytes (scaled like the makespan) plus one launch, beside the kernels (``host``,
+   ``whole_op_us``, ``whole_op_dependency_bound_us``).
 
 A case whose op is not registered, or whose call falls back to the reference (no kernel yet),
 is reported with that status and no device estimate: nothing is filled in.
@@ -39,6 +42,7 @@ import torch
 from nki_lib.bench import flops
 from nki_lib.bench.inputs import baseline, make_call
 from nki_lib.bench.shapes import Case
+from nki_lib.bench.whole_op import host_cost, record_host_ops
 
 __all__ = ["SimPlan", "plan", "run_case", "CaseResult"]
 
@@ -217,7 +221,7 @@ def part_cost(case: Case, op_name: str) -> flops.OpCost | None:
 
 
 def _simulate(case: Case, args, kwargs, target: str):
-    """One strict simulator call on ``target``: (wall seconds, runs, coverage snapshot)."""
+    """One strict simulator call on ``target``: (wall seconds, runs, coverage snapshot, host ops)."""
     import nki_lib
     from nki_lib.dispatch import collect_runs
     from nki_lib.simulator import get_target, set_target
@@ -226,11 +230,12 @@ def _simulate(case: Case, args, kwargs, target: str):
     set_target(target)
     nki_lib.reset_coverage()
     try:
-        with nki_lib.use_backend("simulator"), nki_lib.strict(True), collect_runs() as runs:
+        with nki_lib.use_backend("simulator"), nki_lib.strict(True), collect_runs() as runs, \
+                record_host_ops() as host_ops:
             wall = _timed(lambda: _call(case.op, args, kwargs, case.mode))
     finally:
         set_target(previous)
-    return wall, list(runs), nki_lib.coverage()
+    return wall, list(runs), nki_lib.coverage(), list(host_ops)
 
 
 def _figures(case: Case, runs: list, scale: float, cost: flops.OpCost, hw) -> dict:
@@ -244,6 +249,17 @@ def _figures(case: Case, runs: list, scale: float, cost: flops.OpCost, hw) -> di
         out["parts"] = {op_name: _summarise([e for o, e in ests if o == op_name], scale,
                                             part_cost(case, op_name), hw) for op_name in ops}
     return out
+
+
+def _add_host(figures: dict, host_ops: list, scale: float, hw) -> None:
+    """The host-side torch ops of the call (whole-op estimate, nki_lib.bench.whole_op) beside the
+    kernels: ``host`` figures, ``whole_op_us`` and ``whole_op_dependency_bound_us`` (per op too)."""
+    host = host_cost(host_ops, hw, scale)
+    figures["host"] = host
+    figures["whole_op_us"] = figures["time_us"] + host["time_us"]
+    figures["whole_op_dependency_bound_us"] = figures["dependency_bound_us"] + host["time_us"]
+    for op, part in figures.get("parts", {}).items():
+        _add_host(part, [o for o in host_ops if o.op == op], scale, hw)
 
 
 _COMPACT = ("time_us", "dependency_bound_us", "tflops", "mfu", "roofline_fraction", "engine_roofline_fraction",
@@ -290,7 +306,7 @@ def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_p
         args, kwargs = make_call(case.op, sim.dims, dtype, requires_grad=train)
         for i, target in enumerate(targets):
             try:
-                wall, runs, cov = _simulate(case, args, kwargs, target)
+                wall, runs, cov, host_ops = _simulate(case, args, kwargs, target)
             except NKIFallbackError as exc:
                 res.status = f"fallback: {exc}"
                 break
@@ -298,7 +314,7 @@ def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_p
                 res.cpu_s["simulator_first"] = wall
                 res.specializations = sum(cov.specializations.values())
                 if steady:
-                    wall, runs, _ = _simulate(case, args, kwargs, target)
+                    wall, runs, _, host_ops = _simulate(case, args, kwargs, target)
                     res.cpu_s["simulator_steady"] = wall
                 res.kernels = sorted({r.kernel for _, r in runs if r is not None})
                 res.instructions = sum(r.instructions for _, r in runs if r is not None)
@@ -309,6 +325,7 @@ def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_p
                 break
             target_hw = hw.get(target) or params(target)
             res.estimates[target] = _figures(case, runs, sim.scale, cost, target_hw)
+            _add_host(res.estimates[target], host_ops, sim.scale, target_hw)
             if sensitivity and i == 0:
                 res.estimates[target]["sensitivity"] = {
                     corner.label: _compact(_figures(case, runs, sim.scale, cost, corner.hw))

@@ -1,7 +1,7 @@
 """Inputs for a benchmark call and the natural PyTorch baseline of each op.
 
 ``make_call(op, dims, dtype, requires_grad)`` returns ``(args, kwargs)`` for
-``torch.ops.nki.<op>`` (api-contract signatures) built from a fixed seed. Routing for
+``torch.ops.nki.<op>`` (signatures of docs/contract.md) built from a fixed seed. Routing for
 ``moe_experts`` is balanced (assignment ``a`` goes to expert ``a mod E``) so the executed work
 matches ``flops.moe_experts_fwd``. ``baseline(op, args, kwargs)`` runs what a PyTorch user would
 write instead: SDPA for attention, ``x @ W.T`` + softmax/sigmoid + ``topk`` for the router, and a
@@ -24,7 +24,7 @@ def _rand(gen, *shape, dtype, requires_grad=False, scale=1.0):
 
 
 def _plan(topk_ids: torch.Tensor, num_experts: int, block_size: int):
-    """api-contract §4 moe_plan, through the registered op (reference path: it is metadata)."""
+    """docs/contract.md §4.2 moe_plan, through the registered op (reference path: it is metadata)."""
     import nki_lib
 
     with nki_lib.use_backend("reference"):

@@ -37,7 +37,7 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
-COLUMNS = (("case", 58), ("status", 8), ("trn2 us", 9), ("trn2 dep", 9), ("trn3 us", 9), ("trn3 dep", 9),
+COLUMNS = (("case", 58), ("status", 8), ("trn2 us", 9), ("trn2 dep", 9), ("+host", 8), ("trn3 us", 9), ("trn3 dep", 9),
            ("TFLOP/s", 8), ("MFU", 6),
            ("roof", 6), ("eng-roof", 8), ("bound", 7), ("ref ms", 8), ("torch ms", 8), ("sim s", 7),
            ("kinstr/s", 8))
@@ -54,6 +54,7 @@ def table(results: list[CaseResult]) -> str:
         cells = [
             label[:58], status,
             _fmt(t2.get("time_us"), ".1f"), _fmt(t2.get("dependency_bound_us"), ".1f"),
+            _fmt(t2.get("host", {}).get("time_us"), ".1f"),
             _fmt(t3.get("time_us"), ".1f"), _fmt(t3.get("dependency_bound_us"), ".1f"),
             _fmt(t2.get("tflops"), ".1f"), _fmt(t2.get("mfu"), ".0%"),
             _fmt(t2.get("roofline_fraction"), ".0%"), _fmt(t2.get("engine_roofline_fraction"), ".0%"),
@@ -81,7 +82,8 @@ def table(results: list[CaseResult]) -> str:
         for r in hot:
             spots = r.estimates["trn2"]["hotspots"][:3]
             lines.append(f"  {r.label}:")
-            lines += [f"      {h['share']:5.1%}  {h['source']}  {h['opcode']}  waited on {h['waited_on']}" for h in spots]
+            lines += [f"      {h['share']:5.1%}  {h['source']}  {h['opcode']}  waited on {h['waited_on']}"
+                      for h in spots]
     sens = [r for r in results if r.estimates.get("trn2", {}).get("sensitivity")]
     if sens:
         lines.append("")
@@ -104,7 +106,9 @@ def table(results: list[CaseResult]) -> str:
     lines.append("")
     lines.append("trn2/trn3 us: estimated device time in program order (cost model, nki_lib.simulator.profile); "
                  "dep: the dependency-bound estimate (engines reorder freely subject to data dependencies, "
-                 "engine occupancy and buffer hazards); TFLOP/s, MFU, "
+                 "engine occupancy and buffer hazards); +host: the host-side torch ops of the call (whole-op "
+                 "estimate: each op one launch plus its HBM bytes at HBM bandwidth, trn2), to add to either; "
+                 "TFLOP/s, MFU, "
                  "roof (classical roofline fraction), eng-roof (engine-aware roofline fraction) and bound "
                  "(critical engine) are trn2. ref/torch ms: this CPU, steady state, our reference path vs the "
                  "natural PyTorch baseline on the simulated shape; sim s: simulator wall time.")

@@ -1,11 +1,11 @@
 """Mixture of Experts: ``torch.ops.nki.moe_router``, ``moe_plan``, ``moe_experts`` (+ backward ops),
-their functional wrappers, the ``MoE`` module and the router losses (api-contract §4)."""
+their functional wrappers, the ``MoE`` module and the router losses (docs/contract.md §4)."""
 
 from __future__ import annotations
 
 import torch
 
-from nki_lib.moe import ops  # noqa: F401  (registers the ops)
+from nki_lib.moe import moe_experts_op, moe_plan_op, moe_router_op  # noqa: F401  (registers the ops)
 from nki_lib.moe.module import MoE, load_balancing_loss, router_z_loss
 
 __all__ = ["MoE", "load_balancing_loss", "router_z_loss", "moe_router", "moe_plan", "moe_experts"]
@@ -15,7 +15,7 @@ def moe_router(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor 
                top_k: int, score_func: str = "softmax", renormalize: bool = True, num_groups: int = 1,
                topk_groups: int = 1):
     """Router: ``(logits (T, E) f32, topk_weights (T, k) f32, topk_ids (T, k) int32)`` from
-    x (T, H) and weight (E, H); see api-contract §4."""
+    x (T, H) and weight (E, H); see docs/contract.md §4.1."""
     return torch.ops.nki.moe_router(x, weight, expert_bias, top_k=top_k, score_func=score_func,
                                     renormalize=renormalize, num_groups=num_groups,
                                     topk_groups=topk_groups)
@@ -30,6 +30,6 @@ def moe_plan(topk_ids: torch.Tensor, *, num_experts: int, block_size: int):
 def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: torch.Tensor,
                 slot_assignment: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, *,
                 activation: str = "silu") -> torch.Tensor:
-    """Gated expert MLPs over the plan's blocks: y (T, H); see api-contract §4."""
+    """Gated expert MLPs over the plan's blocks: y (T, H); see docs/contract.md §4.3."""
     return torch.ops.nki.moe_experts(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down,
                                      activation=activation)

@@ -1,6 +1,6 @@
 """``nki_lib.moe.MoE`` (router -> plan -> experts, + shared experts) and the router losses.
 
-api-contract §4 "Module and losses". The module composes the three ops, so it runs on whatever
+docs/contract.md §4.4 "Module and losses". The module composes the three ops, so it runs on whatever
 path the backend selects (simulator/device kernels, or the PyTorch reference). Shapes: T tokens
 (all leading dims of x flattened), H hidden, I intermediate, E experts, k = top_k.
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nki_lib.moe import ops  # noqa: F401  (registers the MoE ops)
-from nki_lib.moe.reference_experts import ACTIVATIONS, act
-from nki_lib.moe.router_ops import validate as validate_router
+from nki_lib.moe import moe_experts_op, moe_plan_op, moe_router_op  # noqa: F401  (registers the MoE ops)
+from nki_lib.moe.moe_experts_reference import ACTIVATIONS, act
+from nki_lib.moe.moe_router_op import validate as validate_router
 
 
 def _positive_int(name, value):

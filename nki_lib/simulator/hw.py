@@ -1,4 +1,4 @@
-"""Fixed hardware constants used by instruction checks (nki-api.md §3, §8); per-target sizes are in target.py."""
+"""Fixed hardware constants used by instruction checks (docs/nki-semantics.md §3, §8); per-target sizes are in target.py."""
 
 import math
 
@@ -17,5 +17,5 @@ LOCAL_GATHER_ELEMS = (1, 2, 4, 8, 16, 32)
 DGE_TRANSPOSE_ROWS = 16             # dma_transpose on the HW DGE: source rows (2-d) / row granule (3/4-d)
 DGE_TRANSPOSE_MAX_LAST = 128        # dma_transpose on the HW DGE: max elements of the source's last dim
 # Scalar-engine activations whose hardware approximation is only valid on a narrow input range
-# (nki-api.md §7.3): outside it the hardware returns garbage (e.g. sin has no range reduction)
+# (docs/nki-semantics.md §7.3): outside it the hardware returns garbage (e.g. sin has no range reduction)
 ACTIVATION_RANGES = {"sin": (-math.pi, math.pi), "arctan": (-math.pi / 2, math.pi / 2)}

@@ -1,6 +1,6 @@
 """``nki.language`` for the simulator: dtypes, buffers, allocation, indexing, loops, SPMD, op constants.
 
-Creation functions allocate a fresh storage per call (nki-api.md §9.1); the 0.3+ tile-returning
+Creation functions allocate a fresh storage per call (docs/nki-semantics.md §9.1); the 0.3+ tile-returning
 convenience functions (``nl.load``, ``nl.matmul``, ``nl.exp(x)``, ...) live in ``wrappers.py`` and
 issue ordinary ``nisa`` instructions.
 """
@@ -136,7 +136,7 @@ def _placement(address, shape, bpp, kind, spec, label, dt):
 
 
 def _shared(prog, shape, dt, name):
-    """k-th shared_hbm allocation of every program refers to the same storage (nki-api.md §2.4)."""
+    """k-th shared_hbm allocation of every program refers to the same storage (docs/nki-semantics.md §2.4)."""
     run = prog.run
     with run.lock:
         seq = prog.shared_seq

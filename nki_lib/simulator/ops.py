@@ -1,4 +1,4 @@
-"""Operator constants of ``nki.language`` (nki-api.md §7): ALU ops, activation functions, specials.
+"""Operator constants of ``nki.language`` (docs/nki-semantics.md §7): ALU ops, activation functions, specials.
 
 Each constant is an ``Op``: the same object is passed as ``op=`` to ``nisa`` instructions and is
 callable as the 0.3+ tile-returning convenience function (``nl.add(x, y)``, ``nl.exp(x)``). All

@@ -1,4 +1,4 @@
-"""``VirtualRegister``: a 32-bit engine register (nki-api.md §5.3)."""
+"""``VirtualRegister``: a 32-bit engine register (docs/nki-semantics.md §5.3)."""
 
 from __future__ import annotations
 

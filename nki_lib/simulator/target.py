@@ -17,7 +17,7 @@ class TargetSpec:
     name: str                 # "trn2" | "trn3"
     gen: int                  # nc_version value: 3 (trn2) or 4 (trn3)
     sbuf_size_bytes: int      # whole SBUF
-    sbuf_usable_bytes: int    # usable bytes per partition (nki-api.md §3.2)
+    sbuf_usable_bytes: int    # usable bytes per partition (docs/nki-semantics.md §3.2)
     pmax: int = 128
     psum_bank_bytes: int = 2 * KIB
     psum_num_banks: int = 8
@@ -75,7 +75,7 @@ def target_spec() -> TargetSpec:
 
 
 class _TileSize:
-    """``nl.tile_size``: hardware tile limits of the current target (nki-api.md §3.3)."""
+    """``nl.tile_size``: hardware tile limits of the current target (docs/nki-semantics.md §3.3)."""
 
     @property
     def pmax(self) -> int:

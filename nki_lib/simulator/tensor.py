@@ -4,7 +4,7 @@ Element ``(i0, ..., ik)`` of a view is flat storage element ``offset + sum(strid
 units of the view's dtype. On-chip views: dim 0 is the partition dim and its stride equals the
 storage's elements per partition; the free dims must stay inside one partition. Views are
 validated when built (static) or when an instruction executes (dynamic ``scalar_offset`` /
-``vector_offset``). Indexing follows nki-api.md §4.2, ``.ap()`` §4.4 (not composable; explicit
+``vector_offset``). Indexing follows docs/nki-semantics.md §4.2, ``.ap()`` §4.4 (not composable; explicit
 ``offset`` is absolute from the storage start, ``None`` inherits the view's offset).
 """
 
@@ -116,7 +116,7 @@ class NkiTensor(ViewMethods):
     def __repr__(self):
         return f"NkiTensor(name={self._name!r}, shape={self._shape}, dtype={self._dtype}, buffer={self._st.kind})"
 
-    # tensor values are not available to Python on hardware (nki-api.md §2.5)
+    # tensor values are not available to Python on hardware (docs/nki-semantics.md §2.5)
     def _no_value(self, *_):
         raise TypeError(f"tensor {self._name!r}: tensor contents are not available to Python code in a "
                         "kernel (runtime values only exist on the device)")

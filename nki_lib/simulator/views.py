@@ -1,4 +1,4 @@
-"""View methods of ``NkiTensor`` that re-shape metadata only (nki-api.md §4.1): dtype views, reshape,
+"""View methods of ``NkiTensor`` that re-shape metadata only (docs/nki-semantics.md §4.1): dtype views, reshape,
 slice/select, permute, broadcast, expand/squeeze, split/merge dims and einops-style rearrange.
 
 All return a new view on the same storage; on-chip views keep the partition dim first.

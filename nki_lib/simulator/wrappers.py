@@ -1,4 +1,4 @@
-"""0.3+ convenience functions of ``nki.language`` (nki-api.md §9.2-9.4), built from ``nisa`` instructions.
+"""0.3+ convenience functions of ``nki.language`` (docs/nki-semantics.md §9.2-9.4), built from ``nisa`` instructions.
 
 Each returns a fresh tile (SBUF unless noted; ``matmul``/``transpose`` return PSUM tiles) of the
 input's shape; ``dtype=`` picks the result dtype (default: the input's). Functions with no single

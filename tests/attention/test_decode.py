@@ -9,12 +9,12 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import nki_lib
-from nki_lib.attention import decode
-from nki_lib.attention.decode import make_sample
+from nki_lib.attention import decode_attention_op
+from nki_lib.attention.decode_attention_op import make_sample
 from nki_lib.numerics import parity
 from nki_lib.numerics.oppar import op_parity
 
-SPEC = decode.SPEC
+SPEC = decode_attention_op.SPEC
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 import nki_lib
-from nki_lib.attention import decode
-from nki_lib.attention.decode import make_sample
-from nki_lib.attention.kernels import decode_plan
+from nki_lib.attention import decode_attention_op
+from nki_lib.attention.decode_attention_op import make_sample
+from nki_lib.attention.kernels import decode_attention_fwd_plan
 from nki_lib.dispatch import NKIFallbackError, collect_runs, dispatch
 from nki_lib.numerics import parity
 from nki_lib.numerics.oppar import op_parity
 from nki_lib.registry import Sample
 
-SPEC = decode.SPEC
+SPEC = decode_attention_op.SPEC
 
 
 def _launch(sample, num_splits=None, grid=1):
@@ -26,7 +26,7 @@ def _launch(sample, num_splits=None, grid=1):
                  softcap=sample.kwargs.get("softcap", 0.0))
     with collect_runs() as runs, nki_lib.use_backend("simulator"), nki_lib.strict():
         outs = dispatch("decode_attention", (q, k, v, sinks), reference=None,
-                        kernel=lambda: decode_plan.decode_fwd(q, k, v, seqlens, table, sinks,
+                        kernel=lambda: decode_attention_fwd_plan.launch_decode_attention_fwd(q, k, v, seqlens, table, sinks,
                                                               num_splits=num_splits, grid=grid, **flags))
     return outs, runs[-1][1]
 
@@ -60,7 +60,7 @@ def test_contiguous_reads_stop_at_needed_units(window_left):
     lengths, sq = [700, 100], 2
     sample = make_sample(2, 4, 1, sq, 16, lengths, torch.float32, capacity_=1024, window_left=window_left)
     q, k, v, seqlens, table, sinks = sample.args
-    unit = decode_plan.CONTIGUOUS_UNIT_KEYS
+    unit = decode_attention_fwd_plan.CONTIGUOUS_UNIT_KEYS
     pos = torch.arange(k.shape[2])
     keep = torch.zeros(k.shape[0], 1, k.shape[2], 1, dtype=torch.bool)
     for b, length in enumerate(lengths):
@@ -235,7 +235,7 @@ def test_invisible_slots_never_poison_the_result(block_size):
 
     for b, length in enumerate(lengths):
         first = length - sq - window
-        unit = block_size or decode_plan.CONTIGUOUS_UNIT_KEYS
+        unit = block_size or decode_attention_fwd_plan.CONTIGUOUS_UNIT_KEYS
         invisible = list(range(first // unit * unit, first)) + list(range(length, -(-length // unit) * unit))
         for pos in invisible:
             idx, row = slot(b, pos)

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import nki_lib
 from nki_lib import registry, simulator
-from nki_lib.attention import reference
-from nki_lib.attention.kernels import bwd
+from nki_lib.attention import flash_attention_reference
+from nki_lib.attention.kernels import flash_attention_bwd
 from nki_lib.dispatch import Unsupported, collect_runs
 from nki_lib.numerics import parity
 from nki_lib.numerics.oppar import op_parity
@@ -86,7 +86,7 @@ def test_gradient_parity(problem):
 
 def _backward(sample):
     q, k, v, sinks, cu = (t.detach() if isinstance(t, torch.Tensor) else t for t in sample.args)
-    out, lse = reference.flash_attention(q, k, v, sinks, cu, **sample.kwargs)
+    out, lse = flash_attention_reference.flash_attention(q, k, v, sinks, cu, **sample.kwargs)
     gen = torch.Generator().manual_seed(1)
     dout = torch.randn(out.shape, generator=gen).to(out.dtype)
     dlse = torch.where(torch.isfinite(lse), torch.randn(lse.shape, generator=gen), 0.0)
@@ -114,7 +114,7 @@ def _naive_grads(args, flags, dtype, wrt):
     if sinks is not None:
         sink_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         leaves.append(sinks.detach().to(sink_dtype).requires_grad_(True))
-    out, lse = reference.naive(*leaves[:3], leaves[3] if sinks is not None else None, cu, **flags)
+    out, lse = flash_attention_reference.naive(*leaves[:3], leaves[3] if sinks is not None else None, cu, **flags)
     loss = (out * dout.to(out.dtype)).sum() + torch.where(torch.isfinite(lse), lse * dlse.to(lse.dtype), 0).sum()
     return torch.autograd.grad(loss, [leaves[i] for i in wrt])
 
@@ -125,7 +125,7 @@ def test_kernel_alone_against_fp64_backward():
     sample = make_sample(1, 3, 1, 200, 260, 64, torch.bfloat16, causal=True, softcap=30.0, sinks=True)
     grads, args = _backward(sample)
     upcast = tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-    oracle = reference.flash_attention_backward(*upcast, **sample.kwargs)
+    oracle = flash_attention_reference.flash_attention_backward(*upcast, **sample.kwargs)
     baseline = _naive_grads(args, sample.kwargs, torch.bfloat16, wrt=range(4))
     for name, g, o, base in zip(("dq", "dk", "dv", "dsinks"), grads, oracle, baseline):
         assert g.shape == o.shape and g.dtype == base.dtype, name
@@ -137,11 +137,11 @@ def test_unsupported_before_launch():
     q = torch.randn(1, 1, 8, 4)
     stats = torch.zeros(1, 1, 8)
     with pytest.raises(Unsupported, match="scale <= 0"):
-        bwd.flash_bwd(q, stats, q, q, q, q, stats, None, torch.tensor([0, 3, 8], dtype=torch.int32),
+        flash_attention_bwd.launch_flash_attention_bwd(q, stats, q, q, q, q, stats, None, torch.tensor([0, 3, 8], dtype=torch.int32),
                       causal=True, scale=-0.5, window_left=-1, window_right=-1, softcap=0.0)
 
 
-# SBUF bytes per partition the backward may use at Sq = 16384, D = 128 (bwd.py docstring: about
+# SBUF bytes per partition the backward may use at Sq = 16384, D = 128 (flash_attention_bwd.py docstring: about
 # 38 KiB -- the software pipeline keeps a few query groups, key tiles and eight pairs in flight --
 # plus 24 B of statistics per query tile, plus the fp32 dQ accumulators of the head, 4 * D B per
 # query tile, which stay in SBUF at this size).
@@ -159,7 +159,7 @@ def test_capacity_16384_causal():
     q, k, v, out, dout = (torch.randn(1, 1, s, d, generator=gen).to(torch.bfloat16) for _ in range(5))
     lse = torch.full((1, 1, s), float(math.log(s)))
     dlse = torch.zeros_like(lse)
-    out[:, :, -rows:], lse[:, :, -rows:] = reference.flash_attention(q[:, :, -rows:], k, v, **flags)
+    out[:, :, -rows:], lse[:, :, -rows:] = flash_attention_reference.flash_attention(q[:, :, -rows:], k, v, **flags)
     with simulator.recording(False), collect_runs() as runs, nki_lib.use_backend("simulator"), nki_lib.strict(True):
         dq, dk, dv, _ = torch.ops.nki.flash_attention_backward(dout, dlse, q, k, v, out, lse, **flags)
     report = runs[-1][1]
@@ -188,14 +188,14 @@ def test_long_windowed_sequence():
     lse = torch.full((1, 1, s), float(math.log(w)))
     dlse = torch.randn(1, 1, s, generator=gen)
     rows, keys = slice(s - m, s), slice(s - m - w, s)
-    out[:, :, rows], lse[:, :, rows] = reference.flash_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], **flags)
+    out[:, :, rows], lse[:, :, rows] = flash_attention_reference.flash_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], **flags)
     with simulator.recording(False), nki_lib.use_backend("simulator"), nki_lib.strict(True):
         dq, dk, dv, _ = torch.ops.nki.flash_attention_backward(dout, dlse, q, k, v, out, lse, **flags)
 
     sub = (dout[:, :, rows], dlse[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
            lse[:, :, rows])
-    oracle = reference.flash_attention_backward(*(t.double() for t in sub), **flags)
-    baseline = reference.flash_attention_backward(*sub, **flags)
+    oracle = flash_attention_reference.flash_attention_backward(*(t.double() for t in sub), **flags)
+    baseline = flash_attention_reference.flash_attention_backward(*sub, **flags)
     for name, got, i in (("dq", dq[:, :, rows], 0), ("dk", dk[:, :, rows], 1), ("dv", dv[:, :, rows], 2)):
         cut = slice(None) if i == 0 else slice(w, None)
         result = parity(got, oracle[i][:, :, cut], baseline[i][:, :, cut], kind="grad", dtype=torch.float32,

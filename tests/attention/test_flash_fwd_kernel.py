@@ -1,4 +1,4 @@
-"""Forward parity and structure of the flash-attention NKI kernel (``kernels/fwd.py``) on the
+"""Forward parity and structure of the flash-attention NKI kernel (``kernels/flash_attention_fwd.py``) on the
 simulator in strict mode, judged against the fp64 oracle by ``op_parity`` (numerics tolerances).
 
 Structure tests read the simulator trace: fully masked tiles are skipped, masks are emitted only
@@ -17,8 +17,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from nki_lib import backend, registry, simulator
-from nki_lib.attention import masks, reference
-from nki_lib.attention.kernels import fwd, tiles
+from nki_lib.attention import masks, flash_attention_reference
+from nki_lib.attention.kernels import flash_attention_fwd, tiles
 from nki_lib.dispatch import Unsupported, collect_runs
 from nki_lib.numerics import parity
 from nki_lib.numerics.oppar import op_parity
@@ -221,7 +221,7 @@ def test_gqa_loads_each_kv_tile_once_per_group():
 def test_unsupported_lengths_raise_before_launch():
     q = torch.empty(1, 1, 1 << 23, 1, dtype=torch.bfloat16)
     with pytest.raises(Unsupported, match="2\\*\\*24"):
-        fwd.flash_fwd(q, q, q, None, None, causal=False, scale=1.0, window_left=-1,
+        flash_attention_fwd.launch_flash_attention_fwd(q, q, q, None, None, causal=False, scale=1.0, window_left=-1,
                       window_right=-1, softcap=0.0)
 
 
@@ -240,8 +240,8 @@ def test_working_set_is_bounded_at_16k():
     assert report.peak_psum_banks <= simulator.tile_size.psum_num_banks
     assert report.peak_sbuf_bytes <= simulator.tile_size.sbuf_fmax_bytes
     tail = (q[:, :, -rows:], k, v)
-    oracle = reference.naive(*(t.double() for t in tail), causal=True)
-    baseline = reference.naive(*tail, causal=True)
+    oracle = flash_attention_reference.naive(*(t.double() for t in tail), causal=True)
+    baseline = flash_attention_reference.naive(*tail, causal=True)
     for name, got, want, base in zip(("out", "lse"), (out, lse), oracle, baseline):
         check = parity(got[:, :, -rows:], want, base, kind="output", dtype=q.dtype, name=name)
         assert check.ok, str(check)

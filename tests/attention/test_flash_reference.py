@@ -1,5 +1,5 @@
 """The attention reference path and op semantics that do not depend on the kernels:
-bad inputs (api-contract §5), autograd behaviour, empty rows, bounded memory at long S."""
+bad inputs (docs/contract.md §5), autograd behaviour, empty rows, bounded memory at long S."""
 
 import math
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nki_lib
-from nki_lib.attention import reference
+from nki_lib.attention import flash_attention_reference
 
 
 def _qkv(b=1, hq=2, hkv=2, sq=6, sk=6, d=4, dtype=torch.float32, requires_grad=False):
@@ -120,7 +120,7 @@ def test_gradient_through_lse_matches_naive():
     q, k, v = _qkv(dtype=torch.float64, requires_grad=True, sq=7, sk=9)
     _, lse = torch.ops.nki.flash_attention(q, k, v, causal=True)
     got = torch.autograd.grad(lse.sum(), (q, k))
-    _, lse_ref = reference.naive(q, k, v, causal=True)
+    _, lse_ref = flash_attention_reference.naive(q, k, v, causal=True)
     want = torch.autograd.grad(lse_ref.sum(), (q, k))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
@@ -131,12 +131,12 @@ def test_reference_long_sequence_memory_is_bounded():
     """fwd+bwd at S = 32768, D = 64, one head: the dense score matrix alone would be 4 GiB."""
     code = textwrap.dedent("""
         import resource, torch
-        from nki_lib.attention import reference
+        from nki_lib.attention import flash_attention_reference
         torch.manual_seed(0)
         S, D = 32768, 64
         q, k, v = (torch.randn(1, 1, S, D, dtype=torch.bfloat16) for _ in range(3))
-        out, lse = reference.flash_attention(q, k, v, causal=True)
-        grads = reference.flash_attention_backward(torch.randn_like(out), torch.zeros_like(lse), q, k, v,
+        out, lse = flash_attention_reference.flash_attention(q, k, v, causal=True)
+        grads = flash_attention_reference.flash_attention_backward(torch.randn_like(out), torch.zeros_like(lse), q, k, v,
                                                    out, lse, causal=True)
         assert all(torch.isfinite(g).all() for g in grads[:3])
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)

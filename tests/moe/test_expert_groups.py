@@ -1,5 +1,5 @@
 """Host-side grouping of an expert's consecutive blocks for the expert-MLP forward
-(``nki_lib.moe.kernels.expert_groups.merge_blocks``): every slot kept exactly once and in order,
+(``nki_lib.moe.kernels.moe_experts_groups.merge_blocks``): every slot kept exactly once and in order,
 groups of one expert, live-tile flags, and a group count that does not depend on the routing."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import nki_lib.moe  # noqa: F401  (registers torch.ops.nki.moe_plan)
 from nki_lib._nki import nl
-from nki_lib.moe.kernels.expert_groups import group_count, merge_blocks, slot_positions
+from nki_lib.moe.kernels.moe_experts_groups import group_count, merge_blocks, slot_positions
 
 
 def plan(topk_ids, experts, block):

@@ -1,5 +1,5 @@
 """moe_experts behaviour: bitwise determinism, free idle blocks, empty inputs, NaN propagation,
-visible fallbacks, and bad inputs raising errors that name the argument (api-contract §4, §5)."""
+visible fallbacks, and bad inputs raising errors that name the argument (docs/contract.md §4.3, §5)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch
 import nki_lib
 import nki_lib.moe  # noqa: F401  (registers the ops)
 from nki_lib.dispatch import NKIFallbackError, collect_runs
-from nki_lib.moe import experts_ops, reference_experts
+from nki_lib.moe import moe_experts_op, moe_experts_reference
 
 
 def sample(t=9, h=24, inter=16, e=4, k=2, block=4, dtype=torch.bfloat16, activation="silu", **kw):
-    return experts_ops.make_sample(t, h, inter, e, k, block, dtype, True, activation=activation, **kw)
+    return moe_experts_op.make_sample(t, h, inter, e, k, block, dtype, True, activation=activation, **kw)
 
 
 def run_with_grads(s, path="simulator"):
@@ -88,7 +88,7 @@ def test_nan_propagates_like_the_reference():
     args = (x, *s.args[1:])
     with nki_lib.use_backend("simulator"), nki_lib.strict(True):
         y = torch.ops.nki.moe_experts(*args, **s.kwargs)
-    ref = reference_experts.moe_experts(*[a.detach() for a in args], **s.kwargs)
+    ref = moe_experts_reference.moe_experts(*[a.detach() for a in args], **s.kwargs)
     assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.isnan(y[3]).all()
     assert torch.isfinite(y[torch.arange(8) != 3]).all()
 
@@ -168,14 +168,14 @@ def test_bad_inputs_name_the_argument(change, error, name):
                                    (40, 64, 64, 4, 3, 512, torch.float16)], ids=["bf16", "fp32", "fp16-B512"])
 def test_sbuf_estimates_bound_the_measured_peak(shape):
     """The launchers' SBUF budgets (used to refuse oversize calls) are upper bounds of the simulator's peak."""
-    from nki_lib.moe.kernels import experts_bwd, experts_fwd
+    from nki_lib.moe.kernels import moe_experts_bwd, moe_experts_fwd
     t, h, inter, e, k, block, dtype = shape
-    s = experts_ops.make_sample(t, h, inter, e, k, block, dtype, True)
+    s = moe_experts_op.make_sample(t, h, inter, e, k, block, dtype, True)
     with collect_runs() as runs:
         run_with_grads(s)
     (_, fwd), (_, bwd) = runs
     counts = dict(top_k=k, n_blocks=s.args[2].numel())
     itemsize = s.args[0].element_size()
-    group = block * experts_fwd.group_blocks(h, inter, block, itemsize, **counts)   # the forward's slots per group
-    assert 0 < fwd.peak_sbuf_bytes <= experts_fwd.sbuf_bytes(h, inter, group, itemsize, **counts)
-    assert 0 < bwd.peak_sbuf_bytes <= experts_bwd.sbuf_bytes(h, inter, block, itemsize, **counts)
+    group = block * moe_experts_fwd.group_blocks(h, inter, block, itemsize, **counts)   # the forward's slots per group
+    assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd.sbuf_bytes(h, inter, group, itemsize, **counts)
+    assert 0 < bwd.peak_sbuf_bytes <= moe_experts_bwd.sbuf_bytes(h, inter, block, itemsize, **counts)

@@ -1,7 +1,7 @@
 """moe_experts parity on the simulator path (strict) against the fp64 oracle: output and all four
 gradients (x, topk_weights, w_gate_up, w_down), over T, H, I, E, k, dtype, block size, activation.
 
-Plans come from ``torch.ops.nki.moe_plan`` (via ``experts_ops.make_sample``).
+Plans come from ``torch.ops.nki.moe_plan`` (via ``moe_experts_op.make_sample``).
 """
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import nki_lib.moe  # noqa: F401  (registers the ops)
-from nki_lib.moe import experts_ops
-from nki_lib.moe.reference_experts import ACTIVATIONS
+from nki_lib.moe import moe_experts_op
+from nki_lib.moe.moe_experts_reference import ACTIVATIONS
 from nki_lib.numerics.oppar import op_parity
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def sample(t, h, inter, e, k, block, dtype, activation="silu", *, seed=0, topk_ids=None):
-    return experts_ops.make_sample(t, h, inter, e, k, block, dtype, True, activation=activation,
+    return moe_experts_op.make_sample(t, h, inter, e, k, block, dtype, True, activation=activation,
                                    seed=seed, topk_ids=topk_ids)
 
 
 def check(s):
-    result = op_parity(experts_ops.SPEC, s)
+    result = op_parity(moe_experts_op.SPEC, s)
     assert result.ok, str(result)
     assert len(result.checks) == 5, str(result)   # y and the four gradients were all judged
 
@@ -48,7 +48,7 @@ def test_parity(s):
 
 @pytest.mark.parametrize("dtype", _DTYPES)
 def test_registered_samples(dtype):
-    for s in experts_ops.SPEC.samples(dtype, True):
+    for s in moe_experts_op.SPEC.samples(dtype, True):
         check(s)
 
 
@@ -90,10 +90,10 @@ def test_narrow_tilings(monkeypatch):
     """Chunks narrow to pmax and outputs are scattered per chunk when SBUF is short (large H, I,
     B): the same results through those code paths."""
     from nki_lib._nki import nl
-    from nki_lib.moe.kernels import experts_bwd, experts_fwd
+    from nki_lib.moe.kernels import moe_experts_bwd, moe_experts_fwd
     narrow = (nl.tile_size.pmax, nl.tile_size.pmax)
-    monkeypatch.setattr(experts_fwd, "tiling", lambda *a, **k: narrow)
-    monkeypatch.setattr(experts_bwd, "tiling", lambda *a, **k: narrow)
+    monkeypatch.setattr(moe_experts_fwd, "tiling", lambda *a, **k: narrow)
+    monkeypatch.setattr(moe_experts_bwd, "tiling", lambda *a, **k: narrow)
     check(sample(6, 300, 2 * 128 + 44, 3, 2, 8, torch.bfloat16, "gelu_tanh"))
 
 

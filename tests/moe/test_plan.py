@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import nki_lib
 import nki_lib.moe  # noqa: F401  (registers the ops)
-from nki_lib.moe import plan as plan_ops
-from nki_lib.moe import reference
+from nki_lib.moe import moe_plan_op
+from nki_lib.moe import moe_plan_reference
 from nki_lib.numerics.oppar import op_parity
 
 
@@ -86,12 +86,12 @@ def test_plan_properties(case):
     check_plan(ids.to(torch.int32), e, block_size, "simulator")
 
 
-@pytest.mark.parametrize("sample", plan_ops.SPEC.samples(torch.int32, False) + [
-    plan_ops.make_sample(300, 8, 512, 128, seed=3),       # E at the PSUM-row limit, several tiles
-    plan_ops.make_sample(130, 1, 1, 1),                   # E = 1, block_size = 1
+@pytest.mark.parametrize("sample", moe_plan_op.SPEC.samples(torch.int32, False) + [
+    moe_plan_op.make_sample(300, 8, 512, 128, seed=3),       # E at the PSUM-row limit, several tiles
+    moe_plan_op.make_sample(130, 1, 1, 1),                   # E = 1, block_size = 1
 ], ids=lambda s: s.label)
 def test_kernel_equals_reference(sample):
-    result = op_parity(plan_ops.SPEC, sample)
+    result = op_parity(moe_plan_op.SPEC, sample)
     assert result.ok, str(result)
 
 
@@ -104,7 +104,7 @@ def test_kernel_limits_fall_back_visibly(ids, e, block_size, reason):
     nki_lib.reset_coverage()
     with nki_lib.use_backend("simulator"):
         got = torch.ops.nki.moe_plan(ids, num_experts=e, block_size=block_size)
-    for a, b in zip(got, reference.moe_plan(ids, num_experts=e, block_size=block_size)):
+    for a, b in zip(got, moe_plan_reference.moe_plan(ids, num_experts=e, block_size=block_size)):
         assert torch.equal(a, b)
     assert reason in str(nki_lib.coverage())
     with pytest.raises(nki_lib.NKIFallbackError, match=reason):
@@ -124,7 +124,7 @@ def test_reference_num_blocks_is_tight():
     e, block_size = 4, 4
     ids = torch.tensor([[0], [1], [2]] + [[3]] * 5, dtype=torch.int32)
     block_expert, _, _ = plan(ids, e, block_size)
-    assert block_expert.shape[0] == reference.num_blocks(ids.numel(), e, block_size)
+    assert block_expert.shape[0] == moe_plan_reference.num_blocks(ids.numel(), e, block_size)
     assert bool((block_expert >= 0).all())
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import nki_lib
 import nki_lib.moe  # noqa: F401  (registers the ops)
-from nki_lib.moe import reference, router_ops
+from nki_lib.moe import moe_router_reference, moe_router_op
 from nki_lib.numerics.oppar import op_parity
 from nki_lib.registry import Sample
 
@@ -56,21 +56,21 @@ def keys_separated(sample: Sample) -> bool:
     """No near ties among the fp64 selection keys (and group scores) that decide the ids."""
     x, weight, bias = (None if a is None else a.detach().double() for a in sample.args)
     kw = sample.kwargs
-    scores = reference.scores_from_logits(x @ weight.T, kw.get("score_func", "softmax"))
+    scores = moe_router_reference.scores_from_logits(x @ weight.T, kw.get("score_func", "softmax"))
     key = scores if bias is None else scores + bias
     groups = kw.get("num_groups", 1)
     if groups > 1:
         grouped = torch.sort(key.reshape(key.shape[0], groups, -1), dim=-1, descending=True).values
         if _near_tie(grouped[..., :2].sum(-1), kw.get("topk_groups", 1)):
             return False
-        ids = reference.select_experts(scores, bias, top_k=kw["top_k"], num_groups=groups,
+        ids = moe_router_reference.select_experts(scores, bias, top_k=kw["top_k"], num_groups=groups,
                                        topk_groups=kw.get("topk_groups", 1))
         key = torch.full_like(key, -torch.inf).scatter(1, ids, key.gather(1, ids))
     return not _near_tie(key, kw["top_k"])
 
 
 def check(sample: Sample):
-    result = op_parity(router_ops.SPEC, sample)
+    result = op_parity(moe_router_op.SPEC, sample)
     assert result.ok, str(result)
 
 
@@ -84,7 +84,7 @@ def router_cases(draw):
     return grid_sample(
         draw(st.integers(1, 260)), draw(st.integers(1, 160)), e, draw(st.sampled_from(_DTYPES)),
         top_k=top_k, bias=draw(st.booleans()), seed=draw(st.integers(0, 99)),
-        score_func=draw(st.sampled_from(reference.SCORE_FUNCS)), renormalize=draw(st.booleans()),
+        score_func=draw(st.sampled_from(moe_router_reference.SCORE_FUNCS)), renormalize=draw(st.booleans()),
         num_groups=groups, topk_groups=topk_groups)
 
 
@@ -102,7 +102,7 @@ def test_router_parity(sample):
 
 @pytest.mark.parametrize("dtype", _DTYPES)
 def test_registered_samples(dtype):
-    for sample in router_ops.SPEC.samples(dtype, True):
+    for sample in moe_router_op.SPEC.samples(dtype, True):
         check(sample)
 
 
@@ -118,7 +118,7 @@ def _ids(sample, path="simulator"):
         return torch.ops.nki.moe_router(*sample.args, **sample.kwargs)[2]
 
 
-@pytest.mark.parametrize("score_func", reference.SCORE_FUNCS)
+@pytest.mark.parametrize("score_func", moe_router_reference.SCORE_FUNCS)
 def test_exact_ties_go_to_lower_id(score_func):
     """Experts 1, 4 and 6 share one weight row (identical scores): they are picked as 1, 4, 6."""
     sample = grid_sample(40, 16, 8, torch.bfloat16, top_k=8, identical_rows=[(1, 4, 6)],
@@ -184,7 +184,7 @@ def test_nan_and_inf_inputs_propagate_without_crashing(num_groups):
     x[1, 3], x[2, 0], bias[7] = float("nan"), float("inf"), float("nan")
     with nki_lib.use_backend("simulator"), nki_lib.strict(True):
         logits, w, ids = torch.ops.nki.moe_router(x, weight, bias, **sample.kwargs)
-    ref_logits, ref_w, ref_ids = reference.moe_router(x, weight, bias, **sample.kwargs)
+    ref_logits, ref_w, ref_ids = moe_router_reference.moe_router(x, weight, bias, **sample.kwargs)
     assert torch.equal(ids, ref_ids)
     assert torch.equal(torch.isnan(w), torch.isnan(ref_w))
     assert torch.equal(torch.isnan(logits), torch.isnan(ref_logits))
@@ -197,7 +197,7 @@ def test_runs_unchanged_on_trn3():
     previous = simulator.get_target()
     simulator.set_target("trn3")
     try:
-        for sample in router_ops.SPEC.samples(torch.bfloat16, True):
+        for sample in moe_router_op.SPEC.samples(torch.bfloat16, True):
             check(sample)
     finally:
         simulator.set_target(previous)

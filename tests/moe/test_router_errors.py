@@ -1,4 +1,4 @@
-"""moe_router bad inputs (api-contract §5): ValueError / TypeError naming the argument, raised
+"""moe_router bad inputs (docs/contract.md §5): ValueError / TypeError naming the argument, raised
 before any kernel runs; launcher limits raise ``Unsupported`` and fall back visibly."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import nki_lib
 import nki_lib.moe  # noqa: F401  (registers the ops)
 from nki_lib.dispatch import Unsupported
-from nki_lib.moe.kernels import router, router_bwd
+from nki_lib.moe.kernels import moe_router_fwd, moe_router_bwd
 
 T, H, E = 6, 8, 4
 
@@ -56,18 +56,18 @@ def test_launcher_limits_raise_unsupported_before_launch():
     x = torch.empty(4, 65536, dtype=torch.bfloat16, device="meta")
     weight = torch.empty(2048, 65536, dtype=torch.bfloat16, device="meta")
     with pytest.raises(Unsupported, match="SBUF"):
-        router.check_supported(x, weight)
+        moe_router_fwd.check_supported(x, weight)
     with pytest.raises(Unsupported, match="SBUF"):
-        router_bwd.check_supported(x, weight)
+        moe_router_bwd.check_supported(x, weight)
     with pytest.raises(Unsupported, match="scan limit"):
-        router.check_supported(x, torch.empty(20000, 8, device="meta"))
+        moe_router_fwd.check_supported(x, torch.empty(20000, 8, device="meta"))
 
 
 def test_unsupported_falls_back_visibly(monkeypatch):
     def refuse(*args, **kwargs):
         raise Unsupported("test refusal")
 
-    monkeypatch.setattr(router, "check_supported", refuse)
+    monkeypatch.setattr(moe_router_fwd, "check_supported", refuse)
     nki_lib.reset_coverage()
     with nki_lib.use_backend("simulator"):
         out = call()

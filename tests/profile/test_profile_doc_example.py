@@ -1,4 +1,4 @@
-"""The worked example of trainium-cost-model.md §7.7: one forward-attention step on trn2.
+"""The worked example of docs/cost-model.md §7.7: one forward-attention step on trn2.
 
 128 queries x 512 keys, d = 128, bf16, non-causal. The doc derives TensorE 1,536 cycles
 (= 640 ns: S = QK^T with N = 512, four 128x128 transposes of P, four PV matmuls), ScalarE

@@ -1,4 +1,4 @@
-"""Hand-computed estimates for small instruction sequences (cost model, doc §7.2-§7.4).
+"""Hand-computed estimates for small instruction sequences (cost model, docs/cost-model.md §7.2-§7.4).
 
 Every expected value is written out from the formulas and the named constants of
 ``nki_lib.simulator.profile.constants`` (no figure is copied from the model's output).
@@ -14,7 +14,7 @@ NS = 1e9
 
 
 def _dma_service_ns(rows, row_bytes, hw=HW):
-    """doc §7.3: 16 engines of 8 rows each, one contiguous chunk per row, BW capped by the HBM share."""
+    """docs/cost-model.md §7.3: 16 engines of 8 rows each, one contiguous chunk per row, BW capped by the HBM share."""
     engines = min(hw.dma_engines, -(-rows // hw.dma_partitions_per_engine))
     bw = min(hw.dma_bw_per_engine, hw.hbm_bw_share / hw.dma_engines)
     return -(-rows // engines) * max(row_bytes / bw, hw.dma_chunk_floor_ns)

@@ -61,7 +61,7 @@ def test_estimate_of_a_simulated_kernel(target):
 def test_more_tiles_cost_more():
     small, big = _run(2), _run(4)
     assert estimate(big, "trn2").time_ns > estimate(small, "trn2").time_ns
-    # 2 KiB rows sit at the per-chunk floor on both targets (doc §2.6), so trn3 is not slower
+    # 2 KiB rows sit at the per-chunk floor on both targets (docs/cost-model.md §2.6), so trn3 is not slower
     assert estimate(big, "trn3").busy_ns["dma"] <= estimate(big, "trn2").busy_ns["dma"]
 
 

@@ -20,7 +20,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 @jit
 def scaled_matmul(xT, w, scale):
-    """nki-api.md §16: K-tiled matmul with explicit accumulate flags, scaled bf16 eviction."""
+    """docs/nki-semantics.md §16: K-tiled matmul with explicit accumulate flags, scaled bf16 eviction."""
     K, M = xT.shape
     _, N = w.shape
     out_hbm = nl.ndarray((M, N), dtype=nl.bfloat16, buffer=nl.shared_hbm)

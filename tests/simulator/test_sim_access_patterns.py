@@ -1,4 +1,4 @@
-"""Views and access patterns (nki-api.md §4): indexing rules, ``nl.ds``, ``get_pattern``, exact
+"""Views and access patterns (docs/nki-semantics.md §4): indexing rules, ``nl.ds``, ``get_pattern``, exact
 ``.ap()`` semantics (non-composable, offset inheritance, stride-0 reads, dtype reinterpretation,
 partition-stride rule, scalar/vector dynamic offsets with oob_mode), ``.view(dtype)`` and
 ``reshape``, and a hypothesis sweep over tile shapes.

@@ -1,4 +1,4 @@
-"""Engine accumulator registers (nki-api.md §8.0.1, §8.7, §8.21, §8.23, §14.12, §14.27): the
+"""Engine accumulator registers (docs/nki-semantics.md §8.0.1, §8.7, §8.21, §8.23, §14.12, §14.27): the
 Scalar-engine register shared by activation instructions, the Vector-engine register shared by
 tensor_scalar_reduce / range_select, reduce_cmd semantics (reset, reduce, load_reduce, idle),
 negated read-out, lanes relative to the operand's first partition, immediate bias (NC-v3+).

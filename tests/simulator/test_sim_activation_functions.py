@@ -1,4 +1,4 @@
-"""Scalar-engine activation functions (nki-api.md §7.3) against fp64 references of the formulas
+"""Scalar-engine activation functions (docs/nki-semantics.md §7.3) against fp64 references of the formulas
 in the spec, judged with ``nki_lib.numerics`` parity (baseline: the same formula in fp32 torch).
 Each function runs as ``activation(op, data=PSUM tile, scale, bias)`` (the PSUM-eviction idiom),
 inputs kept inside the function's valid hardware range.

@@ -1,4 +1,4 @@
-"""The long-tail instructions of nki_lib/simulator/isa/extra.py against NumPy (nki-api.md §8.29,
+"""The long-tail instructions of nki_lib/simulator/isa/extra.py against NumPy (docs/nki-semantics.md §8.29,
 §13.7 and the AWS ISA pages for tensor_scalar_cumulative, tensor_tensor_scan, select_reduce,
 bn_stats/bn_aggr, nc_match_replace8, exponential, activate2, nc_n_gather).
 """

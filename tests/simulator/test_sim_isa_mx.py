@@ -1,4 +1,4 @@
-"""NC-v4 MX instructions of isa/extra.py (nki-api.md §8.16, §8.19, §14 item 13) against loop-based
+"""NC-v4 MX instructions of isa/extra.py (docs/nki-semantics.md §8.16, §8.19, §14.13) against loop-based
 NumPy references: quantize_mx (group scales, saturation, x4 packing, quadrant scale layout) and
 nc_matmul_mx (MXFP8 x MXFP4 dequantized product, accumulate), and their trn3-only gating.
 

@@ -1,5 +1,5 @@
 """Reductions, index generation, selection and cross-partition instructions against NumPy
-(nki-api.md §8.11, §8.13, §8.15, §8.20–§8.28) including the self-test vectors of §13.7.
+(docs/nki-semantics.md §8.11, §8.13, §8.15, §8.20–§8.28) including the self-test vectors of §13.7.
 """
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""TensorE instructions against NumPy (nki-api.md §6.5, §8.6, §8.8, §8.10): nc_matmul math per
+"""TensorE instructions against NumPy (docs/nki-semantics.md §6.5, §8.6, §8.8, §8.10): nc_matmul math per
 input dtype, the overwrite/accumulate rules of §8.8 (accumulate=None/False/True, per-location
 auto mode, fresh PSUM allocations), is_transpose, column tiling, nc_transpose on TensorE and
 VectorE, dma_transpose, and bf16 PSUM results on trn3.
@@ -150,7 +150,7 @@ def test_accumulate_auto_is_tracked_per_psum_location(two_products):
 
 
 def test_accumulate_auto_restarts_after_a_non_tensor_engine_write(two_products):
-    # nki-api.md §8.8 / §14.1 REC: any non-TensorE write resets the auto flag of the locations
+    # docs/nki-semantics.md §8.8 / §14.1: any non-TensorE write resets the auto flag of the locations
     arrays, pa, pb = two_products
 
     def rewrite(a_s, a_m, b_s, b_m):

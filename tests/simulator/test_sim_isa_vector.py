@@ -1,4 +1,4 @@
-"""Vector/Scalar/GpSimd elementwise instructions against NumPy (nki-api.md §6.3, §8.2–§8.5, §8.7,
+"""Vector/Scalar/GpSimd elementwise instructions against NumPy (docs/nki-semantics.md §6.3, §8.2–§8.5, §8.7,
 §8.12, §8.17, §8.22): fp32 math, round-to-nearest-even on write, operand order and reverse flags,
 per-partition scalar operands, activation scale/bias/reduce, copies and casts per dtype.
 

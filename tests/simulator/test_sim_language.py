@@ -1,4 +1,4 @@
-"""``nki.language`` beyond raw instructions (nki-api.md §3.6, §5, §6.3, §9, §17): the 0.3+
+"""``nki.language`` beyond raw instructions (docs/nki-semantics.md §3.6, §5, §6.3, §9, §17): the 0.3+
 convenience wrappers, creation functions, dynamic loops and registers, manual placement rules,
 float->int conversion, DMA dtype rules, engine restrictions, integer sentinels.
 """
@@ -220,7 +220,7 @@ def test_sbuf_manual_placement_must_fit():
 
 
 def test_float_to_int_rounds_half_to_even_and_saturates():
-    # nki-api.md §6.3 / §14.2 REC: round half to even, then saturate to the integer range
+    # docs/nki-semantics.md §6.3 / §14.2: round half to even, then saturate to the integer range
     x = np.array([[0.5, 1.5, 2.5, -2.5, 3.7, -3.7, 1e10, -1e10]], dtype=np.float32)
 
     def to_int(x_sb):

@@ -1,4 +1,4 @@
-"""The simulator as a drop-in ``nki`` package (nki-api.md §2, §7.5, §17): sys.modules aliasing,
+"""The simulator as a drop-in ``nki`` package (docs/nki-semantics.md §2, §7.5, §17): sys.modules aliasing,
 the import forms real kernels use, launch forms, targets, tile_size, dtype objects, in-place
 HBM outputs, torch in/torch out.
 """

@@ -1,4 +1,4 @@
-"""Hardware rules (nki-api.md §3, §6, §8, issue 2 "Per rule"): each kernel below breaks one rule
+"""Hardware rules (docs/nki-semantics.md §3, §6, §8, issue 2 "Per rule"): each kernel below breaks one rule
 and must raise ``NKIRuleError`` naming the instruction, the operand, the rule and the kernel
 source line (the line marked ``# VIOLATION``). Also: fresh SBUF/PSUM reads give NaN, loop-local
 tiles do not accumulate toward the capacity limits.

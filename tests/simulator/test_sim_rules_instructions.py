@@ -1,4 +1,4 @@
-"""Per-instruction argument rules (nki-api.md §5.3, §8.9–§8.28): each kernel body breaks one
+"""Per-instruction argument rules (docs/nki-semantics.md §5.3, §8.9–§8.28): each kernel body breaks one
 documented constraint of one instruction and must raise NKIRuleError naming that instruction and
 the offending operand, at the ``# VIOLATION`` line.
 """

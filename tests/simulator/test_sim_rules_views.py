@@ -1,4 +1,4 @@
-"""More rejected kernels (nki-api.md §2.2, §2.5, §3.5, §3.7, §4.4, §8.0, §8.6, §8.8, §8.27, §14.23):
+"""More rejected kernels (docs/nki-semantics.md §2.2, §2.5, §3.5, §3.7, §4.4, §8.0, §8.6, §8.8, §8.27, §14.23):
 engine/memory rules, TensorE limits on trn3, access-pattern dims, stride-0 writes, DMA sizes,
 tensor values used as Python values, list kernel arguments. Each raises NKIRuleError naming the
 instruction, operand, rule and the ``# VIOLATION`` line.

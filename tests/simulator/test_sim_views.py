@@ -1,4 +1,4 @@
-"""NkiTensor view methods (nki-api.md §4.1, §4.2): slice, select, permute, broadcast, expand_dim /
+"""NkiTensor view methods (docs/nki-semantics.md §4.1, §4.2): slice, select, permute, broadcast, expand_dim /
 squeeze_dim, reshape_dim, flatten_dims, reshape, is_contiguous, and the on-chip partition-dim
 restrictions. Every view is materialised with tensor_copy / dma_copy and compared with NumPy.
 """

@@ -1,1 +1,1 @@
-"""NKI kernels of the attention ops: ``fwd`` (forward), ``bwd`` (backward), ``tiles`` (shared planning and mask helpers)."""
+"""NKI kernels of the attention ops: ``flash_attention_fwd*`` (forward), ``flash_attention_bwd*`` (backward), ``decode_attention_fwd*`` (decode), ``tiles`` (shared planning and mask helpers)."""

@@ -7,7 +7,7 @@ Two kinds of helpers live here:
   a query tile must visit and which of those need a mask (:func:`plan_row`, from
   ``masks.tile_is_visible`` / ``masks.tile_is_full``), and how many query heads of a GQA group
   fit in one pass (:func:`heads_per_pass`).
-* **In-kernel mask helpers** (emit NKI instructions): every mask of api-contract §3 -- causal,
+* **In-kernel mask helpers** (emit NKI instructions): every mask of docs/contract.md §3.1 -- causal,
   sliding window, and the ``cu_seqlens`` document mask -- restricts the keys of query ``i`` to
   one interval ``[lo_i, hi_i]`` (inclusive, absolute key indices). :func:`row_bounds` builds the
   two bound columns ``(rows, 1)`` float32 for a query tile (iota on GpSimd for the causal/window

@@ -1,4 +1,4 @@
-"""``nki.isa`` for the simulator: every instruction of nki-api.md §1 plus the enums."""
+"""``nki.isa`` for the simulator: every instruction of docs/nki-semantics.md §1 plus the enums."""
 
 from __future__ import annotations
 

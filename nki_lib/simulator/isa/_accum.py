@@ -1,4 +1,4 @@
-"""Engine accumulator registers (nki-api.md §8.0.1): one fp32 register per lane, driven by reduce_cmd."""
+"""Engine accumulator registers (docs/nki-semantics.md §8.0.1): one fp32 register per lane, driven by reduce_cmd."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``nki.isa`` enums (nki-api.md §7.5); re-exported by ``nki.isa`` and ``nki.isa.constants``."""
+"""``nki.isa`` enums (docs/nki-semantics.md §7.5); re-exported by ``nki.isa`` and ``nki.isa.constants``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DMA instructions: dma_copy, dma_transpose, dma_compute (nki-api.md §8.1, §8.10, §8.24).
+"""DMA instructions: dma_copy, dma_transpose, dma_compute (docs/nki-semantics.md §8.1, §8.10, §8.24).
 
 DMA moves data between HBM and SBUF (and HBM->HBM, SBUF->SBUF), never PSUM. Both operands are
 flattened in row-major view order; only the element counts must match. Differing dtypes convert
@@ -131,7 +131,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=_dge_mode.unknown
 
 
 def _hwdge_transpose_shape(c, shape):
-    """HW-DGE transpose shapes (nki-api.md §8.10): rows 16 (2-D) or a power of two <= 16 with
+    """HW-DGE transpose shapes (docs/nki-semantics.md §8.10): rows 16 (2-D) or a power of two <= 16 with
     rows * shape[-2] a multiple of 16 (3/4-D); at most 128 elements in the last dim."""
     rows = shape[0]
     if len(shape) == 2:

@@ -1,4 +1,4 @@
-"""Rarely used ``nki.isa`` instructions (nki-api.md §8.27, §8.29), not used by the NKI Library.
+"""Rarely used ``nki.isa`` instructions (docs/nki-semantics.md §8.27, §8.29), not used by the NKI Library.
 
 * Vector engine: ``tensor_scalar_cumulative`` (per-partition scan of ``op0(x, imm0)`` with ``op1``),
   ``tensor_tensor_scan`` (two-input recurrence), ``select_reduce`` (where + max reduce),
@@ -10,7 +10,7 @@
   here: ``isa/__init__`` star-imports this module). Scale layout: the scale of group row g (partitions 8g..8g+7) lives at
   partition ``(g // 4) * 32 + g % 4`` of the scale view (4 rows per 32-partition quadrant; slice the
   scale tile's start partition for the 0/4/8/12 offsets). Scale exponent: the 0.6 API doc value
-  ``floor(log2 amax) - (Emax - 1)`` (§14 item 13), stored biased by 127 (e8m0).
+  ``floor(log2 amax) - (Emax - 1)`` (§14.13), stored biased by 127 (e8m0).
 
 Operands are (P, F) streams as everywhere (§4.3): F = elements per partition in row-major order
 of the view's free dims. Arithmetic is fp32 with cast on write; the Vector and Scalar engine

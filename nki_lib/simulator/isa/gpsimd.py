@@ -1,4 +1,4 @@
-"""GpSimd-engine (POOL) instructions (nki-api.md §8.13, 8.20, 8.25, 8.26, 8.28). SBUF operands only.
+"""GpSimd-engine (POOL) instructions (docs/nki-semantics.md §8.13, 8.20, 8.25, 8.26, 8.28). SBUF operands only.
 
 ``iota``/``affine_select`` evaluate ``offset + c * channel_multiplier + sum(idx_i * step_i)`` in
 int32 for partition ``c`` (relative to the operand's first partition) and free multi-index ``idx``
@@ -115,7 +115,7 @@ def nonzero_with_count(dst, src, index_offset=0, padding_val=-1, name=None):
 
 
 def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=None, name=None):
-    """Per 16-partition group: gather ``num_elem_per_idx`` elements at each shared index (nki-api.md §8.28)."""
+    """Per 16-partition group: gather ``num_elem_per_idx`` elements at each shared index (docs/nki-semantics.md §8.28)."""
     c = begin("local_gather")
     p, f = onchip(c, src_buffer, "src_buffer", psum=False, why=_WHY)
     ip, _ = onchip(c, index, "index", psum=False, why=_WHY)

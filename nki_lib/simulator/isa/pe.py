@@ -1,4 +1,4 @@
-"""Tensor-engine (PE) instructions: nc_matmul, nc_transpose (nki-api.md §8.6, §8.8).
+"""Tensor-engine (PE) instructions: nc_matmul, nc_transpose (docs/nki-semantics.md §8.6, §8.8).
 
 ``nc_matmul``: stationary (K, M), moving (K, N) in SBUF -> dst (M, N) in PSUM, ``dst = S.T @ V``.
 Each instruction's dot products are summed in fp64 BLAS (products of NKI inputs are exact there) and

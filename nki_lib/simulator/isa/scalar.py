@@ -1,4 +1,4 @@
-"""Scalar-engine (ACT) instructions: activation, activation_reduce (nki-api.md §8.7).
+"""Scalar-engine (ACT) instructions: activation, activation_reduce (docs/nki-semantics.md §8.7).
 
 ``dst = op(data * scale + bias)`` in fp32; with a reduce command the per-partition sum of the fp32
 results (before the dst cast) goes through the Scalar engine's accumulator registers.

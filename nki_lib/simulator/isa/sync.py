@@ -1,4 +1,4 @@
-"""Synchronisation, communication and register instructions (nki-api.md §5.3, §8.9, §8.14, §8.18).
+"""Synchronisation, communication and register instructions (docs/nki-semantics.md §5.3, §8.9, §8.14, §8.18).
 
 LNC2 programs run as two threads: ``core_barrier`` is a two-party barrier, ``sendrecv`` exchanges
 snapshots of ``src`` through a per-``pipe_id`` mailbox between two barrier waits. Under LNC1

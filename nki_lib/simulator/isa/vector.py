@@ -1,4 +1,4 @@
-"""Vector-engine (DVE) instructions (nki-api.md §8.2-8.5, 8.11, 8.12, 8.15, 8.17, 8.21-8.23, 8.27).
+"""Vector-engine (DVE) instructions (docs/nki-semantics.md §8.2-8.5, 8.11, 8.12, 8.15, 8.17, 8.21-8.23, 8.27).
 
 All arithmetic is fp32 with cast on write; bitvec ops act on raw integers; ``tensor_tensor`` on
 int32/uint32 operands outside PSUM runs on GpSimd with exact integer math. Operands are (P, F)

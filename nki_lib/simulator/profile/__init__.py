@@ -1,4 +1,4 @@
-"""Trainium cost model on the simulator trace (``trainium-cost-model.md`` §7).
+"""Trainium cost model on the simulator trace (``docs/cost-model.md`` §7).
 
 ``estimate(report_or_trace, target=...) -> Estimate`` schedules a recorded trace on a model of
 one NeuronCore per program (TensorE, VectorE, ScalarE, GpSimd, sync, 16 DMA engines) and

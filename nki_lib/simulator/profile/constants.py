@@ -2,7 +2,7 @@
 
 Every number the model uses lives here, per target (``trn2`` = NeuronCore-v3, ``trn3`` =
 NeuronCore-v4), as a :class:`Param` carrying its value, unit, source and confidence tag.
-The values are copied from ``/work/shared/docs/trainium-cost-model.md`` (the section is named
+The values are copied from ``docs/cost-model.md`` (the section is named
 in each ``source``), which cites the AWS Neuron documentation they come from. Confidence tags
 follow that document:
 
@@ -13,7 +13,7 @@ follow that document:
 
 Rules for changing this file: a value changes only together with a cited source. Nothing here
 is tuned to make a kernel look good. ``trn3`` starts from ``trn2`` and overrides what the
-Trn3 documentation changes ("reuse trn2 values until calibrated", doc §7.1).
+Trn3 documentation changes ("reuse trn2 values until calibrated", docs/cost-model.md §7.1).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 __all__ = ["Param", "HardwareParams", "TARGETS", "params", "low_confidence"]
 
-DOC = "trainium-cost-model.md"
+DOC = "docs/cost-model.md"
 
 
 @dataclass(frozen=True)
@@ -154,27 +154,38 @@ _TRN2: dict[str, Param] = {
 
 _BOUNDS = {
     "pe_result_latency_ns": (27.0, 808.0,
-        "low: MM_INIT_LATENCY 64 PE cycles at 2.4 GHz (§2.1); high: the whole 808 ns issue-to-consumable figure of the third-party probe (§2.7)"),
+        "low: MM_INIT_LATENCY 64 PE cycles at 2.4 GHz (§2.1); high: the whole 808 ns issue-to-consumable "
+        "figure of the third-party probe (§2.7)"),
     "dve_width_fp32": (1, 2,
-        "low: the isa-2.26 estimate, 1 element/lane/cycle (§2.2); high: 256 elements/cycle of arch-trn2 and the third-party probe (§2.2, §3)"),
+        "low: the isa-2.26 estimate, 1 element/lane/cycle (§2.2); high: 256 elements/cycle of arch-trn2 and "
+        "the third-party probe (§2.2, §3)"),
     "act_table_load_ns": (0.0, 1283.0,
-        "low: no load when the functions share a table set (grouping unpublished, §2.3, §8); high: the only measurement, 1,283 ns (§3)"),
+        "low: no load when the functions share a table set (grouping unpublished, §2.3, §8); high: the only "
+        "measurement, 1,283 ns (§3)"),
     "dve_completion_ns": (104.0, 274.0,
-        "low: the ~100-cycle static overhead of dependent instructions at 0.96 GHz (arch-v2, §2.2); high: the longest third-party intercept, 274 ns (§2.7)"),
+        "low: the ~100-cycle static overhead of dependent instructions at 0.96 GHz (arch-v2, §2.2); high: the"
+        " longest third-party intercept, 274 ns (§2.7)"),
     "act_completion_ns": (83.0, 274.0,
-        "low: the ~100-cycle static overhead at 1.2 GHz (arch-v2, §2.2); high: the third-party ScalarE PSUM->SBUF copy, 265-274 ns (§2.7)"),
+        "low: the ~100-cycle static overhead at 1.2 GHz (arch-v2, §2.2); high: the third-party ScalarE "
+        "PSUM->SBUF copy, 265-274 ns (§2.7)"),
     "sync_op_cycles": (64, 164,
-        "low: MIN_II 64 cycles (shared, §2); high: MIN_II + the ~100-cycle dependent-instruction overhead (arch-v2, §2.2)"),
+        "low: MIN_II 64 cycles (shared, §2); high: MIN_II + the ~100-cycle dependent-instruction overhead "
+        "(arch-v2, §2.2)"),
     "dma_chunk_floor_ns": (89.0, 178.0,
-        "low: 2 KiB per partition is close to peak (dma-bw), so the floor is at least 2048 B / 23 B/ns; high: 4 KiB saturates (dma-bw), so at most 4096 B / 23 B/ns (§2.6)"),
+        "low: 2 KiB per partition is close to peak (dma-bw), so the floor is at least 2048 B / 23 B/ns; high:"
+        " 4 KiB saturates (dma-bw), so at most 4096 B / 23 B/ns (§2.6)"),
     "dma_issue_swdge_ns": (600.0, 1300.0,
-        "low: a hardware-DGE instruction, 600 ns (dge, §2.6); high: the whole DMA fixed latency, 1300 ns (dma-bw, §2.6); no published figure"),
+        "low: a hardware-DGE instruction, 600 ns (dge, §2.6); high: the whole DMA fixed latency, 1300 ns "
+        "(dma-bw, §2.6); no published figure"),
     "dma_issue_swdge_per_descriptor_ns": (6.7, 105.0,
-        "low: one MIN_II (64-cycle) GpSimd instruction per descriptor on each of the 8 GpSimd cores at 1.2 GHz (§1.2, §2); high: the DMA per-chunk floor, 105 ns (§2.6); no published figure"),
+        "low: one MIN_II (64-cycle) GpSimd instruction per descriptor on each of the 8 GpSimd cores at 1.2 "
+        "GHz (§1.2, §2); high: the DMA per-chunk floor, 105 ns (§2.6); no published figure"),
     "dma_issue_static_ns": (0.0, 600.0,
-        "low: no on-device generation for precomputed descriptors (dge); high: hardware DGE's 600 ns, since precomputed descriptors have the lowest latency (dge, §2.6)"),
+        "low: no on-device generation for precomputed descriptors (dge); high: hardware DGE's 600 ns, since "
+        "precomputed descriptors have the lowest latency (dge, §2.6)"),
     "barrier_ns": (190.0, 2600.0,
-        "low: one semaphore hand-off, ~190 ns (third-party, §2.7); high: a DMA semaphore round trip to the other core, 2 x 1300 ns (dma-bw, §2.6)"),
+        "low: one semaphore hand-off, ~190 ns (third-party, §2.7); high: a DMA semaphore round trip to the "
+        "other core, 2 x 1300 ns (dma-bw, §2.6)"),
 }
 for _name, (_low, _high, _why) in _BOUNDS.items():
     _TRN2[_name] = _bounded(_TRN2[_name], _low, _high, _why)
@@ -238,7 +249,7 @@ class HardwareParams:
         return self.replace(**changes)
 
     def replace(self, **changes: Param) -> "HardwareParams":
-        """A copy with some constants replaced, e.g. by calibration on hardware (doc §7.8).
+        """A copy with some constants replaced, e.g. by calibration on hardware (docs/cost-model.md §7.8).
 
         Each new value must be a :class:`Param` with its own source and confidence; the table
         in this module stays the reference for what is published.
@@ -262,7 +273,7 @@ class HardwareParams:
     def items(self):
         return self._table.items()
 
-    # ---- derived peaks (doc §7.6), per physical core
+    # ---- derived peaks (docs/cost-model.md §7.6), per physical core
     def pe_peak_flops(self, dtype: str = "bfloat16") -> float:
         """Dense TensorE peak in FLOP/s: 2 FLOPs per MAC * MACs/cycle(dtype) * f_pe."""
         macs = self.pe_macs_per_cycle

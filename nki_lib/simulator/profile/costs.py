@@ -1,6 +1,6 @@
 """Per-instruction cost rules: one trace entry -> engine occupancy and completion latency.
 
-Each rule is the formula of ``trainium-cost-model.md`` §7.2 (compute engines) or §7.3 (DMA),
+Each rule is the formula of ``docs/cost-model.md`` §7.2 (compute engines) or §7.3 (DMA),
 evaluated on the shapes, dtypes and memories recorded in the trace entry, with the constants of
 :mod:`.constants`. Notation: ``P`` = partitions (cost does not depend on it, §2.2), ``N`` = free
 elements per partition of the streamed operand (the largest non-HBM access of the entry), ``w``

@@ -10,13 +10,13 @@ Two estimates of every run (docs/cost-model.md "Two estimates"):
   as the Neuron compiler's scheduler may reorder them. It never exceeds ``time_ns`` (the
   compiler may keep program order). A performance claim holds only if it holds on both.
 
-Also per-engine busy time and utilisation, the critical engine, and two bounds (doc §7.4):
+Also per-engine busy time and utilisation, the critical engine, and two bounds (docs/cost-model.md §7.4):
 ``lower_bound_ns = launch + max over engines of busy time`` (perfect overlap) and
 ``upper_bound_ns = launch + sum of all (service + latency)`` (fully serial).
 For an LNC2 launch each program is one physical core: busy times are the maximum over cores,
 rooflines use ``grid`` cores.
 
-Not modelled (limitations, doc §7.4): HBM bank conflicts, DMA queue QoS, instruction fetch,
+Not modelled (limitations, docs/cost-model.md §7.4): HBM bank conflicts, DMA queue QoS, instruction fetch,
 SBUF spills, the innermost-stride (> 16 B) port penalty, PE row/column
 tiling concurrency and the trn3 background transpose.
 """

@@ -1,4 +1,4 @@
-"""Per-op work formulas (``OpCost``) and the two rooflines (``trainium-cost-model.md`` §7.6).
+"""Per-op work formulas (``OpCost``) and the two rooflines (``docs/cost-model.md`` §7.6).
 
 Protocol for op authors
 -----------------------

@@ -1,4 +1,4 @@
-"""List scheduler over a simulator trace (``trainium-cost-model.md`` §7.4).
+"""List scheduler over a simulator trace (``docs/cost-model.md`` §7.4).
 
 Each physical core (one program of an LNC launch) has its own engines: ``tensor``, ``vector``,
 ``scalar``, ``gpsimd``, ``sync`` and a pool of 16 DMA engines. Instructions are visited in
@@ -218,8 +218,8 @@ class _PsumBanks:
     def _claim(self, acc) -> tuple[list[int], float]:
         if acc.placed:
             banks = self.covered(acc)
-            waits = [self.release[b] for b in banks
-                     if self.owner[b] is not None and self.owner[b] != acc.buffer_id and self.owner[b] not in self.placed]
+            others = [b for b in banks if self.owner[b] not in (None, acc.buffer_id)]
+            waits = [self.release[b] for b in others if self.owner[b] not in self.placed]
             return banks, max(waits, default=0.0)
         banks = self.banks_of.get(acc.buffer_id)
         if banks is not None and all(self.owner[b] == acc.buffer_id for b in banks):
@@ -381,7 +381,7 @@ class _Program:
         self.records: list = []  # per position: (entry, engine, start, done, predecessor, why)
 
     def _pe_service(self, start: float, service: float) -> float:
-        """Stretch a PE service by the dI/dt throttle ramp (doc §2.1)."""
+        """Stretch a PE service by the dI/dt throttle ramp (docs/cost-model.md §2.1)."""
         hw = self.hw
         idle_limit = hw.pe_throttle_ramp_ns * (1.0 - hw.pe_throttle_util_threshold)
         if self.pe_last_end is None or start - self.pe_last_end >= idle_limit:

@@ -5,7 +5,7 @@ Forward:  moe_router(x, weight, expert_bias=None, *, top_k, score_func="softmax"
           -> (logits (T, E) f32, topk_weights (T, k) f32, topk_ids (T, k) int32)
 Backward: moe_router_backward(dlogits, dtopk_weights, x, weight, logits, topk_ids, *,
                               score_func, renormalize) -> (dx (T, H), dweight (E, H))
-Semantics: api-contract §4. Shapes: T tokens, H hidden, E experts, k = top_k.
+Semantics: docs/contract.md §4.1. Shapes: T tokens, H hidden, E experts, k = top_k.
 The selection bias and the group limit steer selection only and carry no gradient.
 """
 
@@ -16,7 +16,7 @@ import torch
 from nki_lib import registry
 from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.dispatch import dispatch
-from nki_lib.moe import reference
+from nki_lib.moe import moe_router_reference
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.validation import FLOAT_DTYPES
 from nki_lib.validation import check_int as _check_int
@@ -49,8 +49,8 @@ def validate(x, weight, expert_bias, *, top_k, score_func, renormalize, num_grou
             raise ValueError(f"expert_bias must have shape ({num_experts},), got {tuple(expert_bias.shape)}")
         check_same_device("x", x, expert_bias=expert_bias)
     _check_int("top_k", top_k, low=1, high=num_experts)
-    if score_func not in reference.SCORE_FUNCS:
-        raise ValueError(f"score_func must be one of {reference.SCORE_FUNCS}, got {score_func!r}")
+    if score_func not in moe_router_reference.SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {moe_router_reference.SCORE_FUNCS}, got {score_func!r}")
     if not isinstance(renormalize, bool):
         raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
     _check_int("num_groups", num_groups, low=1, high=num_experts)
@@ -83,11 +83,11 @@ def moe_router_op(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tens
         return _empty_outputs(x, weight, top_k)
 
     def kernel():
-        from nki_lib.moe.kernels import router
-        return router.router_fwd(x, weight, expert_bias, **flags)
+        from nki_lib.moe.kernels import moe_router_fwd
+        return moe_router_fwd.launch_moe_router_fwd(x, weight, expert_bias, **flags)
 
     outs = dispatch("moe_router", (x, weight, expert_bias), kernel=kernel,
-                    reference=lambda: reference.moe_router(x, weight, expert_bias, **flags))
+                    reference=lambda: moe_router_reference.moe_router(x, weight, expert_bias, **flags))
     return tuple(o.contiguous() for o in outs)
 
 
@@ -111,11 +111,11 @@ def moe_router_backward_op(dlogits: torch.Tensor, dtopk_weights: torch.Tensor, x
     flags = dict(score_func=score_func, renormalize=renormalize)
 
     def kernel():
-        from nki_lib.moe.kernels import router_bwd
-        return router_bwd.router_bwd(dlogits, dtopk_weights, x, weight, logits, topk_ids, **flags)
+        from nki_lib.moe.kernels import moe_router_bwd
+        return moe_router_bwd.launch_moe_router_bwd(dlogits, dtopk_weights, x, weight, logits, topk_ids, **flags)
 
     grads = dispatch("moe_router_backward", (dlogits, x, weight), kernel=kernel,
-                     reference=lambda: reference.moe_router_backward(
+                     reference=lambda: moe_router_reference.moe_router_backward(
                          dlogits, dtopk_weights, x, weight, logits, topk_ids, **flags))
     return tuple(g.contiguous() for g in grads)
 
@@ -183,7 +183,7 @@ def _report_samples():
 
 SPEC = registry.register(OpSpec(
     name="moe_router",
-    naive=reference.naive,
+    naive=moe_router_reference.naive,
     samples=_samples,
     report_samples=_report_samples,
     backward_name="moe_router_backward",

@@ -1,7 +1,7 @@
 """Flash-attention backward: the stages of one (query tile, key tile) pair.
 
-Used by ``bwd.flash_bwd_kernel`` (plain NKI helpers, inlined at trace time), which runs each
-stage of pair j at pipeline step j + lag (``bwd.STAGES``); the loop structure, budget and engine
+Used by ``flash_attention_bwd.flash_attention_bwd_kernel`` (plain NKI helpers, inlined at trace time), which runs each
+stage of pair j at pipeline step j + lag (``flash_attention_bwd.STAGES``); the loop structure, budget and engine
 balance are described there. Per pair of a query tile (qn <= 128 rows on partitions) and a key
 tile (kn <= 512 keys on the free axis; diagonal tiles stop at the last visible 128-key block),
 a :class:`Pair` carries the tiles from one stage to the next:
@@ -25,7 +25,7 @@ a :class:`Pair` carries the tiles from one stage to the next:
 
 Shapes: S, dP (qn, kn) fp32 PSUM; dP - delta (qn, kn) fp32 SBUF; P, dS (qn, kn) in the input
 dtype (SBUF); dS^T (128, nblocks, qn) PSUM -> SBUF; dQ_part (qn, D) fp32 PSUM; dK/dV accumulators
-(128, nblocks, stride >= D) fp32 PSUM; stats (128, NT, NSTAT) fp32 (``bwd_prep``).
+(128, nblocks, stride >= D) fp32 PSUM; stats (128, NT, NSTAT) fp32 (``flash_attention_bwd_prep``).
 Dimension legend: qn/kn rows/keys of the tile, D head dim, NT query tiles, NSTAT statistics.
 Limits: D <= 256; masked scores (documents, no softcap) need scale > 0 (checked by the
 launcher); P and dS are rounded to the input dtype before their matmuls (as flash-attn does).
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels import tiles
-from nki_lib.attention.kernels.bwd_prep import HI, LO, NEG_DELTA, NEG_LSE
+from nki_lib.attention.kernels.flash_attention_bwd_prep import HI, LO, NEG_DELTA, NEG_LSE
 
 __all__ = ["Config", "Pair", "seen_blocks", "scores_stage", "probs_stage", "dscores_stage", "dv_stage",
            "dk_stage", "evict_stage", "dq_stage", "acc_stage"]

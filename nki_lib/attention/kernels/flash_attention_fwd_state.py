@@ -1,4 +1,4 @@
-"""Online-softmax state of the flash-attention forward kernel (``fwd.py``): per (query head,
+"""Online-softmax state of the flash-attention forward kernel (``flash_attention_fwd.py``): per (query head,
 query tile) the running -max ``neg_m`` (qn, 1), denominator ``l`` (qn, 1) and unnormalised
 output ``acc`` (qn, D), all fp32 SBUF; their initialisation (with sinks) and the finalisation
 ``out = acc / max(l, 1)``, ``lse = m + log(l)`` (``-inf`` for rows with ``l = 0``).
@@ -25,7 +25,7 @@ class RowState(nl.NKIObject):
 def init_state(sinks, h, qn, d, has_sinks, zero_acc, stat_init):
     """State before the first key section. acc (and l without sinks) is only zeroed
     (``zero_acc``) for a group with no visible key: otherwise the first section's update sets it
-    (``fwd_pipeline.stage_acc``). ``fresh``: l = 0 and acc unset (no sinks), so the first
+    (``flash_attention_fwd_pipeline.stage_acc``). ``fresh``: l = 0 and acc unset (no sinks), so the first
     section needs no alpha. ``stat_init``: the initial running max (``tiles.STAT_INIT``, times
     the softmax scale when the scores are kept unscaled).
     The small SBUF-only ops run on GpSimd (VectorE and ScalarE carry the per-key work)."""

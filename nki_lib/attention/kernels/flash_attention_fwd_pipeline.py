@@ -1,15 +1,15 @@
-"""Pipeline stages of the flash-attention forward kernel (``fwd.py``): each stage emits the
+"""Pipeline stages of the flash-attention forward kernel (``flash_attention_fwd.py``): each stage emits the
 instructions of one step (index ``s`` into the planned steps) and hands its tiles to the next
 stage through ``work[s]``; the kernel's loop issues the stages of different steps in one
-iteration (software pipeline, see ``fwd.py``).
+iteration (software pipeline, see ``flash_attention_fwd.py``).
 """
 
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
-from nki_lib.attention.kernels.fwd_plan import section_span
-from nki_lib.attention.kernels.fwd_state import add_lse, init_state, store_out
-from nki_lib.attention.kernels.fwd_step import (evict_pt, load_k_section, load_q, load_v,
+from nki_lib.attention.kernels.flash_attention_fwd_plan import section_span
+from nki_lib.attention.kernels.flash_attention_fwd_state import add_lse, init_state, store_out
+from nki_lib.attention.kernels.flash_attention_fwd_step import (evict_pt, load_k_section, load_q, load_v,
                                                 p_times_v, section_scores, softmax_step,
                                                 transpose_p)
 from nki_lib.attention.kernels.tiles import row_bounds
@@ -165,7 +165,7 @@ def stage_acc(groups, steps, work, s, closing):
 
 
 def close_group(grp, out, lse_batch):
-    """Store the group's outputs now; queue its lse (computed in batches, ``fwd_state.add_lse``)."""
+    """Store the group's outputs now; queue its lse (computed in batches, ``flash_attention_fwd_state.add_lse``)."""
     for i in range(len(grp.heads)):
         store_out(grp.states[i], out, grp.b, grp.heads[i], grp.q0)
         add_lse(lse_batch, grp.states[i], grp.b, grp.heads[i], grp.q0)

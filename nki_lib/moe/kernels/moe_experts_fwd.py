@@ -1,7 +1,7 @@
 """Fused MoE expert MLP forward over a block plan (NKI kernel + launcher).
 
-Algorithm (one kernel launch, api-contract §4 ``moe_experts``):
-host (index metadata only, :mod:`.expert_groups`): up to G consecutive blocks of one expert are
+Algorithm (one kernel launch, docs/contract.md §4.3 ``moe_experts``):
+host (index metadata only, :mod:`.moe_experts_groups`): up to G consecutive blocks of one expert are
   merged into a group of S = G*B slots (S <= 512, the largest whose SBUF estimate fits), so every
   weight tile is loaded and transposed once per group instead of once per block; per group the
   expert id, per slot the token id (a // k, -1 = padding), per 128-slot tile a live flag, and per
@@ -50,7 +50,7 @@ import torch
 
 from nki_lib._nki import nki, nisa, nl
 from nki_lib.dispatch import Unsupported, call_kernel
-from nki_lib.moe.kernels.expert_groups import merge_blocks, slot_positions
+from nki_lib.moe.kernels.moe_experts_groups import merge_blocks, slot_positions
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are live at once
@@ -353,7 +353,7 @@ def _group_fwd(x, slot_tiles, x_rows, w_gate_up, w_down, regs, next_group, group
 
 
 @nki.jit
-def moe_experts_fwd(x, topk_w, group_expert, slot_token, tile_live, slot_pos, w_gate_up, w_down,
+def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, tile_live, slot_pos, w_gate_up, w_down,
                     activation, top_k, h_chunk, y_cols):
     t_len, hidden = x.shape
     n_groups = group_expert.shape[0]
@@ -475,7 +475,7 @@ def slot_tokens(slot_assignment, top_k):
 
 
 def group_blocks(hidden, inter, block, itemsize, **counts):
-    """Blocks per group (see :mod:`.expert_groups`): the most, up to MAX_PSUM_SLOT_TILES * 128
+    """Blocks per group (see :mod:`.moe_experts_groups`): the most, up to MAX_PSUM_SLOT_TILES * 128
     slots, whose SBUF estimate fits (1 when no larger group does)."""
     fit = nl.tile_size.total_available_sbuf_size
     blocks = max(1, MAX_PSUM_SLOT_TILES * nl.tile_size.pmax // block)
@@ -484,7 +484,7 @@ def group_blocks(hidden, inter, block, itemsize, **counts):
     return blocks
 
 
-def run(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
+def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
     """Launch the forward kernel (host side: index metadata and views only)."""
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
                                  sbuf_fn=sbuf_bytes)
@@ -496,6 +496,6 @@ def run(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, ac
     slot_pos = slot_positions(group_slots, topk_weights.numel())
     h_chunk, y_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
                              n_blocks=group_expert.shape[0])
-    return call_kernel(moe_experts_fwd, x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
+    return call_kernel(moe_experts_fwd_kernel, x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
                        group_expert, slot_tokens(group_slots, top_k), tile_live, slot_pos,
                        w_gate_up.contiguous(), w_down.contiguous(), activation, top_k, h_chunk, y_cols)

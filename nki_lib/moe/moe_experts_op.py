@@ -4,7 +4,7 @@ Forward:  moe_experts(x, topk_weights, block_expert, slot_assignment, w_gate_up,
                       activation="silu") -> y
 Backward: moe_experts_backward(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up,
                                w_down, *, activation="silu") -> (dx, dtopk_weights, dw_gate_up, dw_down)
-Semantics: api-contract §4. Shapes: x (T, H), topk_weights float32 (T, k), block_expert int32 (NB,),
+Semantics: docs/contract.md §4.3. Shapes: x (T, H), topk_weights float32 (T, k), block_expert int32 (NB,),
 slot_assignment int32 (NB * B,), w_gate_up (E, 2I, H), w_down (E, H, I); y (T, H) in x's dtype.
 
 The plan (block_expert, slot_assignment) is the output of ``torch.ops.nki.moe_plan``; any plan in
@@ -20,7 +20,7 @@ import torch
 from nki_lib import registry
 from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.dispatch import dispatch
-from nki_lib.moe import reference_experts as reference
+from nki_lib.moe import moe_experts_reference as reference
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.validation import FLOAT_DTYPES
 from nki_lib.validation import check_tensor as _check_tensor
@@ -114,8 +114,8 @@ def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: to
     args = tuple(t.contiguous() for t in (x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down))
 
     def kernel():
-        from nki_lib.moe.kernels import experts_fwd
-        return experts_fwd.run(*args, activation=activation)
+        from nki_lib.moe.kernels import moe_experts_fwd
+        return moe_experts_fwd.launch_moe_experts_fwd(*args, activation=activation)
 
     y = dispatch("moe_experts", args[:2] + args[4:], kernel=kernel,
                  reference=lambda: reference.moe_experts(*args, activation=activation))
@@ -144,8 +144,8 @@ def moe_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: tor
     args = tuple(t.contiguous() for t in (dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down))
 
     def kernel():
-        from nki_lib.moe.kernels import experts_bwd
-        return experts_bwd.run(*args, activation=activation)
+        from nki_lib.moe.kernels import moe_experts_bwd
+        return moe_experts_bwd.launch_moe_experts_bwd(*args, activation=activation)
 
     grads = dispatch("moe_experts_backward", args[:3] + args[5:], kernel=kernel,
                      reference=lambda: reference.moe_experts_backward(*args, activation=activation))
@@ -183,7 +183,7 @@ def make_sample(t, h, inter, e, k, block_size, dtype, requires_grad, *, activati
 
     Distinct random experts per token unless ``topk_ids`` (T, k) is given.
     """
-    from nki_lib.moe import plan  # noqa: F401  (registers torch.ops.nki.moe_plan)
+    from nki_lib.moe import moe_plan_op  # noqa: F401  (registers torch.ops.nki.moe_plan)
 
     gen = torch.Generator().manual_seed(seed)
     if topk_ids is None:

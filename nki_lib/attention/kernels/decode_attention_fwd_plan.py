@@ -19,7 +19,7 @@ Host work here is layout glue and small index metadata only (no attention math):
 * ``sink_rows`` (Hkv, R) float32: the sink logit of each query row (an expand of ``sinks``).
 
 All of it is computed with tensor ops from ``cache_seqlens`` (no host synchronisation).
-Dimension legend as in ``kernels/decode.py``.
+Dimension legend as in ``kernels/decode_attention_fwd.py``.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import math
 import torch
 
 from nki_lib._nki import nl
-from nki_lib.attention.kernels.decode import decode_kernel
+from nki_lib.attention.kernels.decode_attention_fwd import decode_attention_fwd_kernel
 from nki_lib.attention.kernels.tiles import MAX_INDEX
-from nki_lib.attention.reference import resolve_scale
+from nki_lib.attention.flash_attention_reference import resolve_scale
 from nki_lib.dispatch import Unsupported, call_kernel
 from nki_lib.backend import lnc_degree
 
-__all__ = ["decode_fwd", "plan_splits", "KERNEL_DTYPES"]
+__all__ = ["launch_decode_attention_fwd", "plan_splits", "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STREAMS_PER_CORE = 16       # independent (sequence, kv head, split) streams wanted: one per DMA engine
@@ -105,9 +105,9 @@ def _split_ranges(edges, direct_lo, direct_hi):
     return torch.stack([start, lo, lo, hi, hi, stop], dim=-1)
 
 
-def decode_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, window_left,
+def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, window_left,
                softcap, num_splits=None, grid=None):
-    """Run ``decode_kernel``; raises ``Unsupported`` (before launching) for what it cannot serve."""
+    """Run ``decode_attention_fwd_kernel``; raises ``Unsupported`` (before launching) for what it cannot serve."""
     if q.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {q.dtype}")
     b, hq, sq, d = q.shape
@@ -167,7 +167,7 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale,
         sink_rows = sinks.to(torch.float32).reshape(hkv, hq // hkv, 1).expand(hkv, hq // hkv, sq)
         sink_rows = sink_rows.reshape(hkv, rows).contiguous()
 
-    return call_kernel(decode_kernel, q.contiguous(), k_units, v_units, unit_table,
+    return call_kernel(decode_attention_fwd_kernel, q.contiguous(), k_units, v_units, unit_table,
                        split_bounds.to(torch.int32).contiguous(),
                        key_window.to(torch.float32).contiguous(), row_bounds, sink_rows,
                        hkv, head_offset, None if paged else n_rows // b, unit_keys, m,

@@ -1,6 +1,6 @@
-"""Flash-attention forward NKI kernel (online softmax) and its launcher ``flash_fwd``.
+"""Flash-attention forward NKI kernel (online softmax) and its launcher ``launch_flash_attention_fwd``.
 
-Algorithm (FlashAttention-2 forward, api-contract §3 semantics). For every query tile the kernel
+Algorithm (FlashAttention-2 forward, docs/contract.md §3.1 semantics). For every query tile the kernel
 streams the visible key tiles once and keeps, per query row, the running max ``m`` (stored
 negated, ``neg_m``), the running denominator ``l`` and the unnormalised output ``acc`` in fp32::
 
@@ -26,7 +26,7 @@ Work decomposition (compile time, all loops unrolled)::
     step    = (group, section, query head of the pass)
 
 Key tiles no query of the tile can see are skipped (``tiles.plan_row``) and the visible ones are
-cut to the 128-key blocks some query sees (``fwd_plan.trim_plan``: the causal diagonal tile
+cut to the 128-key blocks some query sees (``flash_attention_fwd_plan.trim_plan``: the causal diagonal tile
 keeps 128 j keys); masks (one VectorE ``range_select`` against per-row key bounds) are applied
 to partial tiles only. The query heads of a pass share each V load, and K^T of a kv head is
 loaded once and shared by all its query tiles when it fits K_CACHE_SBUF_SHARE of SBUF.
@@ -84,9 +84,9 @@ D <= 256 (two head-dim chunks above 128); Sq + Sk < 2**24 (key indices are float
 masks). LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two NeuronCores take contiguous halves of
 the groups (balanced by step count) and write disjoint rows of the shared outputs.
 
-Files: this one (kernel entry, pipeline loop, launcher), ``fwd_plan.py`` (compile-time work
-decomposition), ``fwd_pipeline.py`` (stages), ``fwd_step.py`` (per-step tile work),
-``fwd_state.py`` (online-softmax state, out/lse finalisation).
+Files: this one (kernel entry, pipeline loop, launcher), ``flash_attention_fwd_plan.py`` (compile-time work
+decomposition), ``flash_attention_fwd_pipeline.py`` (stages), ``flash_attention_fwd_step.py`` (per-step tile work),
+``flash_attention_fwd_state.py`` (online-softmax state, out/lse finalisation).
 """
 
 from __future__ import annotations
@@ -94,21 +94,21 @@ from __future__ import annotations
 import torch
 
 from nki_lib._nki import nki, nl
-from nki_lib.attention.kernels.fwd_pipeline import (close_group, load_k, load_v_of, stage_acc,
+from nki_lib.attention.kernels.flash_attention_fwd_pipeline import (close_group, load_k, load_v_of, stage_acc,
                                                     stage_evict_pt,
                                                     stage_pv, stage_scores, stage_softmax,
                                                     stage_transpose)
-from nki_lib.attention.kernels.fwd_plan import (QUERY_SECTION_TILES, Ctx, plan_groups,
+from nki_lib.attention.kernels.flash_attention_fwd_plan import (QUERY_SECTION_TILES, Ctx, plan_groups,
                                                 plan_steps, program_share)
-from nki_lib.attention.kernels.fwd_state import flush_lse, new_lse_batch
-from nki_lib.attention.kernels.fwd_step import (FP32_BYTES, HALF_BYTES, PT_DVE_SHARE,
+from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, new_lse_batch
+from nki_lib.attention.kernels.flash_attention_fwd_step import (FP32_BYTES, HALF_BYTES, PT_DVE_SHARE,
                                                 PT_DVE_SHARE_SOFTCAP)
 from nki_lib.attention.kernels.tiles import (MAX_INDEX, STAT_INIT, MaskSpec, document_bounds,
                                              head_dim_chunks, heads_per_pass, key_tile_width)
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import Unsupported, call_kernel
 
-__all__ = ["flash_fwd", "flash_fwd_kernel", "KERNEL_DTYPES"]
+__all__ = ["launch_flash_attention_fwd", "flash_attention_fwd_kernel", "KERNEL_DTYPES"]
 
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -133,7 +133,7 @@ KEY_SECTION_BYTES = 4096  # a step covers consecutive visible key tiles whose K^
 
 
 @nki.jit
-def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale, window_left,
+def flash_attention_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale, window_left,
                      window_right, softcap):
     """(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32); see the module docstring."""
     n_batch, n_q_heads, d, sq = q_t.shape
@@ -207,8 +207,8 @@ def flash_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale
 
 # --------------------------------------------------------------------------- launcher
 
-def flash_fwd(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_right, softcap):
-    """Launch :func:`flash_fwd_kernel` for ``nki::flash_attention`` (arguments already validated,
+def launch_flash_attention_fwd(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_right, softcap):
+    """Launch :func:`flash_attention_fwd_kernel` for ``nki::flash_attention`` (arguments already validated,
     ``scale`` resolved). Returns ``(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32)``."""
     if q.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {q.dtype} (the kernel handles bfloat16, float16, float32)")
@@ -219,6 +219,6 @@ def flash_fwd(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_
     k_t = k.transpose(2, 3).contiguous()
     sinks_c = None if sinks is None else sinks.contiguous()
     doc = None if cu_seqlens is None else document_bounds(cu_seqlens, sq)
-    return call_kernel(flash_fwd_kernel, q_t, k_t, v.contiguous(), sinks_c, doc,
+    return call_kernel(flash_attention_fwd_kernel, q_t, k_t, v.contiguous(), sinks_c, doc,
                        sinks is not None, cu_seqlens is not None, bool(causal), float(scale),
                        int(window_left), int(window_right), float(softcap), grid=lnc_degree())

@@ -1,4 +1,4 @@
-"""Per-step tile work of the flash-attention forward kernel (``fwd.py``): loads, scores, softmax,
+"""Per-step tile work of the flash-attention forward kernel (``flash_attention_fwd.py``): loads, scores, softmax,
 P transposes and P @ V of one step (group, key section, query head). Each function emits the
 NKI instructions of one stage; :mod:`fwd_pipeline` orders them across steps.
 
@@ -7,7 +7,7 @@ Shapes: q^T tiles (dc, qn), K^T section tiles (dc, slen), V section (128, blocks
 (128, blocks per bank, qn), O (qn, D) fp32 PSUM.
 Dimension legend: dc head-dim chunk (<= 128), qn query rows (<= 128), kn keys of a score tile
 (<= 512), slen keys of a section, s0 its first key, D head dim.
-Limits: those of ``fwd.py`` (bf16/fp16/fp32, D <= 256).
+Limits: those of ``flash_attention_fwd.py`` (bf16/fp16/fp32, D <= 256).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ __all__ = ["FP32_BYTES", "HALF_BYTES", "PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "
 FP32_BYTES = 4
 HALF_BYTES = 2        # bfloat16 / float16
 MAX_READ_STRIDE_BYTES = 16  # innermost read stride above which an engine port runs at half
-                            # bandwidth (trainium-cost-model.md §2.5, NC-v2 arch guide)
+                            # bandwidth (docs/cost-model.md §2.5, NC-v2 arch guide)
 PT_DVE_SHARE = 0.4    # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
                       # Per 2048-key bf16 section (trn2 rates) ScalarE has ~1.8 us fixed work
                       # (exp) and VectorE ~2.5 us (score evicts + max, acc), and a P^T block costs
@@ -142,11 +142,11 @@ def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
 
 def softmax_step(state, s_sb, rowmax, p_dtype, exp_scale):
     """Update neg_m = min(neg_m, -exp_scale * rowmax) with the section (GpSimd; ``exp_scale`` is
-    the softmax scale when the scores are kept unscaled, see ``fwd.RAW_SCALE_MIN``, else 1);
+    the softmax scale when the scores are kept unscaled, see ``flash_attention_fwd.RAW_SCALE_MIN``, else 1);
     returns
     P = exp(s - m_new) (qn, slen), alpha = exp(m - m_new) (None for a fresh state: its first
     section sets l and acc instead of rescaling them) and the row sum of P (qn, 1) (l is updated
-    later, with acc, by ``fwd_pipeline.stage_acc``)."""
+    later, with acc, by ``flash_attention_fwd_pipeline.stage_acc``)."""
     qn, slen = s_sb.shape
     neg_m_new = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-exp_scale,

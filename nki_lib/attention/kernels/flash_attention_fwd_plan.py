@@ -1,4 +1,4 @@
-"""Compile-time work decomposition of the flash-attention forward kernel (``fwd.py``): groups
+"""Compile-time work decomposition of the flash-attention forward kernel (``flash_attention_fwd.py``): groups
 (batch, kv head, query tile, pass of query heads), key sections, steps, and the LNC2 split.
 Plain Python on ints, evaluated while the kernel is traced.
 """
@@ -72,7 +72,7 @@ def trim_plan(mask, q0, qn, plan):
 def key_sections(plan, max_keys):
     """Key sections of a plan: runs of consecutive visible tiles (adjacent keys) within one
     aligned span ``[a * max_keys, (a + 1) * max_keys)`` of keys, the unit of one step (aligned,
-    so that a section is a slice of the K^T span cached by ``fwd_pipeline.section_k``).
+    so that a section is a slice of the K^T span cached by ``flash_attention_fwd_pipeline.section_k``).
     Returns ``((first tile, last tile), ...)``."""
     sections = []
     for ti in range(len(plan)):

@@ -1,24 +1,20 @@
-"""PyTorch references of the MoE router and routing plan (api-contract §4), plain and clear.
+"""PyTorch reference of the MoE router (docs/contract.md §4.1), plain and clear.
 
-Same argument names as the ops. What CPU/CUDA users run by default (the ``reference`` path) and,
-for the router, the formulas the NKI kernels are judged against.
+Same argument names as the ops. What CPU/CUDA users run by default (the ``reference`` path) and
+the formulas the NKI kernels are judged against.
 
-Shapes: T tokens, H hidden, E experts, k = top_k, G = num_groups, N = T * k assignments,
-NB = ceil(N / block_size) + E - 1 blocks.
+Shapes: T tokens, H hidden, E experts, k = top_k, G = num_groups.
 
 * ``moe_router``: logits in float32 (float64 stays float64), scores softmax/sigmoid, selection key
   ``scores + expert_bias``, DeepSeek-V3 group limit, top-k with ties to the lower id (stable sort),
   ``topk_weights`` = scores at the ids (renormalized when asked).
 * ``moe_router_backward``: gradients of ``(logits, topk_weights)`` to ``(x, weight)``.
-* ``moe_plan``: stable sort of the assignments by expert, block layout, per-expert counts.
 * ``naive``: the router in the inputs' dtype, differentiable by autograd (fp64 oracle / baseline).
 """
 
 from __future__ import annotations
 
 import torch
-
-from nki_lib.moe.reference_experts import moe_experts, moe_experts_backward  # noqa: F401  (re-export)
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -112,34 +108,3 @@ def naive(x, weight, expert_bias=None, *, top_k, score_func="softmax", renormali
     ids = select_experts(scores, expert_bias, top_k=top_k, num_groups=num_groups,
                          topk_groups=topk_groups)
     return logits, _topk_weights(scores, ids, renormalize), ids.to(torch.int32)
-
-
-def num_blocks(num_assignments: int, num_experts: int, block_size: int) -> int:
-    """NB = ceil(N / block_size) + E - 1: the tight static bound on blocks (each expert wastes at
-    most one partly filled block)."""
-    return -(-num_assignments // block_size) + num_experts - 1
-
-
-def moe_plan(topk_ids, *, num_experts, block_size):
-    """Returns ``(block_expert (NB,), slot_assignment (NB * block_size,), tokens_per_expert (E,))``,
-    all int32. Static shapes, no host sync: stable sort by expert, one-hot counts, cumsums."""
-    device = topk_ids.device
-    flat_ids = topk_ids.reshape(-1).long()                                  # (N,) expert per assignment
-    n = flat_ids.shape[0]
-    nb = num_blocks(n, num_experts, block_size)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-    blocks_per_expert = (counts + block_size - 1) // block_size
-    block_end = torch.cumsum(blocks_per_expert, dim=0)                      # (E,)
-    block_start = block_end - blocks_per_expert
-    block_ids = torch.arange(nb, device=device)
-    owner = (block_ids[:, None] >= block_end[None, :]).sum(dim=1)           # (NB,) expert or E
-    block_expert = torch.where(owner < num_experts, owner, torch.full_like(owner, -1))
-
-    sorted_ids, order = torch.sort(flat_ids, stable=True)                   # order: assignments by expert
-    first_of_expert = torch.cumsum(counts, dim=0) - counts                  # (E,) exclusive cumsum
-    rank = torch.arange(n, device=device) - first_of_expert[sorted_ids]     # position within expert
-    slot = block_start[sorted_ids] * block_size + rank
-    slot_assignment = torch.full((nb * block_size,), -1, dtype=torch.long, device=device)
-    slot_assignment.scatter_(0, slot, order)
-    return (block_expert.to(torch.int32), slot_assignment.to(torch.int32), counts.to(torch.int32))

@@ -34,14 +34,14 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import Unsupported, call_kernel
-from nki_lib.moe.kernels import router_common as rc
+from nki_lib.moe.kernels import moe_router_steps as rc
 
 FP32_BYTES = 4
 _FP32_TILES_PER_EXPERT = 7        # dlogits, logits, scores, d_scores, iota, one-hot, dlogits_total
 
 
 @nki.jit
-def router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, score_func, renormalize):
+def moe_router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, score_func, renormalize):
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     top_k = topk_ids.shape[1]
@@ -188,12 +188,12 @@ def check_supported(x, weight):
                           f"E={num_experts}), more than {nl.tile_size.sbuf_fmax_bytes}")
 
 
-def router_bwd(dlogits, dtopk_weights, x, weight, logits, topk_ids, *, score_func, renormalize):
+def launch_moe_router_bwd(dlogits, dtopk_weights, x, weight, logits, topk_ids, *, score_func, renormalize):
     """Launch the backward kernel: ``(dx, dweight)`` as torch tensors."""
     check_supported(x, weight)
     if dlogits.dtype != logits.dtype or dtopk_weights.dtype != logits.dtype:
         raise Unsupported(f"gradients must be {logits.dtype} like the router outputs, got dlogits "
                           f"{dlogits.dtype} and dtopk_weights {dtopk_weights.dtype}")
-    return call_kernel(router_bwd_kernel, dlogits.contiguous(), dtopk_weights.contiguous(), x.contiguous(),
+    return call_kernel(moe_router_bwd_kernel, dlogits.contiguous(), dtopk_weights.contiguous(), x.contiguous(),
                        weight.contiguous(), logits.contiguous(), topk_ids.contiguous(), score_func,
                        renormalize, grid=lnc_degree())

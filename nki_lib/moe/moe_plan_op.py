@@ -1,4 +1,4 @@
-"""``torch.ops.nki.moe_plan``: integer routing metadata with static shapes (api-contract §4).
+"""``torch.ops.nki.moe_plan``: integer routing metadata with static shapes (docs/contract.md §4.2).
 
 moe_plan(topk_ids, *, num_experts, block_size)
     -> (block_expert (NB,) int32, slot_assignment (NB * block_size,) int32, tokens_per_expert (E,) int32)
@@ -7,9 +7,9 @@ N = T * k assignments (assignment ``a = t * k + j`` for ``topk_ids[t, j]``),
 NB = ceil(N / block_size) + E - 1. Each expert owns consecutive blocks, experts ascending, its
 assignments ascending within; unused blocks (expert -1) sit at the end, padding slots are -1.
 
-Paths: the NKI kernel ``kernels/router_plan.py`` on simulator/device (int32 ids, E <= 512,
+Paths: the NKI kernel ``kernels/moe_plan_fwd.py`` on simulator/device (int32 ids, E <= 512,
 power-of-two block_size; otherwise a visible fallback), the PyTorch reference
-(``reference.moe_plan``: stable sort, one-hot counts, cumsums; no ``.item()``, no data-dependent
+(``moe_plan_reference.moe_plan``: stable sort, one-hot counts, cumsums; no ``.item()``, no data-dependent
 shapes) on the reference path. The op is opaque to torch.compile, so it compiles without graph
 breaks either way. The only data check (ids in [0, E)) runs in the real implementation, never in
 the fake.
@@ -21,7 +21,7 @@ import torch
 
 from nki_lib import registry
 from nki_lib.dispatch import dispatch
-from nki_lib.moe import reference
+from nki_lib.moe import moe_plan_reference
 from nki_lib.registry import OpSpec, Sample
 
 ID_DTYPES = (torch.int32, torch.int64)
@@ -51,7 +51,7 @@ def validate_ids_values(topk_ids, num_experts):
 
 
 def _shapes(topk_ids, num_experts, block_size):
-    nb = reference.num_blocks(topk_ids.shape[0] * topk_ids.shape[1], num_experts, block_size)
+    nb = moe_plan_reference.num_blocks(topk_ids.shape[0] * topk_ids.shape[1], num_experts, block_size)
     return (nb,), (nb * block_size,), (num_experts,)
 
 
@@ -62,14 +62,14 @@ def moe_plan_op(topk_ids: torch.Tensor, *, num_experts: int, block_size: int
     validate_ids_values(topk_ids, num_experts)
     flags = dict(num_experts=num_experts, block_size=block_size)
     if topk_ids.numel() == 0:           # nothing routed: all blocks unused, all slots padding
-        return reference.moe_plan(topk_ids, **flags)
+        return moe_plan_reference.moe_plan(topk_ids, **flags)
 
     def kernel():
-        from nki_lib.moe.kernels import router_plan
-        return router_plan.router_plan(topk_ids, **flags)
+        from nki_lib.moe.kernels import moe_plan_fwd
+        return moe_plan_fwd.launch_moe_plan_fwd(topk_ids, **flags)
 
     outs = dispatch("moe_plan", (topk_ids,), kernel=kernel,
-                    reference=lambda: reference.moe_plan(topk_ids, **flags))
+                    reference=lambda: moe_plan_reference.moe_plan(topk_ids, **flags))
     return tuple(o.contiguous() for o in outs)
 
 
@@ -104,7 +104,7 @@ def _report_samples():
 
 SPEC = registry.register(OpSpec(
     name="moe_plan",
-    naive=reference.moe_plan,
+    naive=moe_plan_reference.moe_plan,
     samples=_samples,
     report_samples=_report_samples,
     differentiable=False,

@@ -6,7 +6,7 @@ Forward:  flash_attention(q, k, v, sinks=None, cu_seqlens=None, cu_seqlens_k=Non
 Backward: flash_attention_backward(dout, dlse, q, k, v, out, lse, sinks=None, cu_seqlens=None,
                                    cu_seqlens_k=None, attn_mask=None, *, causal, scale,
                                    window_left, window_right, softcap) -> (dq, dk, dv, dsinks)
-Semantics: api-contract §3. Shapes: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), lse (B, Hq, Sq).
+Semantics: docs/contract.md §3.1. Shapes: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), lse (B, Hq, Sq).
 ``sinks`` (Hq,) in any floating dtype (math in fp32, gradient in the sinks' dtype);
 ``cu_seqlens`` / ``cu_seqlens_k`` int32 or int64 (N+1,) document offsets of the packed queries /
 keys (B == 1; without ``cu_seqlens_k`` the keys share the query offsets and Sq == Sk);
@@ -21,7 +21,7 @@ import math
 import torch
 
 from nki_lib import registry
-from nki_lib.attention import reference
+from nki_lib.attention import flash_attention_reference
 from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.autograd.autocast import follow_sdpa_autocast
 from nki_lib.dispatch import dispatch
@@ -134,7 +134,7 @@ def validate_cu_seqlens_values(cu_seqlens, seqlen):
 
 
 def _lse_dtype(q):
-    return reference.lse_dtype(q.dtype)
+    return flash_attention_reference.lse_dtype(q.dtype)
 
 
 def _prepare(q, k, sinks, cu_seqlens, cu_seqlens_k, attn_mask):
@@ -176,15 +176,15 @@ def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sinks, cu_seqlens_k, attn_mask = _prepare(q, k, sinks, cu_seqlens, cu_seqlens_k, attn_mask)
     if q.shape[0] == 0:
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
-    resolved = dict(flags, scale=reference.resolve_scale(scale, q.shape[-1]))
+    resolved = dict(flags, scale=flash_attention_reference.resolve_scale(scale, q.shape[-1]))
 
     def kernel():
         _kernel_guard(cu_seqlens_k, attn_mask)
-        from nki_lib.attention.kernels import fwd
-        return fwd.flash_fwd(q, k, v, sinks, cu_seqlens, **resolved)
+        from nki_lib.attention.kernels import flash_attention_fwd
+        return flash_attention_fwd.launch_flash_attention_fwd(q, k, v, sinks, cu_seqlens, **resolved)
 
     out, lse = dispatch("flash_attention", (q, k, v, sinks), kernel=kernel,
-                        reference=lambda: reference.flash_attention(
+                        reference=lambda: flash_attention_reference.flash_attention(
                             q, k, v, sinks, cu_seqlens, cu_seqlens_k, attn_mask, **flags))
     return out.contiguous(), lse.contiguous()
 
@@ -215,15 +215,15 @@ def flash_attention_backward_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 q.new_zeros(q.shape[1], dtype=_lse_dtype(q)))
     sinks, cu_seqlens_k, attn_mask = _prepare(q, k, sinks, cu_seqlens, cu_seqlens_k, attn_mask)
-    resolved = dict(flags, scale=reference.resolve_scale(scale, q.shape[-1]))
+    resolved = dict(flags, scale=flash_attention_reference.resolve_scale(scale, q.shape[-1]))
 
     def kernel():
         _kernel_guard(cu_seqlens_k, attn_mask)
-        from nki_lib.attention.kernels import bwd
-        return bwd.flash_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, **resolved)
+        from nki_lib.attention.kernels import flash_attention_bwd
+        return flash_attention_bwd.launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, **resolved)
 
     grads = dispatch("flash_attention_backward", (dout, q, k, v, sinks), kernel=kernel,
-                     reference=lambda: reference.flash_attention_backward(
+                     reference=lambda: flash_attention_reference.flash_attention_backward(
                          dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, cu_seqlens_k,
                          attn_mask, **flags))
     return tuple(g.contiguous() for g in grads)
@@ -332,7 +332,7 @@ def _report_samples():
 
 SPEC = registry.register(OpSpec(
     name="flash_attention",
-    naive=reference.naive,
+    naive=flash_attention_reference.naive,
     samples=_samples,
     report_samples=_report_samples,
     backward_name="flash_attention_backward",

@@ -1,6 +1,6 @@
 """MoE router forward: logits, scores, (group-limited) top-k selection, gathered weights.
 
-Algorithm (api-contract §4, per token tile of <= pmax tokens):
+Algorithm (docs/contract.md §4.1, per token tile of <= pmax tokens):
   1. ``logits = x @ weight.T``: ``nc_matmul(stationary = x^T (H chunk, T tile), moving = weight^T
      (H chunk, E chunk <= gemm_moving_fmax))`` accumulating over H chunks in one fp32 PSUM bank,
      evicted to an fp32 SBUF tile. ``weight^T`` is built once (TensorE transposes) and stays in SBUF;
@@ -10,8 +10,8 @@ Algorithm (api-contract §4, per token tile of <= pmax tokens):
   3. ``key = scores + expert_bias`` (bias row broadcast to all partitions by a stride-0 DMA);
      padding columns E..W-1 hold NEG_BIG; NaN keys become +FLT_MAX (NaN inputs still give
      valid ids, NaN experts first, like a stable descending sort). With num_groups > 1,
-     ``router_common.group_limit``.
-  4. ``topk_ids``: ``router_common.select_topk`` (max8 + nc_find_index8 rounds, ties to lower id).
+     ``moe_router_steps.group_limit``.
+  4. ``topk_ids``: ``moe_router_steps.select_topk`` (max8 + nc_find_index8 rounds, ties to lower id).
   5. ``topk_weights[:, j] = scores[:, ids[:, j]]`` (range_select gather), divided by their row sum
      (VectorE reciprocal + multiply) when renormalizing.
 
@@ -33,14 +33,14 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import Unsupported, call_kernel
-from nki_lib.moe.kernels import router_common as rc
+from nki_lib.moe.kernels import moe_router_steps as rc
 
 FP32_BYTES = 4
 _FP32_TILES_PER_EXPERT = 6        # logits, scores, key, bias rows, range_select scratch, NaN mask (u8)
 
 
 @nki.jit
-def router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize, num_groups, topk_groups):
+def moe_router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize, num_groups, topk_groups):
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     pmax = nl.tile_size.pmax
@@ -139,10 +139,10 @@ def check_supported(x, weight):
                           f"more than {nl.tile_size.sbuf_fmax_bytes}")
 
 
-def router_fwd(x, weight, expert_bias, *, top_k, score_func, renormalize, num_groups, topk_groups):
+def launch_moe_router_fwd(x, weight, expert_bias, *, top_k, score_func, renormalize, num_groups, topk_groups):
     """Launch the forward kernel: ``(logits, topk_weights, topk_ids)`` as torch tensors."""
     check_supported(x, weight)
     bias = None if expert_bias is None else expert_bias.contiguous()
-    return call_kernel(router_fwd_kernel, x.contiguous(), weight.contiguous(), bias, top_k, score_func,
+    return call_kernel(moe_router_fwd_kernel, x.contiguous(), weight.contiguous(), bias, top_k, score_func,
                        renormalize, num_groups, topk_groups, grid=lnc_degree())
 

@@ -1,4 +1,4 @@
-"""PyTorch reference and dense oracle for ``nki::decode_attention`` (api-contract §3).
+"""PyTorch reference and dense oracle for ``nki::decode_attention`` (docs/contract.md §3.2).
 
 Shapes: B batch, Hq query heads, Hkv kv heads, Sq new tokens per sequence, D head dim,
 Smax contiguous-cache capacity, NB physical blocks, bs block size, MB block-table columns,
@@ -9,11 +9,11 @@ L_b = ``cache_seqlens[b]`` valid positions of sequence b.
   table (logical position p lives in block ``block_table[b, p // bs]`` at row ``p % bs``).
 * ``decode_attention``: the reference path. For each sequence it gathers the keys any new token
   can see, ``[first, L_b)`` with ``first = max(0, L_b - Sq - window_left)`` (0 without a window),
-  and runs ``reference.flash_attention(causal=True, window_left=...)`` on that dense problem: with
+  and runs ``flash_attention_reference.flash_attention(causal=True, window_left=...)`` on that dense problem: with
   ``Sk = L_b - first`` the bottom-right alignment puts query t at position ``L_b - Sq + t`` (shifted
   by ``first``), which is exactly the decode rule, so decode *is* flash attention on the
   equivalent dense problem (dropping keys that no query sees changes nothing).
-* ``naive``: the same decomposition with ``reference.naive`` (dense softmax in the inputs' dtype),
+* ``naive``: the same decomposition with ``flash_attention_reference.naive`` (dense softmax in the inputs' dtype),
   the fp64 oracle and low-precision baseline of the parity tests.
 
 Only positions in ``[first, L_b)`` are read, so garbage (even NaN) in unused cache slots, in
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from nki_lib.attention import reference
+from nki_lib.attention import flash_attention_reference
 
 
 def dense_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None,
@@ -69,12 +69,12 @@ def _per_sequence(attention, q, k_cache, v_cache, cache_seqlens, block_table, si
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None, *,
                      scale=None, window_left=-1, softcap=0.0):
     """Returns ``(out [B,Hq,Sq,D] in q's dtype, lse [B,Hq,Sq] float32)`` (float64 for float64)."""
-    return _per_sequence(reference.flash_attention, q, k_cache, v_cache, cache_seqlens, block_table,
+    return _per_sequence(flash_attention_reference.flash_attention, q, k_cache, v_cache, cache_seqlens, block_table,
                          sinks, scale=scale, window_left=window_left, softcap=softcap)
 
 
 def naive(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None, *, scale=None,
           window_left=-1, softcap=0.0):
     """Dense decode attention in the inputs' dtype (fp64 oracle / low-precision baseline)."""
-    return _per_sequence(reference.naive, q, k_cache, v_cache, cache_seqlens, block_table, sinks,
+    return _per_sequence(flash_attention_reference.naive, q, k_cache, v_cache, cache_seqlens, block_table, sinks,
                          scale=scale, window_left=window_left, softcap=softcap)

@@ -100,7 +100,7 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.attention.kernels.tiles import STAT_INIT
 
-__all__ = ["decode_kernel", "block_slots", "chunk_plan"]
+__all__ = ["decode_attention_fwd_kernel", "block_slots", "chunk_plan"]
 
 INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
 STEP_SCORE_ELEMS = 4096           # fp32 scores per partition of one softmax step (16 KiB of SBUF)
@@ -513,7 +513,7 @@ def _exchange(states, pid, first_pipe):
 
 
 @nki.jit
-def decode_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, row_bounds, sink_rows,
+def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, row_bounds, sink_rows,
                   n_kv_heads, head_offset, seq_units, unit_keys, keys_per_partition, scale, softcap):
     """Decode attention; see the module docstring for shapes and the algorithm."""
     pmax = nl.tile_size.pmax

@@ -3,7 +3,7 @@
     decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None, *,
                      scale=None, window_left=-1, softcap=0.0) -> (out, lse)
 
-Semantics: api-contract §3. Shapes (legend: B batch, Hq/Hkv query/kv heads, Sq new tokens,
+Semantics: docs/contract.md §3.2. Shapes (legend: B batch, Hq/Hkv query/kv heads, Sq new tokens,
 D head dim, Smax contiguous capacity, NB physical blocks, bs block size, MB block-table columns):
 
 * q (B, Hq, Sq, D); contiguous cache k_cache/v_cache (B, Hkv, Smax, D) with ``block_table=None``,
@@ -21,8 +21,8 @@ import math
 import torch
 
 from nki_lib import registry
-from nki_lib.attention import decode_reference
-from nki_lib.attention.ops import MAX_HEAD_DIM
+from nki_lib.attention import decode_attention_reference
+from nki_lib.attention.flash_attention_op import MAX_HEAD_DIM
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.validation import FLOAT_DTYPES
@@ -143,11 +143,11 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
 
     def kernel():
-        from nki_lib.attention.kernels import decode_plan
-        return decode_plan.decode_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, **flags)
+        from nki_lib.attention.kernels import decode_attention_fwd_plan
+        return decode_attention_fwd_plan.launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, **flags)
 
     out, lse = dispatch("decode_attention", (q, k_cache, v_cache, sinks), kernel=kernel,
-                        reference=lambda: decode_reference.decode_attention(
+                        reference=lambda: decode_attention_reference.decode_attention(
                             q, k_cache, v_cache, cache_seqlens, block_table, sinks, **flags))
     return out.contiguous(), lse.contiguous()
 
@@ -235,7 +235,7 @@ def _report_samples():
 
 SPEC = registry.register(OpSpec(
     name="decode_attention",
-    naive=decode_reference.naive,
+    naive=decode_attention_reference.naive,
     samples=_samples,
     report_samples=_report_samples,
     differentiable=False,

@@ -1,4 +1,4 @@
-"""Flash-attention backward: the NKI kernel and its launcher ``flash_bwd``.
+"""Flash-attention backward: the NKI kernel and its launcher ``launch_flash_attention_bwd``.
 
 Math (``reference.flash_attention_backward``), per query row i and key j, with s = scale * q.k
 (then ``softcap * tanh(s / softcap)`` when softcap > 0) and masked pairs excluded:
@@ -8,8 +8,8 @@ Math (``reference.flash_attention_backward``), per query row i and key j, with s
     dV += P^T dO,  dP = dO V^T,  dS = P * (dP - delta) [* (1 - tanh^2) under softcap]
     dQ = scale * dS K,  dK += scale * dS^T Q,  dsinks[h] = -sum_i exp(sink_h - lse_i) * delta_i
 
-Files: this one (launcher, kernel, pipeline, query groups, K/V tiles), ``bwd_tile`` (the stages
-of one query tile x key tile pair), ``bwd_prep`` (phase 0: per-row statistics, dsinks).
+Files: this one (launcher, kernel, pipeline, query groups, K/V tiles), ``flash_attention_bwd_tile`` (the stages
+of one query tile x key tile pair), ``flash_attention_bwd_prep`` (phase 0: per-row statistics, dsinks).
 
 Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace time):
 
@@ -90,8 +90,8 @@ from __future__ import annotations
 import torch
 
 from nki_lib._nki import nki, nisa, nl
-from nki_lib.attention.kernels import bwd_prep, tiles
-from nki_lib.attention.kernels.bwd_tile import (Config, Pair, acc_stage, dk_stage, dq_stage, dscores_stage, dv_stage,
+from nki_lib.attention.kernels import flash_attention_bwd_prep, tiles
+from nki_lib.attention.kernels.flash_attention_bwd_tile import (Config, Pair, acc_stage, dk_stage, dq_stage, dscores_stage, dv_stage,
                                                 evict_stage, probs_stage, scores_stage, seen_blocks)
 from nki_lib.dispatch import Unsupported, call_kernel
 from nki_lib.backend import lnc_degree
@@ -353,18 +353,18 @@ def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
     def ensure(n):
         if n < len(units) and loaded[n] is None:
             kv, g, gid, _, flags = units[n]
-            bwd_prep.prefetch_group(prep, hstats[g], gid)
+            flash_attention_bwd_prep.prefetch_group(prep, hstats[g], gid)
             loaded[n] = _load_group(ins, b, hk * group + g, gid, flags, cfg)
             for m in range(n + 1, min(n + STATS_AHEAD + 1, len(units))):   # O/dO rows a few groups ahead
-                bwd_prep.prefetch_group(prep, hstats[units[m][1]], units[m][2])
-            bwd_prep.group_stats(prep, hstats[g], gid)
+                flash_attention_bwd_prep.prefetch_group(prep, hstats[units[m][1]], units[m][2])
+            flash_attention_bwd_prep.group_stats(prep, hstats[g], gid)
 
     def ensure_kv(m):
         if m < len(ktiles) and ktiles[m].k_sb is None:
             _load_kv(ktiles[m], k_rows, k_t, v_t, b, hk, cfg.head_dim)
 
     ensure_kv(0)
-    hstats = [bwd_prep.head_start(prep, b, hk * group + g) for g in range(group)]
+    hstats = [flash_attention_bwd_prep.head_start(prep, b, hk * group + g) for g in range(group)]
     for step in range(len(order) + PIPELINE_LAG):
         for lag, stage in STAGES:
             j = step - lag
@@ -408,7 +408,7 @@ def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
                     _finish_group(ins, loaded[n], b, hk * group + g, gid, flags, q_tiles, cfg)
                     loaded[n] = None
     for hs in hstats:
-        bwd_prep.head_finish(prep, hs)
+        flash_attention_bwd_prep.head_finish(prep, hs)
 
 
 def _seen_width(pair, kv, cfg):
@@ -433,7 +433,7 @@ def _visits(plans, k0):
 
 
 @nki.jit
-def flash_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t, lse, sinks, doc, causal, scale, window_left,
+def flash_attention_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t, lse, sinks, doc, causal, scale, window_left,
                      window_right, softcap):
     """Returns ``(dq, dk, dv, dsinks)`` (dq, dk, dv in row-group layout); see the module docstring."""
     batch, num_heads, seqlen_q = lse.shape
@@ -442,7 +442,7 @@ def flash_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t, lse, sink
     pmax = nl.tile_size.pmax
     per = _group_tiles()
     mask = tiles.MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right, doc is not None)
-    cfg = Config(mask, scale, softcap, head_dim, bwd_prep.num_stats(mask.has_docs))
+    cfg = Config(mask, scale, softcap, head_dim, flash_attention_bwd_prep.num_stats(mask.has_docs))
     q_tiles = tiles.query_tiles(seqlen_q)
     num_groups = qdo_rows.shape[2]
 
@@ -459,8 +459,8 @@ def flash_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t, lse, sink
     pid = nl.program_id(0) if num_progs > 1 else 0
     kv_heads = list(range(pid, num_kv_heads, num_progs))
     heads = [hk * group + g for hk in kv_heads for g in range(group)]
-    prep = bwd_prep.Prep(od_rows, dlse, lse, sinks, doc, mask, cfg.num_stats)
-    bwd_prep.start(prep, dsinks, heads, zero_dsinks=sinks is None and pid == 0)
+    prep = flash_attention_bwd_prep.Prep(od_rows, dlse, lse, sinks, doc, mask, cfg.num_stats)
+    flash_attention_bwd_prep.start(prep, dsinks, heads, zero_dsinks=sinks is None and pid == 0)
 
     plans = [tiles.plan_row(mask, q0, qn) for q0, qn in q_tiles]
     for b in nl.sequential_range(batch):
@@ -475,13 +475,13 @@ def flash_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t, lse, sink
                     zeros_sb = nl.ndarray((pmax, head_dim), dtype=dq.dtype, buffer=nl.sbuf)
                     nisa.memset(dst=zeros_sb[:qn, :], value=0.0)
                     nisa.dma_copy(dst=dq[b, h, t // per, :qn, t % per, :], src=zeros_sb[:qn, :])
-    bwd_prep.finish(prep, dsinks)
+    flash_attention_bwd_prep.finish(prep, dsinks)
     return dq, dk, dv, dsinks
 
 
 # --------------------------------------------------------------------------- launcher
 
-def flash_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale, window_left,
+def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale, window_left,
               window_right, softcap):
     """Launch the backward kernel: ``(dq, dk, dv, dsinks)`` (dsinks float32 (Hq,), zeros without
     sinks). Raises :class:`Unsupported` before launching when the kernel cannot serve the call."""
@@ -499,7 +499,7 @@ def flash_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale
     qdo_t = torch.stack([col_groups(q.transpose(2, 3)), col_groups(dout.transpose(2, 3))], dim=4)
     k_t, v_t = (x.transpose(2, 3).contiguous() for x in (k, v))
     dq, dk, dv, dsinks = call_kernel(
-        flash_bwd_kernel, pair(q, dout), qdo_t, pair(out, dout), dlse.contiguous(), row_groups(k), k_t, v_t,
+        flash_attention_bwd_kernel, pair(q, dout), qdo_t, pair(out, dout), dlse.contiguous(), row_groups(k), k_t, v_t,
         lse.contiguous(), None if sinks is None else sinks.contiguous(), doc, causal=bool(causal), scale=float(scale),
         window_left=int(window_left), window_right=int(window_right), softcap=float(softcap), grid=grid)
     return from_row_groups(dq, q.shape[2]), from_row_groups(dk, k.shape[2]), from_row_groups(dv, k.shape[2]), dsinks

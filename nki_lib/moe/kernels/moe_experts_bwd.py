@@ -1,7 +1,7 @@
 """Fused MoE expert MLP backward over a block plan (NKI kernel + launcher).
 
 Per assignment a = (t, j) on expert e, with g/u the gate/up projections of x_t, h = act(g) * u,
-w_a = topk_weights[t, j] and dy_t the output gradient (reference_experts.moe_experts_backward):
+w_a = topk_weights[t, j] and dy_t the output gradient (moe_experts_reference.moe_experts_backward):
   dhy = dy_t @ W_down[e]             d topk_weights[a] = <dhy, h> (= <dy_t, h @ W_down[e]^T>)
   dh = w_a * dhy                     dg = dh * u * act'(g),  du = dh * act(g)
   dx_t += dg @ W_gate[e] + du @ W_up[e]
@@ -58,11 +58,11 @@ from __future__ import annotations
 
 from nki_lib._nki import nki, nisa, nl
 from nki_lib.dispatch import call_kernel
-from nki_lib.moe.kernels.experts_fwd import (
+from nki_lib.moe.kernels.moe_experts_fwd import (
     act_fn, block_flags, block_registers, check_supported, choose_tiling, flags_sbuf_bytes,
     gather_rows_into, load_all_ids, load_expert_cols, load_expert_t, reduce_assignments,
     WEIGHT_SPAN, scatter_rows, slot_tokens, staged_bytes, tail_sbuf_bytes, tiles, transpose_rows)
-from nki_lib.moe.reference_experts import _GELU_TANH_A, _GELU_TANH_C
+from nki_lib.moe.moe_experts_reference import _GELU_TANH_A, _GELU_TANH_C
 
 ACT_GRAD_FN = {"silu": "silu_dx", "gelu": "gelu_dx"}   # ScalarE derivative functions
 ACC_MODES = ("only", "first", "middle", "last")          # a block's place among its expert's blocks
@@ -379,7 +379,7 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
 # --------------------------------------------------------------------------- kernel
 
 @nki.jit
-def moe_experts_bwd(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up,
+def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up,
                     w_down, activation, top_k, i_chunk, dx_cols):
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
@@ -446,7 +446,7 @@ def sbuf_bytes(hidden, inter, block, itemsize, **counts):
                          **counts)
 
 
-def run(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
+def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
     """Launch the backward kernel (host side: index metadata and views only)."""
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
                                  sbuf_fn=sbuf_bytes)
@@ -454,7 +454,7 @@ def run(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *
     i_chunk, dx_cols = tiling(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
                               n_blocks=block_expert.shape[0])
     dx, dtopk, dw_gate_up, dw_down = call_kernel(
-        moe_experts_bwd, dy.contiguous(), x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
+        moe_experts_bwd_kernel, dy.contiguous(), x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
         block_expert.contiguous(), slot_tokens(slot_assignment, top_k), slot_assignment.contiguous(),
         w_gate_up.contiguous(), w_down.contiguous(), activation, top_k, i_chunk, dx_cols)
     return dx, dtopk.reshape(topk_weights.shape), dw_gate_up, dw_down

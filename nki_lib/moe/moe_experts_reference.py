@@ -1,4 +1,4 @@
-"""PyTorch reference for ``nki::moe_experts`` and its backward (api-contract §4).
+"""PyTorch reference for ``nki::moe_experts`` and its backward (docs/contract.md §4.3).
 
 Same argument names as the op. A plain per-expert loop over the plan: for expert e, the slots of
 the blocks with ``block_expert == e`` that hold an assignment ``a = t * k + j`` (not -1) select

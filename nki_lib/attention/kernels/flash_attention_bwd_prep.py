@@ -1,6 +1,6 @@
 """Phase 0 of the flash-attention backward kernel: per-row statistics and dsinks.
 
-Called from ``bwd.flash_bwd_kernel`` (plain NKI helper functions, inlined at trace time).
+Called from ``flash_attention_bwd.flash_attention_bwd_kernel`` (plain NKI helper functions, inlined at trace time).
 
 Per (head h, batch b), started by :func:`head_start` when the main loop's pass over the kv
 head begins (``(pmax, NT)`` columns: row t * pmax + p on partition p, column t):
@@ -27,7 +27,7 @@ zero-filled lse/dlse columns). The statistics never leave SBUF.
 Output (SBUF, per (b, h)): stats (pmax, NT, NSTAT) fp32: [p, t, s] = statistic s of row
 t * pmax + p.
 
-Shapes: od_rows (B, Hq, NG, pmax, per, 2, D) (O and dO, ``bwd.row_groups``); lse, dlse (B, Hq, Sq)
+Shapes: od_rows (B, Hq, NG, pmax, per, 2, D) (O and dO, ``flash_attention_bwd.row_groups``); lse, dlse (B, Hq, Sq)
 fp32; sinks (Hq,) fp32; doc (2, Sq).
 Dimension legend: B batch, Hq query heads, Sq query length, D head dim, NT = ceil(Sq / pmax),
 NG query groups of ``per`` tiles, NSTAT statistics per row (2, or 4 with documents).

@@ -1,6 +1,6 @@
 """MoE routing plan (``moe_plan``) as one NKI kernel: counts, ranks, block layout, slot scatter.
 
-Algorithm (api-contract §4; assignment ``a = t * k + j``, N = T * k, B = block_size, E experts,
+Algorithm (docs/contract.md §4.2; assignment ``a = t * k + j``, N = T * k, B = block_size, E experts,
 NB = ceil(N / B) + E - 1):
   Pass 1, per tile of pmax assignments on partitions (ids as fp32, exact below 2^24):
     * ``onehot[a, e] = (iota_e == id_a)``.
@@ -32,14 +32,14 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.dispatch import Unsupported, call_kernel
-from nki_lib.moe.kernels import router_common as rc
+from nki_lib.moe.kernels import moe_router_steps as rc
 
 FILL_CHUNK = 4096          # elements per DMA of the -1 fill of slot_assignment
 EXACT_INT_LIMIT = 1 << 24  # integers exact in fp32
 
 
 @nki.jit
-def router_plan_kernel(ids, num_experts, block_size):
+def moe_plan_fwd_kernel(ids, num_experts, block_size):
     num_assign = ids.shape[0]
     pmax = nl.tile_size.pmax
     e = num_experts
@@ -174,7 +174,7 @@ def check_supported(topk_ids, num_experts, block_size):
         raise Unsupported("slot numbers would exceed the exact fp32 integer range (2^24)")
 
 
-def router_plan(topk_ids, *, num_experts, block_size):
+def launch_moe_plan_fwd(topk_ids, *, num_experts, block_size):
     """Launch the plan kernel: ``(block_expert, slot_assignment, tokens_per_expert)``."""
     check_supported(topk_ids, num_experts, block_size)
-    return call_kernel(router_plan_kernel, topk_ids.reshape(-1, 1).contiguous(), num_experts, block_size)
+    return call_kernel(moe_plan_fwd_kernel, topk_ids.reshape(-1, 1).contiguous(), num_experts, block_size)

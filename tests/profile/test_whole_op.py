@@ -1,0 +1,88 @@
+"""Whole-op estimates (issue 13): host-side torch ops around the kernels are counted and charged.
+
+Checked: the accounting of single aten ops (views and allocations move nothing; a copy reads and
+writes its bytes; a factory reads nothing; an in-place op writes its destination), that only ops
+inside ``nki::`` ops are recorded, and that an op call's launches and bytes add up. No time is
+asserted.
+"""
+
+import torch
+
+from nki_lib.bench.whole_op import account, estimate_call, host_cost, record_host_ops
+from nki_lib.simulator.profile import params
+
+HW = params("trn2")
+
+
+def _account(func, *args, **kwargs):
+    return account(func, args, kwargs, func(*args, **kwargs), "op")
+
+
+def test_views_and_allocations_move_nothing():
+    x = torch.ones(4, 8)
+    assert _account(torch.ops.aten.transpose.int, x, 0, 1) is None
+    assert _account(torch.ops.aten.view.default, x, [8, 4]) is None
+    assert _account(torch.ops.aten.contiguous.default, x) is None  # already contiguous: the same tensor
+    assert _account(torch.ops.aten.empty.memory_format, [4, 8]) is None
+
+
+def test_copies_read_and_write_their_bytes():
+    x = torch.ones(4, 8, dtype=torch.bfloat16)
+    host = _account(torch.ops.aten.contiguous.default, x.t())
+    assert (host.bytes_read, host.bytes_written) == (64, 64)
+    cat = _account(torch.ops.aten.cat.default, [x, x])
+    assert (cat.bytes_read, cat.bytes_written) == (128, 128)
+
+
+def test_factory_reads_nothing_and_in_place_writes_its_destination():
+    x = torch.ones(4, 8)
+    zeros = _account(torch.ops.aten.new_zeros.default, x, [2, 8])
+    assert (zeros.bytes_read, zeros.bytes_written) == (0, 64)
+    dst, src = torch.zeros(4, 8), torch.ones(4, 8)
+    copy = _account(torch.ops.aten.copy_.default, dst, src)
+    assert (copy.bytes_read, copy.bytes_written) == (128, 128)
+
+
+def test_host_cost_is_one_launch_per_op_plus_bytes():
+    x = torch.ones(4, 8)
+    ops = [_account(torch.ops.aten.clone.default, x)] * 3
+    cost = host_cost(ops, HW)
+    assert cost["launches"] == 3 and cost["hbm_bytes"] == 3 * 256
+    assert cost["ops"] == {"aten.clone.default": 3}
+    assert cost["time_us"] * 1e3 == 3 * HW.kernel_launch_ns + 3 * 256 / HW.dma_bandwidth()
+    assert host_cost(ops, HW, scale=2.0)["hbm_bytes"] == 2 * 3 * 256  # bytes scale, launches do not
+
+
+def _attention_inputs():
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 1, 128, 64, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, 1, 128, 64, dtype=torch.bfloat16, requires_grad=True)
+    return q, k, v
+
+
+def test_only_ops_inside_nki_ops_are_recorded():
+    import nki_lib
+
+    q, k, v = _attention_inputs()
+    with nki_lib.use_backend("simulator"), nki_lib.strict(True), record_host_ops() as ops:
+        torch.cat([q, q])                                   # outside any nki op: not recorded
+        out, _ = torch.ops.nki.flash_attention(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert {o.op for o in ops} <= {"flash_attention", "flash_attention_backward"}
+    assert all(o.bytes_written > 0 for o in ops)
+
+
+def test_estimate_call_adds_the_host_ops_beside_the_kernels():
+    q, k, v = _attention_inputs()
+
+    def call():
+        out, _ = torch.ops.nki.flash_attention(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    whole = estimate_call(call, "trn2")
+    assert {op for op, _ in whole.kernels} == {"flash_attention", "flash_attention_backward"}
+    assert whole.host["launches"] == len(whole.host_ops)
+    assert whole.host["hbm_bytes"] == sum(o.hbm_bytes for o in whole.host_ops)
+    assert whole.total_us == whole.kernel_us + whole.host["time_us"]
+    assert whole.total_dependency_bound_us <= whole.total_us
