@@ -28,9 +28,8 @@ import numpy as np
 import torch
 
 from nki_lib.numerics import parity
-
-from nki_lib.simulator import jit, last_run, recording, simulate
 from nki_lib.simulator import isa as nisa
+from nki_lib.simulator import jit, last_run, recording, simulate
 from nki_lib.simulator import language as nl
 
 

@@ -1,12 +1,13 @@
 """Command line: ``nki-lib report`` (the main job: parity and estimated device performance of
-every kernel) and ``nki-lib bench`` (microbenchmarks on real model shapes).
+every kernel), ``nki-lib bench`` (microbenchmarks on real model shapes) and
+``nki-lib dry-run MODULE:CALLABLE`` (the migration reading of one step of your own model).
 ``python -m nki_lib <command>`` is the same."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = "usage: nki-lib {report,bench} [options]   (nki-lib <command> --help for its options)"
+USAGE = "usage: nki-lib {report,bench,dry-run} [options]   (nki-lib <command> --help for its options)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "bench":
         from nki_lib.bench.cli import main as bench_main
         return bench_main(rest)
+    if command == "dry-run":
+        from nki_lib.migration.cli import main as dry_run_main
+        return dry_run_main(rest)
     print(f"nki-lib: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 

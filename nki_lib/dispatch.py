@@ -129,6 +129,21 @@ _NUMPY_TO_TORCH = {v: k for k, v in _TORCH_TO_NUMPY.items()}
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The NumPy (ml_dtypes) dtype of a torch dtype the kernels take."""
+    if dtype not in _TORCH_TO_NUMPY:
+        raise TypeError(f"no NKI dtype for torch dtype {dtype}")
+    return _TORCH_TO_NUMPY[dtype]
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """The torch dtype of a NumPy (ml_dtypes) dtype a kernel returned."""
+    out = _NUMPY_TO_TORCH.get(np.dtype(dtype))
+    if out is None:
+        raise TypeError(f"no torch dtype for numpy dtype {dtype}")
+    return out
+
+
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU NumPy copy of ``t`` with the matching (ml_dtypes) dtype, bit-exact."""
     if t.dtype not in _TORCH_TO_NUMPY:
@@ -175,22 +190,32 @@ def call_kernel(kernel: Any, *args: Any, grid: int = 1, **kwargs: Any) -> Any:
     launch = _launch.get()
     if launch is None:
         raise RuntimeError("call_kernel must run inside dispatch() (an op call)")
-    from nki_lib._nki import nki
 
     LEDGER.record_specialization(launch.op, _spec_key(kernel, args, kwargs, grid))
-    launchable = kernel[grid] if grid != 1 else kernel
     if launch.path == "device":
-        return launchable(*args, **kwargs)
+        from nki_lib import neuron
 
+        return neuron.launch_on_device(kernel, grid, args, kwargs)
+    launchable = kernel[grid] if grid != 1 else kernel
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    return run_on_simulator(launchable, args, kwargs, device)
+
+
+def run_on_simulator(launchable: Any, args: tuple, kwargs: dict, device: torch.device) -> Any:
+    """Run a kernel under ``nki.simulate`` on NumPy copies of the torch arguments; outputs come back
+    as torch tensors on ``device``, the ``RunReport`` is kept for ``collect_runs``."""
+    from nki_lib._nki import nki
+
     convert = lambda v: to_numpy(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
     outputs = nki.simulate(launchable)(*(convert(a) for a in args), **{k: convert(v) for k, v in kwargs.items()})
     last_run = getattr(nki, "last_run", None)
     report = last_run() if last_run is not None else None
-    launch.runs.append(report)
+    launch = _launch.get()
+    if launch is not None:
+        launch.runs.append(report)
     collector = _collector.get()
     if collector is not None:
-        collector.append((launch.op, report))
+        collector.append((launch.op if launch is not None else None, report))
     if outputs is None:
         return None
     if isinstance(outputs, tuple):

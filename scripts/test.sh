@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 bash scripts/install_torch_cpu.sh
 python -m pip install --quiet -e ".[test]"
+# Lint first (pyflakes rules, import order; config in pyproject.toml): CI fails on a finding.
+python -m ruff check .
 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}" python -m pytest -q -p no:cacheprovider "$@"

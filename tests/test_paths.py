@@ -113,8 +113,7 @@ def test_bad_environment_backend_is_rejected():
 
 
 def test_kernel_import_module_selects_simulator_without_real_nki():
-    from nki_lib import _nki
-    from nki_lib import simulator
+    from nki_lib import _nki, simulator
 
     assert not _nki.USING_REAL_NKI
     assert _nki.nki is simulator and _nki.nl is simulator.language and _nki.nisa is simulator.isa

@@ -25,9 +25,8 @@ from nki_lib.attention import decode_attention_reference
 from nki_lib.attention.flash_attention_op import MAX_HEAD_DIM
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
-from nki_lib.validation import FLOAT_DTYPES
-from nki_lib.validation import check_tensor as _check_tensor
 from nki_lib.validation import check_same_device, check_same_dtype
+from nki_lib.validation import check_tensor as _check_tensor
 
 INDEX_DTYPE = torch.int32
 

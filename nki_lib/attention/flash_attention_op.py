@@ -26,10 +26,8 @@ from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.autograd.autocast import follow_sdpa_autocast
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
-from nki_lib.validation import FLOAT_DTYPES, INDEX_DTYPES, layout_hint
-from nki_lib.validation import check_int
+from nki_lib.validation import INDEX_DTYPES, check_int, check_same_device, check_same_dtype, layout_hint
 from nki_lib.validation import check_tensor as _check_tensor
-from nki_lib.validation import check_same_device, check_same_dtype
 
 MAX_HEAD_DIM = 256
 

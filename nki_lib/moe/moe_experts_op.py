@@ -22,9 +22,8 @@ from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.dispatch import dispatch
 from nki_lib.moe import moe_experts_reference as reference
 from nki_lib.registry import OpSpec, Sample
-from nki_lib.validation import FLOAT_DTYPES
+from nki_lib.validation import FLOAT_DTYPES, check_same_device, check_same_dtype
 from nki_lib.validation import check_tensor as _check_tensor
-from nki_lib.validation import check_same_device, check_same_dtype
 
 INDEX_DTYPE = torch.int32
 

@@ -18,11 +18,9 @@ from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.dispatch import dispatch
 from nki_lib.moe import moe_router_reference
 from nki_lib.registry import OpSpec, Sample
-from nki_lib.validation import FLOAT_DTYPES
 from nki_lib.validation import check_int as _check_int
-from nki_lib.validation import check_tensor as _check_tensor
 from nki_lib.validation import check_same_device, check_same_dtype
-
+from nki_lib.validation import check_tensor as _check_tensor
 
 # --------------------------------------------------------------------------- validation
 

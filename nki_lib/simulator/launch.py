@@ -190,7 +190,6 @@ class _Args:
             if isinstance(original, np.ndarray):
                 original[...] = contiguous.reshape(original.shape)
             else:
-                import torch
 
                 original.copy_(_to_torch(contiguous).reshape(original.shape))
 
@@ -243,12 +242,13 @@ def _run(kernel: Kernel, grid, args, kwargs):
         try:
             with np.errstate(all="ignore"):
                 results[pid] = kernel.fn(*call_args, **call_kwargs)
+            prog.check_capacity()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             errors[pid] = exc
             run.barrier.abort()
+            prog.tracker.finish()           # peaks of what ran
         finally:
             run.barrier.finish(pid)
-            prog.tracker.close()
             set_current(outer)
             set_running_target(None if outer is None else outer.spec.name)
 

@@ -17,7 +17,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from nki_lib import backend, registry, simulator
-from nki_lib.attention import masks, flash_attention_reference
+from nki_lib.attention import flash_attention_reference, masks
 from nki_lib.attention.kernels import flash_attention_fwd, tiles
 from nki_lib.dispatch import Unsupported, collect_runs
 from nki_lib.numerics import parity

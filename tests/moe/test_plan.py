@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 
 import nki_lib
 import nki_lib.moe  # noqa: F401  (registers the ops)
-from nki_lib.moe import moe_plan_op
-from nki_lib.moe import moe_plan_reference
+from nki_lib.moe import moe_plan_op, moe_plan_reference
 from nki_lib.numerics.oppar import op_parity
 
 

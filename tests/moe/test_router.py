@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import nki_lib
 import nki_lib.moe  # noqa: F401  (registers the ops)
-from nki_lib.moe import moe_router_reference, moe_router_op
+from nki_lib.moe import moe_router_op, moe_router_reference
 from nki_lib.numerics.oppar import op_parity
 from nki_lib.registry import Sample
 

@@ -9,7 +9,7 @@ import torch
 import nki_lib
 import nki_lib.moe  # noqa: F401  (registers the ops)
 from nki_lib.dispatch import Unsupported
-from nki_lib.moe.kernels import moe_router_fwd, moe_router_bwd
+from nki_lib.moe.kernels import moe_router_bwd, moe_router_fwd
 
 T, H, E = 6, 8, 4
 

@@ -17,8 +17,8 @@ The accounting (which engine pays, how many descriptors) is checked, never a tim
 import numpy as np
 import pytest
 
-from nki_lib.simulator import jit, last_run, simulate
 from nki_lib.simulator import isa as nisa
+from nki_lib.simulator import jit, last_run, simulate
 from nki_lib.simulator import language as nl
 from nki_lib.simulator.profile import estimate, instruction_cost, params
 

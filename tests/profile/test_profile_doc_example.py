@@ -7,9 +7,9 @@ row max over 512 fp32 in PSUM (533 ns) plus the bf16 PSUM eviction of P^T (267 n
 """
 
 import pytest
+from profile_tracegen import Trace, new_id, onchip
 
 from nki_lib.simulator.profile import instruction_cost, params
-from profile_tracegen import Trace, new_id, onchip
 
 HW = params("trn2")
 

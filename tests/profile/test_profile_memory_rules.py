@@ -13,8 +13,8 @@ start, end, done)``) and checks an ordering, never a time.
 import numpy as np
 import pytest
 
-from nki_lib.simulator import jit, last_run, simulate
 from nki_lib.simulator import isa as nisa
+from nki_lib.simulator import jit, last_run, simulate
 from nki_lib.simulator import language as nl
 from nki_lib.simulator.profile import estimate, params
 

@@ -3,9 +3,9 @@
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from profile_tracegen import Trace, hbm, new_id, onchip
 
 from nki_lib.simulator.profile import estimate, instruction_cost, params
-from profile_tracegen import Trace, hbm, new_id, onchip
 
 TARGETS = ("trn2", "trn3")
 SIZES = (1, 16, 64, 100, 128, 256, 512, 1024, 2048, 8192)

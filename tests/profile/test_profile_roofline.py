@@ -1,10 +1,10 @@
 """Rooflines, MFU and the constants table."""
 
 import pytest
+from profile_tracegen import Trace, new_id, onchip
 
 from nki_lib.simulator.profile import TARGETS, ElementWork, OpCost, estimate, params, roofline
 from nki_lib.simulator.profile.roofline import element_time_ns
-from profile_tracegen import Trace, new_id, onchip
 
 LANES = params("trn2").lanes
 

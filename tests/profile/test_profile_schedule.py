@@ -5,9 +5,9 @@ Every expected value is written out from the formulas and the named constants of
 """
 
 import pytest
+from profile_tracegen import Trace, hbm, new_id, onchip
 
 from nki_lib.simulator.profile import estimate, params
-from profile_tracegen import Trace, hbm, new_id, onchip
 
 HW = params("trn2")
 NS = 1e9

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from nki_lib.simulator import jit, last_run, recording, simulate
 from nki_lib.simulator import isa as nisa
+from nki_lib.simulator import jit, last_run, recording, simulate
 from nki_lib.simulator import language as nl
 from nki_lib.simulator.profile import OpCost, estimate
 

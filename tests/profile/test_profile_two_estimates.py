@@ -10,12 +10,12 @@ engine, it never reorders across a dependency, and on any trace
 import numpy as np
 from hypothesis import example, given
 from hypothesis import strategies as st
+from profile_tracegen import Trace, hbm, new_id, onchip
 
-from nki_lib.simulator import jit, last_run, simulate
 from nki_lib.simulator import isa as nisa
+from nki_lib.simulator import jit, last_run, simulate
 from nki_lib.simulator import language as nl
 from nki_lib.simulator.profile import estimate
-from profile_tracegen import Trace, hbm, new_id, onchip
 
 
 def _stalled_vector_engine(dependent_second: bool):

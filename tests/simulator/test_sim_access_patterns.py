@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from sim_helpers import BF16, FLOAT_DTYPES, INT_DTYPES, bits, run_tiles
 
 from nki_lib.simulator import NKIRuleError, jit, simulate
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import BF16, FLOAT_DTYPES, INT_DTYPES, bits, run_tiles
 
 
 def _hbm_kernel(body):

@@ -5,10 +5,10 @@ negated read-out, lanes relative to the operand's first partition, immediate bia
 """
 
 import numpy as np
+from sim_helpers import run_tiles
 
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import run_tiles
 
 P, F = 32, 16
 FP32_MIN = float(np.finfo(np.float32).min)

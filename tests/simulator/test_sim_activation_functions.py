@@ -9,11 +9,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from sim_helpers import run_tiles
 
 from nki_lib.numerics import assert_parity
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import run_tiles
 
 P, F = 64, 48
 SCALE, BIAS = 0.75, 0.125

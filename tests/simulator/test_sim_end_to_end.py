@@ -6,10 +6,10 @@ core_barrier, sendrecv).
 
 import numpy as np
 import torch
+from sim_helpers import BF16, bits
 
 from nki_lib.numerics import assert_parity
 from nki_lib.simulator import last_run
-from sim_helpers import BF16, bits
 
 
 def _ints(rng, shape, dtype, lo=-8, hi=8):

@@ -6,12 +6,12 @@ bn_stats/bn_aggr, nc_match_replace8, exponential, activate2, nc_n_gather).
 import numpy as np
 import pytest
 import torch
+from sim_helpers import BF16, bits, run_tiles
 
 from nki_lib.numerics import assert_parity
 from nki_lib.simulator import NKIRuleError
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import BF16, bits, run_tiles
 
 P, F = 32, 24
 

@@ -10,12 +10,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from sim_helpers import BF16, run_tiles
 
 from nki_lib.numerics import assert_parity
 from nki_lib.simulator import NKIRuleError
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import BF16, run_tiles
 
 E4M3FN = np.dtype(ml_dtypes.float8_e4m3fn)
 E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from sim_helpers import BF16, bits, run_tiles
 
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import jit, simulate
 from nki_lib.simulator import language as nl
-from sim_helpers import BF16, bits, run_tiles
 
 FP32_MIN = float(np.finfo(np.float32).min)
 

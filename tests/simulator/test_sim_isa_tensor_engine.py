@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from sim_helpers import BF16, FP8_E4M3, FP8_E5M2, FP16, FP32, bits, run_tiles
 
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import jit, simulate
 from nki_lib.simulator import language as nl
-from sim_helpers import BF16, FP8_E4M3, FP8_E5M2, FP16, FP32, bits, run_tiles
 
 
 def _ints(rng, shape, dtype, lo=-8, hi=8):

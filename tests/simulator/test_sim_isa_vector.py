@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from sim_helpers import BF16, FLOAT_DTYPES, FP32, INT_DTYPES, bits, run_tiles
 
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import BF16, FLOAT_DTYPES, FP32, INT_DTYPES, bits, run_tiles
 
 P, F = 64, 48
 

@@ -6,13 +6,12 @@ float->int conversion, DMA dtype rules, engine restrictions, integer sentinels.
 import numpy as np
 import pytest
 import torch
+from sim_helpers import BF16, bits, run_tiles
 
 from nki_lib.numerics import assert_parity
-from nki_lib.simulator import NKIRuleError, jit, simulate
+from nki_lib.simulator import NKIRuleError, jit, simulate, tile_size
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from nki_lib.simulator import tile_size
-from sim_helpers import BF16, bits, run_tiles
 
 
 def _ints(rng, shape, dtype=np.float32, lo=-8, hi=8):
@@ -201,7 +200,7 @@ def test_manual_placement_in_sbuf_and_psum(rng):
 def test_psum_manual_placement_must_start_at_a_bank():
     @jit
     def misplaced(x_hbm):
-        acc_psum = nl.ndarray((16, 16), dtype=nl.float32, buffer=nl.psum, address=(0, 1024))
+        _acc_psum = nl.ndarray((16, 16), dtype=nl.float32, buffer=nl.psum, address=(0, 1024))
         return x_hbm
 
     with pytest.raises(NKIRuleError):
@@ -211,7 +210,7 @@ def test_psum_manual_placement_must_start_at_a_bank():
 def test_sbuf_manual_placement_must_fit():
     @jit
     def beyond(x_hbm):
-        t_sb = nl.ndarray((16, 16), dtype=nl.float32, buffer=nl.sbuf,
+        _t_sb = nl.ndarray((16, 16), dtype=nl.float32, buffer=nl.sbuf,
                           address=(0, tile_size.total_available_sbuf_size - 32))
         return x_hbm
 

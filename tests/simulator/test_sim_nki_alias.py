@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from sim_helpers import BF16
 
 from nki_lib import simulator as sim
-from sim_helpers import BF16
 
 ALIASES = ("nki", "nki.language", "nki.isa", "nki.isa.constants")
 

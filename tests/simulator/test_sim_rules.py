@@ -1,18 +1,18 @@
 """Hardware rules (docs/nki-semantics.md §3, §6, §8, issue 2 "Per rule"): each kernel below breaks one rule
 and must raise ``NKIRuleError`` naming the instruction, the operand, the rule and the kernel
 source line (the line marked ``# VIOLATION``). Also: fresh SBUF/PSUM reads give NaN, loop-local
-tiles do not accumulate toward the capacity limits.
+tiles do not accumulate toward the capacity limits (an allocation lives from its first to its last
+use in program order, so the capacity kernels use every tile again at the end).
 """
 
 import ml_dtypes
 import numpy as np
 import pytest
+from sim_helpers import BF16, check_rule_error
 
-from nki_lib.simulator import NKIRuleError, jit, simulate
+from nki_lib.simulator import NKIRuleError, jit, simulate, tile_size
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from nki_lib.simulator import tile_size
-from sim_helpers import BF16, check_rule_error
 
 MARK = "# VIOLATION"
 
@@ -125,7 +125,11 @@ def test_too_many_psum_buffers(trn2):
         live = []
         for _ in range(tile_size.psum_num_banks):
             live.append(nl.ndarray((128, tile_size.psum_fmax), dtype=nl.float32, buffer=nl.psum))
+            nisa.memset(dst=live[-1], value=0.0)
         live.append(nl.ndarray((128, tile_size.psum_fmax), dtype=nl.float32, buffer=nl.psum))  # VIOLATION
+        nisa.memset(dst=live[-1], value=0.0)
+        for t_psum in live:                    # every tile used again here: nine live together
+            nisa.memset(dst=t_psum, value=1.0)
         return x_hbm
 
     err = _raise(nine_banks, np.zeros((1, 1), np.float32))
@@ -135,7 +139,7 @@ def test_too_many_psum_buffers(trn2):
 def test_psum_tile_larger_than_psum(trn2):
     def huge_psum(x_hbm):
         cols = tile_size.psum_num_banks * tile_size.psum_fmax + 1
-        acc_psum = nl.ndarray((128, cols), dtype=nl.float32, buffer=nl.psum)  # VIOLATION
+        _acc_psum = nl.ndarray((128, cols), dtype=nl.float32, buffer=nl.psum)  # VIOLATION
         return x_hbm
 
     err = _raise(huge_psum, np.zeros((1, 1), np.float32))
@@ -157,6 +161,8 @@ def test_sbuf_overflow_of_live_tiles(trn2):
         nisa.memset(dst=a_sb, value=0.0)
         nisa.memset(dst=b_sb, value=0.0)
         nisa.memset(dst=c_sb, value=0.0)
+        for t_sb in (a_sb, b_sb):               # a and b used after c's first use: all three live
+            nisa.memset(dst=t_sb, value=1.0)
         return x_hbm
 
     err = _raise(overflow, np.zeros((1, 1), np.float32))
@@ -167,7 +173,7 @@ def test_sbuf_single_tile_over_capacity(trn2):
     cols = _sbuf_cols(1.0) + 1
 
     def too_big(x_hbm):
-        a_sb = nl.ndarray((1, cols), dtype=nl.float32, buffer=nl.sbuf)  # VIOLATION
+        _a_sb = nl.ndarray((1, cols), dtype=nl.float32, buffer=nl.sbuf)  # VIOLATION
         return x_hbm
 
     check_rule_error(_raise(too_big, np.zeros((1, 1), np.float32)), too_big, MARK, rule_words=("sbuf",))
@@ -223,7 +229,7 @@ def test_float64_kernel_argument_rejected():
 
 def test_float64_allocation_rejected():
     def f64(x_hbm):
-        t_sb = nl.ndarray((4, 4), dtype=np.float64, buffer=nl.sbuf)  # VIOLATION
+        _t_sb = nl.ndarray((4, 4), dtype=np.float64, buffer=nl.sbuf)  # VIOLATION
         return x_hbm
 
     with pytest.raises((NKIRuleError, TypeError), match="float64"):

@@ -5,11 +5,11 @@ the offending operand, at the ``# VIOLATION`` line.
 
 import numpy as np
 import pytest
+from sim_helpers import check_rule_error
 
 from nki_lib.simulator import NKIRuleError, jit, simulate
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import check_rule_error
 
 MARK = "# VIOLATION"
 

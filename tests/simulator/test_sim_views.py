@@ -5,11 +5,11 @@ restrictions. Every view is materialised with tensor_copy / dma_copy and compare
 
 import numpy as np
 import pytest
+from sim_helpers import run_tiles
 
 from nki_lib.simulator import NKIRuleError, jit, simulate
 from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import language as nl
-from sim_helpers import run_tiles
 
 P, A, B = 8, 6, 5
 

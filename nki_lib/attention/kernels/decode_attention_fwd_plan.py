@@ -29,11 +29,11 @@ import math
 import torch
 
 from nki_lib._nki import nl
+from nki_lib.attention.flash_attention_reference import resolve_scale
 from nki_lib.attention.kernels.decode_attention_fwd import decode_attention_fwd_kernel
 from nki_lib.attention.kernels.tiles import MAX_INDEX
-from nki_lib.attention.flash_attention_reference import resolve_scale
-from nki_lib.dispatch import Unsupported, call_kernel
 from nki_lib.backend import lnc_degree
+from nki_lib.dispatch import Unsupported, call_kernel
 
 __all__ = ["launch_decode_attention_fwd", "plan_splits", "KERNEL_DTYPES"]
 

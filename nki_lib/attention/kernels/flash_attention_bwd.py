@@ -89,12 +89,23 @@ from __future__ import annotations
 
 import torch
 
-from nki_lib._nki import nki, nisa, nl
+from nki_lib._nki import nisa, nki, nl
 from nki_lib.attention.kernels import flash_attention_bwd_prep, tiles
-from nki_lib.attention.kernels.flash_attention_bwd_tile import (Config, Pair, acc_stage, dk_stage, dq_stage, dscores_stage, dv_stage,
-                                                evict_stage, probs_stage, scores_stage, seen_blocks)
-from nki_lib.dispatch import Unsupported, call_kernel
+from nki_lib.attention.kernels.flash_attention_bwd_tile import (
+    Config,
+    Pair,
+    acc_stage,
+    dk_stage,
+    dq_stage,
+    dscores_stage,
+    dv_stage,
+    evict_stage,
+    probs_stage,
+    scores_stage,
+    seen_blocks,
+)
 from nki_lib.backend import lnc_degree
+from nki_lib.dispatch import Unsupported, call_kernel
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256

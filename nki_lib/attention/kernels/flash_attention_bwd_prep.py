@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nki_lib._nki import nl, nisa
+from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels import tiles
 
 FP32_MAX = float(np.finfo(np.float32).max)

@@ -182,15 +182,6 @@ def dscores_stage(pair, kn):
     pair.tiles["ds"] = ds_sb
 
 
-def seen_blocks(cfg, t, qn, k0, kn):
-    """Indices of the 128-key blocks some query of tile t sees (never empty for a planned tile: the
-    visible keys of consecutive rows form one interval); the others skip the dV/dK/dQ matmuls."""
-    pmax = nl.tile_size.pmax
-    blocks = tiles.key_blocks(kn)
-    seen = [c for c, (s0, sn) in enumerate(blocks) if cfg.mask.tile_visible(t * pmax, qn, k0 + s0, sn)]
-    return seen or list(range(len(blocks)))
-
-
 def dv_stage(pair, kv, k0, kn, cfg):
     """TensorE: dV += P^T dO per seen block (queries are the contraction dim: no transpose)."""
     p_sb = pair.tiles.pop("p")

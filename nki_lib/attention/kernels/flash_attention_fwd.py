@@ -94,17 +94,40 @@ from __future__ import annotations
 import torch
 
 from nki_lib._nki import nki, nl
-from nki_lib.attention.kernels.flash_attention_fwd_pipeline import (close_group, load_k, load_v_of, stage_acc,
-                                                    stage_evict_pt,
-                                                    stage_pv, stage_scores, stage_softmax,
-                                                    stage_transpose)
-from nki_lib.attention.kernels.flash_attention_fwd_plan import (QUERY_SECTION_TILES, Ctx, plan_groups,
-                                                plan_steps, program_share)
+from nki_lib.attention.kernels.flash_attention_fwd_pipeline import (
+    close_group,
+    load_k,
+    load_v_of,
+    stage_acc,
+    stage_evict_pt,
+    stage_pv,
+    stage_scores,
+    stage_softmax,
+    stage_transpose,
+)
+from nki_lib.attention.kernels.flash_attention_fwd_plan import (
+    QUERY_SECTION_TILES,
+    Ctx,
+    plan_groups,
+    plan_steps,
+    program_share,
+)
 from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, new_lse_batch
-from nki_lib.attention.kernels.flash_attention_fwd_step import (FP32_BYTES, HALF_BYTES, PT_DVE_SHARE,
-                                                PT_DVE_SHARE_SOFTCAP)
-from nki_lib.attention.kernels.tiles import (MAX_INDEX, STAT_INIT, MaskSpec, document_bounds,
-                                             head_dim_chunks, heads_per_pass, key_tile_width)
+from nki_lib.attention.kernels.flash_attention_fwd_step import (
+    FP32_BYTES,
+    HALF_BYTES,
+    PT_DVE_SHARE,
+    PT_DVE_SHARE_SOFTCAP,
+)
+from nki_lib.attention.kernels.tiles import (
+    MAX_INDEX,
+    STAT_INIT,
+    MaskSpec,
+    document_bounds,
+    head_dim_chunks,
+    heads_per_pass,
+    key_tile_width,
+)
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import Unsupported, call_kernel
 

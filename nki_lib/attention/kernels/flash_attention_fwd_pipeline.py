@@ -9,9 +9,16 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.flash_attention_fwd_plan import section_span
 from nki_lib.attention.kernels.flash_attention_fwd_state import add_lse, init_state, store_out
-from nki_lib.attention.kernels.flash_attention_fwd_step import (evict_pt, load_k_section, load_q, load_v,
-                                                p_times_v, section_scores, softmax_step,
-                                                transpose_p)
+from nki_lib.attention.kernels.flash_attention_fwd_step import (
+    evict_pt,
+    load_k_section,
+    load_q,
+    load_v,
+    p_times_v,
+    section_scores,
+    softmax_step,
+    transpose_p,
+)
 from nki_lib.attention.kernels.tiles import row_bounds
 
 __all__ = ["load_k", "section_k", "load_v_of", "stage_scores", "stage_softmax", "stage_transpose",

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from nki_lib._nki import nki, nisa, nl
+from nki_lib._nki import nisa, nki, nl
 from nki_lib.dispatch import Unsupported, call_kernel
 from nki_lib.moe.kernels.moe_experts_groups import merge_blocks, slot_positions
 

@@ -38,20 +38,21 @@ def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
     n_blocks = block_expert.numel()
     block = slot_assignment.numel() // max(n_blocks, 1)
     group_slots_n = group_blocks * block
-    idx = torch.arange(n_blocks)
+    dev = block_expert.device
+    idx = torch.arange(n_blocks, device=dev)
     valid = block_expert >= 0
-    prev = torch.cat([torch.full((1,), -2, dtype=block_expert.dtype), block_expert[:-1]])
+    prev = torch.cat([torch.full((1,), -2, dtype=block_expert.dtype, device=dev), block_expert[:-1]])
     run_start = valid & (block_expert != prev)
     start_of_run = torch.cummax(torch.where(run_start, idx, torch.zeros_like(idx)), 0).values
     pos = idx - start_of_run
     group_start = valid & (pos % group_blocks == 0)
     group_id = torch.cumsum(group_start.to(torch.int64), 0) - 1
     n_groups = group_count(n_blocks, n_experts, group_blocks, int(run_start.sum()))
-    group_expert = torch.full((n_groups,), -1, dtype=torch.int32)
+    group_expert = torch.full((n_groups,), -1, dtype=torch.int32, device=dev)
     group_expert[group_id[valid]] = block_expert[valid].to(torch.int32)
-    group_slots = torch.full((n_groups * group_slots_n,), -1, dtype=torch.int32)
+    group_slots = torch.full((n_groups * group_slots_n,), -1, dtype=torch.int32, device=dev)
     base = group_id[valid] * group_slots_n + (pos[valid] % group_blocks) * block
-    dst = (base[:, None] + torch.arange(block)[None, :]).reshape(-1)
+    dst = (base[:, None] + torch.arange(block, device=dev)[None, :]).reshape(-1)
     group_slots[dst] = slot_assignment.reshape(n_blocks, block)[valid].reshape(-1).to(torch.int32)
     pmax = nl.tile_size.pmax
     by_group = group_slots.reshape(n_groups, group_slots_n)
@@ -62,6 +63,6 @@ def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
 def slot_positions(group_slots, n_assignments):
     """(N,) int32: the position (row of the forward's slot-ordered output) of each assignment."""
     live = group_slots >= 0
-    pos = torch.full((n_assignments,), -1, dtype=torch.int32)
+    pos = torch.full((n_assignments,), -1, dtype=torch.int32, device=group_slots.device)
     pos[group_slots[live].long()] = torch.nonzero(live).reshape(-1).to(torch.int32)
     return pos

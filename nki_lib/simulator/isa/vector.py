@@ -13,8 +13,7 @@ from ..dtypes import is_float, is_int
 from ..hw import QUADRANT, SHUFFLE_KEEP, TOPK_MAX_FREE, TOPK_WIDTH
 from ..tensor import NkiTensor
 from ._accum import accumulate
-from ._common import (INSTRUCTION, as_op, begin, engine_name, onchip, read_f32, read_raw, same_pf,
-                      scalar_operand, write)
+from ._common import INSTRUCTION, as_op, begin, engine_name, onchip, read_f32, read_raw, same_pf, scalar_operand, write
 from .constants import engine as _engine
 from .constants import reduce_cmd as _reduce_cmd
 

@@ -2,9 +2,9 @@
 
 Every number the model uses lives here, per target (``trn2`` = NeuronCore-v3, ``trn3`` =
 NeuronCore-v4), as a :class:`Param` carrying its value, unit, source and confidence tag.
-The values are copied from ``docs/cost-model.md`` (the section is named
-in each ``source``), which cites the AWS Neuron documentation they come from. Confidence tags
-follow that document:
+Each ``source`` names the section of ``docs/cost-model.md`` that gives the number with the
+public page (AWS Neuron documentation, or a named third-party measurement) it comes from.
+Confidence tags follow that document:
 
 * ``H``: stated in current official AWS Neuron material for that generation;
 * ``M``: official but for an older generation, inconsistent between pages, or derived by simple
