@@ -36,14 +36,17 @@ from nki_lib.attention import decode_attention_op as _decode  # noqa: E402,F401 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = None,
-                     sinks: torch.Tensor | None = None, scale: float | None = None,
-                     window_left: int = -1, softcap: float = 0.0, return_lse: bool = False):
+                     sinks: torch.Tensor | None = None, cache_start: torch.Tensor | None = None,
+                     scale: float | None = None, window_left: int = -1, softcap: float = 0.0,
+                     return_lse: bool = False):
     """Attention of new tokens q (B, Hq, Sq, D) over a KV cache that already holds them.
 
     Contiguous cache: k_cache/v_cache (B, Hkv, Smax, D). Paged cache: (num_blocks, Hkv,
-    block_size, D) with ``block_table`` int32 (B, max_blocks). ``cache_seqlens`` int32 (B,) are the
-    valid lengths; see docs/contract.md §3.2. Inference only. Returns ``out`` or ``(out, lse)``.
+    block_size, D) with ``block_table`` int32 (B, max_blocks). ``cache_seqlens`` int32/int64 (B,)
+    are the valid lengths, ``cache_start`` (B,) the first valid positions (left-padded caches);
+    see docs/contract.md §3.2. Inference only. Returns ``out`` or ``(out, lse)``.
     """
     out, lse = torch.ops.nki.decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
+                                              cache_start,
                                               scale=scale, window_left=window_left, softcap=softcap)
     return (out, lse) if return_lse else out
