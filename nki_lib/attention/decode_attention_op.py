@@ -30,7 +30,7 @@ from nki_lib.attention.flash_attention_op import MAX_HEAD_DIM
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.autograd.autocast import follow_sdpa_autocast
-from nki_lib.validation import INDEX_DTYPES, check_same_device, check_same_dtype
+from nki_lib.validation import INDEX_DTYPES, check_same_device, check_same_dtype, has_values
 from nki_lib.validation import check_tensor as _check_tensor
 
 INDEX_DTYPE = torch.int32
@@ -160,11 +160,12 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     flags = dict(scale=scale, window_left=window_left, softcap=softcap)
     validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, cache_start, **flags)
-    validate_values(q, k_cache, cache_seqlens, block_table)
-    if cache_start is not None:
-        validate_starts(q, cache_seqlens, cache_start)
-        if not bool(cache_start.any()):
-            cache_start = None                 # every sequence starts at 0: the plain call
+    if has_values(cache_seqlens, block_table, cache_start):
+        validate_values(q, k_cache, cache_seqlens, block_table)
+        if cache_start is not None:
+            validate_starts(q, cache_seqlens, cache_start)
+            if not bool(cache_start.any()):
+                cache_start = None             # every sequence starts at 0: the plain call
     if sinks is not None:
         sinks = sinks.to(_lse_dtype(q))
     if q.shape[0] == 0:
