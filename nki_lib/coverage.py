@@ -40,11 +40,19 @@ class Coverage(dict):
                 spec = str(self.specializations.get(op, 0)) if path != "reference" else "-"
                 rows.append((op, path, str(stats.calls), spec, reasons))
         if len(rows) == 1:
-            return "coverage: no nki op has been called"
+            return "coverage: no nki op has been called" + self._emulated_line()
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return "\n".join(lines) + self._emulated_line()
+
+    def _emulated_line(self, top: int = 8) -> str:
+        """Aten calls on emulated neuron tensors (``nki_lib.emulate_neuron``), most frequent first."""
+        if not self.emulated_aten:
+            return ""
+        most = ", ".join(f"{name} x{n}" for name, n in self.emulated_aten.most_common(top))
+        return (f"\nemulated aten calls on neuron (CPU underneath): {sum(self.emulated_aten.values())} "
+                f"of {len(self.emulated_aten)} ops; {most}")
 
 
 class _Scope:

@@ -28,6 +28,7 @@ from torch import nn
 
 from nki_lib.moe import hf
 from nki_lib.moe import moe_experts_op, moe_plan_op, moe_router_op  # noqa: F401  (registers the MoE ops)
+from nki_lib.moe.expert_parallel import DEFAULT_CAPACITY_FACTOR, ExpertParallel
 from nki_lib.moe.losses import check_positive_int as _positive_int
 from nki_lib.moe.losses import load_balancing_loss, router_z_loss  # noqa: F401  (public here too)
 from nki_lib.moe.moe_experts_reference import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, gate
@@ -35,14 +36,24 @@ from nki_lib.moe.moe_router_op import validate as validate_router
 
 
 class MoE(nn.Module):
-    """Token-choice top-k Mixture of Experts with gated (GLU) experts and optional shared experts."""
+    """Token-choice top-k Mixture of Experts with gated (GLU) experts and optional shared experts.
+
+    ``ep_group``: a torch.distributed process group of P ranks for expert parallelism (each rank
+    owns num_experts / P experts; tokens travel by all-to-all with a per-rank capacity of
+    ``ep_capacity_factor``, None = dropless); see ``nki_lib.moe.expert_parallel``.
+    """
+
+    # per-expert parameters (dim 0 = expert): what expert parallelism shards (the biases are None
+    # unless expert_biases=True)
+    EXPERT_PARAMETERS = ("w_gate_up", "w_down", "gate_up_bias", "down_bias")
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  score_func: str = "softmax", renormalize: bool = True, num_groups: int = 1,
                  topk_groups: int = 1, activation: str = "silu", block_size: int = 128,
                  aux_loss_free: bool = False, num_shared_experts: int = 0, router_bias: bool = False,
                  expert_biases: bool = False, swiglu_alpha: float = SWIGLU_ALPHA,
-                 swiglu_limit: float = SWIGLU_LIMIT):
+                 swiglu_limit: float = SWIGLU_LIMIT, ep_group=None,
+                 ep_capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                             ("num_experts", num_experts), ("block_size", block_size)):
@@ -64,13 +75,15 @@ class MoE(nn.Module):
         for name, value in self.gate_flags.items():
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        self.expert_parallel = None if ep_group is None else ExpertParallel(ep_group, num_experts, ep_capacity_factor)
+        local_experts = num_experts if ep_group is None else self.expert_parallel.num_local
 
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w_gate_up = nn.Parameter(torch.empty(local_experts, 2 * intermediate_size, hidden_size))
+        self.w_down = nn.Parameter(torch.empty(local_experts, hidden_size, intermediate_size))
         self.router_bias = nn.Parameter(torch.empty(num_experts)) if router_bias else None
-        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if expert_biases else None
-        self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if expert_biases else None
+        self.gate_up_bias = nn.Parameter(torch.empty(local_experts, 2 * intermediate_size)) if expert_biases else None
+        self.down_bias = nn.Parameter(torch.empty(local_experts, hidden_size)) if expert_biases else None
         shared_size = intermediate_size * num_shared_experts
         self.shared_gate_up = nn.Linear(hidden_size, 2 * shared_size, bias=False) if shared_size else None
         self.shared_down = nn.Linear(shared_size, hidden_size, bias=False) if shared_size else None
@@ -90,6 +103,19 @@ class MoE(nn.Module):
                              (self.router_bias, h_bound), (self.gate_up_bias, h_bound), (self.down_bias, i_bound)):
                 if p is not None:
                     p.uniform_(-bound, bound)
+
+    def _experts(self, x2, topk_weights, topk_ids):
+        """This module's experts on (T, H) rows: ``(y, tokens_per_expert)``."""
+        block_expert, slot_assignment, tokens_per_expert = torch.ops.nki.moe_plan(
+            topk_ids, num_experts=self.w_gate_up.shape[0], block_size=self.block_size)
+        y = torch.ops.nki.moe_experts(x2, topk_weights, block_expert, slot_assignment, self.w_gate_up,
+                                      self.w_down, self.gate_up_bias, self.down_bias, activation=self.activation,
+                                      **self.gate_flags)
+        return y, tokens_per_expert
+
+    def ep_stats(self) -> dict | None:
+        """Expert-parallel statistics (capacity, dropped assignments), None without ep_group."""
+        return None if self.expert_parallel is None else self.expert_parallel.stats()
 
     def _shared(self, x2):
         g, u = self.shared_gate_up(x2).chunk(2, dim=-1)
@@ -115,11 +141,11 @@ class MoE(nn.Module):
             bias = self.expert_bias.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
         logits, topk_weights, topk_ids = torch.ops.nki.moe_router(*self._router_operands(x2), bias,
                                                                  **self.router_flags)
-        block_expert, slot_assignment, tokens_per_expert = torch.ops.nki.moe_plan(
-            topk_ids, num_experts=self.num_experts, block_size=self.block_size)
-        y = torch.ops.nki.moe_experts(x2, topk_weights, block_expert, slot_assignment, self.w_gate_up,
-                                      self.w_down, self.gate_up_bias, self.down_bias, activation=self.activation,
-                                      **self.gate_flags)
+        if self.expert_parallel is None:
+            y, tokens_per_expert = self._experts(x2, topk_weights, topk_ids)
+        else:
+            y, tokens_per_expert = self.expert_parallel(x2, topk_weights, topk_ids,
+                                                        lambda *rows: self._experts(*rows)[0])
         if self.shared_gate_up is not None:
             y = y + self._shared(x2)
         self.last_logits, self.last_topk_ids = logits, topk_ids
@@ -159,7 +185,7 @@ class MoE(nn.Module):
             raise RuntimeError("update_expert_bias needs MoE(..., aux_loss_free=True)")
         if not isinstance(rate, (int, float)) or isinstance(rate, bool) or rate < 0:
             raise ValueError(f"rate must be a float >= 0, got {rate!r}")
-        load = self._load
+        load = self._load if self.expert_parallel is None else self.expert_parallel.all_reduce_(self._load)
         self.expert_bias += rate * torch.sign(load.mean() - load)
         self._load.zero_()
 

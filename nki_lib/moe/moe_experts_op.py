@@ -33,7 +33,7 @@ from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.dispatch import dispatch
 from nki_lib.moe import moe_experts_reference as reference
 from nki_lib.registry import OpSpec, Sample
-from nki_lib.validation import FLOAT_DTYPES, check_same_device, check_same_dtype
+from nki_lib.validation import FLOAT_DTYPES, check_same_device, check_same_dtype, has_values
 from nki_lib.validation import check_tensor as _check_tensor
 
 INDEX_DTYPE = torch.int32          # what the kernels take (the plan's own dtype)
@@ -151,8 +151,9 @@ def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: to
                    ) -> torch.Tensor:
     flags = dict(activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, **flags)
-    validate_plan_values(block_expert, slot_assignment, num_assignments=topk_weights.numel(),
-                         num_experts=w_gate_up.shape[0])
+    if has_values(block_expert, slot_assignment):
+        validate_plan_values(block_expert, slot_assignment, num_assignments=topk_weights.numel(),
+                             num_experts=w_gate_up.shape[0])
     if _empty(x, topk_weights, w_down):
         return torch.zeros_like(x)
     args = _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down))

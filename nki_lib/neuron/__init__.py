@@ -44,18 +44,19 @@ def emulate_neuron() -> None:
     compile_backend.register()
 
 
-def launch_on_device(kernel, grid: int, args: tuple, kwargs: dict):
-    """Launch ``kernel[grid](*args, **kwargs)`` on neuron tensors (the ``device`` path).
+def launch_on_device(kernel, grid: int, args: tuple, kwargs: dict, op: str | None = None):
+    """Launch ``kernel[grid](*args, **kwargs)`` for nki op ``op`` on neuron tensors (the ``device``
+    path).
 
     Emulated: through ``nki_kernel_call`` (simulator underneath, a graph node under compile).
     Real: through TorchNeuron's ``wrap_nki`` caller with the grid set on the caller (a grid set on
-    the kernel before ``wrap_nki`` is lost, torch-integration notes §4), else the real kernel's own
+    the kernel before ``wrap_nki`` is lost, docs/neuron.md §1), else the real kernel's own
     call, which routes neuron tensors to TorchNeuron's kernel HOP.
     """
     if emulation.active():
         from nki_lib.neuron.kernel_call import launch
 
-        return launch(kernel, grid, args, kwargs)
+        return launch(kernel, grid, args, kwargs, op=op)
     wrap_nki = getattr(sys.modules.get("torch_neuronx"), "wrap_nki", None)
     if wrap_nki is not None:
         caller = wrap_nki(kernel)

@@ -1,7 +1,7 @@
 """``torch.compile(backend="neuron")`` under emulation: a stand-in for TorchNeuron's dynamo backend.
 
 It requires what the real backend requires of a graph before it lowers it to StableHLO
-(torch-integration notes §2.1, §2.3): static shapes (the real backend forces ``dynamic=False``),
+(docs/neuron.md §1): static shapes (the real backend forces ``dynamic=False``),
 and no opaque ``nki::`` op node with a neuron input (a node the lowering cannot express: the op
 bodies must have been traced into kernel calls). It checks the forward and backward graphs
 AOTAutograd produces and then runs them as they are (aten ops on the emulated device, kernel-call

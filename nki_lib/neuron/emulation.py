@@ -233,7 +233,8 @@ def _fallback(op, *args, **kwargs):
     from nki_lib.coverage import LEDGER
 
     name = op._schema.name
-    LEDGER.record_emulated_aten(name)
+    if not _state.get("probing"):
+        LEDGER.record_emulated_aten(name)
     special = _SPECIAL.get(name)
     if special is not None:
         return special(*args, **kwargs)
@@ -260,7 +261,7 @@ _state: dict = {}
 
 def active() -> bool:
     """True once ``emulate_neuron()`` has run in this process."""
-    return bool(_state)
+    return bool(_state.get("ready"))
 
 
 def check_free() -> None:
@@ -278,24 +279,30 @@ def setup() -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     with _lock:
-        if _state:
+        if _state.get("ready"):
             return
+        if _state:
+            raise EmulationError("emulate_neuron(): an earlier call failed in this process; start a new process")
         check_free()
         _setup_privateuseone_for_python_backend(DEVICE, backend_module=_DeviceModule())
         lib = torch.library.Library("_", "IMPL")  # noqa: TOR901 (a backend fallback needs the global namespace)
         lib.fallback(_fallback, "PrivateUse1")
         _state["lib"] = lib
         _probe_autograd()
+        _state["ready"] = True
 
 
 def _probe_autograd() -> None:
     """PyTorch sizes the autograd engine's device queues at the process's first backward: a
     backward that ran before the rename leaves no queue for neuron tensors."""
-    probe = torch.zeros((), device=DEVICE, requires_grad=True)
+    _state["probing"] = True   # the probe's aten calls are not the user's (backward runs on another thread)
     try:
+        probe = torch.zeros((), device=DEVICE, requires_grad=True)
         (probe * 1.0).backward()
     except RuntimeError as exc:
         if "device_ready_queues_" not in str(exc):
             raise
         raise EmulationError("emulate_neuron() must run before the first autograd backward of the process "
                              "(PyTorch sizes its autograd device queues once); call it at startup") from None
+    finally:
+        _state["probing"] = False

@@ -1,5 +1,5 @@
 """``nki_kernel_call``: one NKI kernel launch as a graph node, the emulation's stand-in for
-TorchNeuron's ``nki_kernel_wrapper`` higher-order operator (torch-integration notes §2.2).
+TorchNeuron's ``nki_kernel_wrapper`` higher-order operator (docs/neuron.md §1, §4).
 
 A launch is ``nki_kernel_call(kernel_idx, grid, constants_idx, tensors)``: the kernel and the
 non-tensor arguments live in side tables (every distinct constant set is a distinct compilation,
@@ -18,6 +18,7 @@ No autograd formula and no autocast: gradients come from the enclosing op's ``re
 
 from __future__ import annotations
 
+import contextvars
 import threading
 
 import numpy as np
@@ -54,7 +55,7 @@ class _Table:
 
 
 KERNELS = _Table()
-CONSTANTS = _Table()   # (treespec, leaves with SLOT where a tensor goes)
+CONSTANTS = _Table()   # (treespec, leaves with SLOT where a tensor goes, nki op name)
 
 
 class _Slot:
@@ -76,19 +77,27 @@ class NKIKernelCall(HigherOrderOperator):
 nki_kernel_call = NKIKernelCall()
 
 
-def launch(kernel, grid: int, args: tuple, kwargs: dict):
-    """Launch ``kernel[grid](*args, **kwargs)`` through ``nki_kernel_call`` (eager or traced)."""
+def launch(kernel, grid: int, args: tuple, kwargs: dict, op: str | None = None):
+    """Launch ``kernel[grid](*args, **kwargs)`` for nki op ``op`` through ``nki_kernel_call``
+    (eager or traced)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     template = tuple(SLOT if isinstance(v, torch.Tensor) else v for v in leaves)
     tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
     kernel_idx = KERNELS.add(id(kernel), kernel)
-    constants_idx = CONSTANTS.add((str(spec), repr(template)), (spec, template))
-    return nki_kernel_call(kernel_idx, int(grid), constants_idx, tensors)
+    constants_idx = CONSTANTS.add((str(spec), repr(template), op), (spec, template, op))
+    token = _eager_op_call.set(True)   # dispatch counts this call; a compiled graph's run does not pass here
+    try:
+        return nki_kernel_call(kernel_idx, int(grid), constants_idx, tensors)
+    finally:
+        _eager_op_call.reset(token)
+
+
+_eager_op_call: contextvars.ContextVar[bool] = contextvars.ContextVar("nki_lib_eager_op_call", default=False)
 
 
 def _arguments(constants_idx: int, tensors) -> tuple[tuple, dict]:
     """The launch's ``(args, kwargs)`` with ``tensors`` in the tensor slots."""
-    spec, template = CONSTANTS[constants_idx]
+    spec, template, _ = CONSTANTS[constants_idx]
     it = iter(tensors)
     return pytree.tree_unflatten([next(it) if v is SLOT else v for v in template], spec)
 
@@ -104,9 +113,13 @@ def _device_of(tensors) -> torch.device:
 
 @nki_kernel_call.py_impl(DispatchKey.CompositeExplicitAutograd)
 def _dense(kernel_idx, grid, constants_idx, tensors):
+    from nki_lib.coverage import LEDGER
     from nki_lib.dispatch import run_on_simulator
 
     args, kwargs = _arguments(constants_idx, tensors)
+    op = CONSTANTS[constants_idx][2]
+    if not _eager_op_call.get() and op is not None:   # a compiled graph's node: the op call runs here
+        LEDGER.record_call(op, "device")
     return run_on_simulator(_launchable(kernel_idx, grid), args, kwargs, _device_of(tensors))
 
 

@@ -4,9 +4,9 @@ Eager: the op's own body registered for PrivateUse1 (named ``neuron``), so neuro
 the ``device`` path of :func:`nki_lib.dispatch.dispatch` (``auto`` picks it for neuron tensors)
 with its eligibility checks and recorded fallback. Registering it explicitly, rather than
 relying on the default kernel, keeps the op on it if a backend routes ops that only have a
-default kernel to its CPU fallback (torch-integration notes §2.5).
+default kernel to its CPU fallback (docs/neuron.md §2).
 
-Compile: what TorchNeuron's ``nki_op`` does for its own ops (notes §2.3): a FunctionalTensorMode
+Compile: what TorchNeuron's ``nki_op`` does for its own ops (docs/neuron.md §1, §3): a FunctionalTensorMode
 rule runs the op body under the mode when an input is a neuron tensor, so AOTAutograd records the
 host-side preparation as aten ops and each launch as a kernel-call node; the forward and backward
 ops both get it. For CPU/CUDA inputs the rule defers to the mode, and the op stays one opaque node.

@@ -164,6 +164,95 @@ def scenario_refuse_after_backward():
     return {"error": None}
 
 
+class TinyBlock(torch.nn.Module):
+    """Attention (nki flash_attention) + MoE (nki_lib.moe.MoE), each with a residual."""
+
+    def __init__(self, hidden=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.moe = nki_lib.moe.MoE(hidden, 16, num_experts=4, top_k=2, block_size=8)
+        for p in (self.moe.router_weight, self.moe.w_gate_up, self.moe.w_down):
+            torch.nn.init.normal_(p, std=0.1)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(nki_lib.flash_attention(q, k, v, causal=True).transpose(1, 2).reshape(b, s, h))
+        return x + self.moe(x)
+
+
+def _train(model, x, steps, step_fn):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = step_fn(model, x)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().cpu())
+    return losses
+
+
+def _graph_targets(graphs):
+    return {which: sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+            for which, gm in graphs}
+
+
+def scenario_compile_block():
+    """torch.compile(backend="neuron", fullgraph=True) of a tiny attention + MoE block trains like eager."""
+    import copy
+
+    nki_lib.emulate_neuron()
+    from nki_lib.neuron import compile_backend
+
+    graphs = []
+    check = compile_backend.check_graph
+    compile_backend.check_graph = lambda gm, which: (graphs.append((which, gm)), check(gm, which))[1]
+    torch.manual_seed(0)
+    base, x = TinyBlock(), torch.randn(1, 16, 32)
+    eager_model = copy.deepcopy(base).to("neuron")
+    eager = _train(eager_model, x.to("neuron"), 3, lambda m, xs: m(xs).pow(2).mean())
+    nki_lib.reset_coverage()
+    compiled_model = copy.deepcopy(base).to("neuron")
+    fn = torch.compile(compiled_model, backend="neuron", fullgraph=True)
+    compiled = _train(compiled_model, x.to("neuron"), 3, lambda m, xs: fn(xs).pow(2).mean())
+    cov = nki_lib.coverage()
+    cpu_graphs = []
+
+    def capture(gm, example_inputs):
+        cpu_graphs.append(("cpu", gm))
+        return gm.forward
+
+    from torch._dynamo.backends.common import aot_autograd
+    cpu_model = copy.deepcopy(base)
+    torch.compile(cpu_model, backend=aot_autograd(fw_compiler=capture), fullgraph=True)(x).sum()
+    try:
+        torch.compile(lambda t: nki_lib.flash_attention(t, t, t), backend="neuron", dynamic=True)(
+            torch.randn(1, 2, 8, 4).to("neuron"))
+        dynamic_error = None
+    except Exception as exc:   # dynamo wraps the backend's error
+        dynamic_error = str(exc)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    # a graph traced without the FunctionalTensorMode rule keeps the op opaque: the backend refuses it
+    opaque = make_fx(lambda t: torch.ops.nki.flash_attention(t, t, t)[0], tracing_mode="fake")(
+        torch.randn(1, 2, 8, 4).to("neuron"))
+    try:
+        check(opaque, "forward")   # the original checker: the spy keeps the compiled graphs only
+        opaque_error = None
+    except compile_backend.NeuronCompileError as exc:
+        opaque_error = str(exc)
+    return {"losses_equal": all(map(torch.equal, eager, compiled)), "opaque_error": opaque_error,
+            "params_equal": all(torch.equal(a.cpu(), b.cpu()) for a, b in
+                                zip(eager_model.parameters(), compiled_model.parameters())),
+            "losses": [float(v) for v in compiled],
+            "graphs": _graph_targets(graphs), "cpu_graph": _graph_targets(cpu_graphs)["cpu"],
+            "calls": {op: {p: s.calls for p, s in paths.items()} for op, paths in cov.items()},
+            "dynamic_error": dynamic_error}
+
+
 SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 if __name__ == "__main__":

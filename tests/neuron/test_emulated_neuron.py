@@ -97,3 +97,20 @@ def test_neuron_tensors_behave_like_a_device():
 def test_emulation_refuses_when_privateuse1_is_not_free(scenario, words):
     found = run_scenario(scenario)
     assert found["error"] is not None and words in found["error"], found
+
+
+def test_compiled_attention_moe_block_trains_like_eager_on_neuron():
+    found = run_scenario("compile_block")
+    assert found["losses_equal"] and found["params_equal"], found["losses"]
+    for which in ("forward", "backward"):
+        targets = found["graphs"][which]
+        assert "nki_kernel_call" in targets, which          # the kernels are graph nodes
+        assert not any(t.startswith("nki.") for t in targets), (which, targets)   # no opaque op
+    # the compiled steps' kernel calls count at run time, once per step (3 steps)
+    assert found["calls"] == {op: {"device": 3} for op in found["calls"]} and len(found["calls"]) == 7
+    # CPU inputs: the ops stay opaque nodes
+    assert {"nki.flash_attention.default", "nki.moe_router.default", "nki.moe_plan.default",
+            "nki.moe_experts.default"} <= set(found["cpu_graph"])
+    assert "nki_kernel_call" not in found["cpu_graph"]
+    assert "static shapes only" in found["dynamic_error"]
+    assert "opaque op node nki.flash_attention.default with neuron inputs" in found["opaque_error"]

@@ -142,6 +142,9 @@ _TRN2: dict[str, Param] = {
     "dma_transpose_eff_sbuf": Param(0.5, "fraction", f"{DOC} §2.6 DMA transpose SBUF->SBUF up to 50%", "H"),
     "hbm_bw_share": Param(362.5, "B/ns", f"{DOC} §1.2 chip HBM 2.9 TB/s / 8 cores", "M"),
     "barrier_ns": Param(1300.0, "ns", f"{DOC} §7.5 cross-core barrier undocumented: use the DMA latency", "L"),
+    "neuronlink_bw_chip": Param(1280.0, "B/ns", f"{DOC} §1.1 NeuronLink-v3 1.28 TB/s per chip (hw-trn2)", "H"),
+    "neuronlink_links": Param(4, "links", f"{DOC} §1.1 4 NeuronLink-v3 per chip (arch-trn2)", "H"),
+    "cores_per_chip": Param(8, "NeuronCores", f"{DOC} §1.1 8 NeuronCore-v3 per chip (hw-trn2)", "H"),
     # ---- memories (§1.2)
     "sbuf_bytes_per_partition": Param(212984, "B", f"{DOC} §1.2 usable SBUF per partition (nkipy "
                                       "HardwareConstants.h)", "M"),
