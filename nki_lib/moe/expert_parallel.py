@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nki_lib.collectives import all_to_all, group_info
+from nki_lib.collectives import all_to_all, as_group, group_info
 
 DEFAULT_CAPACITY_FACTOR = 1.25
 
@@ -61,6 +61,7 @@ class ExpertParallel:
     """The expert-parallel layout of one MoE layer and its dispatch/combine (see module doc)."""
 
     def __init__(self, group, num_experts: int, capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR):
+        group = as_group(group)
         self.size, self.rank = group_info(group)
         if num_experts % self.size:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the ep_group size "
