@@ -2,7 +2,7 @@
 
 Usage::
 
-    nki-lib bench [--sweep default|full|smoke|targets] [--ops OP ...] [--models NAME ...]
+    nki-lib bench [--sweep default|full|smoke|targets|aws] [--ops OP ...] [--models NAME ...]
                   [--targets trn2,trn3] [--out DIR] [--no-steady] [--no-cpu] [--no-plot] [--limit N]
                   [--lnc 1|2] [--set NAME=VALUE ...] [--sensitivity]
 
