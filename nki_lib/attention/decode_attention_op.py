@@ -27,9 +27,9 @@ import torch
 from nki_lib import registry
 from nki_lib.attention import decode_attention_reference
 from nki_lib.attention.flash_attention_op import MAX_HEAD_DIM
+from nki_lib.autograd.autocast import follow_sdpa_autocast
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
-from nki_lib.autograd.autocast import follow_sdpa_autocast
 from nki_lib.validation import INDEX_DTYPES, check_same_device, check_same_dtype, has_values
 from nki_lib.validation import check_tensor as _check_tensor
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nki_lib.collectives import all_to_all, group_info
+from nki_lib.collectives import all_to_all, as_group, group_info
 
 DEFAULT_CAPACITY_FACTOR = 1.25
 
@@ -61,6 +61,7 @@ class ExpertParallel:
     """The expert-parallel layout of one MoE layer and its dispatch/combine (see module doc)."""
 
     def __init__(self, group, num_experts: int, capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR):
+        group = as_group(group)
         self.size, self.rank = group_info(group)
         if num_experts % self.size:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the ep_group size "
@@ -144,6 +145,8 @@ def shard_moe(module, group, *, capacity_factor: float | None = DEFAULT_CAPACITY
     sharded.expert_parallel = ep
     for name in module.EXPERT_PARAMETERS:
         full = getattr(module, name)
+        if full is None:                 # an optional parameter the module does not have
+            continue
         setattr(sharded, name, nn.Parameter(full.detach()[ep.local_experts].clone(),
                                             requires_grad=full.requires_grad))
     return sharded
@@ -158,6 +161,8 @@ def gather_moe(module):
     full = copy.deepcopy(module)
     full.expert_parallel = None
     for name in module.EXPERT_PARAMETERS:
+        if getattr(module, name) is None:
+            continue
         local = getattr(module, name).detach().contiguous()
         parts = [torch.empty_like(local) for _ in range(ep.size)]
         dist.all_gather(parts, local, group=ep.group)

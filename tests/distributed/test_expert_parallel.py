@@ -176,6 +176,11 @@ def _checkpoint_rank(rank, world):
             errors.append(None)
         except ValueError as err:
             errors.append(str(err))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    on_mesh = MoE(HIDDEN, INTER, EXPERTS, TOP_K, ep_group=mesh["ep"])
+    local["mesh w_down"] = tuple(on_mesh.w_down.shape)
     clone = copy.deepcopy(sharded)
     shares_group = clone.expert_parallel.group is sharded.expert_parallel.group
     return local, same and shares_group, list(single.state_dict()) == list(back.state_dict()), errors
@@ -204,7 +209,7 @@ def test_expert_bias_update_uses_the_group_load():
 def test_shard_and_gather_round_trip(world):
     local, same, same_keys, errors = run_ranks(world, _checkpoint_rank)[0]
     assert local["w_gate_up"] == (EXPERTS // world, 2 * INTER, HIDDEN)
-    assert local["w_down"] == (EXPERTS // world, HIDDEN, INTER)
+    assert local["w_down"] == local["mesh w_down"] == (EXPERTS // world, HIDDEN, INTER)
     assert local["router_weight"] == (EXPERTS, HIDDEN)
     assert same and same_keys
     assert errors[0] is None
