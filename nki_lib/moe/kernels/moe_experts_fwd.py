@@ -17,9 +17,12 @@ for each group g (static loop over NG, in order), with the expert id and a 0/1 t
   2. per I tile (128): the expert's gate and up weight rows (``scalar_offset`` = the expert
      register; nn.Linear layout, long contiguous runs) PE-transposed to W^T tiles (H on
      partitions; evictions alternate VectorE/ScalarE); per live slot tile gT/uT = W^T-tile x xT
-     into fp32 PSUM (contraction over H tiles); hT = act(gT) * uT -> SBUF (I on partitions).
+     into fp32 PSUM (contraction over H tiles; an expert bias enters first as bias_row^T x ones,
+     a contraction of size 1); hT = act(gT) * uT, or gpt-oss's clamped swiglu
+     (:mod:`.moe_experts_gate`), -> SBUF (I on partitions).
   3. per H chunk (<= 512): W_down^T tiles (rows loaded and PE-transposed per span of I tiles),
-     o = h x W_down^T into fp32 PSUM per live slot tile (contraction over I tiles), evicted on
+     o = h x W_down^T (+ b_down: ones^T x bias_row first) into fp32 PSUM per live slot tile
+     (contraction over I tiles), evicted on
      ScalarE into fp32 rows staged in SBUF and written with plain DMAs to the slot-ordered scratch
      y_group[g * S + slot] (static addresses: no GpSimd descriptor work, no read-modify-write).
 finally, per 128 tokens: y[t] = sum_j topk_weights[t, j] * y_group[pos[t * k + j]] in the fixed
@@ -33,8 +36,8 @@ Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-
 assignments, B plan block size, NG groups, S slots per group, ST slot tiles per group. Kernel
 inputs (HBM): x (T, H), topk_w (N, 1) fp32, group_expert (NG,) int32, slot_token (NG*S,) int32
 (a // k or -1), tile_live (NG*ST,) int32, slot_pos (N,) int32, w_gate_up (E, 2I, H), w_down
-(E, H, I) (nn.Linear layouts, as the op receives them); compile-time activation, top_k, h_chunk,
-y_cols. Output y (T, H) in x's dtype; scratch y_group (NG*S, H) fp32.
+(E, H, I) (nn.Linear layouts, as the op receives them), b_gate_up (E, 2I) and b_down (E, H) or
+None; compile-time activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols. Output y (T, H) in x's dtype; scratch y_group (NG*S, H) fp32.
 
 Limits: x and weights bf16/fp16/fp32 (one dtype); B <= 512 and S <= 512 (one PSUM bank per slot
 tile, at most 4 slot tiles in flight); the SBUF estimate :func:`sbuf_bytes` (dominated by xT, hT,
@@ -51,6 +54,7 @@ import torch
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.dispatch import Unsupported, call_kernel
 from nki_lib.moe.kernels.moe_experts_groups import merge_blocks, slot_positions
+from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu, ones_row
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are live at once
@@ -249,36 +253,59 @@ def gather_reduce(y_rows, slot_pos, topk_w, dst, top_k):
 
 # --------------------------------------------------------------------------- kernel
 
-def _gate_up(x_t, w_gate_up, expert_reg, slot_tiles, h_tiles, activation, h_t):
-    """hT[:, it, slots] = act(W_gate x) * (W_up x) per I tile (I on partitions, slots free); the
-    W^T tiles are shared by all live slot tiles, each slot tile is computed under its guard."""
+def gate_into(h_dst, g_psum, u_psum, gate):
+    """h_dst = gate(g, u): act(g) * u, or gpt-oss's clamped swiglu (``gate`` = (activation,
+    alpha, limit))."""
+    activation, alpha, limit = gate
+    if activation == "clamped_swiglu":
+        clamped_swiglu(h_dst, g_psum, u_psum, alpha, limit)
+        return
+    act_sb = nl.ndarray(g_psum.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=act_sb, op=act_fn(activation), data=g_psum)
+    nisa.tensor_tensor(dst=h_dst, data1=act_sb, data2=u_psum, op=nl.multiply)
+
+
+def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h_t, ones_sb):
+    """hT[:, it, slots] = gate(W_gate x + b_gate, W_up x + b_up) per I tile (I on partitions, slots
+    free); the W^T tiles are shared by all live slot tiles, each slot tile is computed under its
+    guard. A bias enters the PSUM first, as bias_row^T x ones (a contraction of size 1)."""
     inter = w_gate_up.shape[1] // 2
     for it, (i0, isz) in enumerate(tiles(inter, nl.tile_size.pmax)):
         wg_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, i0, isz)
         wu_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, inter + i0, isz)
+        rows = (None, None)
+        if b_gate_up is not None:
+            rows = (bias_row(b_gate_up, expert_reg, i0, isz), bias_row(b_gate_up, expert_reg, inter + i0, isz))
         for s0, ps, _, live_reg in slot_tiles:
             for _ in nl.dynamic_range(0, live_reg):
                 g_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
                 u_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
+                for acc_psum, row_sb in zip((g_psum, u_psum), rows):
+                    if row_sb is not None:
+                        add_outer(acc_psum, row_sb, ones_sb[:, :ps])
                 for ht, (h0, hs) in enumerate(h_tiles):
                     nisa.nc_matmul(dst=g_psum, stationary=wg_sb[:hs, ht, :], moving=x_t[:hs, ht, s0:s0 + ps],
-                                   accumulate=ht > 0)
+                                   accumulate=ht > 0 or rows[0] is not None)
                     nisa.nc_matmul(dst=u_psum, stationary=wu_sb[:hs, ht, :], moving=x_t[:hs, ht, s0:s0 + ps],
-                                   accumulate=ht > 0)
-                act_sb = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.activation(dst=act_sb, op=act_fn(activation), data=g_psum)
-                nisa.tensor_tensor(dst=h_t[:isz, it, s0:s0 + ps], data1=act_sb, data2=u_psum, op=nl.multiply)
+                                   accumulate=ht > 0 or rows[1] is not None)
+                gate_into(h_t[:isz, it, s0:s0 + ps], g_psum, u_psum, gate)
 
 
-def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_group, row0, h_chunk, y_cols):
-    """y_group[row0 + slot] = h @ W_down^T: per H chunk, contraction over I tiles in PSUM (per live
-    slot tile); the rows are staged ``y_cols`` wide in SBUF and written in slot order with plain
-    DMAs (static addresses: no descriptors for GpSimd to build)."""
+def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_group, row0, h_chunk, y_cols, ones_sb):
+    """y_group[row0 + slot] = h @ W_down^T (+ b_down): per H chunk, contraction over I tiles in
+    PSUM (per live slot tile; the bias first, as ones^T x bias_row); the rows are staged ``y_cols``
+    wide in SBUF and written in slot order with plain DMAs (static addresses: no descriptors for
+    GpSimd to build)."""
     hidden = w_down.shape[1]
     for g0, gn in tiles(hidden, y_cols):
         y_rows = [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
         for h0, hn in tiles(gn, h_chunk):
             y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
+            if b_down is not None:
+                row_sb = bias_row(b_down, expert_reg, g0 + h0, hn)
+                for (_, ps, _, live_reg), y_psum in zip(slot_tiles, y_psums):
+                    for _ in nl.dynamic_range(0, live_reg):
+                        add_outer(y_psum, ones_sb[:, :ps], row_sb)
             for span in spans(i_tiles):
                 wd_t = load_expert_t(w_down, expert_reg, span, g0 + h0, hn)
                 for (s0, ps, _, live_reg), y_psum in zip(slot_tiles, y_psums):
@@ -286,7 +313,7 @@ def _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_group, row0, h_chunk, 
                         for si, (i0, isz) in enumerate(span):
                             it = i0 // nl.tile_size.pmax
                             nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps],
-                                           moving=wd_t[:isz, si, :], accumulate=it > 0)
+                                           moving=wd_t[:isz, si, :], accumulate=it > 0 or b_down is not None)
             for (*_, live_reg), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
                 for _ in nl.dynamic_range(0, live_reg):
                     nisa.activation(dst=y_sb[:, h0:h0 + hn], op=nl.copy, data=y_psum)
@@ -326,14 +353,15 @@ def _transpose_group(x_t, slot_tiles, x_rows, trips_reg):
                 transpose_rows(x_t, rows_sb, s0)
 
 
-def _group_fwd(x, slot_tiles, x_rows, w_gate_up, w_down, regs, next_group, group, activation, h_chunk,
-               y_cols, y_group, row0):
+def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_chunk, y_cols, y_group, row0,
+               ones_sb):
     """Group body in guarded phases: xT (then the x rows are released), h (gate/up; then xT is
     released), the gather of the next group's rows (``next_group`` = (registers, slot tiles) or
     None; returned), the down projection and the writes of y. GpSimd issues DMAs in program order,
     so the next gather is issued before this group's last matmul; the releases keep the x rows of
     two groups and xT from being live at once (SBUF: see :func:`sbuf_bytes_at`)."""
     pmax = nl.tile_size.pmax
+    w_gate_up, w_down, b_gate_up, b_down = weights
     expert_reg, trips_reg = regs
     h_tiles, i_tiles = tiles(x.shape[1], pmax), tiles(w_down.shape[2], pmax)
     x_t = nl.ndarray((pmax, len(h_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
@@ -341,20 +369,20 @@ def _group_fwd(x, slot_tiles, x_rows, w_gate_up, w_down, regs, next_group, group
     _transpose_group(x_t, slot_tiles, x_rows, trips_reg)
     x_rows.clear()                      # last use of this group's x rows
     for _ in nl.dynamic_range(0, trips_reg):
-        _gate_up(x_t, w_gate_up, expert_reg, slot_tiles, h_tiles, activation, h_t)
+        _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h_t, ones_sb)
     del x_t                             # last use of xT
     next_rows = None
     if next_group is not None:
         (_, next_trips), next_tiles = next_group
         next_rows = _gather_group(x, next_tiles, next_trips)
     for _ in nl.dynamic_range(0, trips_reg):
-        _down(h_t, w_down, expert_reg, i_tiles, slot_tiles, y_group, row0, h_chunk, y_cols)
+        _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_group, row0, h_chunk, y_cols, ones_sb)
     return next_rows
 
 
 @nki.jit
-def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, tile_live, slot_pos, w_gate_up, w_down,
-                    activation, top_k, h_chunk, y_cols):
+def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, tile_live, slot_pos, w_gate_up, w_down, b_gate_up,
+                           b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols):
     t_len, hidden = x.shape
     n_groups = group_expert.shape[0]
     group = slot_token.shape[0] // n_groups
@@ -366,6 +394,9 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, tile_live, slot_
     nisa.dma_copy(dst=live_sb, src=tile_live.ap([[n_groups * n_slot_tiles, 1], [n_slot_tiles, n_groups],
                                                  [1, n_slot_tiles]], offset=0))
     tok_ids = load_all_ids(slot_token, n_groups, group)
+    ones_sb = ones_row(nl.tile_size.pmax, x.dtype)
+    weights = (w_gate_up, w_down, b_gate_up, b_down)
+    gate = (activation, swiglu_alpha, swiglu_limit)
     current = (block_registers(expert_sb, valid_sb, 0), _group_tiles(tok_ids, live_sb, 0, group))
     x_rows = _gather_group(x, current[1], current[0][1])
     # Static unroll (compile-time Python loop): group g's body also issues group g + 1's gather.
@@ -374,8 +405,8 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, tile_live, slot_
         if g + 1 < n_groups:
             following = (block_registers(expert_sb, valid_sb, g + 1),
                          _group_tiles(tok_ids, live_sb, g + 1, group))
-        x_rows = _group_fwd(x, current[1], x_rows, w_gate_up, w_down, current[0], following, group, activation,
-                            h_chunk, y_cols, y_group, g * group)
+        x_rows = _group_fwd(x, current[1], x_rows, weights, current[0], following, group, gate, h_chunk, y_cols,
+                            y_group, g * group, ones_sb)
         current = following
     gather_reduce(y_group, slot_pos, topk_w, y, top_k)
     return y
@@ -484,8 +515,10 @@ def group_blocks(hidden, inter, block, itemsize, **counts):
     return blocks
 
 
-def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
-    """Launch the forward kernel (host side: index metadata and views only)."""
+def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
+                           b_down=None, *, activation, swiglu_alpha, swiglu_limit):
+    """Launch the forward kernel (host side: index metadata, views and the exact widening of the
+    routing weights to fp32)."""
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
                                  sbuf_fn=sbuf_bytes)
     top_k = topk_weights.shape[1]
@@ -496,6 +529,12 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
     slot_pos = slot_positions(group_slots, topk_weights.numel())
     h_chunk, y_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
                              n_blocks=group_expert.shape[0])
-    return call_kernel(moe_experts_fwd_kernel, x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
-                       group_expert, slot_tokens(group_slots, top_k), tile_live, slot_pos,
-                       w_gate_up.contiguous(), w_down.contiguous(), activation, top_k, h_chunk, y_cols)
+    return call_kernel(moe_experts_fwd_kernel, x.contiguous(), routing_weights(topk_weights), group_expert,
+                       slot_tokens(group_slots, top_k), tile_live, slot_pos, w_gate_up.contiguous(),
+                       w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha), float(swiglu_limit),
+                       top_k, h_chunk, y_cols)
+
+
+def routing_weights(topk_weights):
+    """(N, 1) fp32 routing weights for the kernels: bf16/fp16/fp32 widen exactly."""
+    return topk_weights.reshape(-1, 1).to(torch.float32).contiguous()
