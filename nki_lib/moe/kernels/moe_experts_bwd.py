@@ -56,12 +56,29 @@ blocks).
 
 from __future__ import annotations
 
-from nki_lib._nki import nki, nisa, nl
+from nki_lib._nki import nisa, nki, nl
 from nki_lib.dispatch import Unsupported, call_kernel
 from nki_lib.moe.kernels.moe_experts_fwd import (
-    act_fn, block_flags, block_registers, check_supported, choose_tiling, flags_sbuf_bytes,
-    gather_rows_into, load_all_ids, load_expert_cols, load_expert_t, reduce_assignments, routing_weights,
-    WEIGHT_SPAN, scatter_rows, slot_tokens, staged_bytes, tail_sbuf_bytes, tiles, transpose_rows)
+    WEIGHT_SPAN,
+    act_fn,
+    block_flags,
+    block_registers,
+    check_supported,
+    choose_tiling,
+    flags_sbuf_bytes,
+    gather_rows_into,
+    load_all_ids,
+    load_expert_cols,
+    load_expert_t,
+    reduce_assignments,
+    routing_weights,
+    scatter_rows,
+    slot_tokens,
+    staged_bytes,
+    tail_sbuf_bytes,
+    tiles,
+    transpose_rows,
+)
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu_terms, ones_row
 from nki_lib.moe.moe_experts_reference import _GELU_TANH_A, _GELU_TANH_C
 

@@ -53,8 +53,8 @@ import torch
 
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.dispatch import Unsupported, call_kernel
-from nki_lib.moe.kernels.moe_experts_groups import merge_blocks, slot_positions
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu, ones_row
+from nki_lib.moe.kernels.moe_experts_groups import merge_blocks, slot_positions
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are live at once
