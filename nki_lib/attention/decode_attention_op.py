@@ -22,9 +22,10 @@ import torch
 
 from nki_lib import registry
 from nki_lib.attention import decode_attention_reference
-from nki_lib.attention.flash_attention_op import MAX_HEAD_DIM
+from nki_lib.attention.attention_args import MAX_HEAD_DIM, lse_dtype
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
+from nki_lib.sizes import ceil_div
 from nki_lib.validation import check_same_device, check_same_dtype
 from nki_lib.validation import check_tensor as _check_tensor
 
@@ -34,7 +35,7 @@ INDEX_DTYPE = torch.int32
 # --------------------------------------------------------------------------- validation
 
 def _lse_dtype(q):
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+    return lse_dtype(q.dtype)
 
 
 def capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
@@ -119,7 +120,7 @@ def validate_values(q, k_cache, cache_seqlens, block_table):
         return
     block_size, num_blocks = k_cache.shape[2], k_cache.shape[0]
     table = block_table.to("cpu", torch.int64)
-    used = torch.arange(table.shape[1])[None, :] < (-(-lengths // block_size))[:, None]
+    used = torch.arange(table.shape[1])[None, :] < ceil_div(lengths, block_size)[:, None]
     bad = used & ((table < 0) | (table >= num_blocks))
     if bool(bad.any()):
         b, col = (int(i) for i in bad.nonzero()[0])
@@ -141,11 +142,11 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if q.shape[0] == 0:
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
 
-    def kernel():
+    def launch():
         from nki_lib.attention.kernels import decode_attention_fwd_plan
         return decode_attention_fwd_plan.launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, **flags)
 
-    out, lse = dispatch("decode_attention", (q, k_cache, v_cache, sinks), kernel=kernel,
+    out, lse = dispatch("decode_attention", (q, k_cache, v_cache, sinks), launch=launch,
                         reference=lambda: decode_attention_reference.decode_attention(
                             q, k_cache, v_cache, cache_seqlens, block_table, sinks, **flags))
     return out.contiguous(), lse.contiguous()
@@ -190,8 +191,8 @@ def make_sample(b, hq, hkv, sq, d, lengths, dtype, *, block_size=None, num_block
         k, v = rand(b, hkv, cap, d), rand(b, hkv, cap, d)
         layout = f"contiguous Smax={cap}"
     else:
-        max_blocks = -(-cap // block_size)
-        needed = [-(-n // block_size) for n in lengths]
+        max_blocks = ceil_div(cap, block_size)
+        needed = [ceil_div(n, block_size) for n in lengths]
         num_blocks = num_blocks or max(1, sum(needed))
         order = torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)
         table = torch.full((b, max_blocks), -1, dtype=INDEX_DTYPE)
@@ -238,4 +239,11 @@ SPEC = registry.register(OpSpec(
     samples=_samples,
     report_samples=_report_samples,
     differentiable=False,
+    family="attention",
+    launchers=(
+        "nki_lib.attention.kernels.decode_attention_fwd_plan.launch_decode_attention_fwd",
+    ),
+    kernels=(
+        "nki_lib.attention.kernels.decode_attention_fwd.decode_attention_fwd_kernel",
+    ),
 ))

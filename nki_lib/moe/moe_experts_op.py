@@ -20,7 +20,7 @@ import torch
 from nki_lib import registry
 from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.dispatch import dispatch
-from nki_lib.moe import moe_experts_reference as reference
+from nki_lib.moe import moe_experts_reference
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.validation import FLOAT_DTYPES, check_same_device, check_same_dtype
 from nki_lib.validation import check_tensor as _check_tensor
@@ -61,8 +61,8 @@ def validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, 
         raise ValueError(f"slot_assignment must have NB * block_size entries (NB={nb} blocks), got {slots}")
     if not isinstance(activation, str):
         raise TypeError(f"activation must be a str, got {type(activation).__name__}")
-    if activation not in reference.ACTIVATIONS:
-        raise ValueError(f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
+    if activation not in moe_experts_reference.ACTIVATIONS:
+        raise ValueError(f"activation must be one of {moe_experts_reference.ACTIVATIONS}, got {activation!r}")
 
 
 def validate_plan_values(block_expert, slot_assignment, *, num_assignments, num_experts):
@@ -112,12 +112,12 @@ def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: to
     # contiguous inputs: the same bits reach every path whatever the caller's strides
     args = tuple(t.contiguous() for t in (x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down))
 
-    def kernel():
+    def launch():
         from nki_lib.moe.kernels import moe_experts_fwd
         return moe_experts_fwd.launch_moe_experts_fwd(*args, activation=activation)
 
-    y = dispatch("moe_experts", args[:2] + args[4:], kernel=kernel,
-                 reference=lambda: reference.moe_experts(*args, activation=activation))
+    y = dispatch("moe_experts", args[:2] + args[4:], launch=launch,
+                 reference=lambda: moe_experts_reference.moe_experts(*args, activation=activation))
     return y.contiguous()
 
 
@@ -142,12 +142,12 @@ def moe_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: tor
                 torch.zeros_like(w_down))
     args = tuple(t.contiguous() for t in (dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down))
 
-    def kernel():
+    def launch():
         from nki_lib.moe.kernels import moe_experts_bwd
         return moe_experts_bwd.launch_moe_experts_bwd(*args, activation=activation)
 
-    grads = dispatch("moe_experts_backward", args[:3] + args[5:], kernel=kernel,
-                     reference=lambda: reference.moe_experts_backward(*args, activation=activation))
+    grads = dispatch("moe_experts_backward", args[:3] + args[5:], launch=launch,
+                     reference=lambda: moe_experts_reference.moe_experts_backward(*args, activation=activation))
     return tuple(g.contiguous() for g in grads)
 
 
@@ -220,8 +220,17 @@ def _report_samples():
 
 SPEC = registry.register(OpSpec(
     name="moe_experts",
-    naive=reference.naive,
+    naive=moe_experts_reference.naive,
     samples=_samples,
     report_samples=_report_samples,
     backward_name="moe_experts_backward",
+    family="moe",
+    launchers=(
+        "nki_lib.moe.kernels.moe_experts_fwd.launch_moe_experts_fwd",
+        "nki_lib.moe.kernels.moe_experts_bwd.launch_moe_experts_bwd",
+    ),
+    kernels=(
+        "nki_lib.moe.kernels.moe_experts_fwd.moe_experts_fwd_kernel",
+        "nki_lib.moe.kernels.moe_experts_bwd.moe_experts_bwd_kernel",
+    ),
 ))

@@ -56,29 +56,33 @@ blocks).
 
 from __future__ import annotations
 
+from functools import partial
+
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.dispatch import call_kernel
-from nki_lib.moe.kernels.moe_experts_fwd import (
+from nki_lib.dispatch import KernelLaunch
+from nki_lib.moe.activations import GELU_TANH_A, GELU_TANH_C
+from nki_lib.moe.kernels.moe_experts_budget import (
+    check_supported,
+    choose_tiling,
+    flags_sbuf_bytes,
+    slot_tokens,
+    staged_bytes,
+    tail_sbuf_bytes,
+)
+from nki_lib.moe.kernels.moe_experts_steps import (
     WEIGHT_SPAN,
     act_fn,
     block_flags,
     block_registers,
-    check_supported,
-    choose_tiling,
-    flags_sbuf_bytes,
     gather_rows_into,
     load_all_ids,
     load_expert_cols,
     load_expert_t,
     reduce_assignments,
     scatter_rows,
-    slot_tokens,
-    staged_bytes,
-    tail_sbuf_bytes,
-    tiles,
     transpose_rows,
 )
-from nki_lib.moe.moe_experts_reference import _GELU_TANH_A, _GELU_TANH_C
+from nki_lib.sizes import ceil_div, spans
 
 ACT_GRAD_FN = {"silu": "silu_dx", "gelu": "gelu_dx"}   # ScalarE derivative functions
 ACC_MODES = ("only", "first", "middle", "last")          # a block's place among its expert's blocks
@@ -93,17 +97,17 @@ def _gelu_tanh_grad(dst, g_psum, shape):
     g2_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=g2_sb, op=nl.square, data=g_psum)
     inner_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=inner_sb, data=g2_sb, op0=nl.multiply, operand0=_GELU_TANH_A, op1=nl.add,
+    nisa.tensor_scalar(dst=inner_sb, data=g2_sb, op0=nl.multiply, operand0=GELU_TANH_A, op1=nl.add,
                        operand1=1.0)
     nisa.tensor_tensor(dst=inner_sb, data1=inner_sb, data2=g_psum, op=nl.multiply)
     t_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=t_sb, op=nl.tanh, data=inner_sb, scale=_GELU_TANH_C)
+    nisa.activation(dst=t_sb, op=nl.tanh, data=inner_sb, scale=GELU_TANH_C)
     sech2_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)                # 1 - t^2
     nisa.tensor_tensor(dst=sech2_sb, data1=t_sb, data2=t_sb, op=nl.multiply)
     nisa.tensor_scalar(dst=sech2_sb, data=sech2_sb, op0=nl.multiply, operand0=-1.0, op1=nl.add,
                        operand1=1.0)
-    nisa.tensor_scalar(dst=g2_sb, data=g2_sb, op0=nl.multiply, operand0=3.0 * _GELU_TANH_A * 0.5 * _GELU_TANH_C,
-                       op1=nl.add, operand1=0.5 * _GELU_TANH_C)                    # 0.5 c (1 + 3 a g^2)
+    nisa.tensor_scalar(dst=g2_sb, data=g2_sb, op0=nl.multiply, operand0=3.0 * GELU_TANH_A * 0.5 * GELU_TANH_C,
+                       op1=nl.add, operand1=0.5 * GELU_TANH_C)                    # 0.5 c (1 + 3 a g^2)
     nisa.tensor_tensor(dst=g2_sb, data1=g2_sb, data2=sech2_sb, op=nl.multiply)
     nisa.tensor_tensor(dst=g2_sb, data1=g2_sb, data2=g_psum, op=nl.multiply)
     nisa.tensor_scalar(dst=t_sb, data=t_sb, op0=nl.multiply, operand0=0.5, op1=nl.add, operand1=0.5)
@@ -218,7 +222,7 @@ def zero_idle_experts(block_expert, outs):
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     n_blocks = block_expert.shape[0]
     experts = outs[0].shape[0]
-    for e0, et in tiles(experts, pmax):
+    for e0, et in spans(experts, pmax):
         be_sb = nl.ndarray((et, n_blocks), dtype=nl.int32, buffer=nl.sbuf)   # block experts, per partition
         nisa.dma_copy(dst=be_sb, src=block_expert.ap([[0, et], [1, n_blocks]], offset=0))
         ids_sb = nl.ndarray((et, 1), dtype=nl.float32, buffer=nl.sbuf)        # fp32 per-partition operand
@@ -237,8 +241,8 @@ def zero_idle_experts(block_expert, outs):
                     rows, cols = out.shape[1], out.shape[2]
                     zero_sb = nl.ndarray((pmax, min(cols, fmax)), dtype=out.dtype, buffer=nl.sbuf)
                     nisa.memset(dst=zero_sb, value=0.0)
-                    for r0, rs in tiles(rows, pmax):
-                        for c0, cn in tiles(cols, fmax):
+                    for r0, rs in spans(rows, pmax):
+                        for c0, cn in spans(cols, fmax):
                             nisa.dma_copy(dst=out[e, r0:r0 + rs, c0:c0 + cn], src=zero_sb[:rs, :cn])
 
 
@@ -248,7 +252,7 @@ def _block_rows(x, dy, tok_ids, asg_ids, b, block):
     """Block b's slot tiles (s0, ps, token ids, assignment ids, routing weight (ps, 1) fp32, x rows)
     and dy rows, allocated here and filled by ``_gather_block``."""
     slot_tiles, dy_rows = [], []
-    for st, (s0, ps) in enumerate(tiles(block, nl.tile_size.pmax)):
+    for st, (s0, ps) in enumerate(spans(block, nl.tile_size.pmax)):
         slot_tiles.append((s0, ps, tok_ids[:ps, st, b:b + 1], asg_ids[:ps, st, b:b + 1],
                            nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf),
                            nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)))
@@ -268,7 +272,7 @@ def _load_grad_rows(dy_rows, slot_tiles, block):
     """Per slot tile: dy rows scaled by the routing weight (do); and dyT (P, HT, B)."""
     pmax = nl.tile_size.pmax
     hidden = dy_rows[0].shape[1]
-    dy_t = nl.ndarray((pmax, len(tiles(hidden, pmax)), block), dtype=dy_rows[0].dtype, buffer=nl.sbuf)
+    dy_t = nl.ndarray((pmax, len(spans(hidden, pmax)), block), dtype=dy_rows[0].dtype, buffer=nl.sbuf)
     do_rows = []
     for (s0, ps, _, _, w_col, _), dy_sb in zip(slot_tiles, dy_rows):
         transpose_rows(dy_t, dy_sb, s0)
@@ -285,14 +289,14 @@ def _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert
     (acc_gu, dw_gate_up), (acc_d, dw_down) = grad_bufs
     hidden = acc_d.shape[1]
     cn = chunk[0][0].shape[1]
-    for h0, hs in tiles(hidden, pmax):
+    for h0, hs in spans(hidden, pmax):
         part_psum = nl.ndarray((hs, cn), dtype=nl.float32, buffer=nl.psum)
         for st, (do_sb, (hx_sb, _, _)) in enumerate(zip(do_rows, chunk)):
             nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=hx_sb, accumulate=st > 0)
         accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, h0, c0, part_psum)
     for which, row0 in ((1, c0), (2, inter + c0)):
-        for i0, isz in tiles(cn, pmax):
-            for h0, hn in tiles(hidden, fmax):
+        for i0, isz in spans(cn, pmax):
+            for h0, hn in spans(hidden, fmax):
                 part_psum = nl.ndarray((isz, hn), dtype=nl.float32, buffer=nl.psum)
                 for st, ((*_, x_rows), grads) in enumerate(zip(slot_tiles, chunk)):
                     nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
@@ -305,10 +309,10 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols):
     staged ``dx_cols`` wide in SBUF and scattered once per slot tile and group."""
     inter = w_gate_up.shape[1] // 2
     hidden = w_gate_up.shape[2]
-    i_tiles = tiles(inter, nl.tile_size.pmax)
-    for g0, gn in tiles(hidden, dx_cols):
+    i_tiles = spans(inter, nl.tile_size.pmax)
+    for g0, gn in spans(hidden, dx_cols):
         dx_rows = [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
-        for h0, hn in tiles(gn, nl.tile_size.gemm_moving_fmax):
+        for h0, hn in spans(gn, nl.tile_size.gemm_moving_fmax):
             dx_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
             for it, (i0, isz) in enumerate(i_tiles):
                 for grad_t, row0 in ((dg_t, i0), (du_t, inter + i0)):
@@ -329,7 +333,7 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_
     chunk's weight gradients accumulated into the expert's fp32 rows."""
     pmax = nl.tile_size.pmax
     inter = w_down.shape[2]
-    h_tiles = tiles(w_down.shape[1], pmax)
+    h_tiles = spans(w_down.shape[1], pmax)
     weights = (load_expert_t(w_gate_up, expert_reg, h_tiles, c0, cn),
                load_expert_t(w_gate_up, expert_reg, h_tiles, inter + c0, cn),
                load_expert_cols(w_down, expert_reg, h_tiles, c0, cn))
@@ -342,7 +346,7 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_
                                accumulate=ht > 0)
         grads = _mlp_grads(*psums, w_col, activation, x_t.dtype, dw_acc, c0 == 0)
         it0 = c0 // pmax
-        n_sub = len(tiles(cn, pmax))
+        n_sub = len(spans(cn, pmax))
         transpose_rows(dg_t[:, it0:it0 + n_sub, :], grads[1], s0)
         transpose_rows(du_t[:, it0:it0 + n_sub, :], grads[2], s0)
         chunk.append(grads)
@@ -360,7 +364,7 @@ def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_re
     inter = w_down.shape[2]
     expert_reg, trips_reg = regs
     slot_tiles, dy_rows = rows
-    n_it = len(tiles(inter, pmax))
+    n_it = len(spans(inter, pmax))
     dg_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     du_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     dw_accs = [nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
@@ -383,11 +387,11 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
                  activation, i_chunk, dg_t, du_t, grad_bufs):
     """xT, dyT and do from the gathered rows, then the I chunks (weight gradients, dgT, duT)."""
     pmax = nl.tile_size.pmax
-    x_t = nl.ndarray((pmax, len(tiles(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
+    x_t = nl.ndarray((pmax, len(spans(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
     for s0, _, _, _, _, x_rows in slot_tiles:
         transpose_rows(x_t, x_rows, s0)
     do_rows, dy_t = _load_grad_rows(dy_rows, slot_tiles, block)
-    for c0, cn in tiles(w_down.shape[2], i_chunk):
+    for c0, cn in spans(w_down.shape[2], i_chunk):
         _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_reg, c0, cn, activation,
                  dg_t, du_t, grad_bufs, mode_regs)
 
@@ -435,7 +439,7 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     width ``dx_cols`` (upper bound): the block's resident tiles plus the largest of its three
     phases (loading rows, I chunks, dx), whose tiles are freed before the next phase."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
-    ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
+    ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     slot_tiles = st * (2 * hidden * itemsize + 4 * 4)            # x, do rows; ids, weight, d weight
     resident = (2 * ht + 2 * it) * block * itemsize             # xT, dyT, dgT, duT
     load = st * hidden * itemsize                               # phase 1: dy rows (until scaled/transposed)
@@ -463,14 +467,21 @@ def sbuf_bytes(hidden, inter, block, itemsize, **counts):
 
 
 def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
-    """Launch the backward kernel (host side: index metadata and views only)."""
+    """The launch of the backward kernel, which returns ``(dx, dtopk_weights, dw_gate_up, dw_down)``
+    (host side: index metadata and views only)."""
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
                                  sbuf_fn=sbuf_bytes)
     top_k = topk_weights.shape[1]
     i_chunk, dx_cols = tiling(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
                               n_blocks=block_expert.shape[0])
-    dx, dtopk, dw_gate_up, dw_down = call_kernel(
-        moe_experts_bwd_kernel, dy.contiguous(), x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
-        block_expert.contiguous(), slot_tokens(slot_assignment, top_k), slot_assignment.contiguous(),
-        w_gate_up.contiguous(), w_down.contiguous(), activation, top_k, i_chunk, dx_cols)
-    return dx, dtopk.reshape(topk_weights.shape), dw_gate_up, dw_down
+    return KernelLaunch(moe_experts_bwd_kernel,
+                        (dy.contiguous(), x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
+                         block_expert.contiguous(), slot_tokens(slot_assignment, top_k), slot_assignment.contiguous(),
+                         w_gate_up.contiguous(), w_down.contiguous(), activation, top_k, i_chunk, dx_cols),
+                        unpack=partial(_unpack_grads, tuple(topk_weights.shape)))
+
+
+def _unpack_grads(topk_shape, grads):
+    """The kernel's gradients with d topk_weights back in the (T, k) shape of topk_weights."""
+    dx, dtopk, dw_gate_up, dw_down = grads
+    return dx, dtopk.reshape(topk_shape), dw_gate_up, dw_down
