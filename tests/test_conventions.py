@@ -151,3 +151,14 @@ def test_no_literal_tolerances_in_tests():
             if _LITERAL_TOL.search(line):
                 offenders.append(f"{path.relative_to(TESTS)}:{lineno}: {line.strip()}")
     assert not offenders, "tolerances belong in nki_lib/numerics:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_kernel_state_classes_declare_their_fields(path):
+    """A state class (``nl.NKIObject``) lists its fields: annotations in the class body, or an
+    ``__init__`` that assigns them (a class built by keyword alone would declare nothing)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and any(getattr(b, "attr", None) == "NKIObject" for b in node.bases):
+            annotated = any(isinstance(s, ast.AnnAssign) for s in node.body)
+            has_init = any(isinstance(s, ast.FunctionDef) and s.name == "__init__" for s in node.body)
+            assert annotated or has_init, f"{path.name}: class {node.name} does not declare its fields"
