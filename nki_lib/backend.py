@@ -92,10 +92,12 @@ def strict(enabled: bool = True) -> Iterator[None]:
 
 
 def device_available() -> bool:
-    """True when the real ``nki`` package is the one kernels are bound to."""
+    """True when the device path can launch kernels: the real ``nki`` package is the one kernels
+    are bound to, or ``nki_lib.emulate_neuron()`` stands the simulator in for it."""
     from nki_lib._nki import USING_REAL_NKI
+    from nki_lib.neuron import emulation
 
-    return USING_REAL_NKI
+    return USING_REAL_NKI or emulation.active()
 
 
 def requested_path(tensors: Iterable[torch.Tensor | None]) -> str:

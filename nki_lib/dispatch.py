@@ -34,13 +34,14 @@ The launch value
   or ``None`` when the kernel already returns the op's outputs.
 
 It holds no path and calls nothing back: running it means ``unpack(kernel[grid](*args, **kwargs))``.
-:func:`run_launch` does that on the ``simulator`` path (``nki.simulate``, torch tensors moved to
-NumPy and the outputs brought back to torch through ``nki_lib.torch_bridge``, the one torch <->
-NumPy bridge, which the simulator's own torch support uses too) and on the ``device`` path (the kernel called on the tensors as
-they are). A runner for another device (for example a ``neuron`` torch device, or a custom op
-traced by ``torch.compile``) needs nothing else: it calls the kernel on ``args``/``kwargs`` and
-applies ``unpack``, all of it visible to a tracer since the host-side preparation already happened
-in the launcher as torch ops. Every run records the kernel specialization (kernel name, grid,
+:func:`run_launch` does that on the ``simulator`` path (:func:`run_on_simulator`: ``nki.simulate``
+on NumPy copies of the tensors, the outputs brought back through ``nki_lib.torch_bridge``, the one
+torch <-> NumPy bridge, which the simulator's own torch support uses too) and on the ``device``
+path (``nki_lib.neuron.launch_on_device``: the kernel called on the neuron tensors as they are,
+through TorchNeuron, or through the ``nki_kernel_call`` graph node under emulation). A runner for
+another device or a tracer needs nothing else: it calls the kernel on ``args``/``kwargs`` and
+applies ``unpack``; the host-side preparation already happened in the launcher as torch ops, so
+``torch.compile`` sees it. Every run records the kernel specialization (kernel name, grid,
 argument shapes and dtypes, scalar values) in the coverage ledger.
 """
 
@@ -114,6 +115,12 @@ def dispatch(op: str, tensors: Iterable[torch.Tensor | None], *, launch: Callabl
         return _dispatch(op, tensors, launch, reference)
 
 
+def _tracing(tensors) -> bool:
+    from nki_lib.validation import has_values
+
+    return not has_values(*tensors)
+
+
 def _dispatch(op, tensors, launch, reference):
     path = backend.requested_path(tensors)
     if path != "reference":
@@ -129,7 +136,8 @@ def _dispatch(op, tensors, launch, reference):
                 reason = exc.reason
             else:
                 result = run_launch(op, planned, path)
-                LEDGER.record_call(op, path)
+                if not _tracing(tensors):   # a traced body: its kernel-call nodes count at run time
+                    LEDGER.record_call(op, path)
                 return result
         if backend.is_strict():
             raise NKIFallbackError(f"nki::{op}: the {path} path cannot serve this call: {reason}")
@@ -160,24 +168,26 @@ def _spec_key(kernel: Any, args: tuple, kwargs: Mapping, grid: int) -> tuple:
 
 
 def _run_one(op: str, launch: KernelLaunch, path: str) -> Any:
-    from nki_lib._nki import nki
-
     LEDGER.record_specialization(op, _spec_key(launch.kernel, launch.args, launch.kwargs, launch.grid))
-    launchable = launch.kernel[launch.grid] if launch.grid != 1 else launch.kernel
     if path == "device":
-        outputs = launchable(*launch.args, **launch.kwargs)
+        from nki_lib import neuron
+
+        outputs = neuron.launch_on_device(launch.kernel, launch.grid, launch.args, dict(launch.kwargs), op=op)
     else:
-        outputs = _simulate(op, nki, launchable, launch)
+        launchable = launch.kernel[launch.grid] if launch.grid != 1 else launch.kernel
+        device = next((a.device for a in launch.args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        outputs = run_on_simulator(launchable, launch.args, launch.kwargs, device, op=op)
     return outputs if launch.unpack is None else launch.unpack(outputs)
 
 
-def _simulate(op: str, nki: Any, launchable: Any, launch: KernelLaunch) -> Any:
-    """``nki.simulate`` on NumPy copies of the tensor arguments; outputs come back as torch tensors
-    on the device of the first tensor argument. The ``RunReport`` is kept for ``collect_runs``."""
-    device = next((a.device for a in launch.args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+def run_on_simulator(launchable: Any, args: tuple, kwargs: Mapping, device: torch.device,
+                     op: str | None = None) -> Any:
+    """Run a kernel under ``nki.simulate`` on NumPy copies of the torch arguments; outputs come back
+    as torch tensors on ``device``, the ``RunReport`` is kept for ``collect_runs`` (under ``op``)."""
+    from nki_lib._nki import nki
+
     convert = lambda v: to_numpy(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
-    outputs = nki.simulate(launchable)(*(convert(a) for a in launch.args),
-                                       **{k: convert(v) for k, v in launch.kwargs.items()})
+    outputs = nki.simulate(launchable)(*(convert(a) for a in args), **{k: convert(v) for k, v in kwargs.items()})
     last_run = getattr(nki, "last_run", None)
     report = last_run() if last_run is not None else None
     collector = _collector.get()

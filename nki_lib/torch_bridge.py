@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-__all__ = ["numpy_view", "to_numpy", "to_torch", "numpy_dtype"]
+__all__ = ["numpy_view", "to_numpy", "to_torch", "numpy_dtype", "torch_dtype"]
 
 _TORCH_TO_NUMPY = {
     torch.float32: np.dtype(np.float32),
@@ -39,6 +39,14 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return _TORCH_TO_NUMPY[dtype]
 
 
+def torch_dtype(dtype) -> torch.dtype:
+    """The torch dtype of a NumPy (ml_dtypes) dtype a kernel returned; TypeError if none."""
+    out = _NUMPY_TO_TORCH.get(np.dtype(dtype))
+    if out is None:
+        raise TypeError(f"no torch dtype for numpy dtype {dtype}")
+    return out
+
+
 def numpy_view(t: torch.Tensor) -> np.ndarray:
     """A NumPy array sharing memory with the contiguous CPU tensor ``t`` (no copy)."""
     np_dtype = numpy_dtype(t.dtype)
@@ -56,9 +64,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def to_torch(a: np.ndarray, device: torch.device | str = "cpu") -> torch.Tensor:
     """A torch tensor (a copy) from a NumPy (ml_dtypes) array, bit-exact, on ``device``."""
-    dtype = _NUMPY_TO_TORCH.get(np.dtype(a.dtype))
-    if dtype is None:
-        raise TypeError(f"no torch dtype for numpy dtype {a.dtype}")
+    dtype = torch_dtype(a.dtype)
     a = np.ascontiguousarray(a)
     carrier = _CARRIER.get(dtype)
     if carrier is not None:

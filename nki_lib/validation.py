@@ -54,3 +54,12 @@ def layout_hint(q: torch.Tensor, k: torch.Tensor) -> str:
         return (f"; q {tuple(q.shape)} and k {tuple(k.shape)} read as (B, S, H, D) would be "
                 f"consistent: nki-lib takes (B, H, S, D), transpose(1, 2) first")
     return ""
+
+
+def has_values(*tensors) -> bool:
+    """False while any tensor is a tracing stand-in (a fake or functional tensor: the op body being
+    traced into a graph for ``torch.compile(backend="neuron")``): its data cannot be read there, so
+    the data checks run on the eager calls only."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not any(t is not None and is_fake(t) for t in tensors)

@@ -34,3 +34,21 @@ def _seed_and_isolate():
     yield
     nki_lib.set_backend(previous_backend)
     nki_lib.set_strict(previous_strict)
+
+
+def _trainium_present() -> bool:
+    """The real stack: torch_neuronx (PrivateUse1 named neuron) and a real, working nki."""
+    import importlib.util
+
+    from nki_lib._nki import real_nki_usable
+
+    return importlib.util.find_spec("torch_neuronx") is not None and real_nki_usable()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``device`` need a Trainium host with the Neuron stack; skip them elsewhere."""
+    device_items = [item for item in items if item.get_closest_marker("device") is not None]
+    if device_items and not _trainium_present():
+        skip = pytest.mark.skip(reason="needs a Trainium host (torch_neuronx and the real nki package)")
+        for item in device_items:
+            item.add_marker(skip)

@@ -42,3 +42,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out, lse = torch.ops.nki.decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
                                               scale=scale, window_left=window_left, softcap=softcap)
     return (out, lse) if return_lse else out
+
+
+from nki_lib.attention.ring_attention import ring_attention  # noqa: E402, F401  (context parallelism)

@@ -26,7 +26,7 @@ from nki_lib.attention.attention_args import MAX_HEAD_DIM, lse_dtype
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.sizes import ceil_div
-from nki_lib.validation import check_same_device, check_same_dtype
+from nki_lib.validation import check_same_device, check_same_dtype, has_values
 from nki_lib.validation import check_tensor as _check_tensor
 
 INDEX_DTYPE = torch.int32
@@ -138,7 +138,8 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     flags = dict(scale=scale, window_left=window_left, softcap=softcap)
     validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, **flags)
-    validate_values(q, k_cache, cache_seqlens, block_table)
+    if has_values(cache_seqlens, block_table):
+        validate_values(q, k_cache, cache_seqlens, block_table)
     if q.shape[0] == 0:
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
 

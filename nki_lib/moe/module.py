@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from nki_lib.moe import moe_experts_op, moe_plan_op, moe_router_op  # noqa: F401  (registers the MoE ops)
+from nki_lib.moe.expert_parallel import DEFAULT_CAPACITY_FACTOR, ExpertParallel
 from nki_lib.moe.moe_experts_reference import ACTIVATIONS, act
 from nki_lib.moe.moe_router_op import validate as validate_router
 
@@ -31,12 +32,21 @@ def _positive_int(name, value):
 
 
 class MoE(nn.Module):
-    """Token-choice top-k Mixture of Experts with gated (GLU) experts and optional shared experts."""
+    """Token-choice top-k Mixture of Experts with gated (GLU) experts and optional shared experts.
+
+    ``ep_group``: a torch.distributed process group of P ranks for expert parallelism (each rank
+    owns num_experts / P experts; tokens travel by all-to-all with a per-rank capacity of
+    ``ep_capacity_factor``, None = dropless); see ``nki_lib.moe.expert_parallel``.
+    """
+
+    # per-expert parameters (dim 0 = expert): what expert parallelism shards
+    EXPERT_PARAMETERS = ("w_gate_up", "w_down")
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  score_func: str = "softmax", renormalize: bool = True, num_groups: int = 1,
                  topk_groups: int = 1, activation: str = "silu", block_size: int = 128,
-                 aux_loss_free: bool = False, num_shared_experts: int = 0):
+                 aux_loss_free: bool = False, num_shared_experts: int = 0, ep_group=None,
+                 ep_capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                             ("num_experts", num_experts), ("block_size", block_size)):
@@ -54,10 +64,12 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.activation, self.block_size = activation, block_size
         self.aux_loss_free = aux_loss_free
+        self.expert_parallel = None if ep_group is None else ExpertParallel(ep_group, num_experts, ep_capacity_factor)
+        local_experts = num_experts if ep_group is None else self.expert_parallel.num_local
 
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w_gate_up = nn.Parameter(torch.empty(local_experts, 2 * intermediate_size, hidden_size))
+        self.w_down = nn.Parameter(torch.empty(local_experts, hidden_size, intermediate_size))
         shared_size = intermediate_size * num_shared_experts
         self.shared_gate_up = nn.Linear(hidden_size, 2 * shared_size, bias=False) if shared_size else None
         self.shared_down = nn.Linear(shared_size, hidden_size, bias=False) if shared_size else None
@@ -77,6 +89,18 @@ class MoE(nn.Module):
             self.w_gate_up.uniform_(-h_bound, h_bound)
             self.w_down.uniform_(-i_bound, i_bound)
 
+    def _experts(self, x2, topk_weights, topk_ids):
+        """This module's experts on (T, H) rows: ``(y, tokens_per_expert)``."""
+        block_expert, slot_assignment, tokens_per_expert = torch.ops.nki.moe_plan(
+            topk_ids, num_experts=self.w_gate_up.shape[0], block_size=self.block_size)
+        y = torch.ops.nki.moe_experts(x2, topk_weights, block_expert, slot_assignment, self.w_gate_up,
+                                      self.w_down, activation=self.activation)
+        return y, tokens_per_expert
+
+    def ep_stats(self) -> dict | None:
+        """Expert-parallel statistics (capacity, dropped assignments), None without ep_group."""
+        return None if self.expert_parallel is None else self.expert_parallel.stats()
+
     def _shared(self, x2):
         gate, up = self.shared_gate_up(x2).chunk(2, dim=-1)
         return self.shared_down(act(gate, self.activation) * up)
@@ -92,10 +116,11 @@ class MoE(nn.Module):
             bias = self.expert_bias.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
         logits, topk_weights, topk_ids = torch.ops.nki.moe_router(x2, self.router_weight, bias,
                                                                  **self.router_flags)
-        block_expert, slot_assignment, tokens_per_expert = torch.ops.nki.moe_plan(
-            topk_ids, num_experts=self.num_experts, block_size=self.block_size)
-        y = torch.ops.nki.moe_experts(x2, topk_weights, block_expert, slot_assignment, self.w_gate_up,
-                                      self.w_down, activation=self.activation)
+        if self.expert_parallel is None:
+            y, tokens_per_expert = self._experts(x2, topk_weights, topk_ids)
+        else:
+            y, tokens_per_expert = self.expert_parallel(x2, topk_weights, topk_ids,
+                                                        lambda *rows: self._experts(*rows)[0])
         if self.shared_gate_up is not None:
             y = y + self._shared(x2)
         self.last_logits, self.last_topk_ids = logits, topk_ids
@@ -113,7 +138,7 @@ class MoE(nn.Module):
             raise RuntimeError("update_expert_bias needs MoE(..., aux_loss_free=True)")
         if not isinstance(rate, (int, float)) or isinstance(rate, bool) or rate < 0:
             raise ValueError(f"rate must be a float >= 0, got {rate!r}")
-        load = self._load
+        load = self._load if self.expert_parallel is None else self.expert_parallel.all_reduce_(self._load)
         self.expert_bias += rate * torch.sign(load.mean() - load)
         self._load.zero_()
 

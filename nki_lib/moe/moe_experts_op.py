@@ -22,7 +22,7 @@ from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.dispatch import dispatch
 from nki_lib.moe import moe_experts_reference
 from nki_lib.registry import OpSpec, Sample
-from nki_lib.validation import FLOAT_DTYPES, check_same_device, check_same_dtype
+from nki_lib.validation import FLOAT_DTYPES, check_same_device, check_same_dtype, has_values
 from nki_lib.validation import check_tensor as _check_tensor
 
 INDEX_DTYPE = torch.int32
@@ -105,8 +105,9 @@ def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: to
                    slot_assignment: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, *,
                    activation: str = "silu") -> torch.Tensor:
     validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, activation=activation)
-    validate_plan_values(block_expert, slot_assignment, num_assignments=topk_weights.numel(),
-                         num_experts=w_gate_up.shape[0])
+    if has_values(block_expert, slot_assignment):
+        validate_plan_values(block_expert, slot_assignment, num_assignments=topk_weights.numel(),
+                             num_experts=w_gate_up.shape[0])
     if _empty(x, topk_weights, w_down):
         return torch.zeros_like(x)
     # contiguous inputs: the same bits reach every path whatever the caller's strides

@@ -23,6 +23,7 @@ from nki_lib import registry
 from nki_lib.dispatch import dispatch
 from nki_lib.moe import moe_plan_reference
 from nki_lib.registry import OpSpec, Sample
+from nki_lib.validation import has_values
 
 ID_DTYPES = (torch.int32, torch.int64)
 
@@ -59,7 +60,8 @@ def _shapes(topk_ids, num_experts, block_size):
 def moe_plan_op(topk_ids: torch.Tensor, *, num_experts: int, block_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     validate(topk_ids, num_experts=num_experts, block_size=block_size)
-    validate_ids_values(topk_ids, num_experts)
+    if has_values(topk_ids):
+        validate_ids_values(topk_ids, num_experts)
     flags = dict(num_experts=num_experts, block_size=block_size)
     if topk_ids.numel() == 0:           # nothing routed: all blocks unused, all slots padding
         return moe_plan_reference.moe_plan(topk_ids, **flags)

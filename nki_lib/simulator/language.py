@@ -15,6 +15,7 @@ import numpy as np
 from .dtypes import ALL_DTYPES, NkiDType, as_dtype, is_float
 from .errors import NKIRuleError, kernel_source
 from .memory import ONCHIP, Storage
+from .nkiobject import NKIObject
 from .ops import OPS, Op
 from .state import current
 from .target import tile_size
@@ -51,14 +52,6 @@ def is_psum(b) -> bool:
 
 def is_sbuf(b) -> bool:
     return b == MemoryRegion.sbuf
-
-
-class NKIObject:
-    """Base class for user data classes passed to / used in kernels (constructed by keyword)."""
-
-    def __init__(self, **fields):
-        for key, value in fields.items():
-            setattr(self, key, value)
 
 
 # ---------------------------------------------------------------- allocation (§3.6, §9.1)
@@ -111,9 +104,7 @@ def ndarray(shape, dtype, buffer=None, name="", address=None):
         physical = prog.physical(kind) if address is not None else None
         storage = Storage(prog.run.next_id(), kind, dt, shape, name, address=address, physical=physical)
         if kind in ONCHIP:
-            problem = prog.tracker.request(storage)
-            if problem:
-                _fail(label, problem)
+            prog.tracker.request(storage, prog, kernel_source(2))
     return NkiTensor(storage, dt, 0, shape, _compact(shape), name=name)
 
 

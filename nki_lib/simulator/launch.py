@@ -231,12 +231,13 @@ def _run(kernel: Kernel, grid, args, kwargs):
         try:
             with np.errstate(all="ignore"):
                 results[pid] = kernel.fn(*call_args, **call_kwargs)
+            prog.check_capacity()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             errors[pid] = exc
             run.barrier.abort()
+            prog.tracker.finish()           # peaks of what ran
         finally:
             run.barrier.finish(pid)
-            prog.tracker.close()
             set_current(outer)
             set_running_target(None if outer is None else outer.spec.name)
 

@@ -1,4 +1,4 @@
-"""Storage (one allocation) and per-program SBUF/PSUM capacity tracking.
+"""Storage (one allocation) and per-program SBUF/PSUM capacity by liveness.
 
 Storage is a flat byte buffer. On-chip (SBUF/PSUM) storage is partition-major: ``nparts``
 partitions of ``bpp`` bytes each, so flat element ``e`` of any dtype lives in partition
@@ -6,22 +6,24 @@ partitions of ``bpp`` bytes each, so flat element ``e`` of any dtype lives in pa
 tiles placed with ``address=`` are windows onto the program's physical SBUF/PSUM (row stride = the
 partition size), so overlapping placements alias like on hardware and a fresh placement reads whatever
 an earlier tile left there (physical memory starts as all-ones bytes: NaN for every float dtype).
+The matmul-written mask of ``nc_matmul(accumulate=None)`` belongs to the allocation (each PSUM
+storage has its own, laid out like an own buffer), so a new allocation starts a new accumulation
+group even on bytes an earlier allocation's matmuls wrote.
 
-Liveness rule: an SBUF/PSUM allocation is live from ``nl.ndarray`` until its storage is garbage
-collected (the last view referencing it is dropped; CPython frees it at once) or the kernel ends.
-A tile allocated in the body of an unrolled loop is therefore freed when the loop variable is
-rebound, so loop-local tiles do not accumulate (at the rebinding point two generations are briefly
-live, like a double-buffered tile).
-Capacity: SBUF bytes per partition = sum of the live automatic allocations' bytes per partition
-plus the highest end address of the live manually placed (``address=``) ones, against the usable
-SBUF per partition of the target. PSUM: every allocation occupies whole 2 KiB banks (8 per
-partition); manual PSUM allocations occupy the banks their address range covers.
+Liveness rule (as the compiler sees it): an SBUF/PSUM allocation is live from the first to the last
+instruction that touches it, in program order; Python references do not matter and an allocation
+no instruction touches occupies nothing. Every access stamps the allocation's ``Lifetime`` with the
+program's instruction counter; capacity and peaks are judged on those intervals after the trace
+(``MemoryTracker.finish``). Capacity: SBUF bytes per partition = sum of the live automatic
+allocations' bytes per partition plus the highest end address of the live manually placed
+(``address=``) ones, against the usable SBUF per partition of the target. PSUM: every automatic
+allocation occupies whole 2 KiB banks (8 per partition); manual ones the banks their byte range
+covers.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from enum import Enum
 
 import numpy as np
@@ -29,7 +31,7 @@ import numpy as np
 from .dtypes import NkiDType, is_float, is_int, np_dtype
 from .target import TargetSpec
 
-__all__ = ["Storage", "MemoryTracker", "MemoryRegion", "KIND_TO_REGION", "ONCHIP", "HBM_KINDS"]
+__all__ = ["Storage", "Lifetime", "MemoryTracker", "MemoryRegion", "KIND_TO_REGION", "ONCHIP", "HBM_KINDS"]
 
 ONCHIP = ("sbuf", "psum")
 HBM_KINDS = ("hbm", "private_hbm", "shared_hbm")
@@ -58,7 +60,8 @@ class Storage:
     """One allocation: a byte buffer plus placement metadata."""
 
     __slots__ = ("id", "kind", "nbytes", "bpp", "nparts", "buf", "mm_mask", "name", "pstart",
-                 "bstart", "manual", "row_bytes", "base", "alloc_dtype", "alloc_shape", "_typed", "__weakref__")
+                 "bstart", "manual", "row_bytes", "base", "alloc_dtype", "alloc_shape", "_typed", "life",
+                 "__weakref__")
 
     def __init__(self, sid, kind, alloc_dtype: NkiDType, alloc_shape, name="", buf=None, address=None,
                  physical=None):
@@ -79,9 +82,11 @@ class Storage:
         self.manual = address is not None
         self.pstart, self.bstart = (0, 0) if address is None else address
         self._typed = {}
+        self.life = None                           # Lifetime, set by MemoryTracker.request (on-chip)
         self.row_bytes, self.base = self.bpp, 0
+        self.mm_mask = np.zeros(self.nbytes, dtype=np.uint8) if kind == "psum" else None
         if physical is not None:                   # window onto the program's physical memory
-            buf, self.mm_mask, self.row_bytes = physical
+            buf, self.row_bytes = physical
             self.base = self.pstart * self.row_bytes + self.bstart
             self.buf = buf
             return
@@ -89,7 +94,6 @@ class Storage:
             buf = np.empty(self.nbytes, dtype=np.uint8)
             self._fill_sentinel(buf)
         self.buf = buf
-        self.mm_mask = np.zeros(self.nbytes, dtype=np.uint8) if kind == "psum" else None
 
     def _fill_sentinel(self, buf):
         typed = buf.view(np_dtype(self.alloc_dtype))
@@ -117,97 +121,138 @@ class Storage:
         return self.bpp // dtype.itemsize
 
 
+class Lifetime:
+    """First and last instruction (program order) that touched one on-chip allocation."""
+
+    __slots__ = ("clock", "first", "last", "label", "source", "kind", "bpp", "manual", "bstart", "what")
+
+    def __init__(self, clock, storage, source):
+        self.clock = clock                         # the owning Program (its n_instr is the time)
+        self.first = self.last = None
+        self.label = storage.name or "ndarray"
+        self.source = source
+        self.kind, self.bpp, self.manual, self.bstart = storage.kind, storage.bpp, storage.manual, storage.bstart
+        self.what = (storage.alloc_shape, str(storage.alloc_dtype))
+
+    def describe(self) -> str:
+        shape, dtype = self.what
+        name = f"{self.label!r} " if self.label != "ndarray" else ""
+        place = f" at byte {self.bstart}" if self.manual else ""
+        return f"the {self.kind.upper()} allocation {name}{shape} {dtype}{place} (allocated at {self.source})"
+
+    def touch(self):
+        now = self.clock.n_instr
+        if self.first is None:
+            self.first = now
+        self.last = now
+
+
 class MemoryTracker:
-    """Live SBUF bytes / PSUM banks of one kernel instance, with peaks; overflow is reported by alloc."""
+    """SBUF bytes / PSUM banks of one kernel instance by liveness, with peaks and the first overflow."""
 
     def __init__(self, spec: TargetSpec):
         self.spec = spec
         self.lock = threading.RLock()
-        self.sbuf_auto = 0
-        self.sbuf_manual = {}      # storage id -> end byte
-        self.psum_bytes = 0
-        self.psum_banks = 0
-        self.psum_manual = {}      # storage id -> set of banks
+        self.lives: list[Lifetime] = []
         self.peak_sbuf = 0
         self.peak_psum_bytes = 0
         self.peak_psum_banks = 0
-        self.closed = False
 
-    def sbuf_in_use(self) -> int:
-        return self.sbuf_auto + max(self.sbuf_manual.values(), default=0)
-
-    def banks_in_use(self) -> int:
-        manual = set().union(*self.psum_manual.values()) if self.psum_manual else set()
-        return self.psum_banks + len(manual)
-
-    def request(self, storage: Storage) -> str | None:
-        """Account for ``storage``; returns a rule text when it does not fit (nothing recorded then)."""
-        bank = self.spec.psum_bank_bytes
+    def request(self, storage: Storage, clock, source: str) -> None:
+        """Start tracking ``storage`` (an on-chip allocation made at kernel line ``source``)."""
+        storage.life = Lifetime(clock, storage, source)
         with self.lock:
-            if storage.kind == "sbuf":
-                manual = storage.manual
-                if manual:
-                    self.sbuf_manual[storage.id] = storage.bstart + storage.bpp
-                else:
-                    self.sbuf_auto += storage.bpp
-                used = self.sbuf_in_use()
-                if used > self.spec.sbuf_usable_bytes:
-                    self._undo(storage, manual)
-                    return (f"SBUF capacity exceeded: {used} bytes per partition live, target "
-                            f"{self.spec.name} has {self.spec.sbuf_usable_bytes} usable")
-                self.peak_sbuf = max(self.peak_sbuf, used)
-                weakref.finalize(storage, self._free_sbuf, storage.id, storage.bpp, manual)
-            elif storage.kind == "psum":
-                manual = storage.manual
-                nbanks = -(-storage.bpp // bank)
-                if manual:
-                    first = storage.bstart // bank
-                    self.psum_manual[storage.id] = set(range(first, first + nbanks))
-                else:
-                    self.psum_banks += nbanks
-                self.psum_bytes += storage.bpp
-                used = self.banks_in_use()
-                if used > self.spec.psum_num_banks:
-                    self._undo(storage, manual, nbanks)
-                    return (f"PSUM capacity exceeded: {used} banks of 2 KiB per partition live, "
-                            f"only {self.spec.psum_num_banks} exist")
-                self.peak_psum_banks = max(self.peak_psum_banks, used)
-                self.peak_psum_bytes = max(self.peak_psum_bytes, self.psum_bytes)
-                weakref.finalize(storage, self._free_psum, storage.id, storage.bpp, nbanks, manual)
-        return None
+            self.lives.append(storage.life)
 
-    def _undo(self, storage, manual, nbanks=0):
-        if storage.kind == "sbuf":
-            if manual:
-                del self.sbuf_manual[storage.id]
+    def finish(self):
+        """Sweep the lifetimes in program order: set the peaks; the first overflow as
+        ``(lifetime, rule text)`` or None."""
+        sbuf = _Usage(self.spec.sbuf_usable_bytes, "SBUF", self.spec)
+        psum = _Usage(self.spec.psum_num_banks, "PSUM", self.spec)
+        overflow = None
+        for when, start, life in _events(self.lives):
+            usage = sbuf if life.kind == "sbuf" else psum
+            if not start:
+                usage.remove(life)
+                continue
+            usage.add(life)
+            if overflow is None and usage.over():
+                overflow = (life, usage.rule())
+        self.peak_sbuf = sbuf.peak
+        self.peak_psum_banks, self.peak_psum_bytes = psum.peak, psum.peak_bytes
+        return overflow
+
+
+def _events(lives):
+    """(time, is_start, lifetime): an allocation is live over [first, last]; at one time the ends of
+    allocations last used before it come first."""
+    events = []
+    for life in lives:
+        if life.first is not None:
+            events.append((life.first, 1, life))
+            events.append((life.last + 1, 0, life))
+    events.sort(key=lambda e: (e[0], e[1]))
+    return events
+
+
+class _Usage:
+    """Live bytes (SBUF, per partition) or banks (PSUM) of the allocations added and not removed."""
+
+    def __init__(self, capacity, label, spec):
+        self.capacity, self.label, self.bank = capacity, label, spec.psum_bank_bytes
+        self.auto = 0                      # SBUF bytes / PSUM banks of automatic allocations
+        self.manual = {}                   # lifetime -> end byte (SBUF) / set of banks (PSUM)
+        self.bank_count = {}               # PSUM bank -> live manual allocations on it
+        self.bytes = 0
+        self.peak = self.peak_bytes = 0
+
+    def _banks(self, life):
+        return -(-life.bpp // self.bank)
+
+    def add(self, life):
+        self.bytes += life.bpp
+        if self.label == "SBUF":
+            if life.manual:
+                self.manual[life] = life.bstart + life.bpp
             else:
-                self.sbuf_auto -= storage.bpp
+                self.auto += life.bpp
+        elif life.manual:
+            first = life.bstart // self.bank
+            for b in range(first, first + self._banks(life)):
+                self.bank_count[b] = self.bank_count.get(b, 0) + 1
         else:
-            if manual:
-                del self.psum_manual[storage.id]
-            else:
-                self.psum_banks -= nbanks
-            self.psum_bytes -= storage.bpp
+            self.auto += self._banks(life)
+        used = self.used()
+        self.peak = max(self.peak, used)
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
 
-    def _free_sbuf(self, sid, bpp, manual):
-        with self.lock:
-            if self.closed:
-                return
-            if manual:
-                self.sbuf_manual.pop(sid, None)
+    def remove(self, life):
+        self.bytes -= life.bpp
+        if self.label == "SBUF":
+            if life.manual:
+                del self.manual[life]
             else:
-                self.sbuf_auto -= bpp
+                self.auto -= life.bpp
+        elif life.manual:
+            first = life.bstart // self.bank
+            for b in range(first, first + self._banks(life)):
+                self.bank_count[b] -= 1
+                if not self.bank_count[b]:
+                    del self.bank_count[b]
+        else:
+            self.auto -= self._banks(life)
 
-    def _free_psum(self, sid, bpp, nbanks, manual):
-        with self.lock:
-            if self.closed:
-                return
-            if manual:
-                self.psum_manual.pop(sid, None)
-            else:
-                self.psum_banks -= nbanks
-            self.psum_bytes -= bpp
+    def used(self) -> int:
+        if self.label == "SBUF":
+            return self.auto + max(self.manual.values(), default=0)
+        return self.auto + len(self.bank_count)
 
-    def close(self):
-        with self.lock:
-            self.closed = True
+    def over(self) -> bool:
+        return self.used() > self.capacity
+
+    def rule(self) -> str:
+        if self.label == "SBUF":
+            return (f"SBUF capacity exceeded: {self.used()} bytes per partition live (first to last use, "
+                    f"in program order), only {self.capacity} usable")
+        return (f"PSUM capacity exceeded: {self.used()} banks of 2 KiB per partition live (first to last "
+                f"use, in program order), only {self.capacity} exist")

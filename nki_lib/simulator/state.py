@@ -102,14 +102,20 @@ class Program:
         self.vector_acc = np.zeros(run.spec.pmax, dtype=np.float32)
 
     def physical(self, kind: str):
-        """(bytes, matmul mask or None, partition size) of this program's physical SBUF or PSUM."""
+        """(bytes, partition size) of this program's physical SBUF or PSUM."""
         mem = self.physical_mem.get(kind)
         if mem is None:
             row = self.spec.sbuf_usable_bytes if kind == "sbuf" else self.spec.psum_partition_bytes
             data = np.full(self.spec.pmax * row, 0xFF, dtype=np.uint8)
-            mask = np.zeros(self.spec.pmax * row, dtype=np.uint8) if kind == "psum" else None
-            mem = self.physical_mem[kind] = (data, mask, row)
+            mem = self.physical_mem[kind] = (data, row)
         return mem
+
+    def check_capacity(self) -> None:
+        """Judge SBUF/PSUM capacity on the liveness intervals of the finished trace (sets the peaks)."""
+        overflow = self.tracker.finish()
+        if overflow is not None:
+            life, rule = overflow
+            raise NKIRuleError("ndarray", life.label, f"{rule}; {life.describe()} overflows", life.source)
 
     def begin(self, opcode: str) -> "Program":
         self.opcode = opcode

@@ -2,9 +2,11 @@
 
 Element ``(i0, ..., ik)`` of a view is flat storage element ``offset + sum(strides[d] * i_d)`` in
 units of the view's dtype. On-chip views: dim 0 is the partition dim and its stride equals the
-storage's elements per partition; the free dims must stay inside one partition. Views are
-validated when built (static) or when an instruction executes (dynamic ``scalar_offset`` /
-``vector_offset``). Indexing follows docs/nki-semantics.md §4.2, ``.ap()`` §4.4 (not composable; explicit
+storage's elements per partition; the free dims must stay inside one partition. A view's shape
+and partition stride are validated when it is built; whether it stays inside its allocation is
+checked when an instruction first touches it (a kernel may build ``.ap()`` views for tiles it then
+skips), for dynamic ``scalar_offset`` / ``vector_offset`` views at every execution. A stride-0
+(broadcast) destination dim is written in order, so the last element along it wins. Indexing follows docs/nki-semantics.md §4.2, ``.ap()`` §4.4 (not composable; explicit
 ``offset`` is absolute from the storage start, ``None`` inherits the view's offset).
 """
 
@@ -20,6 +22,7 @@ from .errors import fail as _fail
 from .hw import MAX_FREE_DIMS
 from .memory import KIND_TO_REGION, ONCHIP, MemoryRegion, Storage
 from .registers import VirtualRegister
+from .state import current_or_none
 from .trace import Access
 from .trace_tensor import identity, zeros  # noqa: F401 - `nki.tensor` trace-time constants
 from .views import ViewMethods, compact_strides
@@ -46,10 +49,11 @@ def dynamic_value(src, op="ap", operand="scalar_offset") -> int:
 class NkiTensor(ViewMethods):
     """A tensor view. Shape, strides, offset and dtype are compile-time metadata."""
 
-    __slots__ = ("_st", "_dtype", "_offset", "_shape", "_strides", "_dyn", "_npv", "_acc", "_name", "_size")
+    __slots__ = ("_st", "_dtype", "_offset", "_shape", "_strides", "_dyn", "_npv", "_acc", "_name", "_size",
+                 "_unchecked")
 
     def __init__(self, storage: Storage, dtype: NkiDType, offset: int, shape, strides, dyn=None,
-                 name=None, op="view"):
+                 name=None, op="view", defer_bounds=False):
         self._st = storage
         self._dtype = dtype
         self._offset = int(offset)
@@ -70,7 +74,8 @@ class NkiTensor(ViewMethods):
             if self._shape[0] > 1 and self._strides[0] != fd:
                 _fail(op, self._name, f"partition stride must equal the elements per partition ({fd}), "
                                       f"got {self._strides[0]}")
-        if dyn is None:
+        self._unchecked = dyn is None and defer_bounds
+        if dyn is None and not defer_bounds:
             self._check_bounds(self._offset, op)
 
     # ----------------------------------------------------------------- metadata
@@ -116,12 +121,16 @@ class NkiTensor(ViewMethods):
     def __repr__(self):
         return f"NkiTensor(name={self._name!r}, shape={self._shape}, dtype={self._dtype}, buffer={self._st.kind})"
 
-    # tensor values are not available to Python on hardware (docs/nki-semantics.md §2.5)
+    # tensor values are not available to Python on hardware (docs/nki-semantics.md §2.5); the tile object itself
+    # is a trace-time value and is truthy (`if tile:`), as in NKI's front end
     def _no_value(self, *_):
         raise TypeError(f"tensor {self._name!r}: tensor contents are not available to Python code in a "
                         "kernel (runtime values only exist on the device)")
 
-    __bool__ = __int__ = __float__ = __index__ = __array__ = __iter__ = _no_value
+    __int__ = __float__ = __index__ = __array__ = __iter__ = _no_value
+
+    def __bool__(self):
+        return True
 
     # ----------------------------------------------------------------- geometry helpers
     @property
@@ -167,6 +176,15 @@ class NkiTensor(ViewMethods):
         return (st.base + p0 * st.row_bytes + f0 * isz,
                 (st.row_bytes,) + tuple(s * isz for s in self._strides[1:]))
 
+    def _touch(self, op=None, operand=None):
+        """Check a deferred view's bounds once, when an instruction first touches it."""
+        if self._unchecked:
+            if op is None:
+                prog = current_or_none()
+                op = prog.opcode if prog is not None else "view"
+            self._check_bounds(self._offset, op, operand)
+            self._unchecked = False
+
     def _strided(self, offset):
         byte_off, byte_strides = self._layout(offset)
         return np.ndarray(self._shape, dtype=self._dtype.np, buffer=self._st.buf, offset=byte_off,
@@ -176,6 +194,7 @@ class NkiTensor(ViewMethods):
         """Static NumPy view of this tensor (cached)."""
         view = self._npv
         if view is None:
+            self._touch()
             view = self._npv = self._strided(self._offset)
         return view
 
@@ -223,7 +242,11 @@ class NkiTensor(ViewMethods):
 
     def _gather(self, op="read", operand="src", skip=False):
         """(values with the view's shape, valid-row mask or None). Values may alias storage."""
+        life = self._st.life
+        if life is not None:
+            life.touch()
         if self._dyn is None:
+            self._touch(op, operand)
             return self._np(), None
         kind, payload, mask = self._resolve(op, operand, skip)
         if kind == "skip":
@@ -234,29 +257,41 @@ class NkiTensor(ViewMethods):
 
     def _scatter(self, values, op="write", operand="dst", mask=None, matmul=False, skip=False):
         """Write ``values`` (already of this view's dtype, reshapeable to its shape)."""
-        for s, c in zip(self._strides, self._shape):
-            if s == 0 and c > 1:
-                _fail(op, operand, "a destination may not have stride-0 (broadcast) dims")
         values = np.asarray(values).reshape(self._shape)
+        last = self._last_writes()
+        life = self._st.life
+        if life is not None:
+            life.touch()
         if self._dyn is None:
+            self._touch(op, operand)
             target = self._np()
-            target[...] = values
+            target[last] = values[last]
             if self._st.mm_mask is not None:
-                self._mask_view(self._offset)[...] = 1 if matmul else 0
+                self._mask_view(self._offset)[last] = 1 if matmul else 0
             return
         kind, payload, dmask = self._resolve(op, operand, skip)
         if kind == "skip":
             return
         if kind == "view":
-            payload[...] = values
+            payload[last] = values[last]
             return
         rows = np.ones(self._shape[0], dtype=bool) if dmask is None else dmask
         if mask is not None:
             rows &= mask
-        self._st.typed(self._dtype)[payload[rows]] = values[rows]
+        flat, vals = payload[last], values[last]
+        keep = rows[last[0]]
+        self._st.typed(self._dtype)[flat[keep]] = vals[keep]
+
+    def _last_writes(self):
+        """Index selecting, along every stride-0 (broadcast) dim, the element written last."""
+        return tuple(slice(c - 1, c) if s == 0 and c > 1 else slice(None)
+                     for s, c in zip(self._strides, self._shape))
 
     def _mask_view(self, offset):
-        byte_off, byte_strides = self._layout(offset)
+        """This view of its allocation's matmul-written mask (laid out like an own buffer)."""
+        self._touch()
+        isz = self._dtype.itemsize
+        byte_off, byte_strides = offset * isz, tuple(s * isz for s in self._strides)
         return np.ndarray(self._shape, dtype=np.uint8, buffer=self._st.mm_mask, offset=byte_off,
                           strides=byte_strides)
 
@@ -264,6 +299,7 @@ class NkiTensor(ViewMethods):
         acc = self._acc
         if acc is not None:
             return acc
+        self._touch()
         st = self._st
         isz = self._dtype.itemsize
         lo, hi = self._extent(self._offset)
@@ -295,7 +331,8 @@ class NkiTensor(ViewMethods):
         return run * self._dtype.itemsize
 
     def _derive(self, offset, shape, strides, op, dtype=None, dyn=None):
-        return NkiTensor(self._st, dtype or self._dtype, offset, shape, strides, dyn, self._name, op)
+        return NkiTensor(self._st, dtype or self._dtype, offset, shape, strides, dyn, self._name, op,
+                         defer_bounds=self._unchecked)
 
     def _static(self, op):
         if self._dyn is not None:
@@ -443,4 +480,4 @@ class NkiTensor(ViewMethods):
                     _fail(op, "vector_offset", f"vector_offset holds {vector_offset.size} indices, pattern "
                                                f"needs {shape[0]}")
                 dyn = ("vector", vector_offset, mult, limit)
-        return NkiTensor(self._st, new_dt, off, shape, strides, dyn, self._name, op)
+        return NkiTensor(self._st, new_dt, off, shape, strides, dyn, self._name, op, defer_bounds=True)

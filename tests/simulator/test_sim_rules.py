@@ -1,7 +1,8 @@
 """Hardware rules (docs/nki-semantics.md §3, §6, §8, issue 2 "Per rule"): each kernel below breaks one rule
 and must raise ``NKIRuleError`` naming the instruction, the operand, the rule and the kernel
 source line (the line marked ``# VIOLATION``). Also: fresh SBUF/PSUM reads give NaN, loop-local
-tiles do not accumulate toward the capacity limits.
+tiles do not accumulate toward the capacity limits (an allocation lives from its first to its last
+use in program order, so the capacity kernels use every tile again at the end).
 """
 
 import ml_dtypes
@@ -124,7 +125,11 @@ def test_too_many_psum_buffers(trn2):
         live = []
         for _ in range(tile_size.psum_num_banks):
             live.append(nl.ndarray((128, tile_size.psum_fmax), dtype=nl.float32, buffer=nl.psum))
+            nisa.memset(dst=live[-1], value=0.0)
         live.append(nl.ndarray((128, tile_size.psum_fmax), dtype=nl.float32, buffer=nl.psum))  # VIOLATION
+        nisa.memset(dst=live[-1], value=0.0)
+        for t_psum in live:                    # every tile used again here: nine live together
+            nisa.memset(dst=t_psum, value=1.0)
         return x_hbm
 
     err = _raise(nine_banks, np.zeros((1, 1), np.float32))
@@ -156,6 +161,8 @@ def test_sbuf_overflow_of_live_tiles(trn2):
         nisa.memset(dst=a_sb, value=0.0)
         nisa.memset(dst=b_sb, value=0.0)
         nisa.memset(dst=c_sb, value=0.0)
+        for t_sb in (a_sb, b_sb):               # a and b used after c's first use: all three live
+            nisa.memset(dst=t_sb, value=1.0)
         return x_hbm
 
     err = _raise(overflow, np.zeros((1, 1), np.float32))

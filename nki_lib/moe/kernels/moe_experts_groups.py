@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from nki_lib._nki import nl
+from nki_lib.validation import has_values
 
 
 def group_count(n_blocks, n_experts, group_blocks, n_runs):
@@ -34,25 +35,32 @@ def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
     Runs of consecutive blocks with one expert (>= 0) are cut into groups of at most
     ``group_blocks`` blocks, in plan order; a group's slots are its blocks' slots in order, then -1
     padding; tile_live[g * ST + t] = 1 when slot tile t of group g holds an assignment. Blocks with
-    expert -1 are dropped; unused groups have expert -1 and no live tiles."""
+    expert -1 are dropped; unused groups have expert -1 and no live tiles. Static shapes: dropped
+    blocks are scattered into one spare row past the end (cut off), so the ops trace with fixed
+    shapes; only the run count that sizes NG for a plan with more runs than experts reads data."""
     n_blocks = block_expert.numel()
     block = slot_assignment.numel() // max(n_blocks, 1)
     group_slots_n = group_blocks * block
-    idx = torch.arange(n_blocks)
+    dev = block_expert.device
+    idx = torch.arange(n_blocks, device=dev)
     valid = block_expert >= 0
-    prev = torch.cat([torch.full((1,), -2, dtype=block_expert.dtype), block_expert[:-1]])
+    prev = torch.cat([torch.full((1,), -2, dtype=block_expert.dtype, device=dev), block_expert[:-1]])
     run_start = valid & (block_expert != prev)
     start_of_run = torch.cummax(torch.where(run_start, idx, torch.zeros_like(idx)), 0).values
     pos = idx - start_of_run
     group_start = valid & (pos % group_blocks == 0)
     group_id = torch.cumsum(group_start.to(torch.int64), 0) - 1
-    n_groups = group_count(n_blocks, n_experts, group_blocks, int(run_start.sum()))
-    group_expert = torch.full((n_groups,), -1, dtype=torch.int32)
-    group_expert[group_id[valid]] = block_expert[valid].to(torch.int32)
-    group_slots = torch.full((n_groups * group_slots_n,), -1, dtype=torch.int32)
-    base = group_id[valid] * group_slots_n + (pos[valid] % group_blocks) * block
-    dst = (base[:, None] + torch.arange(block)[None, :]).reshape(-1)
-    group_slots[dst] = slot_assignment.reshape(n_blocks, block)[valid].reshape(-1).to(torch.int32)
+    # a traced plan (no values) is moe_plan's: an expert's blocks are consecutive, runs <= experts
+    n_runs = int(run_start.sum()) if has_values(run_start) else 0
+    n_groups = group_count(n_blocks, n_experts, group_blocks, n_runs)
+    spare = torch.full_like(group_id, n_groups)
+    group_expert = torch.full((n_groups + 1,), -1, dtype=torch.int32, device=dev)
+    group_expert.scatter_(0, torch.where(valid, group_id, spare), block_expert.to(torch.int32))
+    base = torch.where(valid, group_id * group_slots_n + (pos % group_blocks) * block, spare * group_slots_n)
+    dst = (base[:, None] + torch.arange(block, device=dev)[None, :]).reshape(-1)
+    group_slots = torch.full((n_groups * group_slots_n + block,), -1, dtype=torch.int32, device=dev)
+    group_slots.scatter_(0, dst, slot_assignment.reshape(-1).to(torch.int32))
+    group_expert, group_slots = group_expert[:n_groups], group_slots[:n_groups * group_slots_n]
     pmax = nl.tile_size.pmax
     by_group = group_slots.reshape(n_groups, group_slots_n)
     tile_live = torch.stack([(by_group[:, s0:s0 + pmax] >= 0).any(1) for s0 in range(0, group_slots_n, pmax)], 1)
@@ -60,8 +68,11 @@ def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
 
 
 def slot_positions(group_slots, n_assignments):
-    """(N,) int32: the position (row of the forward's slot-ordered output) of each assignment."""
+    """(N,) int32: the position (row of the forward's slot-ordered output) of each assignment
+    (static shapes: padding slots scatter into one spare entry past the end)."""
     live = group_slots >= 0
-    pos = torch.full((n_assignments,), -1, dtype=torch.int32)
-    pos[group_slots[live].long()] = torch.nonzero(live).reshape(-1).to(torch.int32)
-    return pos
+    dev = group_slots.device
+    target = torch.where(live, group_slots.to(torch.int64), torch.full_like(group_slots, n_assignments, dtype=torch.int64))
+    pos = torch.full((n_assignments + 1,), -1, dtype=torch.int32, device=dev)
+    pos.scatter_(0, target, torch.arange(group_slots.numel(), dtype=torch.int32, device=dev))
+    return pos[:n_assignments]

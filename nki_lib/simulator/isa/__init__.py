@@ -55,3 +55,17 @@ from .vector import (
 
 if _ilu.find_spec(__name__ + ".extra") is not None:  # rarely used + MX instructions, maintained separately
     from .extra import *  # noqa: F401,F403
+
+
+def _accept_enum_values_everywhere():
+    """Every public instruction takes an enum parameter's value as well as the member (``_enums.py``)."""
+    from ._enums import accept_enum_values
+
+    namespace = globals()
+    for name, value in list(namespace.items()):
+        if not name.startswith("_") and callable(value) and getattr(value, "__module__", "").startswith(__name__ + "."):
+            if not isinstance(value, type):
+                namespace[name] = accept_enum_values(value)
+
+
+_accept_enum_values_everywhere()

@@ -2,9 +2,9 @@
 
 Every number the model uses lives here, per target (``trn2`` = NeuronCore-v3, ``trn3`` =
 NeuronCore-v4), as a :class:`Param` carrying its value, unit, source and confidence tag.
-The values are copied from ``docs/cost-model.md`` (the section is named
-in each ``source``), which cites the AWS Neuron documentation they come from. Confidence tags
-follow that document:
+Each ``source`` names the section of ``docs/cost-model.md`` that gives the number with the
+public page (AWS Neuron documentation, or a named third-party measurement) it comes from.
+Confidence tags follow that document:
 
 * ``H``: stated in current official AWS Neuron material for that generation;
 * ``M``: official but for an older generation, inconsistent between pages, or derived by simple
@@ -142,6 +142,9 @@ _TRN2: dict[str, Param] = {
     "dma_transpose_eff_sbuf": Param(0.5, "fraction", f"{DOC} §2.6 DMA transpose SBUF->SBUF up to 50%", "H"),
     "hbm_bw_share": Param(362.5, "B/ns", f"{DOC} §1.2 chip HBM 2.9 TB/s / 8 cores", "M"),
     "barrier_ns": Param(1300.0, "ns", f"{DOC} §7.5 cross-core barrier undocumented: use the DMA latency", "L"),
+    "neuronlink_bw_chip": Param(1280.0, "B/ns", f"{DOC} §1.1 NeuronLink-v3 1.28 TB/s per chip (hw-trn2)", "H"),
+    "neuronlink_links": Param(4, "links", f"{DOC} §1.1 4 NeuronLink-v3 per chip (arch-trn2)", "H"),
+    "cores_per_chip": Param(8, "NeuronCores", f"{DOC} §1.1 8 NeuronCore-v3 per chip (hw-trn2)", "H"),
     # ---- memories (§1.2)
     "sbuf_bytes_per_partition": Param(212984, "B", f"{DOC} §1.2 usable SBUF per partition (nkipy "
                                       "HardwareConstants.h)", "M"),
