@@ -1,5 +1,6 @@
 """The torch.distributed pieces expert and context parallelism share (no transport of our own).
 
+* :func:`as_group` — a ``ProcessGroup`` from a group, ``None`` (default group) or 1-D ``DeviceMesh``.
 * :func:`group_info` — ``(size, rank)`` of a process group (``None``: the default group).
 * :func:`all_to_all` — equal-split ``all_to_all_single`` along dim 0, differentiable: its
   backward is the same exchange of the gradients in the opposite direction.
@@ -49,13 +50,26 @@ def _exchange(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def as_group(group):
+    """The process group of ``group``: a ``ProcessGroup``, ``None`` (the default group) or a 1-D
+    ``DeviceMesh`` (its only dimension's group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"group: pass a 1-D DeviceMesh (e.g. mesh['ep']), got one with {group.ndim} dims")
+        return group.get_group()
+    return group
+
+
 def group_info(group) -> tuple[int, int]:
     """``(size, rank)`` of ``group`` in this process; a clear error outside a process group."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("this needs an initialized torch.distributed process group "
                            "(torch.distributed.init_process_group)")
     if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh or None, "
+                        f"got {type(group).__name__}")
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError("this process is not a member of the given group")

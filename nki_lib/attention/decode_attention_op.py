@@ -1,6 +1,7 @@
 """``torch.ops.nki.decode_attention``: attention of a few new tokens over a KV cache (inference).
 
-    decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None, *,
+    decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None,
+                     cache_start=None, *,
                      scale=None, window_left=-1, softcap=0.0) -> (out, lse)
 
 Semantics: docs/contract.md §3.2. Shapes (legend: B batch, Hq/Hkv query/kv heads, Sq new tokens,
@@ -8,7 +9,10 @@ D head dim, Smax contiguous capacity, NB physical blocks, bs block size, MB bloc
 
 * q (B, Hq, Sq, D); contiguous cache k_cache/v_cache (B, Hkv, Smax, D) with ``block_table=None``,
   or paged cache (NB, Hkv, bs, D) with block_table int32 (B, MB); capacity = Smax or MB * bs.
-* cache_seqlens int32 (B,), ``Sq <= L_b <= capacity``; query t sits at position ``L_b - Sq + t``.
+* cache_seqlens int32 or int64 (B,), ``Sq <= L_b <= capacity``; query t sits at position
+  ``L_b - Sq + t``. cache_start int32 or int64 (B,) (optional, left-padded caches): the first
+  valid position of each sequence, ``0 <= start_b <= L_b - Sq``; keys before it are not seen.
+* sinks (Hq,) in any floating dtype (math in fp32).
 * out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32 (float64 for float64 inputs).
 
 Inference only: with grad mode on, a call where any input requires grad raises a RuntimeError.
@@ -23,10 +27,11 @@ import torch
 from nki_lib import registry
 from nki_lib.attention import decode_attention_reference
 from nki_lib.attention.attention_args import MAX_HEAD_DIM, lse_dtype
+from nki_lib.autograd.autocast import follow_sdpa_autocast
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.sizes import ceil_div
-from nki_lib.validation import check_same_device, check_same_dtype, has_values
+from nki_lib.validation import INDEX_DTYPES, check_same_device, check_same_dtype, has_values
 from nki_lib.validation import check_tensor as _check_tensor
 
 INDEX_DTYPE = torch.int32
@@ -45,7 +50,8 @@ def capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
     return block_table.shape[1] * k_cache.shape[2]
 
 
-def validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, window_left, softcap):
+def validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, cache_start=None, *, scale,
+             window_left, softcap):
     """Shape/dtype/argument checks (no data access: safe under fake tensors)."""
     _check_tensor("q", q, rank=4)
     _check_tensor("k_cache", k_cache, rank=4)
@@ -74,12 +80,18 @@ def validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, w
         raise ValueError(f"q must hold Sq >= 1 new tokens, got Sq={sq}")
     if k_cache.shape[2] < 1:
         raise ValueError(f"k_cache must have a non-empty sequence/block dim, got shape {tuple(k_cache.shape)}")
-    _check_tensor("cache_seqlens", cache_seqlens, rank=1, dtypes=(INDEX_DTYPE,))
+    _check_tensor("cache_seqlens", cache_seqlens, rank=1, dtypes=INDEX_DTYPES)
+    if cache_start is not None:
+        _check_tensor("cache_start", cache_start, rank=1, dtypes=INDEX_DTYPES)
+        if cache_start.shape[0] != b:
+            raise ValueError(f"cache_start must have shape ({b},) (one first position per sequence), "
+                             f"got {tuple(cache_start.shape)}")
+        check_same_device("q", q, cache_start=cache_start)
     if cache_seqlens.shape[0] != b:
         raise ValueError(f"cache_seqlens must have shape ({b},) (one length per sequence), "
                          f"got {tuple(cache_seqlens.shape)}")
     if block_table is not None:
-        _check_tensor("block_table", block_table, rank=2, dtypes=(INDEX_DTYPE,))
+        _check_tensor("block_table", block_table, rank=2, dtypes=INDEX_DTYPES)
         if block_table.shape[0] != b:
             raise ValueError(f"block_table must have shape ({b}, max_blocks), got {tuple(block_table.shape)}")
         if block_table.shape[1] < 1:
@@ -96,11 +108,22 @@ def validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, w
             or softcap < 0):
         raise ValueError(f"softcap must be a finite float >= 0, got {softcap!r}")
     if sinks is not None:
-        allowed = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
-        _check_tensor("sinks", sinks, rank=1, dtypes=allowed)
+        _check_tensor("sinks", sinks, rank=1)
         if sinks.shape[0] != hq:
             raise ValueError(f"sinks must have shape ({hq},) (one logit per q head), got {tuple(sinks.shape)}")
         check_same_device("q", q, sinks=sinks)
+
+
+def validate_starts(q, cache_seqlens, cache_start):
+    """Data check of cache_start (real tensors only): ``0 <= start_b <= L_b - Sq``."""
+    starts = cache_start.to("cpu", torch.int64)
+    last = cache_seqlens.to("cpu", torch.int64) - q.shape[2]
+    bad = (starts < 0) | (starts > last)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise ValueError(f"cache_start must lie in [0, cache_seqlens - Sq] (the new tokens are valid "
+                         f"cache positions), got cache_start[{b}] = {int(starts[b])} with "
+                         f"cache_seqlens[{b}] = {int(cache_seqlens[b])}, Sq = {q.shape[2]}")
 
 
 def validate_values(q, k_cache, cache_seqlens, block_table):
@@ -133,36 +156,46 @@ def validate_values(q, k_cache, cache_seqlens, block_table):
 @torch.library.custom_op("nki::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
-                        sinks: torch.Tensor | None = None, *, scale: float | None = None,
-                        window_left: int = -1, softcap: float = 0.0
+                        sinks: torch.Tensor | None = None, cache_start: torch.Tensor | None = None,
+                        *, scale: float | None = None, window_left: int = -1, softcap: float = 0.0
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     flags = dict(scale=scale, window_left=window_left, softcap=softcap)
-    validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, **flags)
-    if has_values(cache_seqlens, block_table):
+    validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, cache_start, **flags)
+    if has_values(cache_seqlens, block_table, cache_start):
         validate_values(q, k_cache, cache_seqlens, block_table)
+        if cache_start is not None:
+            validate_starts(q, cache_seqlens, cache_start)
+            if not bool(cache_start.any()):
+                cache_start = None             # every sequence starts at 0: the plain call
+    if sinks is not None:
+        sinks = sinks.to(_lse_dtype(q))
     if q.shape[0] == 0:
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
 
     def launch():
         from nki_lib.attention.kernels import decode_attention_fwd_plan
-        return decode_attention_fwd_plan.launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, **flags)
+        return decode_attention_fwd_plan.launch_decode_attention_fwd(
+            q, k_cache, v_cache, cache_seqlens.to(INDEX_DTYPE),
+            None if block_table is None else block_table.to(INDEX_DTYPE), sinks,
+            cache_start=cache_start, **flags)
 
     out, lse = dispatch("decode_attention", (q, k_cache, v_cache, sinks), launch=launch,
                         reference=lambda: decode_attention_reference.decode_attention(
-                            q, k_cache, v_cache, cache_seqlens, block_table, sinks, **flags))
+                            q, k_cache, v_cache, cache_seqlens, block_table, sinks, cache_start,
+                            **flags))
     return out.contiguous(), lse.contiguous()
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None, *, scale=None,
-      window_left=-1, softcap=0.0):
-    validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, scale=scale,
+def _(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None, cache_start=None, *,
+      scale=None, window_left=-1, softcap=0.0):
+    validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, cache_start, scale=scale,
              window_left=window_left, softcap=softcap)
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
 
 
 def _inference_only(ctx, inputs, keyword_only_inputs, output):
-    names = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "sinks")
+    names = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "sinks", "cache_start")
     wanting = [n for n, t in zip(names, inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     raise RuntimeError(f"nki::decode_attention is inference-only (no backward): {', '.join(wanting)} "
                        f"require(s) grad; detach the inputs or call it under torch.no_grad()")
@@ -173,12 +206,14 @@ def _no_backward(ctx, *grads):
 
 
 decode_attention_op.register_autograd(_no_backward, setup_context=_inference_only)
+follow_sdpa_autocast("decode_attention")
 
 
 # --------------------------------------------------------------------------- registry entry
 
 def make_sample(b, hq, hkv, sq, d, lengths, dtype, *, block_size=None, num_blocks=None,
-                capacity_=None, sinks=False, shuffle=True, seed=0, **kwargs) -> Sample:
+                capacity_=None, sinks=False, shuffle=True, seed=0, starts=None,
+                index_dtype=INDEX_DTYPE, **kwargs) -> Sample:
     """A decode call: contiguous cache of capacity ``capacity_`` (default max(lengths)), or a paged
     cache with ``block_size`` (block ids drawn as a random permutation of ``num_blocks`` unless
     ``shuffle=False``; unused table entries are -1)."""
@@ -186,7 +221,7 @@ def make_sample(b, hq, hkv, sq, d, lengths, dtype, *, block_size=None, num_block
     rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float32).to(dtype)  # noqa: E731
     cap = capacity_ or max(lengths)
     q = rand(b, hq, sq, d)
-    seqlens = torch.tensor(lengths, dtype=INDEX_DTYPE)
+    seqlens = torch.tensor(lengths, dtype=index_dtype)
     table = None
     if block_size is None:
         k, v = rand(b, hkv, cap, d), rand(b, hkv, cap, d)
@@ -209,7 +244,9 @@ def make_sample(b, hq, hkv, sq, d, lengths, dtype, *, block_size=None, num_block
     label = (f"q({b},{hq},{sq},{d}) hkv={hkv} {layout} L={list(lengths)[:4]}"
              f"{'...' if len(lengths) > 4 else ''} {str(dtype).replace('torch.', '')}")
     label += "".join(f" {k}={v}" for k, v in kwargs.items()) + (" sinks" if sinks else "")
-    return Sample((q, k, v, seqlens, table, sinks_t), kwargs, label)
+    start_t = None if starts is None else torch.tensor(starts, dtype=index_dtype)
+    label += f" cache_start={list(starts)}" if starts is not None else ""
+    return Sample((q, k, v, seqlens, table, sinks_t, start_t), kwargs, label)
 
 
 def _samples(dtype, requires_grad):
@@ -219,6 +256,8 @@ def _samples(dtype, requires_grad):
         make_sample(2, 4, 1, 3, 8, [3, 40], dtype, block_size=16, sinks=True, softcap=4.0, scale=0.4),
         make_sample(1, 2, 2, 4, 8, [37], dtype, block_size=8, window_left=6),
         make_sample(3, 2, 1, 2, 16, [2, 64, 33], dtype, capacity_=70, window_left=0, sinks=True),
+        make_sample(3, 4, 2, 2, 8, [9, 20, 14], dtype, capacity_=24, starts=[3, 0, 12],
+                    index_dtype=torch.int64, window_left=7),
     ]
 
 

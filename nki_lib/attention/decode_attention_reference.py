@@ -9,6 +9,7 @@ L_b = ``cache_seqlens[b]`` valid positions of sequence b.
   table (logical position p lives in block ``block_table[b, p // bs]`` at row ``p % bs``).
 * ``decode_attention``: the reference path. For each sequence it gathers the keys any new token
   can see, ``[first, L_b)`` with ``first = max(0, L_b - Sq - window_left)`` (0 without a window),
+  raised to ``cache_start[b]`` when given (left-padded caches: earlier positions are padding),
   and runs ``flash_attention_reference.flash_attention(causal=True, window_left=...)`` on that dense problem: with
   ``Sk = L_b - first`` the bottom-right alignment puts query t at position ``L_b - Sq + t`` (shifted
   by ``first``), which is exactly the decode rule, so decode *is* flash attention on the
@@ -47,13 +48,15 @@ def dense_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Te
     return gather(k_cache), gather(v_cache)
 
 
-def _per_sequence(attention, q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale,
-                  window_left, softcap):
+def _per_sequence(attention, q, k_cache, v_cache, cache_seqlens, block_table, sinks, cache_start,
+                  *, scale, window_left, softcap):
     lengths = [int(x) for x in cache_seqlens.tolist()]
+    starts = [0] * len(lengths) if cache_start is None else [int(x) for x in cache_start.tolist()]
     outs, lses = [], []
     sq = q.shape[2]
     for b, length in enumerate(lengths):
         first = max(0, length - sq - window_left) if window_left >= 0 else 0
+        first = max(first, starts[b])          # left-padded cache: positions < start are padding
         k_b, v_b = dense_kv(k_cache, v_cache, block_table, b, length, first)
         # contiguous copies: the result must not depend on the strides of the inputs
         out_b, lse_b = attention(q[b:b + 1].contiguous(), k_b[None].contiguous(), v_b[None].contiguous(),
@@ -67,15 +70,15 @@ def _per_sequence(attention, q, k_cache, v_cache, cache_seqlens, block_table, si
     return torch.cat(outs), torch.cat(lses)
 
 
-def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None, *,
-                     scale=None, window_left=-1, softcap=0.0):
+def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None,
+                     cache_start=None, *, scale=None, window_left=-1, softcap=0.0):
     """Returns ``(out [B,Hq,Sq,D] in q's dtype, lse [B,Hq,Sq] float32)`` (float64 for float64)."""
     return _per_sequence(flash_attention_reference.flash_attention, q, k_cache, v_cache, cache_seqlens, block_table,
-                         sinks, scale=scale, window_left=window_left, softcap=softcap)
+                         sinks, cache_start, scale=scale, window_left=window_left, softcap=softcap)
 
 
-def naive(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None, *, scale=None,
-          window_left=-1, softcap=0.0):
+def naive(q, k_cache, v_cache, cache_seqlens, block_table=None, sinks=None, cache_start=None, *,
+          scale=None, window_left=-1, softcap=0.0):
     """Dense decode attention in the inputs' dtype (fp64 oracle / low-precision baseline)."""
     return _per_sequence(flash_attention_reference.naive, q, k_cache, v_cache, cache_seqlens, block_table, sinks,
-                         scale=scale, window_left=window_left, softcap=softcap)
+                         cache_start, scale=scale, window_left=window_left, softcap=softcap)

@@ -36,7 +36,7 @@ import torch
 from nki_lib.attention import flash_attention_op as flash_ops
 from nki_lib.attention import flash_attention_reference as reference
 from nki_lib.attention.ring_attention_plan import SPLITS, plan_block, segments
-from nki_lib.collectives import RingTransfer, group_info
+from nki_lib.collectives import RingTransfer, as_group, group_info
 
 _TAG_KV, _TAG_DKV = 71, 72
 
@@ -49,9 +49,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
     """Attention of this rank's queries over the whole sequence held by ``group`` (see module doc).
 
     q (B, Hq, L, D), k/v (B, Hkv, L, D): this rank's shard (same shapes on every rank); ``split``
-    ``"contiguous"`` or ``"zigzag"`` (L even). ``group=None``: the default process group.
+    ``"contiguous"`` or ``"zigzag"`` (L even). ``group``: a ProcessGroup, a 1-D DeviceMesh or
+    None (the default process group).
     Returns ``out`` (B, Hq, L, D), or ``(out, lse)`` with ``lse`` float32 (B, Hq, L).
     """
+    group = as_group(group)
     size, rank = group_info(group)
     _validate(q, k, v, sinks, causal=causal, scale=scale, window=window, softcap=softcap, split=split)
     config = _Config(group, size, rank, segments(split, size, rank, q.shape[2]), causal,

@@ -124,8 +124,10 @@ SCALEOUT_CASES = (
     ScaleoutCase("ring_attention", "llama3-8b", 16, {"S": 16384, "B": 1, "causal": True, "split": "zigzag"}),
     ScaleoutCase("ring_attention", "llama3-8b", 4, {"S": 4096, "B": 1, "causal": True, "split": "zigzag"}),
     ScaleoutCase("ring_attention", "llama3-8b", 16, {"S": 16384, "B": 1, "causal": False, "split": "contiguous"}),
+    ScaleoutCase("ring_attention", "llama3-8b", 16, {"S": 4096, "B": 1, "causal": True, "split": "zigzag"}),
     ScaleoutCase("expert_parallel", "qwen3-30b-a3b", 16, {"T": 1024, "capacity_factor": 1.25}),
     ScaleoutCase("expert_parallel", "qwen3-30b-a3b", 4, {"T": 1024, "capacity_factor": 1.25}),
+    ScaleoutCase("expert_parallel", "deepseek-v3", 16, {"T": 256, "capacity_factor": 1.25}),
 )
 
 

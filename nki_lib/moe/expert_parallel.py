@@ -5,9 +5,10 @@ With a group of P ranks and E experts (E % P == 0), rank r owns experts
 rank routes its own tokens. Per forward (T local tokens, k = top_k, A = T k assignments):
 
 1. dispatch: every assignment goes to the rank owning its expert. Each (source, destination) pair
-   has a fixed budget of C slots, so every buffer has a static shape: the send buffer is (P C, H),
-   slot ``d C + j`` holding the j-th assignment (in token-major order) bound for rank d, with its
-   local expert id and its routing weight; empty slots carry weight 0.
+   has a fixed budget of C slots, so every buffer has a static shape (no data-dependent
+   indexing: a dropped assignment is written to a spare row that is cut off): the send buffer is
+   (P C, H), slot ``d C + j`` holding the j-th assignment (in token-major order) bound for rank d,
+   with its local expert id and its routing weight; empty slots carry weight 0.
 2. ``all_to_all`` (equal splits, differentiable) of tokens, weights and expert ids.
 3. the owner runs ``moe_plan`` + ``moe_experts`` on its P C received rows with its local experts
    (weighted rows, exactly the single-process kernel's arithmetic per row).
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nki_lib.collectives import all_to_all, group_info
+from nki_lib.collectives import all_to_all, as_group, group_info
 
 DEFAULT_CAPACITY_FACTOR = 1.25
 
@@ -60,6 +61,7 @@ class ExpertParallel:
     """The expert-parallel layout of one MoE layer and its dispatch/combine (see module doc)."""
 
     def __init__(self, group, num_experts: int, capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR):
+        group = as_group(group)
         self.size, self.rank = group_info(group)
         if num_experts % self.size:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the ep_group size "
@@ -89,23 +91,26 @@ class ExpertParallel:
         dest = ids // self.num_local
         order = torch.nn.functional.one_hot(dest, self.size).cumsum(0).gather(1, dest[:, None])[:, 0] - 1
         cap = self.capacity(ids.numel())
+        rows = self.size * cap
         keep = order < cap
-        slot = (dest * cap + order)[keep]
-        kept_tokens = token_of[keep]
-        self._count(int(cap), (~keep).sum())
+        # every assignment has a slot; dropped ones land in a spare row past the end (static shapes)
+        slot = torch.where(keep, dest * cap + order, torch.full_like(order, rows))
+        self._count(cap, (~keep).sum())
 
-        send_x = x.new_zeros(self.size * cap, x.shape[1]).index_copy(0, slot, x[kept_tokens])
+        send_x = x.new_zeros(rows + 1, x.shape[1]).index_copy(0, slot, x[token_of])[:rows]
         weights = topk_weights.reshape(-1)
-        send_w = weights.new_zeros(self.size * cap).index_copy(0, slot, weights[keep])
-        send_e = torch.full((self.size * cap,), -1, dtype=torch.int64, device=x.device)
-        send_e[slot] = (ids % self.num_local)[keep]
+        send_w = weights.new_zeros(rows + 1).index_copy(0, slot, weights)[:rows]
+        send_e = torch.full((rows + 1,), -1, dtype=torch.int64, device=x.device)
+        send_e = send_e.index_copy(0, slot, ids % self.num_local)[:rows]
 
         recv_x, recv_w = all_to_all(send_x, self.group), all_to_all(send_w, self.group)
         recv_e = all_to_all(send_e, self.group)
         local_ids = recv_e.clamp(min=0).to(torch.int32)[:, None]   # empty slots: weight 0
         y_rows = all_to_all(run_local(recv_x, recv_w[:, None], local_ids), self.group)
-        y = x.new_zeros(x.shape).index_add(0, kept_tokens, y_rows[slot])
-        tokens_per_expert = torch.bincount(ids, minlength=self.num_experts).to(torch.int32)
+        y_rows = torch.cat([y_rows, y_rows.new_zeros(1, y_rows.shape[1])])   # the spare row: 0
+        y = x.new_zeros(x.shape).index_add(0, token_of, y_rows[slot])
+        tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        tokens_per_expert.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         return y, tokens_per_expert
 
     def _count(self, cap, dropped):

@@ -76,8 +76,9 @@ def test_registry_samples_simulator_lnc2(monkeypatch):
 
 
 def _dense_flash(sample, dtype):
-    """flash_attention (reference path) per sequence on the dense keys [0, L_b), in ``dtype``."""
-    q, k_cache, v_cache, seqlens, table, sinks = sample.args
+    """flash_attention (reference path) per sequence on the dense keys [start_b, L_b), in ``dtype``."""
+    q, k_cache, v_cache, seqlens, table, sinks, starts = sample.args
+    starts = [0] * q.shape[0] if starts is None else starts.tolist()
     outs, lses = [], []
     for b, length in enumerate(seqlens.tolist()):
         if table is None:
@@ -87,6 +88,7 @@ def _dense_flash(sample, dtype):
             rows = [(int(table[b, p // bs]), p % bs) for p in range(length)]
             k = torch.stack([k_cache[blk, :, r] for blk, r in rows], dim=1)
             v = torch.stack([v_cache[blk, :, r] for blk, r in rows], dim=1)
+        k, v = k[:, starts[b]:], v[:, starts[b]:]
         conv = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
         s = None if sinks is None else sinks.to(torch.float64 if dtype == torch.float64 else torch.float32)
         with nki_lib.use_backend("reference"):
@@ -115,7 +117,7 @@ def test_equals_flash_attention_on_dense_problem(block_size):
 
 def _paged_copy(sample, block_size, seed):
     """The same cache contents as a paged cache with a shuffled block table (plus spare blocks)."""
-    q, k_cache, v_cache, seqlens, _, sinks = sample.args
+    q, k_cache, v_cache, seqlens, _, sinks = sample.args[:6]
     b, hkv, smax, d = k_cache.shape
     per_seq = smax // block_size
     n_blocks = b * per_seq + 3
@@ -145,7 +147,7 @@ def test_shuffled_block_table_matches_contiguous(block_size):
 
 def _args(**over):
     sample = make_sample(2, 4, 2, 2, 8, [5, 12], torch.float32, block_size=4, capacity_=16)
-    names = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "sinks")
+    names = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "sinks", "cache_start")
     args = dict(zip(names, sample.args))
     args.update(over)
     return args
@@ -158,11 +160,15 @@ def _call(args, **kwargs):
 @pytest.mark.parametrize("over, error, needle", [
     (dict(block_table=torch.tensor([[0, 1, -1, -1], [2, 3, 9, -1]], dtype=torch.int32)), ValueError, "block_table"),
     (dict(block_table=torch.tensor([[0, 1, 0, 0], [2, -1, 4, 0]], dtype=torch.int32)), ValueError, "block_table"),
-    (dict(block_table=torch.zeros(2, 4, dtype=torch.int64)), TypeError, "block_table"),
+    (dict(block_table=torch.zeros(2, 4, dtype=torch.float32)), TypeError, "block_table"),
     (dict(block_table=torch.zeros(3, 4, dtype=torch.int32)), ValueError, "block_table"),
     (dict(cache_seqlens=torch.tensor([5, 17], dtype=torch.int32)), ValueError, "cache_seqlens"),
     (dict(cache_seqlens=torch.tensor([1, 12], dtype=torch.int32)), ValueError, "cache_seqlens"),
-    (dict(cache_seqlens=torch.tensor([5, 12], dtype=torch.int64)), TypeError, "cache_seqlens"),
+    (dict(cache_seqlens=torch.tensor([5, 12], dtype=torch.int16)), TypeError, "cache_seqlens"),
+    (dict(cache_start=torch.tensor([0, 11], dtype=torch.int64)), ValueError, r"cache_start must lie in \[0, cache_seqlens - Sq\]"),
+    (dict(cache_start=torch.tensor([-1, 0], dtype=torch.int32)), ValueError, "cache_start must lie"),
+    (dict(cache_start=torch.tensor([0], dtype=torch.int32)), ValueError, "cache_start must have shape"),
+    (dict(cache_start=torch.tensor([0.0, 1.0])), TypeError, "cache_start must have dtype"),
     (dict(cache_seqlens=torch.tensor([5], dtype=torch.int32)), ValueError, "cache_seqlens"),
     (dict(k_cache=torch.zeros(5, 2, 4)), ValueError, "k_cache"),
     (dict(k_cache=torch.zeros(5, 2, 4, 16), v_cache=torch.zeros(5, 2, 4, 16)), ValueError, "k_cache"),
@@ -207,3 +213,43 @@ def test_empty_batch():
     q, k, v = sample.args[0][:0], sample.args[1][:0], sample.args[2][:0]
     out, lse = torch.ops.nki.decode_attention(q, k, v, torch.zeros(0, dtype=torch.int32))
     assert out.shape == (0, 2, 1, 8) and lse.shape == (0, 2, 1)
+
+
+def test_cache_start_equals_the_trimmed_cache():
+    """A left-padded cache (valid positions [start, L)) gives what the same keys stored from
+    position 0 give, even with garbage (NaN) in the padding."""
+    sample = make_sample(3, 4, 2, 2, 8, [9, 20, 14], torch.float32, capacity_=24, window_left=5)
+    q, k, v, lengths = sample.args[:4]
+    starts = torch.tensor([3, 0, 12])
+    k_pad, v_pad = k.clone(), v.clone()
+    trimmed_k, trimmed_v = torch.zeros_like(k), torch.zeros_like(v)
+    for b, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
+        k_pad[b, :, :s] = float("nan")
+        v_pad[b, :, :s] = float("nan")
+        trimmed_k[b, :, :n - s], trimmed_v[b, :, :n - s] = k[b, :, s:n], v[b, :, s:n]
+    got = torch.ops.nki.decode_attention(q, k_pad, v_pad, lengths, None, None, starts, window_left=5)
+    want = torch.ops.nki.decode_attention(q, trimmed_k, trimmed_v, lengths - starts.to(lengths.dtype),
+                                          None, None, window_left=5)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_cache_start_on_the_simulator_matches_the_reference(block_size):
+    """Left-padded caches on the decode kernel (NaN in the padding must not leak)."""
+    sample = make_sample(3, 4, 2, 2, 8, [9, 20, 14], torch.bfloat16, capacity_=24, starts=[3, 0, 12],
+                         block_size=block_size)
+    q, k, v, lengths, table, sinks, starts = sample.args
+    if block_size is None:
+        for b, s in enumerate(starts.tolist()):
+            k[b, :, :s] = float("nan")
+            v[b, :, :s] = float("nan")
+    with nki_lib.use_backend("simulator"), nki_lib.strict():
+        got = SPEC.op(q, k, v, lengths, table, sinks, starts)
+    oracle = decode_attention_op.decode_attention_reference.naive(
+        *(t.double() if t is not None and t.is_floating_point() else t for t in (q, k, v)),
+        lengths, table, sinks, starts)
+    baseline = decode_attention_op.decode_attention_reference.naive(q, k, v, lengths, table, sinks, starts)
+    for i, kind in enumerate(("output", "output")):
+        result = parity(got[i], oracle[i], baseline[i], kind=kind, dtype=torch.bfloat16)
+        assert result.ok, str(result)

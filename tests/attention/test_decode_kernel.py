@@ -21,7 +21,7 @@ SPEC = decode_attention_op.SPEC
 
 def _launch(sample, num_splits=None, grid=1):
     """Run the launcher directly (strict simulator path); returns ((out, lse), RunReport)."""
-    q, k, v, seqlens, table, sinks = sample.args
+    q, k, v, seqlens, table, sinks = sample.args[:6]
     flags = dict(scale=sample.kwargs.get("scale"), window_left=sample.kwargs.get("window_left", -1),
                  softcap=sample.kwargs.get("softcap", 0.0))
     with collect_runs() as runs, nki_lib.use_backend("simulator"), nki_lib.strict():
@@ -59,7 +59,7 @@ def test_contiguous_reads_stop_at_needed_units(window_left):
     """NaN outside the 128-key units that hold a needed key would leak into out (0 * NaN)."""
     lengths, sq = [700, 100], 2
     sample = make_sample(2, 4, 1, sq, 16, lengths, torch.float32, capacity_=1024, window_left=window_left)
-    q, k, v, seqlens, table, sinks = sample.args
+    q, k, v, seqlens, table, sinks = sample.args[:6]
     unit = decode_attention_fwd_plan.CONTIGUOUS_UNIT_KEYS
     pos = torch.arange(k.shape[2])
     keep = torch.zeros(k.shape[0], 1, k.shape[2], 1, dtype=torch.bool)
@@ -79,7 +79,7 @@ def test_paged_long_chunk_steps_skip_unused_data():
     length, sq, window_left, bs = 9000, 2, 5000, 128
     sample = make_sample(1, 8, 1, sq, 16, [length], torch.bfloat16, block_size=bs, num_blocks=80,
                          capacity_=16384, window_left=window_left)
-    q, k, v, seqlens, table, sinks = sample.args
+    q, k, v, seqlens, table, sinks = sample.args[:6]
     first = length - sq - window_left
     keep = torch.zeros(k.shape[0], 1, bs, 1, dtype=torch.bool)
     for col in range(-(-length // bs)):
@@ -98,7 +98,7 @@ def test_dominant_key_in_an_early_softmax_step():
     """A key of the first softmax step scores ~160 (exp overflows fp32), the rest of the chunk ~0:
     every later step must rescale against that maximum, never against a stale smaller one."""
     sample = make_sample(1, 8, 1, 1, 16, [16384], torch.bfloat16)
-    q, k, v, seqlens, table, sinks = sample.args
+    q, k, v, seqlens, table, sinks = sample.args[:6]
     q, k = torch.full_like(q, 2.0), k.clone()
     k[0, 0, 37 * 128 + 5] = 20.0                     # partition 37, slot 5: the first step
     boosted = Sample((q, k, v, seqlens, table, sinks), sample.kwargs, sample.label + " dominant key")
@@ -112,7 +112,7 @@ def test_paged_reads_only_used_blocks():
     """Spare blocks and table entries past the used blocks point at NaN blocks: never read."""
     sample = make_sample(2, 4, 2, 3, 16, [40, 9], torch.bfloat16, block_size=8, num_blocks=12,
                          capacity_=64, sinks=True)
-    q, k, v, seqlens, table, sinks = sample.args
+    q, k, v, seqlens, table, sinks = sample.args[:6]
     used = {int(x) for b, n in enumerate((5, 2)) for x in table[b, :n]}
     nan_blocks = [i for i in range(k.shape[0]) if i not in used]
     keep = torch.ones(k.shape[0], 1, 1, 1, dtype=torch.bool)
@@ -204,7 +204,7 @@ def test_unsupported_block_size_is_visible():
 
 def test_nan_and_inf_propagate_like_the_reference():
     sample = make_sample(2, 4, 2, 2, 16, [40, 9], torch.float32, block_size=8, capacity_=48, sinks=True)
-    q, k, v, seqlens, table, sinks = sample.args
+    q, k, v, seqlens, table, sinks = sample.args[:6]
     q, v = q.clone(), v.clone()
     q[0, 1, 0, 3] = float("nan")
     v[int(table[1, 0]), 0, 2, 5] = float("inf")
@@ -225,7 +225,7 @@ def test_invisible_slots_never_poison_the_result(block_size):
     lengths, sq, window = [300, 150], 2, 40
     sample = make_sample(2, 2, 1, sq, 16, lengths, torch.float32, block_size=block_size, capacity_=512,
                          window_left=window)
-    q, k, v, seqlens, table, sinks = sample.args
+    q, k, v, seqlens, table, sinks = sample.args[:6]
     k, v = k.clone(), v.clone()
 
     def slot(b, pos):           # (index into the cache's first two dims, row) of position pos of b

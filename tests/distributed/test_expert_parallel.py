@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
 
+import nki_lib
 from nki_lib.moe import MoE, gather_moe, shard_moe
 from nki_lib.numerics import parity
 
@@ -34,11 +35,13 @@ def _tokens(seed, world):
     return x, w_y
 
 
-def _run(moe, x, w_y):
-    """Output and gradients (x, then every parameter by name) of ``sum(y * w_y)``."""
+def _run(moe, x, w_y, path="reference"):
+    """Output and gradients (x, then every parameter by name) of ``sum(y * w_y)`` on ``path``
+    (strict on the simulator: a fallback fails the test)."""
     leaf = x.detach().to(moe.router_weight.dtype).requires_grad_(True)
-    y = moe(leaf)
-    (y.to(torch.float64) * w_y).sum().backward()
+    with nki_lib.use_backend(path), nki_lib.strict(path == "simulator"):
+        y = moe(leaf)
+        (y.to(torch.float64) * w_y).sum().backward()
     grads = {"x": leaf.grad}
     grads.update({name: p.grad for name, p in moe.named_parameters()})
     return y.detach(), grads
@@ -56,14 +59,14 @@ def _all_gather_cat(t):
     return torch.cat(parts)
 
 
-def _ep_rank(rank, world, cases):
+def _ep_rank(rank, world, cases, path="reference"):
     verdicts = []
     for seed, case in enumerate(cases):
         single = _module(seed, shared=case["shared"], skewed=case["skewed"], world=world)
         sharded = shard_moe(single, None, capacity_factor=None)
         x, w_y = _tokens(seed, world)
         rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
-        y_local, grads_local = _run(sharded, x[rows], w_y[rows])
+        y_local, grads_local = _run(sharded, x[rows], w_y[rows], path)
         stats = sharded.ep_stats()
         y = _all_gather_cat(y_local)
         grads = {"x": _all_gather_cat(grads_local["x"])}
@@ -75,7 +78,7 @@ def _ep_rank(rank, world, cases):
         if rank != 0:
             continue
         assert stats["last_dropped"] == 0 and stats["capacity"] == TOKENS * TOP_K, stats
-        baseline = _run(single, x, w_y)
+        baseline = _run(single, x, w_y, path)
         oracle = _run(_module(seed, shared=case["shared"], skewed=case["skewed"], world=world,
                               dtype=torch.float64), x, w_y)
         checks = [("y", y, baseline[0], oracle[0], "output")]
@@ -93,12 +96,21 @@ CASES = [{"shared": False, "skewed": False}, {"shared": True, "skewed": False},
          {"shared": True, "skewed": True}]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_matches_single_process(world):
-    verdicts = run_ranks(world, _ep_rank, CASES)[0]
-    assert len(verdicts) >= 4 * len(CASES)
+def _check(world, cases, path="reference"):
+    verdicts = run_ranks(world, _ep_rank, cases, path)[0]
+    assert len(verdicts) >= 4 * len(cases)
     failed = [text for ok, text in verdicts if not ok]
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_matches_single_process(world):
+    _check(world, CASES)
+
+
+def test_expert_parallel_matches_single_process_simulator_path():
+    """The router, plan and expert kernels (forward and backward) on the simulator, strict."""
+    _check(2, CASES[2:], "simulator")
 
 
 def _expected_drops(topk_ids, world, capacity):
@@ -164,6 +176,11 @@ def _checkpoint_rank(rank, world):
             errors.append(None)
         except ValueError as err:
             errors.append(str(err))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    on_mesh = MoE(HIDDEN, INTER, EXPERTS, TOP_K, ep_group=mesh["ep"])
+    local["mesh w_down"] = tuple(on_mesh.w_down.shape)
     clone = copy.deepcopy(sharded)
     shares_group = clone.expert_parallel.group is sharded.expert_parallel.group
     return local, same and shares_group, list(single.state_dict()) == list(back.state_dict()), errors
@@ -192,7 +209,7 @@ def test_expert_bias_update_uses_the_group_load():
 def test_shard_and_gather_round_trip(world):
     local, same, same_keys, errors = run_ranks(world, _checkpoint_rank)[0]
     assert local["w_gate_up"] == (EXPERTS // world, 2 * INTER, HIDDEN)
-    assert local["w_down"] == (EXPERTS // world, HIDDEN, INTER)
+    assert local["w_down"] == local["mesh w_down"] == (EXPERTS // world, HIDDEN, INTER)
     assert local["router_weight"] == (EXPERTS, HIDDEN)
     assert same and same_keys
     assert errors[0] is None

@@ -200,8 +200,13 @@ def test_ring_attention_rejects_bad_arguments():
             ring_attention(q, q[:, :, :2], q[:, :, :2], group=None)
         except ValueError as err:
             errors.append(str(err))
-        return errors
+        from torch.distributed.device_mesh import init_device_mesh
 
-    errors = run_ranks(2, rank_fn)[0]
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        same = torch.equal(ring_attention(q, q, q, group=mesh["cp"]), ring_attention(q, q, q, group=None))
+        return errors, same
+
+    errors, same_on_mesh = run_ranks(2, rank_fn)[0]
+    assert same_on_mesh
     assert len(errors) == 4
     assert "zigzag" in errors[0] and "split" in errors[1] and "window" in errors[2] and "k" in errors[3]

@@ -113,3 +113,4 @@ def test_compiled_attention_moe_block_trains_like_eager_on_neuron():
             "nki.moe_experts.default"} <= set(found["cpu_graph"])
     assert "nki_kernel_call" not in found["cpu_graph"]
     assert "static shapes only" in found["dynamic_error"]
+    assert "opaque op node nki.flash_attention.default with neuron inputs" in found["opaque_error"]

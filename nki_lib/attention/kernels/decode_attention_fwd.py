@@ -22,7 +22,8 @@ with logit ``sinks[h]`` and no value)::
     out = (sum_s w_s acc_s) / L;  lse = M + log(L)
 
 Every row sees at least its own position, so ``L >= 1`` (decode has no empty rows); an empty split
-keeps ``m = STAT_INIT`` and gets weight exactly 0.
+keeps ``m = STAT_INIT`` and gets weight exactly 0. A row whose max is +inf (an inf score) has NaN
+``p`` and ``L``; its lse is set to +inf, the logsumexp (``tiles.inf_max_rows``).
 
 One chunk (``u`` keys per gathered unit, ``M`` keys per partition)::
 
@@ -98,7 +99,7 @@ positions < 2**24 (float32 bounds); unit size u a power of two with C/u <= 128.
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.attention.kernels.tiles import STAT_INIT
+from nki_lib.attention.kernels.tiles import STAT_INIT, inf_max_rows
 from nki_lib.sizes import spans
 
 __all__ = ["decode_attention_fwd_kernel", "block_slots", "chunk_plan"]
@@ -378,6 +379,7 @@ def _merge_and_store(states, sink_rows, hk, r0, out, lse, row0, dtype):
     lse_sb = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=lse_sb, op=nl.log, data=total)
     nisa.tensor_tensor(dst=lse_sb, data1=lse_sb, data2=neg_big, op=nl.subtract)
+    inf_max_rows(lse_sb, neg_big)
     nisa.dma_copy(dst=lse.ap([[1, rn], [1, 1]], offset=row0), src=lse_sb)
 
 

@@ -7,7 +7,7 @@ Host work here is layout glue and small index metadata only (no attention math):
   ``u = gcd(Smax, C, 128)`` keys of one head per row;
 * ``unit_table`` (B, n_cols) int32: unit ids of kv head 0 per logical unit column (the block table
   itself when paged), padded to whole chunks, with every unit that holds no key of the needed
-  range ``[max(0, L_b - Sq - window_left), L_b)`` replaced by an out-of-range sentinel (the
+  range ``[first, L_b)``, ``first = max(0, L_b - Sq - window_left, cache_start_b)``, replaced by an out-of-range sentinel (the
   kernel's indirect DMA skips it);
 * ``split_bounds`` (B, S, 6) int32: each split's chunk range in unit columns, as three ranges in
   key order -- edge chunks, interior chunks (every key inside ``[first, L_b)``: no cleaning, and
@@ -107,7 +107,7 @@ def _split_ranges(edges, direct_lo, direct_hi):
 
 
 def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, window_left,
-               softcap, num_splits=None, grid=None):
+               softcap, num_splits=None, grid=None, cache_start=None):
     """The launch of ``decode_attention_fwd_kernel`` (it returns ``(out, lse)``); raises
     ``Unsupported`` for what the kernel cannot serve."""
     if q.dtype not in KERNEL_DTYPES:
@@ -139,6 +139,8 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
     dev = q.device
     lengths = cache_seqlens.to(torch.int64)
     first = (lengths - sq - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(lengths)
+    if cache_start is not None:                       # left-padded cache: keys before start unseen
+        first = torch.maximum(first, cache_start.to(torch.int64))
 
     n_cols = table.shape[1]
     n_cols_pad = ceil_div(n_cols, units_per_chunk) * units_per_chunk
@@ -163,6 +165,8 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
     pos = (lengths[:, None] - sq + t[None, :]).to(torch.float32)                      # (B, R)
     hi = pos[:, None, :] - (edges[:, :-1] * chunk).to(torch.float32)[:, :, None]      # (B, S, R)
     lo = hi - window_left if window_left >= 0 else torch.full_like(hi, -float(MAX_INDEX))
+    if cache_start is not None:
+        lo = torch.maximum(lo, (first[:, None] - split_key0).to(torch.float32)[:, :, None])
     row_bounds = torch.stack([lo, hi], dim=-1).contiguous()
     sink_rows = None
     if sinks is not None:

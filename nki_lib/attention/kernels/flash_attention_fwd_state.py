@@ -1,7 +1,8 @@
 """Online-softmax state of the flash-attention forward kernel (``flash_attention_fwd.py``): per (query head,
 query tile) the running -max ``neg_m`` (qn, 1), denominator ``l`` (qn, 1) and unnormalised
 output ``acc`` (qn, D), all fp32 SBUF; their initialisation (with sinks) and the finalisation
-``out = acc / max(l, 1)``, ``lse = m + log(l)`` (``-inf`` for rows with ``l = 0``).
+``out = acc / max(l, 1)``, ``lse = m + log(l)`` (``-inf`` for rows with ``l = 0``, ``+inf`` for rows
+whose running max is +inf, where the online softmax gives NaN: ``tiles.inf_max_rows``).
 
 Dimension legend: qn query rows of a tile (<= 128), D head dim, n (head, query tile) pairs of
 one lse batch (<= 128).
@@ -10,6 +11,7 @@ one lse batch (<= 128).
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
+from nki_lib.attention.kernels.tiles import inf_max_rows
 
 __all__ = ["RowState", "init_state", "store_out", "new_lse_batch", "add_lse", "flush_lse"]
 
@@ -100,9 +102,10 @@ def add_lse(batch, state, b, h, q0):
 
 
 def flush_lse(batch):
-    """lse = log(max(l, 1)) + m for the queued pairs; rows with l = 0 get -inf. The (128, n)
-    result is transposed on TensorE so that each (head, query tile) is stored as one contiguous
-    row (a single-partition DMA) instead of qn 4-byte pieces. Empties the batch."""
+    """lse = log(max(l, 1)) + m for the queued pairs; rows with l = 0 get -inf, rows with m = +inf
+    get +inf (both by predicated copies of an immediate). The (128, n) result is transposed on
+    TensorE so that each (head, query tile) is stored as one contiguous row (a single-partition
+    DMA) instead of qn 4-byte pieces. Empties the batch."""
     n = len(batch.rows)
     if n == 0:
         return
@@ -116,9 +119,8 @@ def flush_lse(batch):
     nisa.tensor_tensor(dst=lse_all, data1=lse_all, data2=batch.neg_m_all[:, 0:n], op=nl.subtract)
     empty = nl.ndarray((pmax, n), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=empty, data=l_all, op0=nl.equal, operand0=0.0, engine=gpsimd)
-    neg_inf = nl.ndarray((pmax, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=neg_inf, value=float("-inf"), engine=gpsimd)
-    nisa.tensor_copy_predicated(dst=lse_all, src=neg_inf, predicate=empty)
+    nisa.tensor_copy_predicated(dst=lse_all, src=float("-inf"), predicate=empty)
+    inf_max_rows(lse_all, batch.neg_m_all[:, 0:n])
     lse_t_psum = nl.ndarray((n, pmax), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=lse_t_psum, data=lse_all, engine=nisa.engine.tensor)
     lse_t = nl.ndarray((n, pmax), dtype=nl.float32, buffer=nl.sbuf)

@@ -1,4 +1,5 @@
-"""Tile planning and in-kernel mask helpers shared by the flash-attention kernels (fwd and bwd).
+"""Tile planning and in-kernel mask helpers shared by the flash-attention kernels (fwd and bwd),
+and the running-max constants and the inf-row fix of lse shared with the decode kernel.
 
 Two kinds of helpers live here:
 
@@ -16,6 +17,9 @@ Two kinds of helpers live here:
   returns the row max. Masked scores become ``MASK_FILL`` (the most negative finite float32,
   which ``range_select`` requires), so ``exp(MASK_FILL - m)`` is exactly 0 for any running max
   ``m >= STAT_INIT``.
+* **Non-finite rows** (:func:`inf_max_rows`): a row whose running max is +inf (an inf score) has
+  ``exp(s - m) = exp(inf - inf) = NaN``, so its sum and log are NaN; its lse is set to +inf, the
+  reference's logsumexp (its output stays non-finite, as the reference's).
 
 Conventions (both kernels): queries on partitions, keys on the free axis.
 Shapes: query tiles (qn <= pmax = 128 rows), score tiles (qn, kn) with kn <= 512 keys (the matmul
@@ -36,7 +40,7 @@ from nki_lib.sizes import spans
 __all__ = ["MASK_FILL", "STAT_INIT", "MAX_INDEX", "MaskSpec", "spans", "query_tiles", "key_tiles",
            "key_tile_width", "key_blocks", "head_dim_chunks", "plan_row", "heads_per_pass",
            "document_bounds",
-           "row_bounds", "mask_scores"]
+           "row_bounds", "mask_scores", "inf_max_rows"]
 
 MASK_FILL = -3.4028234663852886e38  # most negative finite float32 (range_select's only fill value)
 STAT_INIT = MASK_FILL / 2           # initial running max: finite, above MASK_FILL by ~1.7e38
@@ -180,3 +184,14 @@ def mask_scores(scores_sb, lo_sb, hi_sb, k0: int, rowmax_sb, reduce_cmd=None, sr
                       comp_op0=nl.greater_equal, comp_op1=nl.less_equal, bound0=lo_sb, bound1=hi_sb,
                       reduce_cmd=reduce_cmd, reduce_res=rowmax_sb,
                       reduce_op=nl.maximum, range_start=k0, on_false_value=MASK_FILL)
+
+
+def inf_max_rows(lse_sb, neg_m_sb):
+    """In place: ``lse = +inf`` on the rows whose running max is +inf (``neg_m = -inf``), where the
+    online softmax gives NaN (see the module docstring). ``lse_sb`` and ``neg_m_sb`` are float32
+    (rows, n). Two small instructions: the predicate on GpSimd, the predicated copy of the +inf
+    immediate on VectorE."""
+    inf_rows = nl.ndarray(lse_sb.shape, dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=inf_rows, data=neg_m_sb, op0=nl.equal, operand0=float("-inf"),
+                       engine=nisa.engine.gpsimd)
+    nisa.tensor_copy_predicated(dst=lse_sb, src=float("inf"), predicate=inf_rows)

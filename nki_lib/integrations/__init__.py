@@ -1,0 +1,1 @@
+"""Integrations with other libraries (optional extras): ``nki_lib.integrations.transformers``."""
