@@ -2,7 +2,7 @@
 
 Usage::
 
-    nki-lib bench [--sweep default|full|smoke|targets] [--ops OP ...] [--models NAME ...]
+    nki-lib bench [--sweep default|full|smoke|targets|aws] [--ops OP ...] [--models NAME ...]
                   [--targets trn2,trn3] [--out DIR] [--no-steady] [--no-cpu] [--no-plot] [--limit N]
                   [--lnc 1|2] [--set NAME=VALUE ...] [--sensitivity]
 
@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     from nki_lib.bench.shapes import MODELS, SWEEPS
 
     p = argparse.ArgumentParser(prog="nki-lib bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sweep", default="default", choices=sorted(SWEEPS), help="which case list to run")
+    p.add_argument("--sweep", default="default", choices=sorted(SWEEPS) + ["reference"],
+                   help="which case list to run (reference: the CPU reference path vs SDPA)")
     p.add_argument("--ops", nargs="*", default=None, help="only these ops (registry names)")
     p.add_argument("--models", nargs="*", default=None, help=f"only these models ({', '.join(sorted(MODELS))})")
     p.add_argument("--modes", nargs="*", default=None, choices=("prefill", "train", "decode"))
@@ -89,6 +90,9 @@ def _import_families() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.sweep == "reference":
+        from nki_lib.bench.reference_sweep import main as reference_main
+        return reference_main(args)
     import torch
 
     import nki_lib  # noqa: F401 - registers the ops

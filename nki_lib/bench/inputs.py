@@ -48,7 +48,8 @@ def make_call(op: str, dims: dict, dtype: torch.dtype, requires_grad: bool = Fal
         k_cache = _rand(gen, b, hkv, length, d, dtype=dtype)
         v_cache = _rand(gen, b, hkv, length, d, dtype=dtype)
         seqlens = torch.full((b,), length, dtype=torch.int32)
-        return (q, k_cache, v_cache, seqlens, None, None), {}
+        sinks = _rand(gen, hq, dtype=torch.float32) if dims.get("sinks") else None
+        return (q, k_cache, v_cache, seqlens, None, sinks), {}
     if op == "moe_router":
         t, h, e, k = (dims[x] for x in ("T", "H", "E", "k"))
         x = _rand(gen, t, h, dtype=dtype, requires_grad=rg)

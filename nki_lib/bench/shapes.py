@@ -187,4 +187,20 @@ def _targets() -> list[Case]:
     return [t.case for t in TUNING_TARGETS]
 
 
-SWEEPS = {"default": _default, "full": _full, "smoke": _smoke, "targets": _targets}
+def _aws() -> list[Case]:
+    """The problems of issue 13's comparison with AWS's NKI Library kernels (trn2, one launch
+    each; the AWS figures are in the issue and docs/perf-log.md). Run the experts case with
+    ``--lnc 2`` as well: AWS's figure uses two cores."""
+    return [
+        Case("flash_attention", "prefill", "aws", dict(B=1, Hq=1, Hkv=1, Sq=4096, Sk=4096, D=128, causal=True)),
+        Case("flash_attention", "train", "aws", dict(B=1, Hq=1, Hkv=1, Sq=4096, Sk=4096, D=128, causal=True)),
+        Case("flash_attention", "train", "aws", dict(B=2, Hq=1, Hkv=1, Sq=2048, Sk=2048, D=128, causal=True)),
+        Case("moe_router", "prefill", "aws", dict(T=1024, H=4096, E=128, k=8)),
+        Case("moe_experts", "prefill", "aws", dict(T=1024, H=2048, I=768, E=8, k=2, block_size=256)),
+        Case("decode_attention", "decode", "aws", dict(B=4, Hq=8, Hkv=1, Sq=1, L=2048, D=128, sinks=True)),
+        Case("decode_attention", "decode", "aws", dict(B=8, Hq=4, Hkv=1, Sq=4, L=128, D=64, sinks=True)),
+        Case("decode_attention", "decode", "aws", dict(B=8, Hq=8, Hkv=1, Sq=4, L=1024, D=128, sinks=True)),
+    ]
+
+
+SWEEPS = {"default": _default, "full": _full, "smoke": _smoke, "targets": _targets, "aws": _aws}

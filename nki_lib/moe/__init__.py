@@ -7,7 +7,8 @@ import torch
 
 from nki_lib.moe import moe_experts_op, moe_plan_op, moe_router_op  # noqa: F401  (registers the ops)
 from nki_lib.moe.expert_parallel import gather_moe, shard_moe
-from nki_lib.moe.module import MoE, load_balancing_loss, router_z_loss
+from nki_lib.moe.losses import load_balancing_loss, router_z_loss
+from nki_lib.moe.module import MoE
 
 __all__ = ["MoE", "load_balancing_loss", "router_z_loss", "moe_router", "moe_plan", "moe_experts",
            "shard_moe", "gather_moe"]

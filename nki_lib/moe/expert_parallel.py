@@ -145,6 +145,8 @@ def shard_moe(module, group, *, capacity_factor: float | None = DEFAULT_CAPACITY
     sharded.expert_parallel = ep
     for name in module.EXPERT_PARAMETERS:
         full = getattr(module, name)
+        if full is None:                 # an optional parameter the module does not have
+            continue
         setattr(sharded, name, nn.Parameter(full.detach()[ep.local_experts].clone(),
                                             requires_grad=full.requires_grad))
     return sharded
@@ -159,6 +161,8 @@ def gather_moe(module):
     full = copy.deepcopy(module)
     full.expert_parallel = None
     for name in module.EXPERT_PARAMETERS:
+        if getattr(module, name) is None:
+            continue
         local = getattr(module, name).detach().contiguous()
         parts = [torch.empty_like(local) for _ in range(ep.size)]
         dist.all_gather(parts, local, group=ep.group)

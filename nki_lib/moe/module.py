@@ -9,8 +9,16 @@ path the backend selects (simulator/device kernels, or the PyTorch reference). S
 * ``aux_loss_free=True``: a float32 ``expert_bias`` buffer steers selection only (DeepSeek-V3);
   ``update_expert_bias(rate)`` moves it by ``rate * sign(mean load - load)`` using the tokens per
   expert accumulated over the training forwards since the last update.
-* ``load_balancing_loss`` (Switch/GShard: ``E * sum_e f_e * P_e``) and ``router_z_loss``
-  (``mean_t logsumexp(logits_t)^2``), both differentiable in the logits.
+* ``router_bias=True``: a learned (E,) bias added to the router logits (gpt-oss), served by the
+  router op on [x, 1] and [W | b] (the bias as one more weight column: its gradient is that
+  column's); ``expert_biases=True``: learned ``gate_up_bias`` (E, 2I) and ``down_bias`` (E, H).
+* ``activation="clamped_swiglu"`` (gpt-oss, with ``swiglu_alpha`` / ``swiglu_limit``) or the
+  plain gates (``moe_experts_reference``).
+* ``MoE.from_hf(block)`` / ``moe.to_hf(block)``: weights from / into a transformers MoE block
+  (Mixtral, Qwen3-MoE, gpt-oss; :mod:`nki_lib.moe.hf`).
+* ``load_balancing_loss`` (Switch/GShard ``E * sum_e f_e * P_e``, or transformers' scale with
+  ``convention="hf"``) and ``router_z_loss`` (``mean_t logsumexp(logits_t)^2``), both
+  differentiable in the logits (:mod:`nki_lib.moe.losses`).
 """
 
 from __future__ import annotations
@@ -18,17 +26,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nki_lib.moe import moe_experts_op, moe_plan_op, moe_router_op  # noqa: F401  (registers the MoE ops)
+from nki_lib.moe import hf, moe_experts_op, moe_plan_op, moe_router_op  # noqa: F401  (registers the MoE ops)
 from nki_lib.moe.expert_parallel import DEFAULT_CAPACITY_FACTOR, ExpertParallel
-from nki_lib.moe.moe_experts_reference import ACTIVATIONS, act
+from nki_lib.moe.losses import check_positive_int as _positive_int
+from nki_lib.moe.losses import load_balancing_loss, router_z_loss  # noqa: F401  (public here too)
+from nki_lib.moe.moe_experts_reference import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, gate
 from nki_lib.moe.moe_router_op import validate as validate_router
-
-
-def _positive_int(name, value):
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 class MoE(nn.Module):
@@ -39,13 +42,16 @@ class MoE(nn.Module):
     ``ep_capacity_factor``, None = dropless); see ``nki_lib.moe.expert_parallel``.
     """
 
-    # per-expert parameters (dim 0 = expert): what expert parallelism shards
-    EXPERT_PARAMETERS = ("w_gate_up", "w_down")
+    # per-expert parameters (dim 0 = expert): what expert parallelism shards (the biases are None
+    # unless expert_biases=True)
+    EXPERT_PARAMETERS = ("w_gate_up", "w_down", "gate_up_bias", "down_bias")
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  score_func: str = "softmax", renormalize: bool = True, num_groups: int = 1,
                  topk_groups: int = 1, activation: str = "silu", block_size: int = 128,
-                 aux_loss_free: bool = False, num_shared_experts: int = 0, ep_group=None,
+                 aux_loss_free: bool = False, num_shared_experts: int = 0, router_bias: bool = False,
+                 expert_biases: bool = False, swiglu_alpha: float = SWIGLU_ALPHA,
+                 swiglu_limit: float = SWIGLU_LIMIT, ep_group=None,
                  ep_capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
@@ -64,12 +70,19 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.activation, self.block_size = activation, block_size
         self.aux_loss_free = aux_loss_free
+        self.gate_flags = dict(swiglu_alpha=float(swiglu_alpha), swiglu_limit=float(swiglu_limit))
+        for name, value in self.gate_flags.items():
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         self.expert_parallel = None if ep_group is None else ExpertParallel(ep_group, num_experts, ep_capacity_factor)
         local_experts = num_experts if ep_group is None else self.expert_parallel.num_local
 
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.w_gate_up = nn.Parameter(torch.empty(local_experts, 2 * intermediate_size, hidden_size))
         self.w_down = nn.Parameter(torch.empty(local_experts, hidden_size, intermediate_size))
+        self.router_bias = nn.Parameter(torch.empty(num_experts)) if router_bias else None
+        self.gate_up_bias = nn.Parameter(torch.empty(local_experts, 2 * intermediate_size)) if expert_biases else None
+        self.down_bias = nn.Parameter(torch.empty(local_experts, hidden_size)) if expert_biases else None
         shared_size = intermediate_size * num_shared_experts
         self.shared_gate_up = nn.Linear(hidden_size, 2 * shared_size, bias=False) if shared_size else None
         self.shared_down = nn.Linear(shared_size, hidden_size, bias=False) if shared_size else None
@@ -82,19 +95,21 @@ class MoE(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """nn.Linear-style uniform init with bound 1/sqrt(fan_in)."""
+        """nn.Linear-style uniform init (weights and biases) with bound 1/sqrt(fan_in)."""
         h_bound, i_bound = self.hidden_size ** -0.5, self.intermediate_size ** -0.5
         with torch.no_grad():
-            self.router_weight.uniform_(-h_bound, h_bound)
-            self.w_gate_up.uniform_(-h_bound, h_bound)
-            self.w_down.uniform_(-i_bound, i_bound)
+            for p, bound in ((self.router_weight, h_bound), (self.w_gate_up, h_bound), (self.w_down, i_bound),
+                             (self.router_bias, h_bound), (self.gate_up_bias, h_bound), (self.down_bias, i_bound)):
+                if p is not None:
+                    p.uniform_(-bound, bound)
 
     def _experts(self, x2, topk_weights, topk_ids):
         """This module's experts on (T, H) rows: ``(y, tokens_per_expert)``."""
         block_expert, slot_assignment, tokens_per_expert = torch.ops.nki.moe_plan(
             topk_ids, num_experts=self.w_gate_up.shape[0], block_size=self.block_size)
         y = torch.ops.nki.moe_experts(x2, topk_weights, block_expert, slot_assignment, self.w_gate_up,
-                                      self.w_down, activation=self.activation)
+                                      self.w_down, self.gate_up_bias, self.down_bias, activation=self.activation,
+                                      **self.gate_flags)
         return y, tokens_per_expert
 
     def ep_stats(self) -> dict | None:
@@ -102,8 +117,17 @@ class MoE(nn.Module):
         return None if self.expert_parallel is None else self.expert_parallel.stats()
 
     def _shared(self, x2):
-        gate, up = self.shared_gate_up(x2).chunk(2, dim=-1)
-        return self.shared_down(act(gate, self.activation) * up)
+        g, u = self.shared_gate_up(x2).chunk(2, dim=-1)
+        return self.shared_down(gate(g, u, self.activation, self.gate_flags["swiglu_alpha"],
+                                     self.gate_flags["swiglu_limit"]))
+
+    def _router_operands(self, x2):
+        """(x, weight) of the router op; with a router bias, [x, 1] and [W | b]."""
+        if self.router_bias is None:
+            return x2, self.router_weight
+        ones = torch.ones(x2.shape[0], 1, dtype=x2.dtype, device=x2.device)
+        weight = torch.cat([self.router_weight, self.router_bias[:, None].to(self.router_weight.dtype)], dim=1)
+        return torch.cat([x2, ones], dim=1), weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
@@ -114,7 +138,7 @@ class MoE(nn.Module):
         bias = None
         if self.expert_bias is not None:
             bias = self.expert_bias.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-        logits, topk_weights, topk_ids = torch.ops.nki.moe_router(x2, self.router_weight, bias,
+        logits, topk_weights, topk_ids = torch.ops.nki.moe_router(*self._router_operands(x2), bias,
                                                                  **self.router_flags)
         if self.expert_parallel is None:
             y, tokens_per_expert = self._experts(x2, topk_weights, topk_ids)
@@ -129,6 +153,28 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self._load += tokens_per_expert.to(self._load.dtype)
         return y.reshape(x.shape)
+
+    @classmethod
+    def from_hf(cls, block, **kwargs) -> "MoE":
+        """An MoE with the router, experts and weights of a transformers MoE block (Mixtral,
+        Qwen3-MoE, gpt-oss), in the block's dtype and device; ``kwargs`` (e.g. ``block_size``)
+        go to the constructor. ValueError names what does not map."""
+        config, tensors = hf.from_hf_block(block)
+        moe = cls(**config, **kwargs).to(device=tensors["w_gate_up"].device, dtype=tensors["w_gate_up"].dtype)
+        params = dict(moe.named_parameters())
+        if set(params) != set(tensors):
+            raise ValueError(f"MoE.from_hf: the block maps {sorted(tensors)}, the MoE has {sorted(params)}")
+        with torch.no_grad():
+            for name, t in tensors.items():
+                params[name].copy_(t)
+        return moe
+
+    @torch.no_grad()
+    def to_hf(self, block):
+        """Copy this module's weights into a transformers MoE block of matching shapes (in the
+        block's layout and dtype); returns the block."""
+        hf.to_hf_block(self, block)
+        return block
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float) -> None:
@@ -152,46 +198,7 @@ class MoE(nn.Module):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"score_func={self.router_flags['score_func']!r}, activation={self.activation!r}, "
-                f"aux_loss_free={self.aux_loss_free}, "
+                f"aux_loss_free={self.aux_loss_free}, router_bias={self.router_bias is not None}, "
+                f"expert_biases={self.down_bias is not None}, "
                 f"num_shared_experts={0 if self.shared_down is None else self.shared_down.in_features // self.intermediate_size}")
 
-
-def _check_logits(logits, num_experts=None):
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise TypeError(f"logits must be a floating torch.Tensor, got {type(logits).__name__}")
-    if logits.dim() < 2:
-        raise ValueError(f"logits must have shape (..., E), got {tuple(logits.shape)}")
-    if num_experts is not None and logits.shape[-1] != num_experts:
-        raise ValueError(f"logits must have last dim num_experts={num_experts}, got {tuple(logits.shape)}")
-
-
-def load_balancing_loss(logits: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Switch/GShard auxiliary loss ``E * sum_e f_e * P_e``: ``f_e`` = share of the T * k
-    assignments routed to expert e (no gradient), ``P_e`` = mean over tokens of softmax(logits)_e.
-    Equals 1 for perfectly uniform routing. ``logits`` (..., E), ``topk_ids`` (..., k)."""
-    _positive_int("num_experts", num_experts)
-    _check_logits(logits, num_experts)
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError("topk_ids must be an int32/int64 torch.Tensor")
-    if topk_ids.shape[:-1] != logits.shape[:-1]:
-        raise ValueError(f"topk_ids must have the leading shape of logits {tuple(logits.shape[:-1])}, "
-                         f"got {tuple(topk_ids.shape)}")
-    probs = torch.softmax(logits.reshape(-1, num_experts).to(_loss_dtype(logits)), dim=-1)
-    if probs.shape[0] == 0:
-        return probs.sum()
-    ids = topk_ids.reshape(-1).long()
-    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
-    counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=probs.dtype))
-    fraction = counts / ids.numel()
-    return num_experts * (fraction * probs.mean(dim=0)).sum()
-
-
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss ``mean over tokens of logsumexp(logits)^2``; ``logits`` (..., E)."""
-    _check_logits(logits)
-    lse = torch.logsumexp(logits.to(_loss_dtype(logits)), dim=-1)
-    return lse.square().mean() if lse.numel() else lse.sum()
-
-
-def _loss_dtype(logits):
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32

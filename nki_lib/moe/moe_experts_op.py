@@ -1,11 +1,21 @@
 """``torch.ops.nki.moe_experts`` and its backward op: validation, fake, autograd, paths.
 
-Forward:  moe_experts(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *,
-                      activation="silu") -> y
+Forward:  moe_experts(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down,
+                      b_gate_up=None, b_down=None, *, activation="silu", swiglu_alpha=1.702,
+                      swiglu_limit=7.0) -> y
 Backward: moe_experts_backward(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up,
-                               w_down, *, activation="silu") -> (dx, dtopk_weights, dw_gate_up, dw_down)
-Semantics: docs/contract.md §4.3. Shapes: x (T, H), topk_weights float32 (T, k), block_expert int32 (NB,),
-slot_assignment int32 (NB * B,), w_gate_up (E, 2I, H), w_down (E, H, I); y (T, H) in x's dtype.
+                               w_down, b_gate_up, b_down, *, <flags>)
+              -> (dx, dtopk_weights, dw_gate_up, dw_down, db_gate_up, db_down)
+Semantics: docs/contract.md §4.3; the gates and biases: ``moe_experts_reference``. Shapes: x (T, H),
+topk_weights (T, k) any float dtype (math in float32, or float64 for float64 x; its gradient in its
+own dtype), block_expert (NB,) and slot_assignment (NB * B,) int32 or int64, w_gate_up (E, 2I, H),
+w_down (E, H, I), b_gate_up (E, 2I), b_down (E, H) (x's dtype); y (T, H) in x's dtype. The
+bias gradients are empty (0,) tensors when the bias is absent. ``swiglu_alpha`` and
+``swiglu_limit`` apply to ``activation="clamped_swiglu"`` (gpt-oss) only.
+
+Autocast (SDPA's policy, :mod:`nki_lib.autocast`): under an enabled autocast region x, the
+weights and the biases are cast to the autocast dtype (y comes out in it); the routing weights
+keep their dtype (any float dtype is served, the math is float32 either way).
 
 The plan (block_expert, slot_assignment) is the output of ``torch.ops.nki.moe_plan``; any plan in
 which every assignment 0 .. T*k-1 sits in exactly one slot of a block with an expert in [0, E) and
@@ -18,31 +28,37 @@ from __future__ import annotations
 import torch
 
 from nki_lib import registry
+from nki_lib.autocast import register_autocast
 from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.dispatch import dispatch
-from nki_lib.moe import moe_experts_reference
+from nki_lib.moe import moe_experts_reference as reference
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.validation import FLOAT_DTYPES, check_same_device, check_same_dtype, has_values
 from nki_lib.validation import check_tensor as _check_tensor
 
-INDEX_DTYPE = torch.int32
+INDEX_DTYPE = torch.int32          # what the kernels take (the plan's own dtype)
+INDEX_DTYPES = (torch.int32, torch.int64)
+ALPHA, LIMIT = reference.SWIGLU_ALPHA, reference.SWIGLU_LIMIT
 
 
 # --------------------------------------------------------------------------- validation
 
-def validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
+def validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None,
+             *, activation, swiglu_alpha=ALPHA, swiglu_limit=LIMIT):
     """Shape/dtype/argument checks (no data access: safe under fake tensors)."""
     _check_tensor("x", x, rank=2, dtypes=FLOAT_DTYPES)
-    weight_dtypes = (torch.float32, torch.float64) if x.dtype == torch.float64 else (torch.float32,)
-    _check_tensor("topk_weights", topk_weights, rank=2, dtypes=weight_dtypes)
-    _check_tensor("block_expert", block_expert, rank=1, dtypes=(INDEX_DTYPE,))
-    _check_tensor("slot_assignment", slot_assignment, rank=1, dtypes=(INDEX_DTYPE,))
+    _check_tensor("topk_weights", topk_weights, rank=2, dtypes=FLOAT_DTYPES)
+    _check_tensor("block_expert", block_expert, rank=1, dtypes=INDEX_DTYPES)
+    _check_tensor("slot_assignment", slot_assignment, rank=1, dtypes=INDEX_DTYPES)
     _check_tensor("w_gate_up", w_gate_up, rank=3, dtypes=FLOAT_DTYPES)
     _check_tensor("w_down", w_down, rank=3, dtypes=FLOAT_DTYPES)
     check_same_dtype("w_gate_up", w_gate_up, "x", x)
     check_same_dtype("w_down", w_down, "x", x)
     check_same_device("x", x, topk_weights=topk_weights, block_expert=block_expert,
-                      slot_assignment=slot_assignment, w_gate_up=w_gate_up, w_down=w_down)
+                      slot_assignment=slot_assignment, w_gate_up=w_gate_up, w_down=w_down,
+                      b_gate_up=b_gate_up, b_down=b_down)
+    _validate_biases(b_gate_up, b_down, w_gate_up, w_down, x)
+    _validate_flags(activation, swiglu_alpha, swiglu_limit)
     t_len, hidden = x.shape
     if topk_weights.shape[0] != t_len:
         raise ValueError(f"topk_weights must have shape (T={t_len}, k), got {tuple(topk_weights.shape)}")
@@ -59,10 +75,37 @@ def validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, 
     nb, slots = block_expert.shape[0], slot_assignment.shape[0]
     if (nb == 0) != (slots == 0) or (nb and slots % nb):
         raise ValueError(f"slot_assignment must have NB * block_size entries (NB={nb} blocks), got {slots}")
+
+
+def _validate_biases(b_gate_up, b_down, w_gate_up, w_down, x):
+    for name, bias, weight in (("b_gate_up", b_gate_up, w_gate_up), ("b_down", b_down, w_down)):
+        if bias is None:
+            continue
+        _check_tensor(name, bias, rank=2, dtypes=FLOAT_DTYPES)
+        check_same_dtype(name, bias, "x", x)
+        if tuple(bias.shape) != tuple(weight.shape[:2]):
+            raise ValueError(f"{name} must have shape {tuple(weight.shape[:2])}, got {tuple(bias.shape)}")
+
+
+def _validate_flags(activation, swiglu_alpha, swiglu_limit):
     if not isinstance(activation, str):
         raise TypeError(f"activation must be a str, got {type(activation).__name__}")
-    if activation not in moe_experts_reference.ACTIVATIONS:
-        raise ValueError(f"activation must be one of {moe_experts_reference.ACTIVATIONS}, got {activation!r}")
+    if activation not in reference.ACTIVATIONS:
+        raise ValueError(f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
+    for name, value in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _kernel_args(tensors):
+    """Contiguous inputs (the same bits reach every path whatever the caller's strides), the
+    plan in the kernels' int32 (lossless: the op validated its values)."""
+    out = [None if t is None else t.contiguous() for t in tensors]
+    for i in (2, 3):
+        out[i] = out[i].to(INDEX_DTYPE)
+    return tuple(out)
 
 
 def validate_plan_values(block_expert, slot_assignment, *, num_assignments, num_experts):
@@ -102,29 +145,33 @@ def _empty(x, topk_weights, w_down):
 
 @torch.library.custom_op("nki::moe_experts", mutates_args=())
 def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: torch.Tensor,
-                   slot_assignment: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, *,
-                   activation: str = "silu") -> torch.Tensor:
-    validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, activation=activation)
+                   slot_assignment: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, *,
+                   activation: str = "silu", swiglu_alpha: float = ALPHA, swiglu_limit: float = LIMIT
+                   ) -> torch.Tensor:
+    flags = dict(activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+    validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, **flags)
     if has_values(block_expert, slot_assignment):
         validate_plan_values(block_expert, slot_assignment, num_assignments=topk_weights.numel(),
                              num_experts=w_gate_up.shape[0])
     if _empty(x, topk_weights, w_down):
         return torch.zeros_like(x)
-    # contiguous inputs: the same bits reach every path whatever the caller's strides
-    args = tuple(t.contiguous() for t in (x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down))
+    args = _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down))
 
     def launch():
         from nki_lib.moe.kernels import moe_experts_fwd
-        return moe_experts_fwd.launch_moe_experts_fwd(*args, activation=activation)
+        return moe_experts_fwd.launch_moe_experts_fwd(*args, **flags)
 
     y = dispatch("moe_experts", args[:2] + args[4:], launch=launch,
-                 reference=lambda: moe_experts_reference.moe_experts(*args, activation=activation))
+                 reference=lambda: reference.moe_experts(*args, **flags))
     return y.contiguous()
 
 
 @moe_experts_op.register_fake
-def _(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation="silu"):
-    validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, activation=activation)
+def _(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None, *,
+      activation="silu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT):
+    validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down,
+             activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     return x.new_empty(x.shape)
 
 
@@ -133,56 +180,70 @@ def _(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, acti
 @torch.library.custom_op("nki::moe_experts_backward", mutates_args=())
 def moe_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
                             block_expert: torch.Tensor, slot_assignment: torch.Tensor,
-                            w_gate_up: torch.Tensor, w_down: torch.Tensor, *, activation: str = "silu"
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, activation=activation)
+                            w_gate_up: torch.Tensor, w_down: torch.Tensor, b_gate_up: torch.Tensor | None = None,
+                            b_down: torch.Tensor | None = None, *, activation: str = "silu",
+                            swiglu_alpha: float = ALPHA, swiglu_limit: float = LIMIT
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                       torch.Tensor]:
+    flags = dict(activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+    validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, **flags)
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"dy must match y: shape {tuple(x.shape)} {x.dtype}, got {tuple(dy.shape)} {dy.dtype}")
     if _empty(x, topk_weights, w_down):
-        return (torch.zeros_like(x), torch.zeros_like(topk_weights), torch.zeros_like(w_gate_up),
-                torch.zeros_like(w_down))
-    args = tuple(t.contiguous() for t in (dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down))
+        return _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down)
+    args = (dy.contiguous(),) + _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up,
+                                              w_down, b_gate_up, b_down))
 
     def launch():
         from nki_lib.moe.kernels import moe_experts_bwd
-        return moe_experts_bwd.launch_moe_experts_bwd(*args, activation=activation)
+        return moe_experts_bwd.launch_moe_experts_bwd(*args, **flags)
 
     grads = dispatch("moe_experts_backward", args[:3] + args[5:], launch=launch,
-                     reference=lambda: moe_experts_reference.moe_experts_backward(*args, activation=activation))
+                     reference=lambda: reference.moe_experts_backward(*args, **flags))
     return tuple(g.contiguous() for g in grads)
 
 
+def _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down):
+    return (torch.zeros_like(x), torch.zeros_like(topk_weights), torch.zeros_like(w_gate_up),
+            torch.zeros_like(w_down), x.new_zeros(0) if b_gate_up is None else torch.zeros_like(b_gate_up),
+            x.new_zeros(0) if b_down is None else torch.zeros_like(b_down))
+
+
 @moe_experts_backward_op.register_fake
-def _(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation="silu"):
-    return (x.new_empty(x.shape), topk_weights.new_empty(topk_weights.shape),
-            w_gate_up.new_empty(w_gate_up.shape), w_down.new_empty(w_down.shape))
+def _(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None, *,
+      activation="silu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT):
+    return tuple(torch.empty_like(g) for g in _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down))
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    ctx.save_for_backward(*inputs)
+    x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *biases = inputs
+    biases = (biases + [None, None])[:2]
+    ctx.save_for_backward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *biases)
     ctx.flags = dict(keyword_only_inputs)
 
 
 def _backward(ctx, dy):
-    x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down = ctx.saved_tensors
-    dx, dtopk, dw_gate_up, dw_down = torch.ops.nki.moe_experts_backward(
-        zeros_if_none(dy, x), x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down,
-        **ctx.flags)
-    return masked_grads(ctx.needs_input_grad, (dx, dtopk, None, None, dw_gate_up, dw_down))
+    x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down = ctx.saved_tensors
+    dx, dtopk, dw_gate_up, dw_down, db_gate_up, db_down = torch.ops.nki.moe_experts_backward(
+        zeros_if_none(dy, x), x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up,
+        b_down, **ctx.flags)
+    grads = (dx, dtopk, None, None, dw_gate_up, dw_down, None if b_gate_up is None else db_gate_up,
+             None if b_down is None else db_down)
+    return masked_grads(ctx.needs_input_grad, grads)
 
 
 moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
 forbid_double_backward(moe_experts_backward_op, "moe_experts")
+register_autocast("nki::moe_experts", ("x", "w_gate_up", "w_down", "b_gate_up", "b_down"))
 
 
 # --------------------------------------------------------------------------- registry entry
 
 def make_sample(t, h, inter, e, k, block_size, dtype, requires_grad, *, activation="silu", seed=0,
-                topk_ids=None) -> Sample:
-    """Random x, weights and normalised routing weights; the plan from ``nki::moe_plan``.
-
-    Distinct random experts per token unless ``topk_ids`` (T, k) is given.
-    """
+                topk_ids=None, biases=False, **gate_flags) -> Sample:
+    """Random x, weights (and expert biases) and normalised routing weights; the plan from
+    ``nki::moe_plan``. Distinct random experts per token unless ``topk_ids`` (T, k) is given;
+    ``gate_flags``: swiglu_alpha / swiglu_limit."""
     from nki_lib.moe import moe_plan_op  # noqa: F401  (registers torch.ops.nki.moe_plan)
 
     gen = torch.Generator().manual_seed(seed)
@@ -196,11 +257,14 @@ def make_sample(t, h, inter, e, k, block_size, dtype, requires_grad, *, activati
     mk = lambda shape, scale: (torch.randn(shape, generator=gen) * scale).to(dtype)  # noqa: E731
     tensors = [mk((t, h), 1.0), topk_weights.to(weight_dtype), block_expert, slot_assignment,
                mk((e, 2 * inter, h), h ** -0.5), mk((e, h, inter), inter ** -0.5)]
-    for i in (0, 1, 4, 5):
+    if biases:
+        tensors += [mk((e, 2 * inter), 1.0), mk((e, h), 1.0)]
+    for i in [0, 1, 4, 5] + ([6, 7] if biases else []):
         tensors[i].requires_grad_(requires_grad)
     label = (f"T={t} H={h} I={inter} E={e} k={k} B={block_size} {str(dtype).replace('torch.', '')} "
-             f"{activation}")
-    return Sample(tuple(tensors), dict(activation=activation), label)
+             f"{activation}" + (" biases" if biases else "")
+             + "".join(f" {n}={v}" for n, v in sorted(gate_flags.items())))
+    return Sample(tuple(tensors), dict(activation=activation, **gate_flags), label)
 
 
 def _samples(dtype, requires_grad):
@@ -208,6 +272,9 @@ def _samples(dtype, requires_grad):
         make_sample(13, 32, 16, 4, 2, 8, dtype, requires_grad),
         make_sample(20, 64, 48, 3, 3, 16, dtype, requires_grad, activation="gelu", seed=1),
         make_sample(9, 40, 24, 5, 1, 4, dtype, requires_grad, activation="gelu_tanh", seed=2),
+        # gpt-oss: clamped swiglu (a limit low enough that both clamps engage) with expert biases
+        make_sample(11, 48, 24, 4, 2, 8, dtype, requires_grad, activation="clamped_swiglu", seed=3,
+                    biases=True, swiglu_limit=0.5),
     ]
 
 
@@ -221,7 +288,7 @@ def _report_samples():
 
 SPEC = registry.register(OpSpec(
     name="moe_experts",
-    naive=moe_experts_reference.naive,
+    naive=reference.naive,
     samples=_samples,
     report_samples=_report_samples,
     backward_name="moe_experts_backward",

@@ -7,13 +7,22 @@ token ``t = a // k`` and routing weight ``topk_weights[t, j]``; the gated MLP ru
 in slot order, so the result is deterministic.
 
 Shapes: T tokens, H hidden, I intermediate, E experts, k top-k, NB blocks, B block size,
-N = T * k assignments. x (T, H), topk_weights float32 (T, k), block_expert int32 (NB,),
+N = T * k assignments. x (T, H), topk_weights (T, k) any float dtype, block_expert int32 (NB,),
 slot_assignment int32 (NB * B,), w_gate_up (E, 2I, H) (rows [0, I) gate, [I, 2I) up),
-w_down (E, H, I).
+w_down (E, H, I), optional biases b_gate_up (E, 2I) and b_down (E, H) (then
+``mlp_e(x) = W_down[e] gate(W_gate_up[e] x + b_gate_up[e]) + b_down[e]``).
+
+Gates (``h`` from the gate projection g and the up projection u):
+
+* ``silu`` / ``gelu`` / ``gelu_tanh``: ``h = act(g) * u`` (PyTorch's definitions);
+* ``clamped_swiglu`` (gpt-oss): ``g = min(g, limit)``, ``u = clamp(u, -limit, limit)``,
+  ``h = (u + 1) * g * sigmoid(alpha * g)`` (``swiglu_alpha``, ``swiglu_limit``); the clamps pass
+  gradient where the bound holds with equality, as ``torch.clamp`` does.
 
 * :func:`moe_experts` / :func:`moe_experts_backward`: what the ``reference`` path runs. bf16/fp16
   inputs are computed in float32 (accumulation in float32, as the contract asks) and the results
-  cast back; float32/float64 stay in their dtype. The backward uses explicit formulas.
+  cast back; float32/float64 stay in their dtype. The routing weights are read in that compute
+  dtype and their gradient returned in their own dtype. The backward uses explicit formulas.
 * :func:`naive`: the same loop in the inputs' own dtype, differentiable by autograd: the fp64
   oracle and the low-precision baseline of the parity tests.
 """
@@ -23,18 +32,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nki_lib.moe.activations import ACTIVATIONS, GELU_TANH_A, GELU_TANH_C
+from nki_lib.moe.activations import GELU_TANH_A, GELU_TANH_C
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
+# gpt-oss's swiglu constants (transformers GptOssConfig defaults swiglu_alpha / swiglu_limit)
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
 
 
 def act(g: torch.Tensor, activation: str) -> torch.Tensor:
-    """The gate activation exactly as PyTorch defines it (gelu = erf form)."""
+    """The gate activation of the plain gates exactly as PyTorch defines it (gelu = erf form)."""
     if activation == "silu":
         return F.silu(g)
     if activation == "gelu":
         return F.gelu(g)
     if activation == "gelu_tanh":
         return F.gelu(g, approximate="tanh")
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    raise ValueError(f"activation must be one of {ACTIVATIONS[:3]}, got {activation!r}")
 
 
 def act_grad(g: torch.Tensor, activation: str) -> torch.Tensor:
@@ -49,7 +64,26 @@ def act_grad(g: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "gelu_tanh":
         t = torch.tanh(GELU_TANH_C * (g + GELU_TANH_A * g ** 3))
         return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * GELU_TANH_C * (1 + 3 * GELU_TANH_A * g * g)
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    raise ValueError(f"activation must be one of {ACTIVATIONS[:3]}, got {activation!r}")
+
+
+def gate(g, u, activation, alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):
+    """h from the gate and up projections (differentiable by autograd)."""
+    if activation == "clamped_swiglu":
+        g = g.clamp(max=limit)
+        return (u.clamp(-limit, limit) + 1) * g * torch.sigmoid(alpha * g)
+    return act(g, activation) * u
+
+
+def gate_terms(g, u, activation, alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):
+    """(a, v, da, du_mask) with h = a * v, dh/dg = v * da, dh/du = a * du_mask (None = 1)."""
+    if activation == "clamped_swiglu":
+        gc = g.clamp(max=limit)
+        s = torch.sigmoid(alpha * gc)
+        a = gc * s
+        da = s * (1 + alpha * gc * (1 - s)) * (g <= limit).to(g.dtype)
+        return a, u.clamp(-limit, limit) + 1, da, ((u >= -limit) & (u <= limit)).to(u.dtype)
+    return act(g, activation), u, act_grad(g, activation), None
 
 
 def _expert_rows(topk_weights, block_expert, slot_assignment):
@@ -68,64 +102,90 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _forward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, activation, dtype):
-    inter = w_down.shape[2]
+def _projections(x_e, e, w_gate_up, b_gate_up, dtype):
+    """(g, u) of rows x_e on expert e (+ its gate/up bias)."""
+    gu = x_e @ w_gate_up[e].to(dtype).T
+    if b_gate_up is not None:
+        gu = gu + b_gate_up[e].to(dtype)
+    return gu.chunk(2, dim=1)
+
+
+def _down(h, e, w_down, b_down, dtype):
+    o = h @ w_down[e].to(dtype).T
+    return o if b_down is None else o + b_down[e].to(dtype)
+
+
+def _forward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, flags,
+             dtype):
     y = torch.zeros(x.shape, dtype=dtype, device=x.device)
     w_flat = topk_weights.reshape(-1)
     for e, t, a in _expert_rows(topk_weights, block_expert, slot_assignment):
-        x_e = x[t].to(dtype)
-        gu = x_e @ w_gate_up[e].to(dtype).T
-        h = act(gu[:, :inter], activation) * gu[:, inter:]
-        y_e = (h @ w_down[e].to(dtype).T) * w_flat[a].to(dtype)[:, None]
+        g, u = _projections(x[t].to(dtype), e, w_gate_up, b_gate_up, dtype)
+        y_e = _down(gate(g, u, **flags), e, w_down, b_down, dtype) * w_flat[a].to(dtype)[:, None]
         y = y.index_add(0, t, y_e)
     return y
 
 
-def moe_experts(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *,
-                activation="silu"):
+def _flags(activation, swiglu_alpha, swiglu_limit):
+    return dict(activation=activation, alpha=swiglu_alpha, limit=swiglu_limit)
+
+
+def moe_experts(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
+                b_down=None, *, activation="silu", swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT):
     """y (T, H) in x's dtype; float32 accumulation for bf16/fp16."""
-    y = _forward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, activation,
-                 _compute_dtype(x.dtype))
+    y = _forward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down,
+                 _flags(activation, swiglu_alpha, swiglu_limit), _compute_dtype(x.dtype))
     return y.to(x.dtype)
 
 
-def naive(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation="silu"):
+def naive(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None, *,
+          activation="silu", swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT):
     """The same loop in the inputs' dtype (fp64 oracle / low-precision baseline)."""
-    return _forward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, activation,
-                    x.dtype)
+    return _forward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down,
+                    _flags(activation, swiglu_alpha, swiglu_limit), x.dtype)
 
 
-def moe_experts_backward(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *,
-                         activation="silu"):
-    """(dx, d topk_weights, d w_gate_up, d w_down), explicit formulas, float32 accumulation.
+def moe_experts_backward(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
+                         b_down=None, *, activation="silu", swiglu_alpha=SWIGLU_ALPHA,
+                         swiglu_limit=SWIGLU_LIMIT):
+    """(dx, d topk_weights, d w_gate_up, d w_down, d b_gate_up, d b_down), explicit formulas,
+    float32 accumulation; the bias gradients are empty (0,) tensors when there is no bias.
 
-    Per assignment a = (t, j) on expert e with g/u the gate/up projections of x_t, h = act(g) * u,
-    o = h @ W_down[e].T and dy_t the output gradient:
+    Per assignment a = (t, j) on expert e with g/u the gate/up projections of x_t (+ bias),
+    h = a(g) v(u) (:func:`gate_terms`), o = h @ W_down[e].T + b_down[e] and dy_t the output gradient:
     d topk_weights[t, j] = <dy_t, o>; dh = topk_weights[t, j] * (dy_t @ W_down[e]);
-    dg = dh * u * act'(g); du = dh * act(g); dx_t += dg @ W_gate[e] + du @ W_up[e];
-    dW_gate[e] += dg^T x_t; dW_up[e] += du^T x_t; dW_down[e] += (topk_weights[t, j] dy_t)^T h.
+    dg = dh * v * a'(g); du = dh * a * v'(u); dx_t += dg @ W_gate[e] + du @ W_up[e];
+    dW_gate[e] += dg^T x_t; dW_up[e] += du^T x_t; dW_down[e] += (topk_weights[t, j] dy_t)^T h;
+    db_gate_up[e] += sum_t (dg, du); db_down[e] += sum_t topk_weights[t, j] dy_t.
     """
     dtype = _compute_dtype(x.dtype)
-    inter = w_down.shape[2]
     dx = torch.zeros(x.shape, dtype=dtype, device=x.device)
-    dw_flat = torch.zeros(topk_weights.numel(), dtype=_compute_dtype(topk_weights.dtype),
-                          device=x.device)
+    dw_flat = torch.zeros(topk_weights.numel(), dtype=dtype, device=x.device)
     dw_gate_up = torch.zeros(w_gate_up.shape, dtype=dtype, device=x.device)
     dw_down = torch.zeros(w_down.shape, dtype=dtype, device=x.device)
+    db_gate_up = None if b_gate_up is None else torch.zeros(b_gate_up.shape, dtype=dtype, device=x.device)
+    db_down = None if b_down is None else torch.zeros(b_down.shape, dtype=dtype, device=x.device)
     w_flat = topk_weights.reshape(-1)
+    flags = _flags(activation, swiglu_alpha, swiglu_limit)
     for e, t, a in _expert_rows(topk_weights, block_expert, slot_assignment):
         x_e, dy_e, wgt = x[t].to(dtype), dy[t].to(dtype), w_flat[a].to(dtype)[:, None]
         wgu, wd = w_gate_up[e].to(dtype), w_down[e].to(dtype)
-        gu = x_e @ wgu.T
-        g, u = gu[:, :inter], gu[:, inter:]
-        a_g = act(g, activation)
-        h = a_g * u
+        g, u = _projections(x_e, e, w_gate_up, b_gate_up, dtype)
+        a_g, v, da, du_mask = gate_terms(g, u, **flags)
+        h = a_g * v
         dhy = dy_e @ wd
-        dw_flat[a] = (dhy * h).sum(1).to(dw_flat.dtype)
+        dw_flat[a] = (dhy * h).sum(1) + (0 if b_down is None else dy_e @ b_down[e].to(dtype))
         dh = dhy * wgt
-        dgu = torch.cat([dh * u * act_grad(g, activation), dh * a_g], dim=1)
+        du = dh * a_g if du_mask is None else dh * a_g * du_mask
+        dgu = torch.cat([dh * v * da, du], dim=1)
         dx = dx.index_add(0, t, dgu @ wgu)
         dw_gate_up[e] += dgu.T @ x_e
         dw_down[e] += (dy_e * wgt).T @ h
-    return (dx.to(x.dtype), dw_flat.reshape(topk_weights.shape),
-            dw_gate_up.to(w_gate_up.dtype), dw_down.to(w_down.dtype))
+        if db_gate_up is not None:
+            db_gate_up[e] += dgu.sum(0)
+        if db_down is not None:
+            db_down[e] += (dy_e * wgt).sum(0)
+    return (dx.to(x.dtype), dw_flat.reshape(topk_weights.shape).to(topk_weights.dtype),
+            dw_gate_up.to(w_gate_up.dtype), dw_down.to(w_down.dtype),
+            x.new_zeros(0) if db_gate_up is None else db_gate_up.to(b_gate_up.dtype),
+            x.new_zeros(0) if db_down is None else db_down.to(b_down.dtype))

@@ -7,7 +7,8 @@ N = T * k assignments (assignment ``a = t * k + j`` for ``topk_ids[t, j]``),
 NB = ceil(N / block_size) + E - 1. Each expert owns consecutive blocks, experts ascending, its
 assignments ascending within; unused blocks (expert -1) sit at the end, padding slots are -1.
 
-Paths: the NKI kernel ``kernels/moe_plan_fwd.py`` on simulator/device (int32 ids, E <= 512,
+Paths: the NKI kernel ``kernels/moe_plan_fwd.py`` on simulator/device (int32 ids, int64 ids
+narrowed to int32 after the range check, E <= 512,
 power-of-two block_size; otherwise a visible fallback), the PyTorch reference
 (``moe_plan_reference.moe_plan``: stable sort, one-hot counts, cumsums; no ``.item()``, no data-dependent
 shapes) on the reference path. The op is opaque to torch.compile, so it compiles without graph
@@ -68,7 +69,8 @@ def moe_plan_op(topk_ids: torch.Tensor, *, num_experts: int, block_size: int
 
     def launch():
         from nki_lib.moe.kernels import moe_plan_fwd
-        return moe_plan_fwd.launch_moe_plan_fwd(topk_ids, **flags)
+        # int64 ids narrow losslessly: validate_ids_values bounded them by num_experts
+        return moe_plan_fwd.launch_moe_plan_fwd(topk_ids.to(torch.int32), **flags)
 
     outs = dispatch("moe_plan", (topk_ids,), launch=launch,
                     reference=lambda: moe_plan_reference.moe_plan(topk_ids, **flags))

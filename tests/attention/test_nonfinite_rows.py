@@ -60,9 +60,9 @@ def test_flash_forward_inf_score_row_has_inf_lse(causal, dtype):
 
 def test_decode_inf_score_row_has_inf_lse():
     sample = make_sample(2, 4, 2, 2, 16, [40, 9], torch.float32, block_size=8, capacity_=48, sinks=True)
-    q, k, v, seqlens, table, sinks = sample.args
+    q, k, *rest = sample.args
     q, k = q.clone(), _positive_entry(k, 5)
     row = (1, 2, 1)
     q[row + (5,)] = float("inf")
-    outs = _both_paths(torch.ops.nki.decode_attention, (q, k, v, seqlens, table, sinks), {})
+    outs = _both_paths(torch.ops.nki.decode_attention, (q, k, *rest), sample.kwargs)
     _assert_inf_lse_row(outs, row)

@@ -131,9 +131,9 @@ def _set(t, pos, value):
 BAD = [
     ("x rank", dict(index=0, value=lambda t: t[None]), ValueError, "x"),
     ("x dtype", dict(index=0, value=lambda t: t.to(torch.int32)), TypeError, "x"),
-    ("topk_weights dtype", dict(index=1, value=lambda t: t.to(torch.bfloat16)), TypeError, "topk_weights"),
+    ("topk_weights dtype", dict(index=1, value=lambda t: t.to(torch.int32)), TypeError, "topk_weights"),
     ("topk_weights rows", dict(index=1, value=lambda t: t[1:]), ValueError, "topk_weights"),
-    ("block_expert dtype", dict(index=2, value=lambda t: t.long()), TypeError, "block_expert"),
+    ("block_expert dtype", dict(index=2, value=lambda t: t.to(torch.int16)), TypeError, "block_expert"),
     ("slot_assignment length", dict(index=3, value=lambda t: t[1:]), ValueError, "slot_assignment"),
     ("w_gate_up dtype", dict(index=4, value=lambda t: t.float()), TypeError, "w_gate_up"),
     ("w_gate_up hidden", dict(index=4, value=lambda t: t[:, :, 1:]), ValueError, "w_gate_up"),

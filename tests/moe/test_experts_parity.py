@@ -1,5 +1,6 @@
-"""moe_experts parity on the simulator path (strict) against the fp64 oracle: output and all four
-gradients (x, topk_weights, w_gate_up, w_down), over T, H, I, E, k, dtype, block size, activation.
+"""moe_experts parity on the simulator path (strict) against the fp64 oracle: output and every
+gradient (x, topk_weights, w_gate_up, w_down, and the expert biases when given), over T, H, I, E,
+k, dtype, block size, activation (gpt-oss's clamped swiglu included), biases.
 
 Plans come from ``torch.ops.nki.moe_plan`` (via ``moe_experts_op.make_sample``).
 """
@@ -19,15 +20,16 @@ from nki_lib.numerics.oppar import op_parity
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def sample(t, h, inter, e, k, block, dtype, activation="silu", *, seed=0, topk_ids=None):
+def sample(t, h, inter, e, k, block, dtype, activation="silu", *, seed=0, topk_ids=None, **kwargs):
     return moe_experts_op.make_sample(t, h, inter, e, k, block, dtype, True, activation=activation,
-                                   seed=seed, topk_ids=topk_ids)
+                                   seed=seed, topk_ids=topk_ids, **kwargs)
 
 
 def check(s):
     result = op_parity(moe_experts_op.SPEC, s)
     assert result.ok, str(result)
-    assert len(result.checks) == 5, str(result)   # y and the four gradients were all judged
+    leaves = sum(isinstance(a, torch.Tensor) and a.requires_grad for a in s.args)
+    assert len(result.checks) == 1 + leaves, str(result)   # y and every gradient were all judged
 
 
 @st.composite
@@ -35,13 +37,16 @@ def cases(draw):
     e = draw(st.integers(1, 6))
     return sample(draw(st.integers(1, 24)), draw(st.integers(1, 160)), draw(st.integers(1, 96)), e,
                   draw(st.integers(1, min(e, 3))), draw(st.integers(1, 40)), draw(st.sampled_from(_DTYPES)),
-                  draw(st.sampled_from(ACTIVATIONS)), seed=draw(st.integers(0, 99)))
+                  draw(st.sampled_from(ACTIVATIONS)), seed=draw(st.integers(0, 99)), biases=draw(st.booleans()),
+                  swiglu_limit=draw(st.sampled_from([0.5, 7.0])))
 
 
 @given(cases())
 @example(sample(1, 8, 4, 3, 2, 4, torch.float32))                                 # T = 1
 @example(sample(30, 200, 136, 4, 2, 130, torch.bfloat16, "gelu"))                 # H, I > pmax; 2 slot tiles
 @example(sample(12, 40, 24, 3, 3, 300, torch.float16, "gelu_tanh"))              # 3 slot tiles, T*k < B
+@example(sample(30, 200, 136, 4, 2, 130, torch.bfloat16, "clamped_swiglu", biases=True,
+                swiglu_limit=0.5))                                               # gpt-oss gate, tiled H, I
 def test_parity(s):
     check(s)
 

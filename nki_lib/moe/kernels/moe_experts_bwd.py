@@ -59,34 +59,36 @@ from __future__ import annotations
 from functools import partial
 
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.dispatch import KernelLaunch
+from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.activations import GELU_TANH_A, GELU_TANH_C
-from nki_lib.moe.kernels.moe_experts_budget import (
-    check_supported,
-    choose_tiling,
-    flags_sbuf_bytes,
-    slot_tokens,
-    staged_bytes,
-    tail_sbuf_bytes,
-)
-from nki_lib.moe.kernels.moe_experts_steps import (
+from nki_lib.moe.kernels.moe_experts_fwd import (
     WEIGHT_SPAN,
     act_fn,
     block_flags,
     block_registers,
+    check_supported,
+    choose_tiling,
+    flags_sbuf_bytes,
     gather_rows_into,
     load_all_ids,
     load_expert_cols,
     load_expert_t,
     reduce_assignments,
+    routing_weights,
     scatter_rows,
+    slot_tokens,
+    staged_bytes,
+    tail_sbuf_bytes,
+    tiles,
     transpose_rows,
 )
-from nki_lib.sizes import ceil_div, spans
+from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu_terms, ones_row
+from nki_lib.sizes import ceil_div
 
 ACT_GRAD_FN = {"silu": "silu_dx", "gelu": "gelu_dx"}   # ScalarE derivative functions
 ACC_MODES = ("only", "first", "middle", "last")          # a block's place among its expert's blocks
 _FP32_TEMPS = 10    # fp32 (slots x I chunk) temporaries of _mlp_grads / _gelu_tanh_grad, upper bound
+_FP32_TEMPS_CLAMPED = 12   # the same with clamped_swiglu_terms (gc, s, a, v, da, masks, h, dh, ...)
 
 
 # --------------------------------------------------------------------------- elementwise pieces
@@ -121,13 +123,19 @@ def _act_grad(dst, g_psum, activation, shape):
         nisa.activation(dst=dst, op=getattr(nl, ACT_GRAD_FN[activation]), data=g_psum)
 
 
-def _mlp_grads(g_psum, u_psum, dhy_psum, w_col, activation, dtype, dw_acc, first):
-    """From g, u, dhy (ps, n) fp32: h and dg, du (in ``dtype``); adds <dhy, h> into dw_acc (ps, 1)."""
+def _mlp_grads(g_psum, u_psum, dhy_psum, w_col, gate, dtype, dw_acc, first):
+    """From g, u, dhy (ps, n) fp32: h and dg, du (in ``dtype``); adds <dhy, h> into dw_acc (ps, 1).
+    With h = a(g) v(u): dg = dh v a'(g), du = dh a v'(u) (v = u, v' = 1 unless clamped swiglu)."""
     shape = g_psum.shape
-    act_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=act_sb, op=act_fn(activation), data=g_psum)
+    activation, alpha, limit = gate
+    du_mask = None
+    if activation == "clamped_swiglu":
+        act_sb, v_tile, dact_sb, du_mask = clamped_swiglu_terms(g_psum, u_psum, alpha, limit)
+    else:
+        act_sb, v_tile = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf), u_psum
+        nisa.activation(dst=act_sb, op=act_fn(activation), data=g_psum)
     h_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=h_sb, data1=act_sb, data2=u_psum, op=nl.multiply)
+    nisa.tensor_tensor(dst=h_sb, data1=act_sb, data2=v_tile, op=nl.multiply)
     prod_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=prod_sb, data1=h_sb, data2=dhy_psum, op=nl.multiply)
     part_sb = dw_acc if first else nl.ndarray((shape[0], 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -137,10 +145,15 @@ def _mlp_grads(g_psum, u_psum, dhy_psum, w_col, activation, dtype, dw_acc, first
     dh_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=dh_sb, data=dhy_psum, op0=nl.multiply, operand0=w_col)
     du_sb = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=du_sb, data1=dh_sb, data2=act_sb, op=nl.multiply)
-    dact_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-    _act_grad(dact_sb, g_psum, activation, shape)
-    nisa.tensor_tensor(dst=dh_sb, data1=dh_sb, data2=u_psum, op=nl.multiply)
+    if du_mask is None:
+        nisa.tensor_tensor(dst=du_sb, data1=dh_sb, data2=act_sb, op=nl.multiply)
+    else:
+        nisa.tensor_tensor(dst=du_mask, data1=du_mask, data2=act_sb, op=nl.multiply)
+        nisa.tensor_tensor(dst=du_sb, data1=dh_sb, data2=du_mask, op=nl.multiply)
+    if activation != "clamped_swiglu":
+        dact_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+        _act_grad(dact_sb, g_psum, activation, shape)
+    nisa.tensor_tensor(dst=dh_sb, data1=dh_sb, data2=v_tile, op=nl.multiply)
     dg_sb = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=dg_sb, data1=dh_sb, data2=dact_sb, op=nl.multiply)
     hx_sb = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
@@ -222,7 +235,7 @@ def zero_idle_experts(block_expert, outs):
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     n_blocks = block_expert.shape[0]
     experts = outs[0].shape[0]
-    for e0, et in spans(experts, pmax):
+    for e0, et in tiles(experts, pmax):
         be_sb = nl.ndarray((et, n_blocks), dtype=nl.int32, buffer=nl.sbuf)   # block experts, per partition
         nisa.dma_copy(dst=be_sb, src=block_expert.ap([[0, et], [1, n_blocks]], offset=0))
         ids_sb = nl.ndarray((et, 1), dtype=nl.float32, buffer=nl.sbuf)        # fp32 per-partition operand
@@ -241,8 +254,8 @@ def zero_idle_experts(block_expert, outs):
                     rows, cols = out.shape[1], out.shape[2]
                     zero_sb = nl.ndarray((pmax, min(cols, fmax)), dtype=out.dtype, buffer=nl.sbuf)
                     nisa.memset(dst=zero_sb, value=0.0)
-                    for r0, rs in spans(rows, pmax):
-                        for c0, cn in spans(cols, fmax):
+                    for r0, rs in tiles(rows, pmax):
+                        for c0, cn in tiles(cols, fmax):
                             nisa.dma_copy(dst=out[e, r0:r0 + rs, c0:c0 + cn], src=zero_sb[:rs, :cn])
 
 
@@ -252,7 +265,7 @@ def _block_rows(x, dy, tok_ids, asg_ids, b, block):
     """Block b's slot tiles (s0, ps, token ids, assignment ids, routing weight (ps, 1) fp32, x rows)
     and dy rows, allocated here and filled by ``_gather_block``."""
     slot_tiles, dy_rows = [], []
-    for st, (s0, ps) in enumerate(spans(block, nl.tile_size.pmax)):
+    for st, (s0, ps) in enumerate(tiles(block, nl.tile_size.pmax)):
         slot_tiles.append((s0, ps, tok_ids[:ps, st, b:b + 1], asg_ids[:ps, st, b:b + 1],
                            nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf),
                            nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)))
@@ -272,7 +285,7 @@ def _load_grad_rows(dy_rows, slot_tiles, block):
     """Per slot tile: dy rows scaled by the routing weight (do); and dyT (P, HT, B)."""
     pmax = nl.tile_size.pmax
     hidden = dy_rows[0].shape[1]
-    dy_t = nl.ndarray((pmax, len(spans(hidden, pmax)), block), dtype=dy_rows[0].dtype, buffer=nl.sbuf)
+    dy_t = nl.ndarray((pmax, len(tiles(hidden, pmax)), block), dtype=dy_rows[0].dtype, buffer=nl.sbuf)
     do_rows = []
     for (s0, ps, _, _, w_col, _), dy_sb in zip(slot_tiles, dy_rows):
         transpose_rows(dy_t, dy_sb, s0)
@@ -283,20 +296,64 @@ def _load_grad_rows(dy_rows, slot_tiles, block):
     return do_rows, dy_t
 
 
+def _bias_grads(slot_tiles, do_rows, chunk, bias, mode_regs, expert_reg, c0, inter):
+    """db_down += sum over slots of do (once per block: the first I chunk); db_gate/up[chunk] +=
+    sum over slots of dg / du: contractions over the slots against a column of ones."""
+    pmax = nl.tile_size.pmax
+    _, _, _, ones_col, (acc_bgu, db_gate_up), (acc_bd, db_down) = bias
+    hidden = acc_bd.shape[1]
+    cn = chunk[0][0].shape[1]
+    if c0 == 0:
+        for h0, hs in tiles(hidden, pmax):
+            part_psum = nl.ndarray((hs, 1), dtype=nl.float32, buffer=nl.psum)
+            for st, ((_, ps, *_), do_sb) in enumerate(zip(slot_tiles, do_rows)):
+                nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=ones_col[:ps, :],
+                               accumulate=st > 0)
+            accumulate_rows(acc_bd, db_down, mode_regs, expert_reg, h0, 0, part_psum)
+    for which, row0 in ((1, c0), (2, inter + c0)):
+        for i0, isz in tiles(cn, pmax):
+            part_psum = nl.ndarray((isz, 1), dtype=nl.float32, buffer=nl.psum)
+            for st, ((_, ps, *_), grads) in enumerate(zip(slot_tiles, chunk)):
+                nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz], moving=ones_col[:ps, :],
+                               accumulate=st > 0)
+            accumulate_rows(acc_bgu, db_gate_up, mode_regs, expert_reg, row0 + i0, 0, part_psum)
+
+
+def _dtopk_bias(dy_t, slot_tiles, dw_accs, bias, expert_reg):
+    """d topk_weights[a] += <dy_t, b_down[e]>: contraction over H tiles of dyT against the bias
+    column (H on partitions)."""
+    pmax = nl.tile_size.pmax
+    b_down = bias[1]
+    hidden = b_down.shape[1]
+    h_tiles = tiles(hidden, pmax)
+    col_sb = nl.ndarray((pmax, len(h_tiles), 1), dtype=b_down.dtype, buffer=nl.sbuf)
+    for ht, (h0, hs) in enumerate(h_tiles):
+        nisa.dma_copy(dst=col_sb[:hs, ht, :], src=b_down.ap([[1, hs], [1, 1]], offset=h0, scalar_offset=expert_reg,
+                                                            indirect_dim=0))
+    for (s0, ps, *_), dw_acc in zip(slot_tiles, dw_accs):
+        part_psum = nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.psum)
+        for ht, (h0, hs) in enumerate(h_tiles):
+            nisa.nc_matmul(dst=part_psum, stationary=dy_t[:hs, ht, s0:s0 + ps], moving=col_sb[:hs, ht, :],
+                           accumulate=ht > 0)
+        nisa.tensor_tensor(dst=dw_acc, data1=dw_acc, data2=part_psum, op=nl.add)
+
+
 def _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter):
     """dW_down[:, chunk] += do^T h; dW_gate/up[chunk, :] += dg^T x / du^T x (over the slots)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
-    (acc_gu, dw_gate_up), (acc_d, dw_down) = grad_bufs
+    (acc_gu, dw_gate_up), (acc_d, dw_down), bias = grad_bufs
+    if bias is not None:
+        _bias_grads(slot_tiles, do_rows, chunk, bias, mode_regs, expert_reg, c0, inter)
     hidden = acc_d.shape[1]
     cn = chunk[0][0].shape[1]
-    for h0, hs in spans(hidden, pmax):
+    for h0, hs in tiles(hidden, pmax):
         part_psum = nl.ndarray((hs, cn), dtype=nl.float32, buffer=nl.psum)
         for st, (do_sb, (hx_sb, _, _)) in enumerate(zip(do_rows, chunk)):
             nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=hx_sb, accumulate=st > 0)
         accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, h0, c0, part_psum)
     for which, row0 in ((1, c0), (2, inter + c0)):
-        for i0, isz in spans(cn, pmax):
-            for h0, hn in spans(hidden, fmax):
+        for i0, isz in tiles(cn, pmax):
+            for h0, hn in tiles(hidden, fmax):
                 part_psum = nl.ndarray((isz, hn), dtype=nl.float32, buffer=nl.psum)
                 for st, ((*_, x_rows), grads) in enumerate(zip(slot_tiles, chunk)):
                     nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
@@ -309,10 +366,10 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols):
     staged ``dx_cols`` wide in SBUF and scattered once per slot tile and group."""
     inter = w_gate_up.shape[1] // 2
     hidden = w_gate_up.shape[2]
-    i_tiles = spans(inter, nl.tile_size.pmax)
-    for g0, gn in spans(hidden, dx_cols):
+    i_tiles = tiles(inter, nl.tile_size.pmax)
+    for g0, gn in tiles(hidden, dx_cols):
         dx_rows = [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
-        for h0, hn in spans(gn, nl.tile_size.gemm_moving_fmax):
+        for h0, hn in tiles(gn, nl.tile_size.gemm_moving_fmax):
             dx_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
             for it, (i0, isz) in enumerate(i_tiles):
                 for grad_t, row0 in ((dg_t, i0), (du_t, inter + i0)):
@@ -326,27 +383,35 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols):
             scatter_rows(dx_slots, asg_sb, dx_sb, g0)
 
 
-def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_reg, c0, cn, activation,
+def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_reg, c0, cn, gate,
              dg_t, du_t, grad_bufs, mode_regs):
     """One I chunk of a block (all its tiles die on return): g, u, dhy per slot tile (contraction
-    over H tiles in PSUM), the elementwise gradients, dg/du transposed into dgT/duT, and the
-    chunk's weight gradients accumulated into the expert's fp32 rows."""
+    over H tiles in PSUM; the gate/up biases first, as ones^T x bias_row), the elementwise
+    gradients, dg/du transposed into dgT/duT, and the chunk's weight gradients accumulated into
+    the expert's fp32 rows."""
     pmax = nl.tile_size.pmax
     inter = w_down.shape[2]
-    h_tiles = spans(w_down.shape[1], pmax)
+    h_tiles = tiles(w_down.shape[1], pmax)
+    bias = grad_bufs[2]
     weights = (load_expert_t(w_gate_up, expert_reg, h_tiles, c0, cn),
                load_expert_t(w_gate_up, expert_reg, h_tiles, inter + c0, cn),
                load_expert_cols(w_down, expert_reg, h_tiles, c0, cn))
+    rows = (None, None, None)
+    if bias is not None:
+        rows = (bias_row(bias[0], expert_reg, c0, cn), bias_row(bias[0], expert_reg, inter + c0, cn), None)
     chunk = []
     for (s0, ps, _, _, w_col, _), dw_acc in zip(slot_tiles, dw_accs):
         psums = [nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum) for _ in weights]
+        for dst, row_sb in zip(psums, rows):
+            if row_sb is not None:
+                add_outer(dst, bias[2][:, :ps], row_sb)
         for ht, (h0, hs) in enumerate(h_tiles):
-            for dst, src_t, w_sb in zip(psums, (x_t, x_t, dy_t), weights):
+            for dst, src_t, w_sb, row_sb in zip(psums, (x_t, x_t, dy_t), weights, rows):
                 nisa.nc_matmul(dst=dst, stationary=src_t[:hs, ht, s0:s0 + ps], moving=w_sb[:hs, ht, :],
-                               accumulate=ht > 0)
-        grads = _mlp_grads(*psums, w_col, activation, x_t.dtype, dw_acc, c0 == 0)
+                               accumulate=ht > 0 or row_sb is not None)
+        grads = _mlp_grads(*psums, w_col, gate, x_t.dtype, dw_acc, c0 == 0)
         it0 = c0 // pmax
-        n_sub = len(spans(cn, pmax))
+        n_sub = len(tiles(cn, pmax))
         transpose_rows(dg_t[:, it0:it0 + n_sub, :], grads[1], s0)
         transpose_rows(du_t[:, it0:it0 + n_sub, :], grads[2], s0)
         chunk.append(grads)
@@ -354,7 +419,7 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_
 
 
 def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
-               activation, i_chunk, dx_cols, grad_bufs, dx_slots, dtopk):
+               gate, i_chunk, dx_cols, grad_bufs, dx_slots, dtopk):
     """Block b in guarded phases: transposes, I chunks and weight gradients; then the gathers of
     block b + 1 into rows allocated here (``next_regs`` = its registers, or None; the rows are
     returned); then dx and d topk_weights. GpSimd issues DMAs in program order, so the next
@@ -364,13 +429,13 @@ def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_re
     inter = w_down.shape[2]
     expert_reg, trips_reg = regs
     slot_tiles, dy_rows = rows
-    n_it = len(spans(inter, pmax))
+    n_it = len(tiles(inter, pmax))
     dg_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     du_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     dw_accs = [nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
         _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg, mode_regs, block,
-                     activation, i_chunk, dg_t, du_t, grad_bufs)
+                     gate, i_chunk, dg_t, du_t, grad_bufs)
     next_rows = None
     if next_regs is not None:
         next_rows = _block_rows(x, dy, tok_ids, asg_ids, b + 1, block)
@@ -384,23 +449,26 @@ def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_re
 
 
 def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg, mode_regs, block,
-                 activation, i_chunk, dg_t, du_t, grad_bufs):
-    """xT, dyT and do from the gathered rows, then the I chunks (weight gradients, dgT, duT)."""
+                 gate, i_chunk, dg_t, du_t, grad_bufs):
+    """xT, dyT and do from the gathered rows, then the I chunks (weight gradients, dgT, duT), then
+    the down bias's share of d topk_weights."""
     pmax = nl.tile_size.pmax
-    x_t = nl.ndarray((pmax, len(spans(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
+    x_t = nl.ndarray((pmax, len(tiles(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
     for s0, _, _, _, _, x_rows in slot_tiles:
         transpose_rows(x_t, x_rows, s0)
     do_rows, dy_t = _load_grad_rows(dy_rows, slot_tiles, block)
-    for c0, cn in spans(w_down.shape[2], i_chunk):
-        _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_reg, c0, cn, activation,
+    for c0, cn in tiles(w_down.shape[2], i_chunk):
+        _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_reg, c0, cn, gate,
                  dg_t, du_t, grad_bufs, mode_regs)
+    if grad_bufs[2] is not None:
+        _dtopk_bias(dy_t, slot_tiles, dw_accs, grad_bufs[2], expert_reg)
 
 
 # --------------------------------------------------------------------------- kernel
 
 @nki.jit
-def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up,
-                    w_down, activation, top_k, i_chunk, dx_cols):
+def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
+                           b_down, activation, swiglu_alpha, swiglu_limit, top_k, i_chunk, dx_cols):
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
     dx = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
@@ -410,8 +478,9 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
     dx_slots = nl.ndarray((topk_w.shape[0], x.shape[1]), dtype=nl.float32, buffer=nl.private_hbm)
     acc_gu = nl.ndarray(w_gate_up.shape, dtype=nl.float32, buffer=nl.private_hbm)
     acc_d = nl.ndarray(w_down.shape, dtype=nl.float32, buffer=nl.private_hbm)
-    grad_bufs = ((acc_gu, dw_gate_up), (acc_d, dw_down))
-    zero_idle_experts(block_expert, (dw_gate_up, dw_down))
+    bias = _bias_context(b_gate_up, b_down, x.dtype)
+    grad_bufs = ((acc_gu, dw_gate_up), (acc_d, dw_down), bias)
+    zero_idle_experts(block_expert, (dw_gate_up, dw_down) + (() if bias is None else (bias[4][1], bias[5][1])))
     expert_sb, valid_sb = block_flags(block_expert)
     modes_sb = accumulation_modes(expert_sb)
     tok_ids = load_all_ids(slot_token, n_blocks, block)
@@ -426,10 +495,29 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
         mode_regs = mode_registers(modes_sb, b)
         next_regs = block_registers(expert_sb, valid_sb, b + 1) if b + 1 < n_blocks else None
         rows = _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
-                          block, activation, i_chunk, dx_cols, grad_bufs, dx_slots, dtopk)
+                          block, (activation, swiglu_alpha, swiglu_limit), i_chunk, dx_cols, grad_bufs, dx_slots,
+                          dtopk)
         regs = next_regs
     reduce_assignments(dx_slots, dx, top_k)
-    return dx, dtopk, dw_gate_up, dw_down
+    if bias is None:
+        return dx, dtopk, dw_gate_up, dw_down
+    return dx, dtopk, dw_gate_up, dw_down, bias[4][1], bias[5][1]
+
+
+def _bias_context(b_gate_up, b_down, dtype):
+    """None without biases; else (b_gate_up, b_down, ones row (1, P), ones column (P, 1),
+    (fp32 accumulator, gradient) of b_gate_up as (E, 2I, 1), the same of b_down as (E, H, 1))."""
+    if b_gate_up is None:
+        return None
+    pmax = nl.tile_size.pmax
+    ones_col = nl.ndarray((pmax, 1), dtype=dtype, buffer=nl.sbuf)
+    nisa.memset(dst=ones_col, value=1.0)
+    bufs = []
+    for b in (b_gate_up, b_down):
+        shape = (b.shape[0], b.shape[1], 1)
+        bufs.append((nl.ndarray(shape, dtype=nl.float32, buffer=nl.private_hbm),
+                     nl.ndarray(shape, dtype=b.dtype, buffer=nl.shared_hbm)))
+    return (b_gate_up, b_down, ones_row(pmax, dtype), ones_col, bufs[0], bufs[1])
 
 
 # --------------------------------------------------------------------------- launcher
@@ -466,22 +554,30 @@ def sbuf_bytes(hidden, inter, block, itemsize, **counts):
                          **counts)
 
 
-def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *, activation):
-    """The launch of the backward kernel, which returns ``(dx, dtopk_weights, dw_gate_up, dw_down)``
-    (host side: index metadata and views only)."""
+def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
+                           b_down=None, *, activation, swiglu_alpha, swiglu_limit):
+    """Launch the backward kernel (host side: index metadata, views, the exact widening of the
+    routing weights to fp32 and the cast of their gradient to their dtype)."""
+    if (b_gate_up is None) != (b_down is None):
+        raise Unsupported("only one of b_gate_up / b_down (the kernel takes both or neither)")
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
                                  sbuf_fn=sbuf_bytes)
     top_k = topk_weights.shape[1]
     i_chunk, dx_cols = tiling(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
                               n_blocks=block_expert.shape[0])
-    return KernelLaunch(moe_experts_bwd_kernel,
-                        (dy.contiguous(), x.contiguous(), topk_weights.reshape(-1, 1).contiguous(),
-                         block_expert.contiguous(), slot_tokens(slot_assignment, top_k), slot_assignment.contiguous(),
-                         w_gate_up.contiguous(), w_down.contiguous(), activation, top_k, i_chunk, dx_cols),
-                        unpack=partial(_unpack_grads, tuple(topk_weights.shape)))
+    return KernelLaunch(
+        moe_experts_bwd_kernel,
+        (dy.contiguous(), x.contiguous(), routing_weights(topk_weights), block_expert.contiguous(),
+         slot_tokens(slot_assignment, top_k), slot_assignment.contiguous(), w_gate_up.contiguous(),
+         w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha), float(swiglu_limit), top_k,
+         i_chunk, dx_cols),
+        unpack=partial(_unpack_grads, x, topk_weights, b_gate_up, b_down))
 
 
-def _unpack_grads(topk_shape, grads):
-    """The kernel's gradients with d topk_weights back in the (T, k) shape of topk_weights."""
-    dx, dtopk, dw_gate_up, dw_down = grads
-    return dx, dtopk.reshape(topk_shape), dw_gate_up, dw_down
+def _unpack_grads(x, topk_weights, b_gate_up, b_down, outs):
+    """The kernel's gradients in the op's shapes and dtypes (d topk_weights back to (T, k) and the
+    routing weights' dtype; empty bias gradients without biases)."""
+    dx, dtopk, dw_gate_up, dw_down = outs[:4]
+    db = (x.new_zeros(0), x.new_zeros(0)) if b_gate_up is None else (outs[4].reshape(b_gate_up.shape),
+                                                                     outs[5].reshape(b_down.shape))
+    return (dx, dtopk.reshape(topk_weights.shape).to(topk_weights.dtype), dw_gate_up, dw_down) + db
