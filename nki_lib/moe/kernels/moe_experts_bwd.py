@@ -522,10 +522,12 @@ def _bias_context(b_gate_up, b_down, dtype):
 
 # --------------------------------------------------------------------------- launcher
 
-def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_blocks):
+def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_blocks, clamped=False,
+                  biases=False):
     """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` and dx staging
     width ``dx_cols`` (upper bound): the block's resident tiles plus the largest of its three
-    phases (loading rows, I chunks, dx), whose tiles are freed before the next phase."""
+    phases (loading rows, I chunks, dx), whose tiles are freed before the next phase; the clamped
+    swiglu's temporaries and the bias rows, ones and bias column when asked."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     slot_tiles = st * (2 * hidden * itemsize + 4 * 4)            # x, do rows; ids, weight, d weight
@@ -533,7 +535,10 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     load = st * hidden * itemsize                               # phase 1: dy rows (until scaled/transposed)
     staging = 2 * min(hidden, WEIGHT_SPAN) * itemsize           # natural W rows before transposes
     streamed = 3 * ht * i_chunk * itemsize + staging            # W_gate^T, W_up^T, W_down columns
-    chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * _FP32_TEMPS * i_chunk * 4   # h, dg, du; fp32 temps
+    temps = _FP32_TEMPS_CLAMPED if clamped else _FP32_TEMPS
+    chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * temps * i_chunk * 4   # h, dg, du; fp32 temps
+    if biases:                                                  # g/u bias rows, ones row/column, b_down column
+        chunk += 2 * (2 * i_chunk + pmax) * itemsize + (ht + 1) * itemsize
     chunks = streamed + chunk + 2 * fmax * (4 + itemsize)       # phase 2, with the accumulate tiles
     dx = 2 * fmax * itemsize + staged_bytes(dx_cols, hidden, st)   # phase 3: W rows, dx rows
     dx += st * (2 * hidden * itemsize + 4)                      # and the next block's x, dy rows, weights
@@ -560,11 +565,12 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
     routing weights to fp32 and the cast of their gradient to their dtype)."""
     if (b_gate_up is None) != (b_down is None):
         raise Unsupported("only one of b_gate_up / b_down (the kernel takes both or neither)")
+    flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None)
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
-                                 sbuf_fn=sbuf_bytes)
+                                 sbuf_fn=sbuf_bytes, **flags)
     top_k = topk_weights.shape[1]
     i_chunk, dx_cols = tiling(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
-                              n_blocks=block_expert.shape[0])
+                              n_blocks=block_expert.shape[0], **flags)
     return KernelLaunch(
         moe_experts_bwd_kernel,
         (dy.contiguous(), x.contiguous(), routing_weights(topk_weights), block_expert.contiguous(),
