@@ -52,9 +52,10 @@ from __future__ import annotations
 import torch
 
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.dispatch import Unsupported, call_kernel
+from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu, ones_row
 from nki_lib.moe.kernels.moe_experts_groups import merge_blocks, slot_positions
+from nki_lib.sizes import ceil_div
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are live at once
@@ -428,7 +429,7 @@ def gather_tail_bytes(hidden, top_k, itemsize):
 
 def flags_sbuf_bytes(n_blocks, block):
     """SBUF bytes per partition live through the kernel: block flags, the plan's slot ids."""
-    slot_tiles = -(-block // nl.tile_size.pmax)
+    slot_tiles = ceil_div(block, nl.tile_size.pmax)
     return 2 * n_blocks * 4 + 2 * slot_tiles * n_blocks * 4 + 2 * block * 4
 
 
@@ -459,7 +460,7 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     and y staging width ``y_cols`` (upper bound: two generations of every streamed tile; with the
     clamped swiglu's three more fp32 temporaries and the bias rows and ones when asked)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
-    ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
+    ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     rows = st * hidden * itemsize                                # x rows of one group
     x_t, h_t = ht * block * itemsize, it * block * itemsize
     staging = 2 * min(max(hidden, inter), WEIGHT_SPAN) * itemsize   # natural weight rows before transposes
@@ -521,8 +522,8 @@ def group_blocks(hidden, inter, block, itemsize, **counts):
 
 def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
                            b_down=None, *, activation, swiglu_alpha, swiglu_limit):
-    """Launch the forward kernel (host side: index metadata, views and the exact widening of the
-    routing weights to fp32)."""
+    """The launch of the forward kernel, which returns y (T, H) (host side: index metadata, views and
+    the exact widening of the routing weights to fp32)."""
     flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None or b_down is not None)
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
                                  sbuf_fn=sbuf_bytes, **flags)
@@ -534,10 +535,10 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
     slot_pos = slot_positions(group_slots, topk_weights.numel())
     h_chunk, y_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
                              n_blocks=group_expert.shape[0], **flags)
-    return call_kernel(moe_experts_fwd_kernel, x.contiguous(), routing_weights(topk_weights), group_expert,
-                       slot_tokens(group_slots, top_k), tile_live, slot_pos, w_gate_up.contiguous(),
-                       w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha), float(swiglu_limit),
-                       top_k, h_chunk, y_cols)
+    return KernelLaunch(moe_experts_fwd_kernel,
+                        (x.contiguous(), routing_weights(topk_weights), group_expert, slot_tokens(group_slots, top_k),
+                         tile_live, slot_pos, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
+                         activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols))
 
 
 def routing_weights(topk_weights):
