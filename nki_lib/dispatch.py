@@ -1,38 +1,69 @@
-"""Running an op on its path: the one fallback mechanism for every op (docs/contract.md §2).
+"""Running an op on its path: the one launch path and fallback mechanism for every op
+(docs/contract.md §2).
 
 An op implementation calls::
 
-    dispatch("flash_attention", tensors, kernel=lambda: fwd_kernels.run(...),
-             reference=lambda: reference.flash_attention(...))
+    dispatch("flash_attention", tensors,
+             launch=lambda: flash_attention_fwd.launch_flash_attention_fwd(q, k, v, ...),
+             reference=lambda: flash_attention_reference.flash_attention(q, k, v, ...))
 
-``kernel`` runs the NKI kernels of the op through :func:`call_kernel`, which launches them on the
-path in force (simulator or device). Before launching anything, a kernel launcher that cannot
-serve the call raises :class:`Unsupported` with a reason; ``dispatch`` then falls back to the
-reference and records the reason in the coverage ledger, or raises :class:`NKIFallbackError` in
-strict mode. float64 inputs always fall back on the NKI paths (reason ``"float64"``): NKI has no
-float64, and nothing is computed in float32 and returned as float64.
+``launch`` is the op's *launcher* (in ``<family>/kernels/<op>_fwd.py`` / ``_bwd.py``) applied to
+the call's arguments. A launcher never launches anything itself: it checks that its kernel can
+serve the call (raising :class:`Unsupported` with a reason when it cannot), prepares the kernel's
+inputs on the host with plain torch ops (transposes, layout glue, index metadata), and returns a
+:class:`KernelLaunch` value, or a sequence of them for an op that runs several kernels one after
+the other. ``dispatch`` then runs that value on the path in force with :func:`run_launch`.
+
+When a launcher raises :class:`Unsupported`, ``dispatch`` falls back to ``reference`` and records
+the reason in the coverage ledger, or raises :class:`NKIFallbackError` in strict mode. float64
+inputs always fall back on the NKI paths (reason ``"float64"``): NKI has no float64, and nothing is
+computed in float32 and returned as float64.
+
+The launch value
+----------------
+
+``KernelLaunch(kernel, args, kwargs, grid, unpack)`` describes one kernel call completely:
+
+* ``kernel``: the ``@nki.jit`` function (from ``nki_lib._nki``);
+* ``args`` / ``kwargs``: its arguments, exactly as the kernel receives them: torch tensors (already
+  prepared by the launcher, on the device of the op's inputs) and Python scalars, strings, bools
+  or ``None``;
+* ``grid``: the launch grid (the LNC degree: ``kernel[grid]`` when it is not 1);
+* ``unpack``: a function from the kernel's outputs (a torch tensor or a tuple of them, in the
+  order the kernel returns them) to the op's outputs, made of plain torch ops (reshapes, slices),
+  or ``None`` when the kernel already returns the op's outputs.
+
+It holds no path and calls nothing back: running it means ``unpack(kernel[grid](*args, **kwargs))``.
+:func:`run_launch` does that on the ``simulator`` path (:func:`run_on_simulator`: ``nki.simulate``
+on NumPy copies of the tensors, the outputs brought back through ``nki_lib.torch_bridge``, the one
+torch <-> NumPy bridge, which the simulator's own torch support uses too) and on the ``device``
+path (``nki_lib.neuron.launch_on_device``: the kernel called on the neuron tensors as they are,
+through TorchNeuron, or through the ``nki_kernel_call`` graph node under emulation). A runner for
+another device or a tracer needs nothing else: it calls the kernel on ``args``/``kwargs`` and
+applies ``unpack``; the host-side preparation already happened in the launcher as torch ops, so
+``torch.compile`` sees it. Every run records the kernel specialization (kernel name, grid,
+argument shapes and dtypes, scalar values) in the coverage ledger.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import ml_dtypes
-import numpy as np
 import torch
 
 from nki_lib import backend
 from nki_lib.coverage import LEDGER
+from nki_lib.torch_bridge import to_numpy, to_torch
 
 T = TypeVar("T")
 
 
 class Unsupported(Exception):
-    """Raised by a kernel launcher, before it launches anything, when it cannot serve a call."""
+    """Raised by a kernel launcher, before it returns a launch, when its kernel cannot serve a call."""
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -43,14 +74,19 @@ class NKIFallbackError(RuntimeError):
     """Strict mode: the chosen path could not serve the call."""
 
 
-@dataclass
-class _Launch:
-    op: str
-    path: str
-    runs: list = field(default_factory=list)
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel call: ``unpack(kernel[grid](*args, **kwargs))`` (see the module docstring)."""
+
+    kernel: Any
+    args: tuple = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    grid: int = 1
+    unpack: Callable[[Any], Any] | None = None
 
 
-_launch: contextvars.ContextVar[_Launch | None] = contextvars.ContextVar("nki_lib_launch", default=None)
+Launch = KernelLaunch | Sequence[KernelLaunch]
+
 _collector: contextvars.ContextVar[list | None] = contextvars.ContextVar("nki_lib_runs", default=None)
 
 
@@ -65,13 +101,7 @@ def collect_runs() -> Iterator[list]:
         _collector.reset(token)
 
 
-def current_path() -> str | None:
-    """The path of the op call being served (``None`` outside an op)."""
-    launch = _launch.get()
-    return None if launch is None else launch.path
-
-
-def dispatch(op: str, tensors: Iterable[torch.Tensor | None], *, kernel: Callable[[], T],
+def dispatch(op: str, tensors: Iterable[torch.Tensor | None], *, launch: Callable[[], Launch],
              reference: Callable[[], T]) -> T:
     """Serve one call of ``op`` on the requested path, falling back to ``reference`` visibly.
 
@@ -82,7 +112,7 @@ def dispatch(op: str, tensors: Iterable[torch.Tensor | None], *, kernel: Callabl
     tensors = [t for t in tensors if t is not None]
     device_type = tensors[0].device.type if tensors else "cpu"
     with torch.autocast(device_type=device_type, enabled=False):
-        return _dispatch(op, tensors, kernel, reference)
+        return _dispatch(op, tensors, launch, reference)
 
 
 def _tracing(tensors) -> bool:
@@ -91,7 +121,7 @@ def _tracing(tensors) -> bool:
     return not has_values(*tensors)
 
 
-def _dispatch(op, tensors, kernel, reference):
+def _dispatch(op, tensors, launch, reference):
     path = backend.requested_path(tensors)
     if path != "reference":
         reason = None
@@ -100,17 +130,15 @@ def _dispatch(op, tensors, kernel, reference):
         elif path == "device" and not backend.device_available():
             reason = "device: the real nki package is not available"
         if reason is None:
-            token = _launch.set(_Launch(op, path))
             try:
-                result = kernel()
+                planned = launch()
             except Unsupported as exc:
                 reason = exc.reason
             else:
+                result = run_launch(op, planned, path)
                 if not _tracing(tensors):   # a traced body: its kernel-call nodes count at run time
                     LEDGER.record_call(op, path)
                 return result
-            finally:
-                _launch.reset(token)
         if backend.is_strict():
             raise NKIFallbackError(f"nki::{op}: the {path} path cannot serve this call: {reason}")
         LEDGER.record_fallback(op, path, reason)
@@ -118,65 +146,18 @@ def _dispatch(op, tensors, kernel, reference):
     return reference()
 
 
-# --------------------------------------------------------------------------- kernel launches
+# --------------------------------------------------------------------------- running a launch
 
-_TORCH_TO_NUMPY = {
-    torch.float32: np.dtype(np.float32),
-    torch.float16: np.dtype(np.float16),
-    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
-    torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
-    torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2),
-    torch.int8: np.dtype(np.int8),
-    torch.int16: np.dtype(np.int16),
-    torch.int32: np.dtype(np.int32),
-    torch.uint8: np.dtype(np.uint8),
-    torch.bool: np.dtype(np.bool_),
-}
-_NUMPY_TO_TORCH = {v: k for k, v in _TORCH_TO_NUMPY.items()}
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+def run_launch(op: str, launch: Launch, path: str) -> Any:
+    """Run a launch value (or a sequence of them, in order) on ``path`` (``simulator``/``device``).
+
+    Returns the unpacked outputs (a tuple of them, one per launch, for a sequence)."""
+    if isinstance(launch, KernelLaunch):
+        return _run_one(op, launch, path)
+    return tuple(_run_one(op, one, path) for one in launch)
 
 
-def numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    """The NumPy (ml_dtypes) dtype of a torch dtype the kernels take."""
-    if dtype not in _TORCH_TO_NUMPY:
-        raise TypeError(f"no NKI dtype for torch dtype {dtype}")
-    return _TORCH_TO_NUMPY[dtype]
-
-
-def torch_dtype(dtype) -> torch.dtype:
-    """The torch dtype of a NumPy (ml_dtypes) dtype a kernel returned."""
-    out = _NUMPY_TO_TORCH.get(np.dtype(dtype))
-    if out is None:
-        raise TypeError(f"no torch dtype for numpy dtype {dtype}")
-    return out
-
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU NumPy copy of ``t`` with the matching (ml_dtypes) dtype, bit-exact."""
-    if t.dtype not in _TORCH_TO_NUMPY:
-        raise TypeError(f"no NKI dtype for torch dtype {t.dtype}")
-    t = t.detach().to("cpu").contiguous()
-    np_dtype = _TORCH_TO_NUMPY[t.dtype]
-    if t.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
-        return t.view(_SAME_WIDTH_INT[t.element_size()]).numpy().view(np_dtype).copy()
-    return t.numpy().copy()
-
-
-def to_torch(a: np.ndarray, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A torch tensor from a NumPy (ml_dtypes) array, bit-exact."""
-    dtype = _NUMPY_TO_TORCH.get(np.dtype(a.dtype))
-    if dtype is None:
-        raise TypeError(f"no torch dtype for numpy dtype {a.dtype}")
-    a = np.ascontiguousarray(a)
-    if dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
-        out = torch.from_numpy(a.view(np.dtype(f"int{8 * a.itemsize}") if a.itemsize > 1 else np.uint8).copy())
-        out = out.view(dtype)
-    else:
-        out = torch.from_numpy(a.copy())
-    return out.to(device)
-
-
-def _spec_key(kernel: Any, args: tuple, kwargs: dict, grid: int) -> tuple:
+def _spec_key(kernel: Any, args: tuple, kwargs: Mapping, grid: int) -> tuple:
     def describe(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return ("tensor", tuple(value.shape), str(value.dtype))
@@ -186,43 +167,32 @@ def _spec_key(kernel: Any, args: tuple, kwargs: dict, grid: int) -> tuple:
     return (name, grid, tuple(describe(a) for a in args), tuple(sorted((k, describe(v)) for k, v in kwargs.items())))
 
 
-def call_kernel(kernel: Any, *args: Any, grid: int = 1, **kwargs: Any) -> Any:
-    """Launch an ``@nki.jit`` kernel on the current op's path and return torch outputs.
-
-    Tensor arguments are torch tensors. On the simulator path they are converted to NumPy
-    (ml_dtypes), the kernel runs under ``nki.simulate`` and its outputs come back as torch
-    tensors on the device of the first tensor argument; the ``RunReport`` is kept for
-    ``collect_runs``. On the device path the kernel is called on the neuron tensors directly.
-    """
-    launch = _launch.get()
-    if launch is None:
-        raise RuntimeError("call_kernel must run inside dispatch() (an op call)")
-
-    LEDGER.record_specialization(launch.op, _spec_key(kernel, args, kwargs, grid))
-    if launch.path == "device":
+def _run_one(op: str, launch: KernelLaunch, path: str) -> Any:
+    LEDGER.record_specialization(op, _spec_key(launch.kernel, launch.args, launch.kwargs, launch.grid))
+    if path == "device":
         from nki_lib import neuron
 
-        return neuron.launch_on_device(kernel, grid, args, kwargs, op=launch.op)
-    launchable = kernel[grid] if grid != 1 else kernel
-    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    return run_on_simulator(launchable, args, kwargs, device)
+        outputs = neuron.launch_on_device(launch.kernel, launch.grid, launch.args, dict(launch.kwargs), op=op)
+    else:
+        launchable = launch.kernel[launch.grid] if launch.grid != 1 else launch.kernel
+        device = next((a.device for a in launch.args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        outputs = run_on_simulator(launchable, launch.args, launch.kwargs, device, op=op)
+    return outputs if launch.unpack is None else launch.unpack(outputs)
 
 
-def run_on_simulator(launchable: Any, args: tuple, kwargs: dict, device: torch.device) -> Any:
+def run_on_simulator(launchable: Any, args: tuple, kwargs: Mapping, device: torch.device,
+                     op: str | None = None) -> Any:
     """Run a kernel under ``nki.simulate`` on NumPy copies of the torch arguments; outputs come back
-    as torch tensors on ``device``, the ``RunReport`` is kept for ``collect_runs``."""
+    as torch tensors on ``device``, the ``RunReport`` is kept for ``collect_runs`` (under ``op``)."""
     from nki_lib._nki import nki
 
     convert = lambda v: to_numpy(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
     outputs = nki.simulate(launchable)(*(convert(a) for a in args), **{k: convert(v) for k, v in kwargs.items()})
     last_run = getattr(nki, "last_run", None)
     report = last_run() if last_run is not None else None
-    launch = _launch.get()
-    if launch is not None:
-        launch.runs.append(report)
     collector = _collector.get()
     if collector is not None:
-        collector.append((launch.op if launch is not None else None, report))
+        collector.append((op, report))
     if outputs is None:
         return None
     if isinstance(outputs, tuple):

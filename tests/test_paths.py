@@ -66,17 +66,17 @@ def test_float64_is_an_error_in_strict_mode():
 def test_unsupported_reason_is_recorded_and_strict_raises():
     x = torch.ones(3)
 
-    def kernel():
+    def launch():
         raise Unsupported("D > 999 is not tiled")
 
     with nki_lib.use_backend("simulator"):
-        out = dispatch("toy", [x], kernel=kernel, reference=lambda: x + 1)
+        out = dispatch("toy", [x], launch=launch, reference=lambda: x + 1)
     assert torch.equal(out, x + 1)
     assert nki_lib.coverage()["toy"]["simulator"].fallbacks == {"D > 999 is not tiled": 1}
     nki_lib.set_strict(True)
     try:
         with nki_lib.use_backend("simulator"), pytest.raises(NKIFallbackError, match="D > 999"):
-            dispatch("toy", [x], kernel=kernel, reference=lambda: x + 1)
+            dispatch("toy", [x], launch=launch, reference=lambda: x + 1)
     finally:
         nki_lib.set_strict(False)
 

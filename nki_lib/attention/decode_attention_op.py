@@ -26,10 +26,11 @@ import torch
 
 from nki_lib import registry
 from nki_lib.attention import decode_attention_reference
-from nki_lib.attention.flash_attention_op import MAX_HEAD_DIM
+from nki_lib.attention.attention_args import MAX_HEAD_DIM, lse_dtype
 from nki_lib.autograd.autocast import follow_sdpa_autocast
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
+from nki_lib.sizes import ceil_div
 from nki_lib.validation import INDEX_DTYPES, check_same_device, check_same_dtype, has_values
 from nki_lib.validation import check_tensor as _check_tensor
 
@@ -39,7 +40,7 @@ INDEX_DTYPE = torch.int32
 # --------------------------------------------------------------------------- validation
 
 def _lse_dtype(q):
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+    return lse_dtype(q.dtype)
 
 
 def capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
@@ -142,7 +143,7 @@ def validate_values(q, k_cache, cache_seqlens, block_table):
         return
     block_size, num_blocks = k_cache.shape[2], k_cache.shape[0]
     table = block_table.to("cpu", torch.int64)
-    used = torch.arange(table.shape[1])[None, :] < (-(-lengths // block_size))[:, None]
+    used = torch.arange(table.shape[1])[None, :] < ceil_div(lengths, block_size)[:, None]
     bad = used & ((table < 0) | (table >= num_blocks))
     if bool(bad.any()):
         b, col = (int(i) for i in bad.nonzero()[0])
@@ -171,14 +172,14 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if q.shape[0] == 0:
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
 
-    def kernel():
+    def launch():
         from nki_lib.attention.kernels import decode_attention_fwd_plan
         return decode_attention_fwd_plan.launch_decode_attention_fwd(
             q, k_cache, v_cache, cache_seqlens.to(INDEX_DTYPE),
             None if block_table is None else block_table.to(INDEX_DTYPE), sinks,
             cache_start=cache_start, **flags)
 
-    out, lse = dispatch("decode_attention", (q, k_cache, v_cache, sinks), kernel=kernel,
+    out, lse = dispatch("decode_attention", (q, k_cache, v_cache, sinks), launch=launch,
                         reference=lambda: decode_attention_reference.decode_attention(
                             q, k_cache, v_cache, cache_seqlens, block_table, sinks, cache_start,
                             **flags))
@@ -226,8 +227,8 @@ def make_sample(b, hq, hkv, sq, d, lengths, dtype, *, block_size=None, num_block
         k, v = rand(b, hkv, cap, d), rand(b, hkv, cap, d)
         layout = f"contiguous Smax={cap}"
     else:
-        max_blocks = -(-cap // block_size)
-        needed = [-(-n // block_size) for n in lengths]
+        max_blocks = ceil_div(cap, block_size)
+        needed = [ceil_div(n, block_size) for n in lengths]
         num_blocks = num_blocks or max(1, sum(needed))
         order = torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)
         table = torch.full((b, max_blocks), -1, dtype=INDEX_DTYPE)
@@ -278,4 +279,11 @@ SPEC = registry.register(OpSpec(
     samples=_samples,
     report_samples=_report_samples,
     differentiable=False,
+    family="attention",
+    launchers=(
+        "nki_lib.attention.kernels.decode_attention_fwd_plan.launch_decode_attention_fwd",
+    ),
+    kernels=(
+        "nki_lib.attention.kernels.decode_attention_fwd.decode_attention_fwd_kernel",
+    ),
 ))

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 
 from nki_lib.attention import flash_attention_reference
+from nki_lib.attention.attention_args import lse_dtype
+from nki_lib.sizes import ceil_div
 
 
 def dense_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None,
@@ -35,7 +37,7 @@ def dense_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Te
     if block_table is None:
         return k_cache[b, :, first:length], v_cache[b, :, first:length]
     block_size = k_cache.shape[2]
-    n_blocks = -(-length // block_size)
+    n_blocks = ceil_div(length, block_size)
     blocks = block_table[b, :n_blocks].to(torch.long)
 
     def gather(cache):
@@ -64,8 +66,7 @@ def _per_sequence(attention, q, k_cache, v_cache, cache_seqlens, block_table, si
         outs.append(out_b)
         lses.append(lse_b)
     if not outs:
-        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=lse_dtype)
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
     return torch.cat(outs), torch.cat(lses)
 
 

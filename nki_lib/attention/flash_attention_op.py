@@ -22,15 +22,13 @@ import torch
 
 from nki_lib import registry
 from nki_lib.attention import flash_attention_reference
+from nki_lib.attention.attention_args import MAX_HEAD_DIM, lse_dtype, resolve_scale
 from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.autograd.autocast import follow_sdpa_autocast
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.validation import INDEX_DTYPES, check_int, check_same_device, check_same_dtype, layout_hint
 from nki_lib.validation import check_tensor as _check_tensor
-
-MAX_HEAD_DIM = 256
-
 
 # --------------------------------------------------------------------------- validation
 
@@ -132,7 +130,7 @@ def validate_cu_seqlens_values(cu_seqlens, seqlen):
 
 
 def _lse_dtype(q):
-    return flash_attention_reference.lse_dtype(q.dtype)
+    return lse_dtype(q.dtype)
 
 
 def _prepare(q, k, sinks, cu_seqlens, cu_seqlens_k, attn_mask):
@@ -174,14 +172,14 @@ def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sinks, cu_seqlens_k, attn_mask = _prepare(q, k, sinks, cu_seqlens, cu_seqlens_k, attn_mask)
     if q.shape[0] == 0:
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
-    resolved = dict(flags, scale=flash_attention_reference.resolve_scale(scale, q.shape[-1]))
+    resolved = dict(flags, scale=resolve_scale(scale, q.shape[-1]))
 
-    def kernel():
+    def launch():
         _kernel_guard(cu_seqlens_k, attn_mask)
         from nki_lib.attention.kernels import flash_attention_fwd
         return flash_attention_fwd.launch_flash_attention_fwd(q, k, v, sinks, cu_seqlens, **resolved)
 
-    out, lse = dispatch("flash_attention", (q, k, v, sinks), kernel=kernel,
+    out, lse = dispatch("flash_attention", (q, k, v, sinks), launch=launch,
                         reference=lambda: flash_attention_reference.flash_attention(
                             q, k, v, sinks, cu_seqlens, cu_seqlens_k, attn_mask, **flags))
     return out.contiguous(), lse.contiguous()
@@ -213,14 +211,14 @@ def flash_attention_backward_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 q.new_zeros(q.shape[1], dtype=_lse_dtype(q)))
     sinks, cu_seqlens_k, attn_mask = _prepare(q, k, sinks, cu_seqlens, cu_seqlens_k, attn_mask)
-    resolved = dict(flags, scale=flash_attention_reference.resolve_scale(scale, q.shape[-1]))
+    resolved = dict(flags, scale=resolve_scale(scale, q.shape[-1]))
 
-    def kernel():
+    def launch():
         _kernel_guard(cu_seqlens_k, attn_mask)
         from nki_lib.attention.kernels import flash_attention_bwd
         return flash_attention_bwd.launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, **resolved)
 
-    grads = dispatch("flash_attention_backward", (dout, q, k, v, sinks), kernel=kernel,
+    grads = dispatch("flash_attention_backward", (dout, q, k, v, sinks), launch=launch,
                      reference=lambda: flash_attention_reference.flash_attention_backward(
                          dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, cu_seqlens_k,
                          attn_mask, **flags))
@@ -334,4 +332,13 @@ SPEC = registry.register(OpSpec(
     samples=_samples,
     report_samples=_report_samples,
     backward_name="flash_attention_backward",
+    family="attention",
+    launchers=(
+        "nki_lib.attention.kernels.flash_attention_fwd.launch_flash_attention_fwd",
+        "nki_lib.attention.kernels.flash_attention_bwd.launch_flash_attention_bwd",
+    ),
+    kernels=(
+        "nki_lib.attention.kernels.flash_attention_fwd.flash_attention_fwd_kernel",
+        "nki_lib.attention.kernels.flash_attention_bwd.flash_attention_bwd_kernel",
+    ),
 ))

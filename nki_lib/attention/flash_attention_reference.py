@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from nki_lib.attention import masks
+from nki_lib.attention.attention_args import lse_dtype, resolve_scale
 
 _CHUNK_ELEMS = 1 << 24  # score elements per chunk of the chunked path (64 MiB in float32)
 _FUSED_CHUNK_ROWS = 512  # query rows per masked fused call (windows / offsets / user masks)
@@ -60,14 +61,6 @@ def _fused_bwd(dout, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None,
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def resolve_scale(scale: float | None, head_dim: int) -> float:
-    return head_dim ** -0.5 if scale is None else float(scale)
 
 
 @dataclass(frozen=True)

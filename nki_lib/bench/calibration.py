@@ -18,6 +18,8 @@ from typing import Callable
 
 import numpy as np
 
+from nki_lib.sizes import dtype_bytes
+
 __all__ = ["Measured", "CASES", "rows", "markdown"]
 
 
@@ -107,7 +109,7 @@ def _instruction(engine: str, opcode: str, shape, dtype: str, reads_psum: bool =
     from nki_lib.simulator.profile import instruction_cost, params
     from nki_lib.simulator.trace import Access, TraceEntry
 
-    size = {"float32": 4, "bfloat16": 2}[dtype]
+    size = dtype_bytes(dtype)
     free = int(np.prod(shape[1:]))
     src = Access(1, "psum" if reads_psum else "sbuf", (0, shape[0]), (0, free * size), tuple(shape), dtype)
     dst = Access(2, "sbuf", (0, shape[0]), (0, free * size), tuple(shape), dtype)

@@ -18,20 +18,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from nki_lib.simulator.profile import ElementWork, OpCost
+from nki_lib.sizes import FP32_BYTES, dtype_bytes
 
 __all__ = ["visible_pairs", "flash_attention_fwd", "flash_attention_bwd", "decode_attention", "moe_router",
            "moe_experts_fwd", "moe_experts_bwd", "moe_plan", "cost_of", "dtype_bytes", "pe_dtype"]
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-FP32 = 4
+FP32 = FP32_BYTES
 INT32 = 4
-
-
-def dtype_bytes(dtype) -> int:
-    name = str(dtype).replace("torch.", "")
-    if name not in _BYTES:
-        raise ValueError(f"dtype: no NKI element size for {dtype!r}")
-    return _BYTES[name]
 
 
 def pe_dtype(dtype) -> str:

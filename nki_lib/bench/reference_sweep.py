@@ -153,6 +153,24 @@ def memory_ratio() -> tuple[float, float]:
     return growth_kib * 1024 / dense, peak_kib * 1024 / dense
 
 
+def _moe_rows(rows, limit) -> bool:
+    """The MoE reference cases (``nki_lib.bench.reference_moe``: bf16 experts op on the reference
+    path against a loop over experts; target ratio <= 1)."""
+    from nki_lib.bench import reference_moe
+
+    ok = True
+    for case in reference_moe.CASES[:limit] if limit else reference_moe.CASES:
+        for backward in (False, True):
+            r = reference_moe.measure(case, backward=backward)
+            good = r["ratio"] <= reference_moe.TARGET
+            ok &= good
+            rows.append((f"moe_experts {r['case']}", r["pass_"], f"{r['reference_ms']:.1f}", f"{r['loop_ms']:.1f}",
+                         f"{r['ratio']:.2f}", f"<= {reference_moe.TARGET} (vs expert loop)",
+                         "PASS" if good else "FAIL"))
+            print("  ".join(rows[-1]), flush=True)
+    return ok
+
+
 def main(args=None) -> int:
     limit = getattr(args, "limit", None)
     cases = CASES[:limit] if limit else CASES
@@ -166,6 +184,7 @@ def main(args=None) -> int:
             rows.append((case.name, "fwd+bwd" if backward else "fwd", f"{a * 1e3:.1f}",
                          f"{b * 1e3:.1f}", f"{ratio:.2f}", f"<= {case.target}", "PASS" if good else "FAIL"))
             print("  ".join(rows[-1]), flush=True)
+    ok &= _moe_rows(rows, limit)
     mem, whole = memory_ratio()
     ok &= mem < MEMORY_TARGET
     print(f"memory fwd+bwd S=16384 bf16 causal: peak RSS growth {mem:.3f} of a dense fp32 SxS "

@@ -4,7 +4,7 @@ A launcher prepares its kernel's inputs in torch (transposes, re-laid-out and pa
 tables) and post-processes its outputs; on a device each of those ops reads and writes HBM and
 costs a launch of its own. :func:`record_host_ops` captures them while an op runs: a
 ``TorchDispatchMode`` sees every aten op executed inside an ``nki::`` op (the op's own
-implementation, forward and backward, including ``call_kernel``'s argument preparation; an op
+implementation, forward and backward, including the launchers' argument preparation; an op
 call served by the reference backend is not recorded), and keeps the ones that move data:
 
 * a view or alias (the output shares storage with an input: ``view``, ``transpose``,

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
+import nki_lib.moe  # noqa: F401  (registers the MoE ops)
 from nki_lib import backend
 from nki_lib.coverage import LEDGER
 from nki_lib.dispatch import NKIFallbackError, Unsupported
-import nki_lib.moe  # noqa: F401  (registers the MoE ops)
 from nki_lib.moe.hf import expert_activation, expert_weights
 
 IMPLEMENTATION = "nki"

@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nki_lib.moe import hf
-from nki_lib.moe import moe_experts_op, moe_plan_op, moe_router_op  # noqa: F401  (registers the MoE ops)
+from nki_lib.moe import hf, moe_experts_op, moe_plan_op, moe_router_op  # noqa: F401  (registers the MoE ops)
 from nki_lib.moe.expert_parallel import DEFAULT_CAPACITY_FACTOR, ExpertParallel
 from nki_lib.moe.losses import check_positive_int as _positive_int
 from nki_lib.moe.losses import load_balancing_loss, router_z_loss  # noqa: F401  (public here too)

@@ -158,11 +158,11 @@ def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: to
         return torch.zeros_like(x)
     args = _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down))
 
-    def kernel():
+    def launch():
         from nki_lib.moe.kernels import moe_experts_fwd
         return moe_experts_fwd.launch_moe_experts_fwd(*args, **flags)
 
-    y = dispatch("moe_experts", args[:2] + args[4:], kernel=kernel,
+    y = dispatch("moe_experts", args[:2] + args[4:], launch=launch,
                  reference=lambda: reference.moe_experts(*args, **flags))
     return y.contiguous()
 
@@ -194,11 +194,11 @@ def moe_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: tor
     args = (dy.contiguous(),) + _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up,
                                               w_down, b_gate_up, b_down))
 
-    def kernel():
+    def launch():
         from nki_lib.moe.kernels import moe_experts_bwd
         return moe_experts_bwd.launch_moe_experts_bwd(*args, **flags)
 
-    grads = dispatch("moe_experts_backward", args[:3] + args[5:], kernel=kernel,
+    grads = dispatch("moe_experts_backward", args[:3] + args[5:], launch=launch,
                      reference=lambda: reference.moe_experts_backward(*args, **flags))
     return tuple(g.contiguous() for g in grads)
 
@@ -292,4 +292,13 @@ SPEC = registry.register(OpSpec(
     samples=_samples,
     report_samples=_report_samples,
     backward_name="moe_experts_backward",
+    family="moe",
+    launchers=(
+        "nki_lib.moe.kernels.moe_experts_fwd.launch_moe_experts_fwd",
+        "nki_lib.moe.kernels.moe_experts_bwd.launch_moe_experts_bwd",
+    ),
+    kernels=(
+        "nki_lib.moe.kernels.moe_experts_fwd.moe_experts_fwd_kernel",
+        "nki_lib.moe.kernels.moe_experts_bwd.moe_experts_bwd_kernel",
+    ),
 ))

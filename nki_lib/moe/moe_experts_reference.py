@@ -32,13 +32,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nki_lib.moe.activations import GELU_TANH_A, GELU_TANH_C
+
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 # gpt-oss's swiglu constants (transformers GptOssConfig defaults swiglu_alpha / swiglu_limit)
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
 
-_GELU_TANH_C = (2.0 / torch.pi) ** 0.5   # sqrt(2 / pi) of the tanh approximation
-_GELU_TANH_A = 0.044715                  # cubic coefficient of the tanh approximation
 
 
 def act(g: torch.Tensor, activation: str) -> torch.Tensor:
@@ -62,8 +62,8 @@ def act_grad(g: torch.Tensor, activation: str) -> torch.Tensor:
         pdf = torch.exp(-0.5 * g * g) / (2 * torch.pi) ** 0.5
         return cdf + g * pdf
     if activation == "gelu_tanh":
-        t = torch.tanh(_GELU_TANH_C * (g + _GELU_TANH_A * g ** 3))
-        return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * _GELU_TANH_C * (1 + 3 * _GELU_TANH_A * g * g)
+        t = torch.tanh(GELU_TANH_C * (g + GELU_TANH_A * g ** 3))
+        return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * GELU_TANH_C * (1 + 3 * GELU_TANH_A * g * g)
     raise ValueError(f"activation must be one of {ACTIVATIONS[:3]}, got {activation!r}")
 
 

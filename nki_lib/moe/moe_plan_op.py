@@ -67,12 +67,12 @@ def moe_plan_op(topk_ids: torch.Tensor, *, num_experts: int, block_size: int
     if topk_ids.numel() == 0:           # nothing routed: all blocks unused, all slots padding
         return moe_plan_reference.moe_plan(topk_ids, **flags)
 
-    def kernel():
+    def launch():
         from nki_lib.moe.kernels import moe_plan_fwd
         # int64 ids narrow losslessly: validate_ids_values bounded them by num_experts
         return moe_plan_fwd.launch_moe_plan_fwd(topk_ids.to(torch.int32), **flags)
 
-    outs = dispatch("moe_plan", (topk_ids,), kernel=kernel,
+    outs = dispatch("moe_plan", (topk_ids,), launch=launch,
                     reference=lambda: moe_plan_reference.moe_plan(topk_ids, **flags))
     return tuple(o.contiguous() for o in outs)
 
@@ -113,4 +113,11 @@ SPEC = registry.register(OpSpec(
     report_samples=_report_samples,
     differentiable=False,
     dtypes=(torch.int32,),
+    family="moe",
+    launchers=(
+        "nki_lib.moe.kernels.moe_plan_fwd.launch_moe_plan_fwd",
+    ),
+    kernels=(
+        "nki_lib.moe.kernels.moe_plan_fwd.moe_plan_fwd_kernel",
+    ),
 ))

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from nki_lib.sizes import ceil_div
+
 
 def num_blocks(num_assignments: int, num_experts: int, block_size: int) -> int:
     """NB = ceil(N / block_size) + E - 1: the tight static bound on blocks (each expert wastes at
     most one partly filled block)."""
-    return -(-num_assignments // block_size) + num_experts - 1
+    return ceil_div(num_assignments, block_size) + num_experts - 1
 
 
 def moe_plan(topk_ids, *, num_experts, block_size):

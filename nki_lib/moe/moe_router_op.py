@@ -81,11 +81,11 @@ def moe_router_op(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tens
     if x.shape[0] == 0:
         return _empty_outputs(x, weight, top_k)
 
-    def kernel():
+    def launch():
         from nki_lib.moe.kernels import moe_router_fwd
         return moe_router_fwd.launch_moe_router_fwd(x, weight, expert_bias, **flags)
 
-    outs = dispatch("moe_router", (x, weight, expert_bias), kernel=kernel,
+    outs = dispatch("moe_router", (x, weight, expert_bias), launch=launch,
                     reference=lambda: moe_router_reference.moe_router(x, weight, expert_bias, **flags))
     return tuple(o.contiguous() for o in outs)
 
@@ -109,11 +109,11 @@ def moe_router_backward_op(dlogits: torch.Tensor, dtopk_weights: torch.Tensor, x
         return torch.zeros_like(x), torch.zeros_like(weight)
     flags = dict(score_func=score_func, renormalize=renormalize)
 
-    def kernel():
+    def launch():
         from nki_lib.moe.kernels import moe_router_bwd
         return moe_router_bwd.launch_moe_router_bwd(dlogits, dtopk_weights, x, weight, logits, topk_ids, **flags)
 
-    grads = dispatch("moe_router_backward", (dlogits, x, weight), kernel=kernel,
+    grads = dispatch("moe_router_backward", (dlogits, x, weight), launch=launch,
                      reference=lambda: moe_router_reference.moe_router_backward(
                          dlogits, dtopk_weights, x, weight, logits, topk_ids, **flags))
     return tuple(g.contiguous() for g in grads)
@@ -189,4 +189,13 @@ SPEC = registry.register(OpSpec(
     samples=_samples,
     report_samples=_report_samples,
     backward_name="moe_router_backward",
+    family="moe",
+    launchers=(
+        "nki_lib.moe.kernels.moe_router_fwd.launch_moe_router_fwd",
+        "nki_lib.moe.kernels.moe_router_bwd.launch_moe_router_bwd",
+    ),
+    kernels=(
+        "nki_lib.moe.kernels.moe_router_fwd.moe_router_fwd_kernel",
+        "nki_lib.moe.kernels.moe_router_bwd.moe_router_bwd_kernel",
+    ),
 ))

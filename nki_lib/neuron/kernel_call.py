@@ -127,7 +127,7 @@ _fake_cache: dict = {}
 
 
 def _zeros(t: torch.Tensor) -> np.ndarray:
-    from nki_lib.dispatch import numpy_dtype
+    from nki_lib.torch_bridge import numpy_dtype
 
     return np.zeros(tuple(int(s) for s in t.shape), dtype=numpy_dtype(t.dtype))
 
@@ -135,7 +135,7 @@ def _zeros(t: torch.Tensor) -> np.ndarray:
 @register_fake(nki_kernel_call)
 def _fake(kernel_idx, grid, constants_idx, tensors):
     from nki_lib._nki import nki
-    from nki_lib.dispatch import torch_dtype
+    from nki_lib.torch_bridge import torch_dtype
 
     key = (kernel_idx, grid, constants_idx, tuple((tuple(t.shape), t.dtype) for t in tensors))
     metas = _fake_cache.get(key)

@@ -116,35 +116,24 @@ def last_run() -> RunReport | None:
 
 
 # ---------------------------------------------------------------- argument conversion
-_TORCH_VIEW = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
-
-
 def _from_torch(t, name):
-    import torch
+    from nki_lib.torch_bridge import numpy_view  # torch only when torch tensors are passed
 
     if t.device.type != "cpu":
         raise TypeError(f"argument {name!r}: only CPU torch tensors can be simulated")
     t = t.detach()
-    dt = as_dtype(t.dtype, name)
+    as_dtype(t.dtype, name)
     base = t.contiguous()
-    if str(dt) in _TORCH_VIEW:
-        arr = base.view(getattr(torch, _TORCH_VIEW[str(dt)])).numpy().view(dt.np)
-    else:
-        arr = base.numpy()
-    return arr, (t if base is not t else None)
+    return numpy_view(base), (t if base is not t else None)
 
 
 def _to_torch(arr):
-    import torch
+    from nki_lib.torch_bridge import to_torch
 
     dt = from_numpy(arr.dtype)
-    arr = np.ascontiguousarray(arr)
-    if str(dt) in _TORCH_VIEW:
-        raw = torch.from_numpy(arr.view(np.dtype(_TORCH_VIEW[str(dt)])).copy())
-        return raw.view(getattr(torch, str(dt)))
     if dt.np.type in (ml_dtypes.float8_e4m3, ml_dtypes.float8_e8m0fnu):
         raise TypeError(f"result dtype {dt} has no torch equivalent; pass NumPy inputs to get NumPy results")
-    return torch.from_numpy(arr.copy())
+    return to_torch(arr)
 
 
 class _Args:

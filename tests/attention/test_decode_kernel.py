@@ -26,7 +26,7 @@ def _launch(sample, num_splits=None, grid=1):
                  softcap=sample.kwargs.get("softcap", 0.0))
     with collect_runs() as runs, nki_lib.use_backend("simulator"), nki_lib.strict():
         outs = dispatch("decode_attention", (q, k, v, sinks), reference=None,
-                        kernel=lambda: decode_attention_fwd_plan.launch_decode_attention_fwd(q, k, v, seqlens, table, sinks,
+                        launch=lambda: decode_attention_fwd_plan.launch_decode_attention_fwd(q, k, v, seqlens, table, sinks,
                                                               num_splits=num_splits, grid=grid, **flags))
     return outs, runs[-1][1]
 

@@ -100,6 +100,7 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.attention.kernels.tiles import STAT_INIT, inf_max_rows
+from nki_lib.sizes import spans
 
 __all__ = ["decode_attention_fwd_kernel", "block_slots", "chunk_plan"]
 
@@ -138,10 +139,6 @@ def chunk_plan(m, rows_max, rows_total, itemsize):
     kt = min(blk, block_slots(itemsize))
     step = max(blk, min(m, STEP_SLOTS, _floor_pow2(STEP_SCORE_ELEMS // rows_total)))
     return step, blk, kt
-
-
-def _spans(length, width):
-    return tuple((start, min(width, length - start)) for start in range(0, length, width))
 
 
 class _SplitState(nl.NKIObject):
@@ -246,7 +243,7 @@ def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, so
     pmax = nl.tile_size.pmax
     c0, n = step
     _, blk_slots, kt_slots = plan
-    kt_blocks = tuple((b0 + k0, kn) for b0, bn in _spans(n, blk_slots) for k0, kn in _spans(bn, kt_slots))
+    kt_blocks = tuple((b0 + k0, kn) for b0, bn in spans(n, blk_slots) for k0, kn in spans(bn, kt_slots))
 
     def transposed(i):
         k0, kn = kt_blocks[i]
@@ -422,14 +419,14 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
     units_per_chunk = m * pmax // unit_keys
     k_chunk, v_chunk = chunk_pair
     regs, window_sb = setup.regs, setup.window
-    steps = _spans(m, plan[0])       # gathered K per softmax step: the first step's scores start early
+    steps = spans(m, plan[0])       # gathered K per softmax step: the first step's scores start early
     n_cols = unit_table.shape[1]
     for r in range(len(regs) // 2):
         interior = r == INTERIOR_RANGE
         direct = interior and seq_offset is not None
         for col in nl.dynamic_range(regs[2 * r], regs[2 * r + 1], units_per_chunk):
             if direct:                                  # K, then V, in pieces
-                pieces = _spans(m, DIRECT_PIECE_SLOTS)
+                pieces = spans(m, DIRECT_PIECE_SLOTS)
                 for cache, buf in ((k_units, k_chunk), (v_units, v_chunk)):
                     for c0, n in pieces:
                         src = cache.ap([[m * d, pmax], [1, n * d]], offset=seq_offset + head_offset + c0 * d,
@@ -469,7 +466,7 @@ def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_d
     and multiplies while VectorE/ScalarE run the mask, max and exp chain of the step before); then
     the row bounds move to the next chunk (-128*M keys)."""
     pmax = nl.tile_size.pmax
-    steps = _spans(m, plan[0])
+    steps = spans(m, plan[0])
 
     def scores(step):
         s_sb = [nl.ndarray((pmax, st.acc.shape[0], step[1]), dtype=nl.float32, buffer=nl.sbuf)
@@ -525,8 +522,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     n_split = split_bounds.shape[1]
     m = keys_per_partition
     dtype = q.dtype
-    row_spans = _spans(rows, pmax)
-    d_spans = _spans(d, pmax)
+    row_spans = spans(rows, pmax)
+    d_spans = spans(d, pmax)
     plan = chunk_plan(m, row_spans[0][1], rows, k_units.itemsize)
     out = nl.ndarray((batch, n_q_heads, sq, d), dtype=dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((batch, n_q_heads, sq), dtype=nl.float32, buffer=nl.shared_hbm)

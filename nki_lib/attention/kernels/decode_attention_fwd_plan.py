@@ -29,11 +29,12 @@ import math
 import torch
 
 from nki_lib._nki import nl
-from nki_lib.attention.flash_attention_reference import resolve_scale
+from nki_lib.attention.attention_args import resolve_scale
 from nki_lib.attention.kernels.decode_attention_fwd import decode_attention_fwd_kernel
 from nki_lib.attention.kernels.tiles import MAX_INDEX
 from nki_lib.backend import lnc_degree
-from nki_lib.dispatch import Unsupported, call_kernel
+from nki_lib.dispatch import KernelLaunch, Unsupported
+from nki_lib.sizes import ceil_div
 
 __all__ = ["launch_decode_attention_fwd", "plan_splits", "KERNEL_DTYPES"]
 
@@ -64,12 +65,12 @@ def _floor_pow2(x: int) -> int:
 def plan_splits(batch: int, n_kv_heads: int, max_chunks: int, grid: int = 1) -> int:
     """Number of splits of each sequence: enough streams to occupy the cores, at least one chunk each;
     a multiple of ``grid`` when the cores share the splits of each (b, hk) (B*Hkv not a multiple)."""
-    wanted = -(-STREAMS_PER_CORE * grid // (batch * n_kv_heads))
+    wanted = ceil_div(STREAMS_PER_CORE * grid, batch * n_kv_heads)
     return _cores_share(max(1, min(wanted, max_chunks)), batch * n_kv_heads, grid)
 
 
 def _cores_share(n_split: int, units: int, grid: int) -> int:
-    return -(-n_split // grid) * grid if units % grid else n_split
+    return ceil_div(n_split, grid) * grid if units % grid else n_split
 
 
 def _unit_view(cache, block_table, unit_keys):
@@ -107,7 +108,8 @@ def _split_ranges(edges, direct_lo, direct_hi):
 
 def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, window_left,
                softcap, num_splits=None, grid=None, cache_start=None):
-    """Run ``decode_attention_fwd_kernel``; raises ``Unsupported`` (before launching) for what it cannot serve."""
+    """The launch of ``decode_attention_fwd_kernel`` (it returns ``(out, lse)``); raises
+    ``Unsupported`` for what the kernel cannot serve."""
     if q.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {q.dtype}")
     b, hq, sq, d = q.shape
@@ -141,7 +143,7 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
         first = torch.maximum(first, cache_start.to(torch.int64))
 
     n_cols = table.shape[1]
-    n_cols_pad = -(-n_cols // units_per_chunk) * units_per_chunk
+    n_cols_pad = ceil_div(n_cols, units_per_chunk) * units_per_chunk
     cols = torch.arange(n_cols_pad, device=dev)
     needed = ((cols[None, :] * unit_keys < lengths[:, None])
               & ((cols[None, :] + 1) * unit_keys > first[:, None]) & (cols[None, :] < n_cols))
@@ -150,7 +152,7 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
 
     grid = grid or lnc_degree()
     n_split = (_cores_share(num_splits, b * hkv, grid) if num_splits
-               else plan_splits(b, hkv, -(-cap // chunk), grid))
+               else plan_splits(b, hkv, ceil_div(cap, chunk), grid))
     c0 = first // chunk
     n_chunks = (lengths + chunk - 1) // chunk - c0
     s_idx = torch.arange(n_split + 1, device=dev)
@@ -171,8 +173,9 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
         sink_rows = sinks.to(torch.float32).reshape(hkv, hq // hkv, 1).expand(hkv, hq // hkv, sq)
         sink_rows = sink_rows.reshape(hkv, rows).contiguous()
 
-    return call_kernel(decode_attention_fwd_kernel, q.contiguous(), k_units, v_units, unit_table,
-                       split_bounds.to(torch.int32).contiguous(),
-                       key_window.to(torch.float32).contiguous(), row_bounds, sink_rows,
-                       hkv, head_offset, None if paged else n_rows // b, unit_keys, m,
-                       resolve_scale(scale, d), float(softcap), grid=grid)
+    return KernelLaunch(decode_attention_fwd_kernel,
+                        (q.contiguous(), k_units, v_units, unit_table, split_bounds.to(torch.int32).contiguous(),
+                         key_window.to(torch.float32).contiguous(), row_bounds, sink_rows,
+                         hkv, head_offset, None if paged else n_rows // b, unit_keys, m,
+                         resolve_scale(scale, d), float(softcap)),
+                        grid=grid)

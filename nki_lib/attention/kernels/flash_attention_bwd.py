@@ -87,9 +87,12 @@ most negative float32 before exp), else ``Unsupported``.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from nki_lib._nki import nisa, nki, nl
+from nki_lib.attention.attention_args import MAX_HEAD_DIM
 from nki_lib.attention.kernels import flash_attention_bwd_prep, tiles
 from nki_lib.attention.kernels.flash_attention_bwd_tile import (
     Config,
@@ -105,10 +108,10 @@ from nki_lib.attention.kernels.flash_attention_bwd_tile import (
     seen_blocks,
 )
 from nki_lib.backend import lnc_degree
-from nki_lib.dispatch import Unsupported, call_kernel
+from nki_lib.dispatch import KernelLaunch, Unsupported
+from nki_lib.sizes import ceil_div
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_HEAD_DIM = 256
 
 
 def _acc_stride(head_dim: int) -> int:
@@ -310,7 +313,7 @@ def dq_resident(group, seqlen_q, head_dim):
     """Whether the fp32 dQ accumulators of a GQA group's query heads stay in SBUF for a whole kv
     head (no HBM round trip per key tile): when they take at most half of a partition's SBUF."""
     per = _group_tiles()
-    rows = -(-seqlen_q // (per * nl.tile_size.pmax)) * per
+    rows = ceil_div(seqlen_q, per * nl.tile_size.pmax) * per
     return group * rows * head_dim * 4 <= nl.tile_size.sbuf_fmax_bytes // 2
 
 
@@ -494,8 +497,8 @@ def flash_attention_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t,
 
 def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale, window_left,
               window_right, softcap):
-    """Launch the backward kernel: ``(dq, dk, dv, dsinks)`` (dsinks float32 (Hq,), zeros without
-    sinks). Raises :class:`Unsupported` before launching when the kernel cannot serve the call."""
+    """The launch of the backward kernel; it returns ``(dq, dk, dv, dsinks)`` (dsinks float32 (Hq,),
+    zeros without sinks). Raises :class:`Unsupported` when the kernel cannot serve the call."""
     if q.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {q.dtype} (the backward kernel handles bfloat16, float16, float32)")
     if q.shape[-1] > MAX_HEAD_DIM:
@@ -509,11 +512,19 @@ def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens,
     pair = lambda x, y: torch.stack([row_groups(x), row_groups(y)], dim=5)  # noqa: E731
     qdo_t = torch.stack([col_groups(q.transpose(2, 3)), col_groups(dout.transpose(2, 3))], dim=4)
     k_t, v_t = (x.transpose(2, 3).contiguous() for x in (k, v))
-    dq, dk, dv, dsinks = call_kernel(
-        flash_attention_bwd_kernel, pair(q, dout), qdo_t, pair(out, dout), dlse.contiguous(), row_groups(k), k_t, v_t,
-        lse.contiguous(), None if sinks is None else sinks.contiguous(), doc, causal=bool(causal), scale=float(scale),
-        window_left=int(window_left), window_right=int(window_right), softcap=float(softcap), grid=grid)
-    return from_row_groups(dq, q.shape[2]), from_row_groups(dk, k.shape[2]), from_row_groups(dv, k.shape[2]), dsinks
+    return KernelLaunch(
+        flash_attention_bwd_kernel,
+        (pair(q, dout), qdo_t, pair(out, dout), dlse.contiguous(), row_groups(k), k_t, v_t, lse.contiguous(),
+         None if sinks is None else sinks.contiguous(), doc),
+        dict(causal=bool(causal), scale=float(scale), window_left=int(window_left), window_right=int(window_right),
+             softcap=float(softcap)),
+        grid=grid, unpack=partial(_unpack_grads, q.shape[2], k.shape[2]))
+
+
+def _unpack_grads(seqlen_q, seqlen_k, grads):
+    """The kernel's ``(dq, dk, dv, dsinks)`` in row groups -> the op's ``(B, H, S, D)`` gradients."""
+    dq, dk, dv, dsinks = grads
+    return from_row_groups(dq, seqlen_q), from_row_groups(dk, seqlen_k), from_row_groups(dv, seqlen_k), dsinks
 
 
 def _padded(x, dim):

@@ -113,12 +113,7 @@ from nki_lib.attention.kernels.flash_attention_fwd_plan import (
     program_share,
 )
 from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, new_lse_batch
-from nki_lib.attention.kernels.flash_attention_fwd_step import (
-    FP32_BYTES,
-    HALF_BYTES,
-    PT_DVE_SHARE,
-    PT_DVE_SHARE_SOFTCAP,
-)
+from nki_lib.attention.kernels.flash_attention_fwd_step import PT_DVE_SHARE, PT_DVE_SHARE_SOFTCAP
 from nki_lib.attention.kernels.tiles import (
     MAX_INDEX,
     STAT_INIT,
@@ -129,7 +124,8 @@ from nki_lib.attention.kernels.tiles import (
     key_tile_width,
 )
 from nki_lib.backend import lnc_degree
-from nki_lib.dispatch import Unsupported, call_kernel
+from nki_lib.dispatch import KernelLaunch, Unsupported
+from nki_lib.sizes import FP32_BYTES, HALF_BYTES, ceil_div
 
 __all__ = ["launch_flash_attention_fwd", "flash_attention_fwd_kernel", "KERNEL_DTYPES"]
 
@@ -175,7 +171,7 @@ def flash_attention_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, cau
     ctx = Ctx(q_t=q_t, k_t=k_t, v=v, sinks=sinks, has_sinks=has_sinks, d=d, chunks=chunks,
               mask=mask, doc_lo=doc[0] if has_docs else None, doc_hi=doc[1] if has_docs else None)
     section_keys = max(key_tile_width(), KEY_SECTION_BYTES // q_bytes)
-    n_spans = -(-sk // section_keys)
+    n_spans = ceil_div(sk, section_keys)
     k_fits = (len(chunks) * sk * q_bytes
               <= nl.tile_size.total_available_sbuf_size // K_CACHE_SBUF_SHARE)
     ctx.section_keys = section_keys
@@ -231,8 +227,9 @@ def flash_attention_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, cau
 # --------------------------------------------------------------------------- launcher
 
 def launch_flash_attention_fwd(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_right, softcap):
-    """Launch :func:`flash_attention_fwd_kernel` for ``nki::flash_attention`` (arguments already validated,
-    ``scale`` resolved). Returns ``(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32)``."""
+    """The launch of :func:`flash_attention_fwd_kernel` for ``nki::flash_attention`` (arguments already
+    validated, ``scale`` resolved); it returns ``(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq)
+    float32)``. Raises :class:`Unsupported` for what the kernel cannot serve."""
     if q.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {q.dtype} (the kernel handles bfloat16, float16, float32)")
     sq, sk = q.shape[2], k.shape[2]
@@ -242,6 +239,7 @@ def launch_flash_attention_fwd(q, k, v, sinks, cu_seqlens, *, causal, scale, win
     k_t = k.transpose(2, 3).contiguous()
     sinks_c = None if sinks is None else sinks.contiguous()
     doc = None if cu_seqlens is None else document_bounds(cu_seqlens, sq)
-    return call_kernel(flash_attention_fwd_kernel, q_t, k_t, v.contiguous(), sinks_c, doc,
-                       sinks is not None, cu_seqlens is not None, bool(causal), float(scale),
-                       int(window_left), int(window_right), float(softcap), grid=lnc_degree())
+    return KernelLaunch(flash_attention_fwd_kernel,
+                        (q_t, k_t, v.contiguous(), sinks_c, doc, sinks is not None, cu_seqlens is not None,
+                         bool(causal), float(scale), int(window_left), int(window_right), float(softcap)),
+                        grid=lnc_degree())

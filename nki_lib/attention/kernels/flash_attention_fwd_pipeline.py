@@ -83,6 +83,14 @@ def load_v_of(ctx, groups, steps, s):
 
 class Work(nl.NKIObject):
     """In-flight tiles of one step between pipeline stages (dropped as soon as consumed)."""
+    s_sb: object           # scores (qn, slen) fp32
+    rowmax: object         # (qn, 1) section row max
+    p_sb: object           # probabilities (qn, slen)
+    alpha: object          # (qn, 1) rescale of the previous state
+    rowsum: object         # (qn, 1) section row sums
+    pt_psum: object        # P^T in PSUM
+    pt_sb: object          # P^T in SBUF
+    o_psum: object         # P V (qn, D) in PSUM
 
 
 def real(steps, s):

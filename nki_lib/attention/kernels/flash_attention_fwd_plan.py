@@ -17,16 +17,47 @@ QUERY_SECTION_TILES = 4  # q^T of this many consecutive query tiles is loaded by
 
 class Ctx(nl.NKIObject):
     """Kernel-wide inputs, outputs and compile-time flags, passed to the step helpers."""
+    q_t: object            # (B, Hq, D, Sq) HBM, q transposed
+    k_t: object            # (B, Hkv, D, Sk) HBM, k transposed
+    v: object              # (B, Hkv, Sk, D) HBM
+    sinks: object          # (Hq,) fp32 HBM or None
+    has_sinks: bool
+    d: int                 # head dim D
+    chunks: tuple          # head-dim chunks ((start, size), ...) of at most 128
+    mask: object           # tiles.MaskSpec
+    doc_lo: object         # (Sq,) document start per query (HBM) or None
+    doc_hi: object         # (Sq,) document end per query (HBM) or None
+    section_keys: int      # keys per K/V section
+    stat_init: float       # initial running max (scaled)
+    k_cache: object        # cached K^T sections of the current kv head (list) or None
+    k_owner: object        # (b, hk) whose K^T the cache holds, or None
 
 
 class QuerySection(nl.NKIObject):
     """q^T of up to QUERY_SECTION_TILES consecutive query tiles of the same heads, loaded by one
     DMA per head and chunk, shared by the groups of those tiles (released after the last)."""
+    q0: int                # first query row
+    length: int            # query rows covered
+    users: int             # groups that opened it so far
+    tiles: object          # per head: list of q^T chunk tiles, or None before loading / after release
 
 
 class Group(nl.NKIObject):
     """One query tile [q0, q0 + qn) of one pass over (part of) the GQA group of kv head hk: the
     query heads it serves, its key-tile plan, and once opened its resident tiles."""
+    b: int                 # batch index
+    hk: int                # kv head
+    q0: int                # first query row of the tile
+    qn: int                # query rows (<= 128)
+    heads: tuple           # query heads served
+    plan: tuple            # its visible key tiles (trim_plan of plan_row)
+    sections: tuple        # the key sections of the plan (key_sections)
+    q_sec: QuerySection    # the query section holding this tile's q^T
+    q_tiles: object        # per head: q^T chunk tiles (views of q_sec.tiles), or None
+    states: object         # per head: fwd_state.RowState, or None
+    bounds: object         # per-row visible key bounds (lo, hi), or None
+    k: object              # per section: K^T tiles, or None
+    v: object              # per section: V tiles, or None
 
 
 def plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys):

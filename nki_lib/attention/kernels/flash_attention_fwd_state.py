@@ -71,6 +71,11 @@ class LseBatch(nl.NKIObject):
     """lse statistics of up to ``size`` (head, query tile) pairs, gathered as the columns of one
     (128, size) tile pair (l, neg_m) when each group closes, finished together by
     :func:`flush_lse` (one ScalarE log per batch)."""
+    lse: object            # (B, Hq, Sq) fp32 HBM output
+    size: int              # pairs per batch
+    l_all: object          # (128, size) fp32 denominators, or None before the first pair
+    neg_m_all: object      # (128, size) fp32 -running max, or None before the first pair
+    rows: list             # (qn, b, h, q0) of each queued pair
 
 
 def new_lse_batch(lse, size):

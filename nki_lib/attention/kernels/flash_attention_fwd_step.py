@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.tiles import key_blocks, mask_scores
+from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 
-__all__ = ["FP32_BYTES", "HALF_BYTES", "PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "load_q",
+__all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "load_q",
            "load_k_section", "load_v", "section_scores", "softmax_step", "transpose_p", "evict_pt",
            "p_times_v"]
 
-FP32_BYTES = 4
-HALF_BYTES = 2        # bfloat16 / float16
 MAX_READ_STRIDE_BYTES = 16  # innermost read stride above which an engine port runs at half
                             # bandwidth (docs/cost-model.md §2.5, NC-v2 arch guide)
 PT_DVE_SHARE = 0.4    # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
 from nki_lib.attention import masks
+from nki_lib.sizes import spans
 
 __all__ = ["MASK_FILL", "STAT_INIT", "MAX_INDEX", "MaskSpec", "spans", "query_tiles", "key_tiles",
            "key_tile_width", "key_blocks", "head_dim_chunks", "plan_row", "heads_per_pass",
@@ -74,12 +75,6 @@ class MaskSpec(nl.NKIObject):
     def tile_full(self, q0: int, qn: int, k0: int, kn: int) -> bool:
         """No key of the tile is masked for any query (document masks make every tile partial)."""
         return not self.has_docs and masks.tile_is_full(q0, q0 + qn, k0, k0 + kn, **self._flags())
-
-
-def spans(length: int, width: int) -> tuple:
-    """``((start, size), ...)`` covering ``[0, length)`` with sizes ``width`` (the last may be
-    shorter): partial tiles at the end are handled in the kernel, never padded in HBM."""
-    return tuple((start, min(width, length - start)) for start in range(0, length, width))
 
 
 def key_tile_width() -> int:

@@ -56,14 +56,34 @@ blocks).
 
 from __future__ import annotations
 
-from nki_lib._nki import nki, nisa, nl
-from nki_lib.dispatch import Unsupported, call_kernel
+from functools import partial
+
+from nki_lib._nki import nisa, nki, nl
+from nki_lib.dispatch import KernelLaunch, Unsupported
+from nki_lib.moe.activations import GELU_TANH_A, GELU_TANH_C
 from nki_lib.moe.kernels.moe_experts_fwd import (
-    act_fn, block_flags, block_registers, check_supported, choose_tiling, flags_sbuf_bytes,
-    gather_rows_into, load_all_ids, load_expert_cols, load_expert_t, reduce_assignments, routing_weights,
-    WEIGHT_SPAN, scatter_rows, slot_tokens, staged_bytes, tail_sbuf_bytes, tiles, transpose_rows)
+    WEIGHT_SPAN,
+    act_fn,
+    block_flags,
+    block_registers,
+    check_supported,
+    choose_tiling,
+    flags_sbuf_bytes,
+    gather_rows_into,
+    load_all_ids,
+    load_expert_cols,
+    load_expert_t,
+    reduce_assignments,
+    routing_weights,
+    scatter_rows,
+    slot_tokens,
+    staged_bytes,
+    tail_sbuf_bytes,
+    tiles,
+    transpose_rows,
+)
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu_terms, ones_row
-from nki_lib.moe.moe_experts_reference import _GELU_TANH_A, _GELU_TANH_C
+from nki_lib.sizes import ceil_div
 
 ACT_GRAD_FN = {"silu": "silu_dx", "gelu": "gelu_dx"}   # ScalarE derivative functions
 ACC_MODES = ("only", "first", "middle", "last")          # a block's place among its expert's blocks
@@ -79,17 +99,17 @@ def _gelu_tanh_grad(dst, g_psum, shape):
     g2_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=g2_sb, op=nl.square, data=g_psum)
     inner_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=inner_sb, data=g2_sb, op0=nl.multiply, operand0=_GELU_TANH_A, op1=nl.add,
+    nisa.tensor_scalar(dst=inner_sb, data=g2_sb, op0=nl.multiply, operand0=GELU_TANH_A, op1=nl.add,
                        operand1=1.0)
     nisa.tensor_tensor(dst=inner_sb, data1=inner_sb, data2=g_psum, op=nl.multiply)
     t_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=t_sb, op=nl.tanh, data=inner_sb, scale=_GELU_TANH_C)
+    nisa.activation(dst=t_sb, op=nl.tanh, data=inner_sb, scale=GELU_TANH_C)
     sech2_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)                # 1 - t^2
     nisa.tensor_tensor(dst=sech2_sb, data1=t_sb, data2=t_sb, op=nl.multiply)
     nisa.tensor_scalar(dst=sech2_sb, data=sech2_sb, op0=nl.multiply, operand0=-1.0, op1=nl.add,
                        operand1=1.0)
-    nisa.tensor_scalar(dst=g2_sb, data=g2_sb, op0=nl.multiply, operand0=3.0 * _GELU_TANH_A * 0.5 * _GELU_TANH_C,
-                       op1=nl.add, operand1=0.5 * _GELU_TANH_C)                    # 0.5 c (1 + 3 a g^2)
+    nisa.tensor_scalar(dst=g2_sb, data=g2_sb, op0=nl.multiply, operand0=3.0 * GELU_TANH_A * 0.5 * GELU_TANH_C,
+                       op1=nl.add, operand1=0.5 * GELU_TANH_C)                    # 0.5 c (1 + 3 a g^2)
     nisa.tensor_tensor(dst=g2_sb, data1=g2_sb, data2=sech2_sb, op=nl.multiply)
     nisa.tensor_tensor(dst=g2_sb, data1=g2_sb, data2=g_psum, op=nl.multiply)
     nisa.tensor_scalar(dst=t_sb, data=t_sb, op0=nl.multiply, operand0=0.5, op1=nl.add, operand1=0.5)
@@ -502,18 +522,23 @@ def _bias_context(b_gate_up, b_down, dtype):
 
 # --------------------------------------------------------------------------- launcher
 
-def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_blocks):
+def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_blocks, clamped=False,
+                  biases=False):
     """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` and dx staging
     width ``dx_cols`` (upper bound): the block's resident tiles plus the largest of its three
-    phases (loading rows, I chunks, dx), whose tiles are freed before the next phase."""
+    phases (loading rows, I chunks, dx), whose tiles are freed before the next phase; the clamped
+    swiglu's temporaries and the bias rows, ones and bias column when asked."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
-    ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
+    ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     slot_tiles = st * (2 * hidden * itemsize + 4 * 4)            # x, do rows; ids, weight, d weight
     resident = (2 * ht + 2 * it) * block * itemsize             # xT, dyT, dgT, duT
     load = st * hidden * itemsize                               # phase 1: dy rows (until scaled/transposed)
     staging = 2 * min(hidden, WEIGHT_SPAN) * itemsize           # natural W rows before transposes
     streamed = 3 * ht * i_chunk * itemsize + staging            # W_gate^T, W_up^T, W_down columns
-    chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * _FP32_TEMPS * i_chunk * 4   # h, dg, du; fp32 temps
+    temps = _FP32_TEMPS_CLAMPED if clamped else _FP32_TEMPS
+    chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * temps * i_chunk * 4   # h, dg, du; fp32 temps
+    if biases:                                                  # g/u bias rows, ones row/column, b_down column
+        chunk += 2 * (2 * i_chunk + pmax) * itemsize + (ht + 1) * itemsize
     chunks = streamed + chunk + 2 * fmax * (4 + itemsize)       # phase 2, with the accumulate tiles
     dx = 2 * fmax * itemsize + staged_bytes(dx_cols, hidden, st)   # phase 3: W rows, dx rows
     dx += st * (2 * hidden * itemsize + 4)                      # and the next block's x, dy rows, weights
@@ -540,16 +565,24 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
     routing weights to fp32 and the cast of their gradient to their dtype)."""
     if (b_gate_up is None) != (b_down is None):
         raise Unsupported("only one of b_gate_up / b_down (the kernel takes both or neither)")
+    flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None)
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
-                                 sbuf_fn=sbuf_bytes)
+                                 sbuf_fn=sbuf_bytes, **flags)
     top_k = topk_weights.shape[1]
     i_chunk, dx_cols = tiling(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
-                              n_blocks=block_expert.shape[0])
-    outs = call_kernel(
-        moe_experts_bwd_kernel, dy.contiguous(), x.contiguous(), routing_weights(topk_weights),
-        block_expert.contiguous(), slot_tokens(slot_assignment, top_k), slot_assignment.contiguous(),
-        w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha),
-        float(swiglu_limit), top_k, i_chunk, dx_cols)
+                              n_blocks=block_expert.shape[0], **flags)
+    return KernelLaunch(
+        moe_experts_bwd_kernel,
+        (dy.contiguous(), x.contiguous(), routing_weights(topk_weights), block_expert.contiguous(),
+         slot_tokens(slot_assignment, top_k), slot_assignment.contiguous(), w_gate_up.contiguous(),
+         w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha), float(swiglu_limit), top_k,
+         i_chunk, dx_cols),
+        unpack=partial(_unpack_grads, x, topk_weights, b_gate_up, b_down))
+
+
+def _unpack_grads(x, topk_weights, b_gate_up, b_down, outs):
+    """The kernel's gradients in the op's shapes and dtypes (d topk_weights back to (T, k) and the
+    routing weights' dtype; empty bias gradients without biases)."""
     dx, dtopk, dw_gate_up, dw_down = outs[:4]
     db = (x.new_zeros(0), x.new_zeros(0)) if b_gate_up is None else (outs[4].reshape(b_gate_up.shape),
                                                                      outs[5].reshape(b_down.shape))

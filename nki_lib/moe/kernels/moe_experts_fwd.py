@@ -52,9 +52,10 @@ from __future__ import annotations
 import torch
 
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.dispatch import Unsupported, call_kernel
-from nki_lib.moe.kernels.moe_experts_groups import merge_blocks, slot_positions
+from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu, ones_row
+from nki_lib.moe.kernels.moe_experts_groups import merge_blocks, slot_positions
+from nki_lib.sizes import ceil_div
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are live at once
@@ -428,7 +429,7 @@ def gather_tail_bytes(hidden, top_k, itemsize):
 
 def flags_sbuf_bytes(n_blocks, block):
     """SBUF bytes per partition live through the kernel: block flags, the plan's slot ids."""
-    slot_tiles = -(-block // nl.tile_size.pmax)
+    slot_tiles = ceil_div(block, nl.tile_size.pmax)
     return 2 * n_blocks * 4 + 2 * slot_tiles * n_blocks * 4 + 2 * block * 4
 
 
@@ -453,20 +454,24 @@ def choose_tiling(sbuf_at, hidden, *args, **counts):
     return choices[-1]
 
 
-def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_blocks):
+def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_blocks, clamped=False,
+                  biases=False):
     """Peak SBUF bytes per partition of the forward kernel at down-projection H chunk ``h_chunk``
-    and y staging width ``y_cols`` (upper bound: two generations of every streamed tile)."""
+    and y staging width ``y_cols`` (upper bound: two generations of every streamed tile; with the
+    clamped swiglu's three more fp32 temporaries and the bias rows and ones when asked)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
-    ht, it, st = -(-hidden // pmax), -(-inter // pmax), -(-block // pmax)
+    ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     rows = st * hidden * itemsize                                # x rows of one group
     x_t, h_t = ht * block * itemsize, it * block * itemsize
     staging = 2 * min(max(hidden, inter), WEIGHT_SPAN) * itemsize   # natural weight rows before transposes
     gate_up = 2 * (2 * ht * pmax * itemsize + fmax * 4)         # W_gate^T/W_up^T tiles, act
+    gate_up += 2 * 3 * fmax * 4 if clamped else 0               # gc, s, v of the clamped swiglu
+    bias = 2 * (3 * pmax + fmax) * itemsize if biases else 0    # gate/up/down bias rows, ones row
     span_tiles = min(it, WEIGHT_SPAN // pmax)
     down = 2 * span_tiles * h_chunk * itemsize + staged_bytes(y_cols, hidden, st)   # W_down^T span, o rows
     phases = (rows + x_t + h_t,                                 # transposes: x rows -> xT
-              x_t + h_t + staging + gate_up,                    # gate/up (x rows released)
-              rows + h_t + staging + down)                      # down, next group's rows (xT released)
+              x_t + h_t + staging + gate_up + bias,             # gate/up (x rows released)
+              rows + h_t + staging + down + bias)               # down, next group's rows (xT released)
     body = max(phases)
     live_flags = n_blocks * st * 4
     return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, gather_tail_bytes(hidden, top_k, itemsize))
@@ -483,7 +488,7 @@ def sbuf_bytes(hidden, inter, block, itemsize, **counts):
                          **counts)
 
 
-def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sbuf_fn):
+def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sbuf_fn, **flags):
     """Raise Unsupported (before launching) for what the kernels cannot serve."""
     if x.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {x.dtype} (kernel serves {[str(d) for d in KERNEL_DTYPES]})")
@@ -492,7 +497,7 @@ def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sb
     if block_size > max_block:
         raise Unsupported(f"block_size {block_size} > {max_block}")
     need = sbuf_fn(x.shape[1], inter, block_size, x.element_size(), top_k=topk_weights.shape[1],
-                   n_blocks=block_expert.shape[0])
+                   n_blocks=block_expert.shape[0], **flags)
     if need > nl.tile_size.total_available_sbuf_size:
         raise Unsupported(f"SBUF: {need} bytes per partition needed for H={x.shape[1]}, I={inter}, "
                           f"block_size={block_size}, > {nl.tile_size.total_available_sbuf_size}")
@@ -517,22 +522,23 @@ def group_blocks(hidden, inter, block, itemsize, **counts):
 
 def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
                            b_down=None, *, activation, swiglu_alpha, swiglu_limit):
-    """Launch the forward kernel (host side: index metadata, views and the exact widening of the
-    routing weights to fp32)."""
+    """The launch of the forward kernel, which returns y (T, H) (host side: index metadata, views and
+    the exact widening of the routing weights to fp32)."""
+    flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None or b_down is not None)
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
-                                 sbuf_fn=sbuf_bytes)
+                                 sbuf_fn=sbuf_bytes, **flags)
     top_k = topk_weights.shape[1]
     hidden, inter, itemsize = x.shape[1], w_down.shape[2], x.element_size()
-    counts = dict(top_k=top_k, n_blocks=block_expert.shape[0])
+    counts = dict(top_k=top_k, n_blocks=block_expert.shape[0], **flags)
     blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
     group_expert, group_slots, tile_live = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
     slot_pos = slot_positions(group_slots, topk_weights.numel())
     h_chunk, y_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
-                             n_blocks=group_expert.shape[0])
-    return call_kernel(moe_experts_fwd_kernel, x.contiguous(), routing_weights(topk_weights), group_expert,
-                       slot_tokens(group_slots, top_k), tile_live, slot_pos, w_gate_up.contiguous(),
-                       w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha), float(swiglu_limit),
-                       top_k, h_chunk, y_cols)
+                             n_blocks=group_expert.shape[0], **flags)
+    return KernelLaunch(moe_experts_fwd_kernel,
+                        (x.contiguous(), routing_weights(topk_weights), group_expert, slot_tokens(group_slots, top_k),
+                         tile_live, slot_pos, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
+                         activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols))
 
 
 def routing_weights(topk_weights):

@@ -31,8 +31,9 @@ in [0, E) (the op checks that before launching).
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.dispatch import Unsupported, call_kernel
+from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.kernels import moe_router_steps as rc
+from nki_lib.sizes import ceil_div
 
 FILL_CHUNK = 4096          # elements per DMA of the -1 fill of slot_assignment
 EXACT_INT_LIMIT = 1 << 24  # integers exact in fp32
@@ -43,9 +44,9 @@ def moe_plan_fwd_kernel(ids, num_experts, block_size):
     num_assign = ids.shape[0]
     pmax = nl.tile_size.pmax
     e = num_experts
-    num_blocks = rc.ceil_div(num_assign, block_size) + e - 1
+    num_blocks = ceil_div(num_assign, block_size) + e - 1
     num_slots = num_blocks * block_size
-    n_tiles = rc.ceil_div(num_assign, pmax)
+    n_tiles = ceil_div(num_assign, pmax)
     shift = block_size.bit_length() - 1
 
     block_expert = nl.ndarray((num_blocks,), dtype=nl.int32, buffer=nl.shared_hbm)
@@ -135,7 +136,7 @@ def moe_plan_fwd_kernel(ids, num_experts, block_size):
                       src=assign_i[:rows, :], dge_mode=nisa.dge_mode.swdge)
 
     # block_expert[b] = #{e : block_end[e] <= b}, -1 where that is E
-    for bi in range(rc.ceil_div(num_blocks, pmax)):
+    for bi in range(ceil_div(num_blocks, pmax)):
         b0 = bi * pmax
         rows = min(pmax, num_blocks - b0)
         b_col = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -175,6 +176,6 @@ def check_supported(topk_ids, num_experts, block_size):
 
 
 def launch_moe_plan_fwd(topk_ids, *, num_experts, block_size):
-    """Launch the plan kernel: ``(block_expert, slot_assignment, tokens_per_expert)``."""
+    """The launch of the plan kernel; it returns ``(block_expert, slot_assignment, tokens_per_expert)``."""
     check_supported(topk_ids, num_experts, block_size)
-    return call_kernel(moe_plan_fwd_kernel, topk_ids.reshape(-1, 1).contiguous(), num_experts, block_size)
+    return KernelLaunch(moe_plan_fwd_kernel, (topk_ids.reshape(-1, 1).contiguous(), num_experts, block_size))

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.backend import lnc_degree
-from nki_lib.dispatch import Unsupported, call_kernel
+from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.kernels import moe_router_steps as rc
+from nki_lib.sizes import FP32_BYTES, ceil_div
 
-FP32_BYTES = 4
 _FP32_TILES_PER_EXPERT = 7        # dlogits, logits, scores, d_scores, iota, one-hot, dlogits_total
 
 
@@ -47,7 +47,7 @@ def moe_router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, s
     top_k = topk_ids.shape[1]
     pmax = nl.tile_size.pmax
     n_chunk = nl.tile_size.gemm_moving_fmax
-    e_tiles = rc.ceil_div(num_experts, pmax)
+    e_tiles = ceil_div(num_experts, pmax)
 
     dx = nl.ndarray((num_tokens, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
     dweight = nl.ndarray((num_experts, hidden), dtype=weight.dtype, buffer=nl.shared_hbm)
@@ -62,7 +62,7 @@ def moe_router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, s
         nisa.memset(dst=dweight_acc[:ec, ei, :], value=0.0)
 
     iota_sb = rc.expert_iota(min(pmax, num_tokens), num_experts)
-    for ti in rc.program_tiles(rc.ceil_div(num_tokens, pmax)):
+    for ti in rc.program_tiles(ceil_div(num_tokens, pmax)):
         t0 = ti * pmax
         rows = min(pmax, num_tokens - t0)
         logits_sb = nl.ndarray((pmax, num_experts), dtype=nl.float32, buffer=nl.sbuf)
@@ -135,7 +135,7 @@ def moe_router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, s
         for ei in range(e_tiles):
             e0 = ei * pmax
             ec = min(pmax, num_experts - e0)
-            for ni in range(rc.ceil_div(hidden, n_chunk)):
+            for ni in range(ceil_div(hidden, n_chunk)):
                 n0 = ni * n_chunk
                 nc = min(n_chunk, hidden - n0)
                 dw_psum = nl.ndarray((pmax, n_chunk), dtype=nl.float32, buffer=nl.psum)
@@ -152,7 +152,7 @@ def moe_router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, s
             # LNC2: swap the partial sums with the peer core, H chunk by H chunk, and add
             # (a + b == b + a bitwise: both cores hold the same total); each core then stores
             # alternate E blocks
-            n_h_chunks = rc.ceil_div(hidden, n_chunk)
+            n_h_chunks = ceil_div(hidden, n_chunk)
             for ni in range(n_h_chunks):
                 n0 = ni * n_chunk
                 nc = min(n_chunk, hidden - n0)
@@ -171,7 +171,7 @@ def moe_router_bwd_kernel(dlogits, dtopk_weights, x, weight, logits, topk_ids, s
 def sbuf_bytes_bwd(hidden: int, num_experts: int, itemsize: int) -> int:
     """Per-partition SBUF bytes the backward keeps live (upper bound)."""
     pmax = nl.tile_size.pmax
-    e_tiles = rc.ceil_div(num_experts, pmax)
+    e_tiles = ceil_div(num_experts, pmax)
     resident = e_tiles * hidden * (itemsize + FP32_BYTES)            # weight rows + fp32 dweight
     resident += nl.tile_size.gemm_moving_fmax * FP32_BYTES           # LNC2 receive chunk
     per_tile = 3 * hidden * itemsize + e_tiles * pmax * itemsize     # x, dx, dweight cast, d^T
@@ -189,11 +189,12 @@ def check_supported(x, weight):
 
 
 def launch_moe_router_bwd(dlogits, dtopk_weights, x, weight, logits, topk_ids, *, score_func, renormalize):
-    """Launch the backward kernel: ``(dx, dweight)`` as torch tensors."""
+    """The launch of the backward kernel; it returns ``(dx, dweight)``."""
     check_supported(x, weight)
     if dlogits.dtype != logits.dtype or dtopk_weights.dtype != logits.dtype:
         raise Unsupported(f"gradients must be {logits.dtype} like the router outputs, got dlogits "
                           f"{dlogits.dtype} and dtopk_weights {dtopk_weights.dtype}")
-    return call_kernel(moe_router_bwd_kernel, dlogits.contiguous(), dtopk_weights.contiguous(), x.contiguous(),
-                       weight.contiguous(), logits.contiguous(), topk_ids.contiguous(), score_func,
-                       renormalize, grid=lnc_degree())
+    return KernelLaunch(moe_router_bwd_kernel,
+                        (dlogits.contiguous(), dtopk_weights.contiguous(), x.contiguous(), weight.contiguous(),
+                         logits.contiguous(), topk_ids.contiguous(), score_func, renormalize),
+                        grid=lnc_degree())

@@ -34,10 +34,10 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.backend import lnc_degree
-from nki_lib.dispatch import Unsupported, call_kernel
+from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.kernels import moe_router_steps as rc
+from nki_lib.sizes import FP32_BYTES, ceil_div
 
-FP32_BYTES = 4
 _FP32_TILES_PER_EXPERT = 6        # logits, scores, key, bias rows, range_select scratch, NaN mask (u8)
 
 
@@ -47,7 +47,7 @@ def moe_router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize
     num_experts = weight.shape[0]
     pmax = nl.tile_size.pmax
     n_chunk = nl.tile_size.gemm_moving_fmax
-    h_tiles = rc.ceil_div(hidden, pmax)
+    h_tiles = ceil_div(hidden, pmax)
     width = rc.padded_width(num_experts)
 
     logits = nl.ndarray((num_tokens, num_experts), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -56,7 +56,7 @@ def moe_router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize
 
     # weight^T (H chunk on partitions, chunk index, E): resident for all token tiles
     weight_t = nl.ndarray((pmax, h_tiles, num_experts), dtype=weight.dtype, buffer=nl.sbuf)
-    for ei in range(rc.ceil_div(num_experts, pmax)):
+    for ei in range(ceil_div(num_experts, pmax)):
         e0 = ei * pmax
         ec = min(pmax, num_experts - e0)
         w_rows = nl.ndarray((pmax, hidden), dtype=weight.dtype, buffer=nl.sbuf)
@@ -69,7 +69,7 @@ def moe_router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize
         bias_sb = nl.ndarray((pmax, num_experts), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=bias_sb[:tile_rows, :], src=expert_bias.ap([[0, tile_rows], [1, num_experts]], offset=0))
 
-    tiles = list(rc.program_tiles(rc.ceil_div(num_tokens, pmax)))
+    tiles = list(rc.program_tiles(ceil_div(num_tokens, pmax)))
     x_next = _load_x_tile(x, tiles[0], num_tokens) if tiles else None
     for i, ti in enumerate(tiles):
         t0 = ti * pmax
@@ -125,7 +125,7 @@ def moe_router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize
 def sbuf_bytes_fwd(hidden: int, num_experts: int, itemsize: int) -> int:
     """Per-partition SBUF bytes the forward keeps live (upper bound)."""
     pmax = nl.tile_size.pmax
-    h_tiles = rc.ceil_div(hidden, pmax)
+    h_tiles = ceil_div(hidden, pmax)
     width = rc.padded_width(num_experts)
     resident = h_tiles * num_experts * itemsize                      # weight^T
     per_tile = 3 * hidden * itemsize + h_tiles * pmax * itemsize    # x (this and the next tile), weight rows, x^T
@@ -144,12 +144,13 @@ def check_supported(x, weight):
 
 
 def launch_moe_router_fwd(x, weight, expert_bias, *, top_k, score_func, renormalize, num_groups, topk_groups):
-    """Launch the forward kernel: ``(logits, topk_weights, topk_ids)`` as torch tensors."""
+    """The launch of the forward kernel; it returns ``(logits, topk_weights, topk_ids)``."""
     check_supported(x, weight)
     bias = None if expert_bias is None else expert_bias.contiguous()
-    return call_kernel(moe_router_fwd_kernel, x.contiguous(), weight.contiguous(), bias, top_k, score_func,
-                       renormalize, num_groups, topk_groups, grid=lnc_degree())
-
+    return KernelLaunch(moe_router_fwd_kernel,
+                        (x.contiguous(), weight.contiguous(), bias, top_k, score_func, renormalize, num_groups,
+                         topk_groups),
+                        grid=lnc_degree())
 
 
 def _load_x_tile(x, ti, num_tokens):

@@ -29,14 +29,11 @@ from __future__ import annotations
 import numpy as np
 
 from nki_lib._nki import nisa, nl
+from nki_lib.sizes import ceil_div
 
 TOPK_WIDTH = 8                                   # values per max8 / nc_find_index8 (ISA)
 FIND8_MAX_FREE = 16384                           # max elements per partition max8/find_index8 scan
 NEG_BIG = -float(np.finfo(np.float32).max)       # key of excluded or already-selected experts
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def program_tiles(n_tiles: int):
