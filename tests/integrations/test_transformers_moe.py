@@ -134,3 +134,17 @@ def test_unsupported_gate_is_a_recorded_fallback():
     assert stats.fallbacks["post-expert norm"] >= 1
     with pytest.raises(nki_lib.NKIFallbackError, match="post-expert norm"):
         run(model, "nki", torch.float32, strict=True)
+
+
+def test_integration_register_enables_experts():
+    """``nki_lib.integrations.transformers.register()`` (the public entry point) also registers the
+    experts implementation, and a model built with it routes its experts through the nki op."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from nki_lib.integrations import transformers as integration
+
+    integration.register()
+    assert ALL_EXPERTS_FUNCTIONS["nki"] is transformers_moe.nki_experts_forward
+    nki_lib.reset_coverage()
+    run(tiny_model("mixtral", layers=1), "nki", torch.float32)
+    assert nki_lib.coverage()["moe_experts"]["reference"].calls >= 1
