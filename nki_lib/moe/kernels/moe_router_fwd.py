@@ -17,7 +17,9 @@ Algorithm (docs/contract.md §4.1, per token tile of <= pmax tokens):
 
 Loop structure:  for each E row block (pmax): load weight rows, transpose into weight^T
                  broadcast the bias rows once
-                 for each token tile (pmax):   load x, transpose, matmul per E chunk, steps 2-5.
+                 for each token tile (pmax):   issue the next tile's x load, transpose this tile's x,
+                                               matmul per E chunk, steps 2-5 (the x DMA of tile i+1
+                                               runs under tile i's work; docs/perf-log.md §8.3)
 LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two NeuronCores take alternate token tiles (disjoint
 output rows); each builds its own weight^T.
 
@@ -25,7 +27,7 @@ Shapes: x (T, H), weight (E, H), expert_bias (E,) fp32 or None -> logits (T, E) 
 topk_weights (T, k) fp32, topk_ids (T, k) int32. T tokens (any >= 1), H hidden, E experts, k top_k.
 
 Limits: x and weight share one dtype (bf16 / fp16 / fp32); E <= FIND8_MAX_FREE; SBUF holds
-weight^T (H x E) plus one token tile (checked by the launcher against ``sbuf_fmax_bytes``).
+weight^T (H x E) plus two token tiles of x (checked by the launcher against ``sbuf_fmax_bytes``).
 """
 
 from __future__ import annotations
@@ -67,11 +69,13 @@ def moe_router_fwd_kernel(x, weight, expert_bias, top_k, score_func, renormalize
         bias_sb = nl.ndarray((pmax, num_experts), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=bias_sb[:tile_rows, :], src=expert_bias.ap([[0, tile_rows], [1, num_experts]], offset=0))
 
-    for ti in rc.program_tiles(ceil_div(num_tokens, pmax)):
+    tiles = list(rc.program_tiles(ceil_div(num_tokens, pmax)))
+    x_next = _load_x_tile(x, tiles[0], num_tokens) if tiles else None
+    for i, ti in enumerate(tiles):
         t0 = ti * pmax
         rows = min(pmax, num_tokens - t0)
-        x_sb = nl.ndarray((pmax, hidden), dtype=x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_sb[:rows, :], src=x[t0:t0 + rows, :])
+        x_sb = x_next                     # the next tile's x is issued before this tile's work
+        x_next = _load_x_tile(x, tiles[i + 1], num_tokens) if i + 1 < len(tiles) else None
         x_t = nl.ndarray((pmax, h_tiles, pmax), dtype=x.dtype, buffer=nl.sbuf)
         rc.load_transposed(x_t, x_sb, rows, hidden, x.dtype)
 
@@ -124,7 +128,7 @@ def sbuf_bytes_fwd(hidden: int, num_experts: int, itemsize: int) -> int:
     h_tiles = ceil_div(hidden, pmax)
     width = rc.padded_width(num_experts)
     resident = h_tiles * num_experts * itemsize                      # weight^T
-    per_tile = 2 * hidden * itemsize + h_tiles * pmax * itemsize    # x and weight rows, x^T
+    per_tile = 3 * hidden * itemsize + h_tiles * pmax * itemsize    # x (this and the next tile), weight rows, x^T
     return resident + per_tile + _FP32_TILES_PER_EXPERT * width * FP32_BYTES
 
 
@@ -148,3 +152,12 @@ def launch_moe_router_fwd(x, weight, expert_bias, *, top_k, score_func, renormal
                          topk_groups),
                         grid=lnc_degree())
 
+
+def _load_x_tile(x, ti, num_tokens):
+    """x rows of token tile ``ti`` into a fresh SBUF tile (pmax, H)."""
+    pmax = nl.tile_size.pmax
+    t0 = ti * pmax
+    rows = min(pmax, num_tokens - t0)
+    x_sb = nl.ndarray((pmax, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x_sb[:rows, :], src=x[t0:t0 + rows, :])
+    return x_sb
