@@ -13,7 +13,7 @@ w_down (E, H, I), b_gate_up (E, 2I), b_down (E, H) (x's dtype); y (T, H) in x's 
 bias gradients are empty (0,) tensors when the bias is absent. ``swiglu_alpha`` and
 ``swiglu_limit`` apply to ``activation="clamped_swiglu"`` (gpt-oss) only.
 
-Autocast (SDPA's policy, :mod:`nki_lib.autocast`): under an enabled autocast region x, the
+Autocast (SDPA's policy, :mod:`nki_lib.autograd.autocast`): under an enabled autocast region x, the
 weights and the biases are cast to the autocast dtype (y comes out in it); the routing weights
 keep their dtype (any float dtype is served, the math is float32 either way).
 
@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from nki_lib import registry
-from nki_lib.autocast import register_autocast
 from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
+from nki_lib.autograd.autocast import follow_sdpa_autocast
 from nki_lib.dispatch import dispatch
 from nki_lib.moe import moe_experts_reference as reference
 from nki_lib.registry import OpSpec, Sample
@@ -234,7 +234,7 @@ def _backward(ctx, dy):
 
 moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
 forbid_double_backward(moe_experts_backward_op, "moe_experts")
-register_autocast("nki::moe_experts", ("x", "w_gate_up", "w_down", "b_gate_up", "b_down"))
+follow_sdpa_autocast("moe_experts", cast_args=("x", "w_gate_up", "w_down", "b_gate_up", "b_down"))
 
 
 # --------------------------------------------------------------------------- registry entry

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from nki_lib import registry
-from nki_lib.autocast import register_autocast
 from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
+from nki_lib.autograd.autocast import follow_sdpa_autocast
 from nki_lib.dispatch import dispatch
 from nki_lib.moe import moe_router_reference
 from nki_lib.registry import OpSpec, Sample
@@ -143,7 +143,7 @@ moe_router_op.register_autograd(_backward, setup_context=_setup_context)
 forbid_double_backward(moe_router_backward_op, "moe_router")
 # SDPA's autocast policy for the projection operands; the outputs keep the contract's dtypes
 # (float32 logits and weights, int32 ids) and the selection-only expert_bias stays float32
-register_autocast("nki::moe_router", ("x", "weight"))
+follow_sdpa_autocast("moe_router", cast_args=("x", "weight"))
 
 
 # --------------------------------------------------------------------------- registry entry
