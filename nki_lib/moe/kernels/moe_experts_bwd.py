@@ -61,29 +61,30 @@ from functools import partial
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.activations import GELU_TANH_A, GELU_TANH_C
-from nki_lib.moe.kernels.moe_experts_fwd import (
+from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu_terms, ones_row
+from nki_lib.moe.kernels.moe_experts_host import (
+    check_supported,
+    choose_tiling,
+    flags_sbuf_bytes,
+    routing_weights,
+    slot_tokens,
+    staged_bytes,
+    tail_sbuf_bytes,
+)
+from nki_lib.moe.kernels.moe_experts_steps import (
     WEIGHT_SPAN,
     act_fn,
     block_flags,
     block_registers,
-    check_supported,
-    choose_tiling,
-    flags_sbuf_bytes,
     gather_rows_into,
     load_all_ids,
     load_expert_cols,
     load_expert_t,
     reduce_assignments,
-    routing_weights,
     scatter_rows,
-    slot_tokens,
-    staged_bytes,
-    tail_sbuf_bytes,
-    tiles,
     transpose_rows,
 )
-from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu_terms, ones_row
-from nki_lib.sizes import ceil_div
+from nki_lib.sizes import ceil_div, spans
 
 ACT_GRAD_FN = {"silu": "silu_dx", "gelu": "gelu_dx"}   # ScalarE derivative functions
 ACC_MODES = ("only", "first", "middle", "last")          # a block's place among its expert's blocks
@@ -235,7 +236,7 @@ def zero_idle_experts(block_expert, outs):
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     n_blocks = block_expert.shape[0]
     experts = outs[0].shape[0]
-    for e0, et in tiles(experts, pmax):
+    for e0, et in spans(experts, pmax):
         be_sb = nl.ndarray((et, n_blocks), dtype=nl.int32, buffer=nl.sbuf)   # block experts, per partition
         nisa.dma_copy(dst=be_sb, src=block_expert.ap([[0, et], [1, n_blocks]], offset=0))
         ids_sb = nl.ndarray((et, 1), dtype=nl.float32, buffer=nl.sbuf)        # fp32 per-partition operand
@@ -254,8 +255,8 @@ def zero_idle_experts(block_expert, outs):
                     rows, cols = out.shape[1], out.shape[2]
                     zero_sb = nl.ndarray((pmax, min(cols, fmax)), dtype=out.dtype, buffer=nl.sbuf)
                     nisa.memset(dst=zero_sb, value=0.0)
-                    for r0, rs in tiles(rows, pmax):
-                        for c0, cn in tiles(cols, fmax):
+                    for r0, rs in spans(rows, pmax):
+                        for c0, cn in spans(cols, fmax):
                             nisa.dma_copy(dst=out[e, r0:r0 + rs, c0:c0 + cn], src=zero_sb[:rs, :cn])
 
 
@@ -265,7 +266,7 @@ def _block_rows(x, dy, tok_ids, asg_ids, b, block):
     """Block b's slot tiles (s0, ps, token ids, assignment ids, routing weight (ps, 1) fp32, x rows)
     and dy rows, allocated here and filled by ``_gather_block``."""
     slot_tiles, dy_rows = [], []
-    for st, (s0, ps) in enumerate(tiles(block, nl.tile_size.pmax)):
+    for st, (s0, ps) in enumerate(spans(block, nl.tile_size.pmax)):
         slot_tiles.append((s0, ps, tok_ids[:ps, st, b:b + 1], asg_ids[:ps, st, b:b + 1],
                            nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf),
                            nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)))
@@ -285,7 +286,7 @@ def _load_grad_rows(dy_rows, slot_tiles, block):
     """Per slot tile: dy rows scaled by the routing weight (do); and dyT (P, HT, B)."""
     pmax = nl.tile_size.pmax
     hidden = dy_rows[0].shape[1]
-    dy_t = nl.ndarray((pmax, len(tiles(hidden, pmax)), block), dtype=dy_rows[0].dtype, buffer=nl.sbuf)
+    dy_t = nl.ndarray((pmax, len(spans(hidden, pmax)), block), dtype=dy_rows[0].dtype, buffer=nl.sbuf)
     do_rows = []
     for (s0, ps, _, _, w_col, _), dy_sb in zip(slot_tiles, dy_rows):
         transpose_rows(dy_t, dy_sb, s0)
@@ -304,14 +305,14 @@ def _bias_grads(slot_tiles, do_rows, chunk, bias, mode_regs, expert_reg, c0, int
     hidden = acc_bd.shape[1]
     cn = chunk[0][0].shape[1]
     if c0 == 0:
-        for h0, hs in tiles(hidden, pmax):
+        for h0, hs in spans(hidden, pmax):
             part_psum = nl.ndarray((hs, 1), dtype=nl.float32, buffer=nl.psum)
             for st, ((_, ps, *_), do_sb) in enumerate(zip(slot_tiles, do_rows)):
                 nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=ones_col[:ps, :],
                                accumulate=st > 0)
             accumulate_rows(acc_bd, db_down, mode_regs, expert_reg, h0, 0, part_psum)
     for which, row0 in ((1, c0), (2, inter + c0)):
-        for i0, isz in tiles(cn, pmax):
+        for i0, isz in spans(cn, pmax):
             part_psum = nl.ndarray((isz, 1), dtype=nl.float32, buffer=nl.psum)
             for st, ((_, ps, *_), grads) in enumerate(zip(slot_tiles, chunk)):
                 nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz], moving=ones_col[:ps, :],
@@ -325,7 +326,7 @@ def _dtopk_bias(dy_t, slot_tiles, dw_accs, bias, expert_reg):
     pmax = nl.tile_size.pmax
     b_down = bias[1]
     hidden = b_down.shape[1]
-    h_tiles = tiles(hidden, pmax)
+    h_tiles = spans(hidden, pmax)
     col_sb = nl.ndarray((pmax, len(h_tiles), 1), dtype=b_down.dtype, buffer=nl.sbuf)
     for ht, (h0, hs) in enumerate(h_tiles):
         nisa.dma_copy(dst=col_sb[:hs, ht, :], src=b_down.ap([[1, hs], [1, 1]], offset=h0, scalar_offset=expert_reg,
@@ -346,14 +347,14 @@ def _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert
         _bias_grads(slot_tiles, do_rows, chunk, bias, mode_regs, expert_reg, c0, inter)
     hidden = acc_d.shape[1]
     cn = chunk[0][0].shape[1]
-    for h0, hs in tiles(hidden, pmax):
+    for h0, hs in spans(hidden, pmax):
         part_psum = nl.ndarray((hs, cn), dtype=nl.float32, buffer=nl.psum)
         for st, (do_sb, (hx_sb, _, _)) in enumerate(zip(do_rows, chunk)):
             nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=hx_sb, accumulate=st > 0)
         accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, h0, c0, part_psum)
     for which, row0 in ((1, c0), (2, inter + c0)):
-        for i0, isz in tiles(cn, pmax):
-            for h0, hn in tiles(hidden, fmax):
+        for i0, isz in spans(cn, pmax):
+            for h0, hn in spans(hidden, fmax):
                 part_psum = nl.ndarray((isz, hn), dtype=nl.float32, buffer=nl.psum)
                 for st, ((*_, x_rows), grads) in enumerate(zip(slot_tiles, chunk)):
                     nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
@@ -366,10 +367,10 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols):
     staged ``dx_cols`` wide in SBUF and scattered once per slot tile and group."""
     inter = w_gate_up.shape[1] // 2
     hidden = w_gate_up.shape[2]
-    i_tiles = tiles(inter, nl.tile_size.pmax)
-    for g0, gn in tiles(hidden, dx_cols):
+    i_tiles = spans(inter, nl.tile_size.pmax)
+    for g0, gn in spans(hidden, dx_cols):
         dx_rows = [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
-        for h0, hn in tiles(gn, nl.tile_size.gemm_moving_fmax):
+        for h0, hn in spans(gn, nl.tile_size.gemm_moving_fmax):
             dx_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
             for it, (i0, isz) in enumerate(i_tiles):
                 for grad_t, row0 in ((dg_t, i0), (du_t, inter + i0)):
@@ -391,7 +392,7 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_
     the expert's fp32 rows."""
     pmax = nl.tile_size.pmax
     inter = w_down.shape[2]
-    h_tiles = tiles(w_down.shape[1], pmax)
+    h_tiles = spans(w_down.shape[1], pmax)
     bias = grad_bufs[2]
     weights = (load_expert_t(w_gate_up, expert_reg, h_tiles, c0, cn),
                load_expert_t(w_gate_up, expert_reg, h_tiles, inter + c0, cn),
@@ -411,7 +412,7 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_
                                accumulate=ht > 0 or row_sb is not None)
         grads = _mlp_grads(*psums, w_col, gate, x_t.dtype, dw_acc, c0 == 0)
         it0 = c0 // pmax
-        n_sub = len(tiles(cn, pmax))
+        n_sub = len(spans(cn, pmax))
         transpose_rows(dg_t[:, it0:it0 + n_sub, :], grads[1], s0)
         transpose_rows(du_t[:, it0:it0 + n_sub, :], grads[2], s0)
         chunk.append(grads)
@@ -429,7 +430,7 @@ def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_re
     inter = w_down.shape[2]
     expert_reg, trips_reg = regs
     slot_tiles, dy_rows = rows
-    n_it = len(tiles(inter, pmax))
+    n_it = len(spans(inter, pmax))
     dg_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     du_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     dw_accs = [nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
@@ -453,11 +454,11 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
     """xT, dyT and do from the gathered rows, then the I chunks (weight gradients, dgT, duT), then
     the down bias's share of d topk_weights."""
     pmax = nl.tile_size.pmax
-    x_t = nl.ndarray((pmax, len(tiles(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
+    x_t = nl.ndarray((pmax, len(spans(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
     for s0, _, _, _, _, x_rows in slot_tiles:
         transpose_rows(x_t, x_rows, s0)
     do_rows, dy_t = _load_grad_rows(dy_rows, slot_tiles, block)
-    for c0, cn in tiles(w_down.shape[2], i_chunk):
+    for c0, cn in spans(w_down.shape[2], i_chunk):
         _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_reg, c0, cn, gate,
                  dg_t, du_t, grad_bufs, mode_regs)
     if grad_bufs[2] is not None:

@@ -49,178 +49,33 @@ op); LNC1. The group loop is unrolled NG times (program size grows with NG).
 
 from __future__ import annotations
 
-import torch
-
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.dispatch import KernelLaunch, Unsupported
+from nki_lib.dispatch import KernelLaunch
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu, ones_row
 from nki_lib.moe.kernels.moe_experts_groups import merge_blocks, slot_positions
-from nki_lib.sizes import ceil_div
-
-KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are live at once
-# Columns of one weight-row DMA before the on-chip transposes: runs of 2048 bf16 = 4 KiB clear the
-# cost model's 105 ns DMA chunk floor at ~23 GB/s per DMA engine (>= ~2.4 KiB), while the staging
-# tile stays small whatever H or I is.
-WEIGHT_SPAN = 2048
-# Engines that evict the weight transposes from PSUM, in turn (GpSimd cannot read PSUM).
-EVICTION_ENGINES = (nisa.engine.vector, nisa.engine.scalar)
-
-
-def act_fn(activation):
-    """The ScalarE function of the gate activation (exact PyTorch definitions)."""
-    return {"silu": nl.silu, "gelu": nl.gelu, "gelu_tanh": nl.gelu_apprx_tanh}[activation]
-
-
-def tiles(n, size):
-    """[(start, size)] covering range(n) in tiles of at most ``size``."""
-    return [(s, min(size, n - s)) for s in range(0, n, size)]
-
+from nki_lib.moe.kernels.moe_experts_host import (
+    MAX_PSUM_SLOT_TILES,
+    check_supported,
+    choose_tiling,
+    flags_sbuf_bytes,
+    routing_weights,
+    slot_tokens,
+    staged_bytes,
+)
+from nki_lib.moe.kernels.moe_experts_steps import (
+    WEIGHT_SPAN,
+    act_fn,
+    block_flags,
+    block_registers,
+    gather_rows_into,
+    load_all_ids,
+    load_expert_t,
+    transpose_rows,
+    weight_spans,
+)
+from nki_lib.sizes import ceil_div, spans
 
 # --------------------------------------------------------------------------- shared helpers
-
-def load_all_ids(slot_ids, n_blocks, block):
-    """(P, ST, NB) int32 tile: [p, st, b] = slot_ids[b * B + st * 128 + p] (token or assignment ids,
-    -1 = padding), loaded once per kernel: one contiguous DMA per 128 blocks (blocks on
-    partitions), then TensorE transposes put the slots on partitions."""
-    pmax = nl.tile_size.pmax
-    st_tiles = tiles(block, pmax)
-    ids_sb = nl.ndarray((pmax, len(st_tiles), n_blocks), dtype=nl.int32, buffer=nl.sbuf)
-    for b0, nb in tiles(n_blocks, pmax):
-        rows_sb = nl.ndarray((nb, block), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=rows_sb, src=slot_ids[b0 * block:(b0 + nb) * block])
-        for st, (s0, ps) in enumerate(st_tiles):
-            tr_psum = nl.ndarray((ps, nb), dtype=nl.int32, buffer=nl.psum)
-            nisa.nc_transpose(dst=tr_psum, data=rows_sb[:, s0:s0 + ps])
-            nisa.tensor_copy(dst=ids_sb[:ps, st, b0:b0 + nb], src=tr_psum)
-    return ids_sb
-
-
-def gather_rows_into(rows_sb, src, ids_sb):
-    """rows_sb (ps, C) = src[ids] (src (R, C) in HBM); rows with id -1 stay zero."""
-    ps, cols = rows_sb.shape
-    nisa.memset(dst=rows_sb, value=0.0, engine=nisa.engine.gpsimd)   # GpSimd issues the gather next
-    nisa.dma_copy(dst=rows_sb,
-                  src=src.ap([[cols, ps], [1, cols]], offset=0, vector_offset=ids_sb, indirect_dim=0),
-                  oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
-
-
-def scatter_rows(dst, ids_sb, rows_sb, col0):
-    """dst[ids, col0 : col0 + n] = rows (dst (R, C) in HBM); rows with id -1 are not written."""
-    ps, n = rows_sb.shape
-    cols = dst.shape[1]
-    nisa.dma_copy(dst=dst.ap([[cols, ps], [1, n]], offset=col0, vector_offset=ids_sb, indirect_dim=0),
-                  src=rows_sb, oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
-
-
-def transpose_rows(dst_t, rows_sb, col0):
-    """rows (ps, C) -> dst_t[:, c_tile, col0 : col0 + ps] (C on partitions, tiled by 128)."""
-    ps, cols = rows_sb.shape
-    for ct, (c0, cs) in enumerate(tiles(cols, nl.tile_size.pmax)):
-        tr_psum = nl.ndarray((cs, ps), dtype=rows_sb.dtype, buffer=nl.psum)
-        nisa.nc_transpose(dst=tr_psum, data=rows_sb[:, c0:c0 + cs])
-        nisa.tensor_copy(dst=dst_t[:cs, ct, col0:col0 + ps], src=tr_psum)
-
-
-def block_flags(block_expert):
-    """(expert ids, valid flags): two (1, NB) int32 SBUF tiles, valid = (expert >= 0)."""
-    n_blocks = block_expert.shape[0]
-    expert_sb = nl.ndarray((1, n_blocks), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=expert_sb, src=block_expert)
-    valid_sb = nl.ndarray((1, n_blocks), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=valid_sb, data=expert_sb, op0=nl.greater_equal, operand0=0)
-    return expert_sb, valid_sb
-
-
-def block_registers(expert_sb, valid_sb, b):
-    """Registers (expert id, trip count 0/1) of block b."""
-    expert_reg = nisa.register_alloc()
-    nisa.register_load(expert_reg, expert_sb[0:1, b:b + 1])
-    trips_reg = nisa.register_alloc()
-    nisa.register_load(trips_reg, valid_sb[0:1, b:b + 1])
-    return expert_reg, trips_reg
-
-
-def load_expert_cols(w, expert_reg, row_tiles, col0, ncols):
-    """(P, RT, ncols) tile of w[e, rows, col0 : col0 + ncols] (w (E, R, C) in HBM, natural layout)."""
-    cols = w.shape[2]
-    w_sb = nl.ndarray((nl.tile_size.pmax, len(row_tiles), ncols), dtype=w.dtype, buffer=nl.sbuf)
-    for rt, (r0, rs) in enumerate(row_tiles):
-        nisa.dma_copy(dst=w_sb[:rs, rt, :],
-                      src=w.ap([[cols, rs], [1, ncols]], offset=r0 * cols + col0,
-                               scalar_offset=expert_reg, indirect_dim=0))
-    return w_sb
-
-
-def spans(col_tiles):
-    """``col_tiles`` in consecutive groups covering at most WEIGHT_SPAN columns each."""
-    per_span = max(1, WEIGHT_SPAN // nl.tile_size.pmax)
-    return [col_tiles[i:i + per_span] for i in range(0, len(col_tiles), per_span)]
-
-
-def load_expert_t(w, expert_reg, col_tiles, row0, nrows):
-    """(P, CT, nrows) tile of w[e, row0 : row0 + nrows, cols]^T: the contraction dim (w's
-    contiguous last dim, tiled by 128 as ``col_tiles``) on partitions. w (E, R, C) natural layout.
-
-    Per 128 rows and column span: one DMA with long contiguous runs, then TensorE transposes
-    (bit-exact transpose mode) of its 128 x 128 blocks, several blocks per PSUM bank and one
-    eviction per bank, alternating between VectorE and ScalarE (a bit-exact copy on either)."""
-    pmax = nl.tile_size.pmax
-    per_bank = nl.tile_size.psum_fmax // pmax            # transposed blocks per PSUM bank (fp32 bound)
-    cols = w.shape[2]
-    w_t = nl.ndarray((pmax, len(col_tiles), nrows), dtype=w.dtype, buffer=nl.sbuf)
-    evictions = 0
-    for r0, rs in tiles(nrows, pmax):
-        ct0 = 0
-        for span in spans(col_tiles):
-            c_start = span[0][0]
-            c_span = span[-1][0] + span[-1][1] - c_start
-            nat_sb = nl.ndarray((rs, c_span), dtype=w.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=nat_sb, src=w.ap([[cols, rs], [1, c_span]], offset=(row0 + r0) * cols + c_start,
-                                               scalar_offset=expert_reg, indirect_dim=0))
-            full = [t for t in span if t[1] == pmax]    # only the last tile may be partial
-            groups = [(g0, full[g0:g0 + per_bank]) for g0 in range(0, len(full), per_bank)]
-            if len(full) < len(span):
-                groups.append((len(full), span[len(full):]))
-            for g0, group in groups:
-                cs = group[0][1]
-                tr_psum = nl.ndarray((cs, len(group), rs), dtype=w.dtype, buffer=nl.psum)
-                for gi, (c0, _) in enumerate(group):
-                    nisa.nc_transpose(dst=tr_psum[:, gi, :], data=nat_sb[:, c0 - c_start:c0 - c_start + cs])
-                nisa.tensor_copy(dst=w_t[:cs, ct0 + g0:ct0 + g0 + len(group), r0:r0 + rs], src=tr_psum,
-                                 engine=EVICTION_ENGINES[evictions % len(EVICTION_ENGINES)])
-                evictions += 1
-            ct0 += len(span)
-    return w_t
-
-
-def reduce_assignments(src_slots, dst, top_k, topk_w=None):
-    """dst[t] = sum_j w[t, j] * src_slots[t * k + j] (fp32, j ascending; w = 1 when topk_w is
-    None, else topk_w (N, 1) fp32, read in token order: no gather), cast to dst's dtype."""
-    t_len, hidden = dst.shape
-    for t0, tp in tiles(t_len, nl.tile_size.pmax):
-        w_sb = None
-        if topk_w is not None:
-            w_sb = nl.ndarray((tp, top_k), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=w_sb, src=topk_w.ap([[top_k, tp], [1, top_k]], offset=t0 * top_k))
-        for h0, hn in tiles(hidden, nl.tile_size.gemm_moving_fmax):
-            parts_sb = nl.ndarray((tp, top_k, hn), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=parts_sb, src=src_slots.ap([[top_k * hidden, tp], [hidden, top_k], [1, hn]],
-                                                         offset=t0 * top_k * hidden + h0))
-            out_sb = nl.ndarray((tp, hn), dtype=dst.dtype, buffer=nl.sbuf)
-            acc_sb = out_sb if top_k == 1 else nl.ndarray((tp, hn), dtype=nl.float32, buffer=nl.sbuf)
-            if w_sb is None:
-                nisa.tensor_copy(dst=acc_sb, src=parts_sb[:, 0, :])
-            else:
-                nisa.tensor_scalar(dst=acc_sb, data=parts_sb[:, 0, :], op0=nl.multiply, operand0=w_sb[:, 0:1])
-            for j in range(1, top_k):
-                step_sb = out_sb if j == top_k - 1 else acc_sb
-                if w_sb is None:
-                    nisa.tensor_tensor(dst=step_sb, data1=acc_sb, data2=parts_sb[:, j, :], op=nl.add)
-                else:
-                    nisa.scalar_tensor_tensor(dst=step_sb, data=parts_sb[:, j, :], op0=nl.multiply,
-                                              operand0=w_sb[:, j:j + 1], op1=nl.add, operand1=acc_sb)
-            nisa.dma_copy(dst=dst[t0:t0 + tp, h0:h0 + hn], src=out_sb)
 
 
 def gather_reduce(y_rows, slot_pos, topk_w, dst, top_k):
@@ -228,7 +83,7 @@ def gather_reduce(y_rows, slot_pos, topk_w, dst, top_k):
     dst's dtype. Per 128 tokens and j: one indirect gather of whole fp32 rows (one descriptor per
     row; every position is valid), then the weighted sum per H chunk on VectorE."""
     t_len, hidden = dst.shape
-    for t0, tp in tiles(t_len, nl.tile_size.pmax):
+    for t0, tp in spans(t_len, nl.tile_size.pmax):
         w_sb = nl.ndarray((tp, top_k), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=w_sb, src=topk_w.ap([[top_k, tp], [1, top_k]], offset=t0 * top_k))
         pos_sb = nl.ndarray((tp, top_k), dtype=nl.int32, buffer=nl.sbuf)
@@ -241,7 +96,7 @@ def gather_reduce(y_rows, slot_pos, topk_w, dst, top_k):
                                                     vector_offset=pos_sb[:, j:j + 1], indirect_dim=0),
                           dge_mode=nisa.dge_mode.swdge)
             step_sb = out_sb if j == top_k - 1 else acc_sb
-            for h0, hn in tiles(hidden, nl.tile_size.gemm_moving_fmax):
+            for h0, hn in spans(hidden, nl.tile_size.gemm_moving_fmax):
                 if j == 0:
                     nisa.tensor_scalar(dst=step_sb[:, h0:h0 + hn], data=row_sb[:, h0:h0 + hn], op0=nl.multiply,
                                        operand0=w_sb[:, 0:1])
@@ -271,7 +126,7 @@ def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h
     free); the W^T tiles are shared by all live slot tiles, each slot tile is computed under its
     guard. A bias enters the PSUM first, as bias_row^T x ones (a contraction of size 1)."""
     inter = w_gate_up.shape[1] // 2
-    for it, (i0, isz) in enumerate(tiles(inter, nl.tile_size.pmax)):
+    for it, (i0, isz) in enumerate(spans(inter, nl.tile_size.pmax)):
         wg_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, i0, isz)
         wu_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, inter + i0, isz)
         rows = (None, None)
@@ -298,16 +153,16 @@ def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_group, row0, h
     wide in SBUF and written in slot order with plain DMAs (static addresses: no descriptors for
     GpSimd to build)."""
     hidden = w_down.shape[1]
-    for g0, gn in tiles(hidden, y_cols):
+    for g0, gn in spans(hidden, y_cols):
         y_rows = [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
-        for h0, hn in tiles(gn, h_chunk):
+        for h0, hn in spans(gn, h_chunk):
             y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
             if b_down is not None:
                 row_sb = bias_row(b_down, expert_reg, g0 + h0, hn)
                 for (_, ps, _, live_reg), y_psum in zip(slot_tiles, y_psums):
                     for _ in nl.dynamic_range(0, live_reg):
                         add_outer(y_psum, ones_sb[:, :ps], row_sb)
-            for span in spans(i_tiles):
+            for span in weight_spans(i_tiles):
                 wd_t = load_expert_t(w_down, expert_reg, span, g0 + h0, hn)
                 for (s0, ps, _, live_reg), y_psum in zip(slot_tiles, y_psums):
                     for _ in nl.dynamic_range(0, live_reg):
@@ -327,7 +182,7 @@ def _group_tiles(tok_ids, live_sb, g, group):
     """Slot tiles (s0, ps, token ids (ps, 1), live register) of group g; the register is the
     tile's 0/1 guard."""
     slot_tiles = []
-    for st, (s0, ps) in enumerate(tiles(group, nl.tile_size.pmax)):
+    for st, (s0, ps) in enumerate(spans(group, nl.tile_size.pmax)):
         live_reg = nisa.register_alloc()
         nisa.register_load(live_reg, live_sb[0:1, g, st:st + 1])
         slot_tiles.append((s0, ps, tok_ids[:ps, st, g:g + 1], live_reg))
@@ -364,7 +219,7 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_
     pmax = nl.tile_size.pmax
     w_gate_up, w_down, b_gate_up, b_down = weights
     expert_reg, trips_reg = regs
-    h_tiles, i_tiles = tiles(x.shape[1], pmax), tiles(w_down.shape[2], pmax)
+    h_tiles, i_tiles = spans(x.shape[1], pmax), spans(w_down.shape[2], pmax)
     x_t = nl.ndarray((pmax, len(h_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
     h_t = nl.ndarray((pmax, len(i_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
     _transpose_group(x_t, slot_tiles, x_rows, trips_reg)
@@ -387,7 +242,7 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, tile_live, slot_
     t_len, hidden = x.shape
     n_groups = group_expert.shape[0]
     group = slot_token.shape[0] // n_groups
-    n_slot_tiles = len(tiles(group, nl.tile_size.pmax))
+    n_slot_tiles = len(spans(group, nl.tile_size.pmax))
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
     y_group = nl.ndarray((n_groups * group, hidden), dtype=nl.float32, buffer=nl.private_hbm)
     expert_sb, valid_sb = block_flags(group_expert)
@@ -415,43 +270,11 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, tile_live, slot_
 
 # --------------------------------------------------------------------------- launcher
 
-def tail_sbuf_bytes(top_k, itemsize):
-    """SBUF bytes per partition of the final k-reduction (after the blocks; two generations)."""
-    fmax = nl.tile_size.gemm_moving_fmax
-    return 2 * ((top_k + 1) * fmax * 4 + fmax * itemsize + top_k * 4)
-
 
 def gather_tail_bytes(hidden, top_k, itemsize):
     """SBUF bytes per partition of ``gather_reduce`` (two generations of gathered fp32 rows, the fp32
     sum, the output rows, routing weights and positions)."""
     return 2 * hidden * 4 + hidden * 4 + hidden * itemsize + 2 * 2 * top_k * 4
-
-
-def flags_sbuf_bytes(n_blocks, block):
-    """SBUF bytes per partition live through the kernel: block flags, the plan's slot ids."""
-    slot_tiles = ceil_div(block, nl.tile_size.pmax)
-    return 2 * n_blocks * 4 + 2 * slot_tiles * n_blocks * 4 + 2 * block * 4
-
-
-def staged_bytes(cols, hidden, slot_tiles):
-    """SBUF bytes per partition of fp32 output rows staged ``cols`` wide per slot tile (two
-    generations unless one group covers all of H)."""
-    return (1 if cols >= hidden else 2) * slot_tiles * cols * 4
-
-
-def choose_tiling(sbuf_at, hidden, *args, **counts):
-    """(chunk, out_cols): the first choice whose SBUF estimate fits, preferring output rows staged
-    whole (one indirect scatter per slot tile instead of one per chunk), then wide chunks
-    (gemm_moving_fmax halved down to pmax)."""
-    pmax, width, widths = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax, []
-    while width >= pmax:
-        widths.append(width)
-        width //= 2
-    choices = [(w, hidden) for w in widths] + [(w, min(w, hidden)) for w in widths]
-    for chunk, cols in choices:
-        if sbuf_at(*args, chunk, cols, **counts) <= nl.tile_size.total_available_sbuf_size:
-            return chunk, cols
-    return choices[-1]
 
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_blocks, clamped=False,
@@ -488,28 +311,6 @@ def sbuf_bytes(hidden, inter, block, itemsize, **counts):
                          **counts)
 
 
-def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sbuf_fn, **flags):
-    """Raise Unsupported (before launching) for what the kernels cannot serve."""
-    if x.dtype not in KERNEL_DTYPES:
-        raise Unsupported(f"dtype {x.dtype} (kernel serves {[str(d) for d in KERNEL_DTYPES]})")
-    block_size = slot_assignment.shape[0] // block_expert.shape[0]
-    max_block = MAX_PSUM_SLOT_TILES * nl.tile_size.pmax
-    if block_size > max_block:
-        raise Unsupported(f"block_size {block_size} > {max_block}")
-    need = sbuf_fn(x.shape[1], inter, block_size, x.element_size(), top_k=topk_weights.shape[1],
-                   n_blocks=block_expert.shape[0], **flags)
-    if need > nl.tile_size.total_available_sbuf_size:
-        raise Unsupported(f"SBUF: {need} bytes per partition needed for H={x.shape[1]}, I={inter}, "
-                          f"block_size={block_size}, > {nl.tile_size.total_available_sbuf_size}")
-    return block_size
-
-
-def slot_tokens(slot_assignment, top_k):
-    """Index metadata: the token id a // k of each slot, -1 for padding."""
-    return torch.where(slot_assignment >= 0, torch.div(slot_assignment, top_k, rounding_mode="floor"),
-                       torch.full_like(slot_assignment, -1)).to(torch.int32).contiguous()
-
-
 def group_blocks(hidden, inter, block, itemsize, **counts):
     """Blocks per group (see :mod:`.moe_experts_groups`): the most, up to MAX_PSUM_SLOT_TILES * 128
     slots, whose SBUF estimate fits (1 when no larger group does)."""
@@ -541,6 +342,3 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
                          activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols))
 
 
-def routing_weights(topk_weights):
-    """(N, 1) fp32 routing weights for the kernels: bf16/fp16/fp32 widen exactly."""
-    return topk_weights.reshape(-1, 1).to(torch.float32).contiguous()

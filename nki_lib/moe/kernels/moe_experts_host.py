@@ -1,0 +1,79 @@
+"""Host-side eligibility and SBUF budget pieces shared by the expert-MLP launchers.
+
+The kernel dtypes and the PSUM slot-tile bound, the SBUF bytes of the block flags, the k-sum tail
+and staged rows, the tiling choice over an SBUF budget, the eligibility check that raises
+``Unsupported`` with a reason, and the host-side preparation of slot tokens and routing weights
+(plain torch ops, charged as host ops by the whole-op estimate).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nki_lib._nki import nl
+from nki_lib.dispatch import Unsupported
+from nki_lib.sizes import ceil_div
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are live at once
+
+
+def tail_sbuf_bytes(top_k, itemsize):
+    """SBUF bytes per partition of the final k-reduction (after the blocks; two generations)."""
+    fmax = nl.tile_size.gemm_moving_fmax
+    return 2 * ((top_k + 1) * fmax * 4 + fmax * itemsize + top_k * 4)
+
+
+def flags_sbuf_bytes(n_blocks, block):
+    """SBUF bytes per partition live through the kernel: block flags, the plan's slot ids."""
+    slot_tiles = ceil_div(block, nl.tile_size.pmax)
+    return 2 * n_blocks * 4 + 2 * slot_tiles * n_blocks * 4 + 2 * block * 4
+
+
+def staged_bytes(cols, hidden, slot_tiles):
+    """SBUF bytes per partition of fp32 output rows staged ``cols`` wide per slot tile (two
+    generations unless one group covers all of H)."""
+    return (1 if cols >= hidden else 2) * slot_tiles * cols * 4
+
+
+def choose_tiling(sbuf_at, hidden, *args, **counts):
+    """(chunk, out_cols): the first choice whose SBUF estimate fits, preferring output rows staged
+    whole (one indirect scatter per slot tile instead of one per chunk), then wide chunks
+    (gemm_moving_fmax halved down to pmax)."""
+    pmax, width, widths = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax, []
+    while width >= pmax:
+        widths.append(width)
+        width //= 2
+    choices = [(w, hidden) for w in widths] + [(w, min(w, hidden)) for w in widths]
+    for chunk, cols in choices:
+        if sbuf_at(*args, chunk, cols, **counts) <= nl.tile_size.total_available_sbuf_size:
+            return chunk, cols
+    return choices[-1]
+
+
+def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sbuf_fn, **flags):
+    """Raise Unsupported (before launching) for what the kernels cannot serve."""
+    if x.dtype not in KERNEL_DTYPES:
+        raise Unsupported(f"dtype {x.dtype} (kernel serves {[str(d) for d in KERNEL_DTYPES]})")
+    block_size = slot_assignment.shape[0] // block_expert.shape[0]
+    max_block = MAX_PSUM_SLOT_TILES * nl.tile_size.pmax
+    if block_size > max_block:
+        raise Unsupported(f"block_size {block_size} > {max_block}")
+    need = sbuf_fn(x.shape[1], inter, block_size, x.element_size(), top_k=topk_weights.shape[1],
+                   n_blocks=block_expert.shape[0], **flags)
+    if need > nl.tile_size.total_available_sbuf_size:
+        raise Unsupported(f"SBUF: {need} bytes per partition needed for H={x.shape[1]}, I={inter}, "
+                          f"block_size={block_size}, > {nl.tile_size.total_available_sbuf_size}")
+    return block_size
+
+
+def slot_tokens(slot_assignment, top_k):
+    """Index metadata: the token id a // k of each slot, -1 for padding."""
+    return torch.where(slot_assignment >= 0, torch.div(slot_assignment, top_k, rounding_mode="floor"),
+                       torch.full_like(slot_assignment, -1)).to(torch.int32).contiguous()
+
+
+def routing_weights(topk_weights):
+    """(N, 1) fp32 routing weights for the kernels: bf16/fp16/fp32 widen exactly."""
+    return topk_weights.reshape(-1, 1).to(torch.float32).contiguous()

@@ -1,0 +1,171 @@
+"""On-chip steps shared by the expert-MLP forward and backward kernels.
+
+Block flags and registers (which expert a block belongs to, whether it holds live slots), the
+slot-id loads, row gathers / scatters / transposes between HBM and SBUF, expert weight loads
+(row tiles, and transposed column spans of at most ``WEIGHT_SPAN`` columns through TensorE), the
+activation table, and the top-k reduction of a token's expert outputs. Shapes: T tokens, H hidden,
+I intermediate, S slots (``block`` per block), k top-k; tiles are ``nl.tile_size.pmax`` rows.
+Limits: as the kernels that call them (``moe_experts_fwd.py``, ``moe_experts_bwd.py``).
+"""
+
+from __future__ import annotations
+
+from nki_lib._nki import nisa, nl
+from nki_lib.sizes import spans
+
+# Columns of one weight-row DMA before the on-chip transposes: runs of 2048 bf16 = 4 KiB clear the
+# cost model's 105 ns DMA chunk floor at ~23 GB/s per DMA engine (>= ~2.4 KiB), while the staging
+# tile stays small whatever H or I is.
+WEIGHT_SPAN = 2048
+
+# Engines that evict the weight transposes from PSUM, in turn (GpSimd cannot read PSUM).
+EVICTION_ENGINES = (nisa.engine.vector, nisa.engine.scalar)
+
+
+def act_fn(activation):
+    """The ScalarE function of the gate activation (exact PyTorch definitions)."""
+    return {"silu": nl.silu, "gelu": nl.gelu, "gelu_tanh": nl.gelu_apprx_tanh}[activation]
+
+
+def load_all_ids(slot_ids, n_blocks, block):
+    """(P, ST, NB) int32 tile: [p, st, b] = slot_ids[b * B + st * 128 + p] (token or assignment ids,
+    -1 = padding), loaded once per kernel: one contiguous DMA per 128 blocks (blocks on
+    partitions), then TensorE transposes put the slots on partitions."""
+    pmax = nl.tile_size.pmax
+    st_tiles = spans(block, pmax)
+    ids_sb = nl.ndarray((pmax, len(st_tiles), n_blocks), dtype=nl.int32, buffer=nl.sbuf)
+    for b0, nb in spans(n_blocks, pmax):
+        rows_sb = nl.ndarray((nb, block), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows_sb, src=slot_ids[b0 * block:(b0 + nb) * block])
+        for st, (s0, ps) in enumerate(st_tiles):
+            tr_psum = nl.ndarray((ps, nb), dtype=nl.int32, buffer=nl.psum)
+            nisa.nc_transpose(dst=tr_psum, data=rows_sb[:, s0:s0 + ps])
+            nisa.tensor_copy(dst=ids_sb[:ps, st, b0:b0 + nb], src=tr_psum)
+    return ids_sb
+
+
+def gather_rows_into(rows_sb, src, ids_sb):
+    """rows_sb (ps, C) = src[ids] (src (R, C) in HBM); rows with id -1 stay zero."""
+    ps, cols = rows_sb.shape
+    nisa.memset(dst=rows_sb, value=0.0, engine=nisa.engine.gpsimd)   # GpSimd issues the gather next
+    nisa.dma_copy(dst=rows_sb,
+                  src=src.ap([[cols, ps], [1, cols]], offset=0, vector_offset=ids_sb, indirect_dim=0),
+                  oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
+
+
+def scatter_rows(dst, ids_sb, rows_sb, col0):
+    """dst[ids, col0 : col0 + n] = rows (dst (R, C) in HBM); rows with id -1 are not written."""
+    ps, n = rows_sb.shape
+    cols = dst.shape[1]
+    nisa.dma_copy(dst=dst.ap([[cols, ps], [1, n]], offset=col0, vector_offset=ids_sb, indirect_dim=0),
+                  src=rows_sb, oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
+
+
+def transpose_rows(dst_t, rows_sb, col0):
+    """rows (ps, C) -> dst_t[:, c_tile, col0 : col0 + ps] (C on partitions, tiled by 128)."""
+    ps, cols = rows_sb.shape
+    for ct, (c0, cs) in enumerate(spans(cols, nl.tile_size.pmax)):
+        tr_psum = nl.ndarray((cs, ps), dtype=rows_sb.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=tr_psum, data=rows_sb[:, c0:c0 + cs])
+        nisa.tensor_copy(dst=dst_t[:cs, ct, col0:col0 + ps], src=tr_psum)
+
+
+def block_flags(block_expert):
+    """(expert ids, valid flags): two (1, NB) int32 SBUF tiles, valid = (expert >= 0)."""
+    n_blocks = block_expert.shape[0]
+    expert_sb = nl.ndarray((1, n_blocks), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=expert_sb, src=block_expert)
+    valid_sb = nl.ndarray((1, n_blocks), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=valid_sb, data=expert_sb, op0=nl.greater_equal, operand0=0)
+    return expert_sb, valid_sb
+
+
+def block_registers(expert_sb, valid_sb, b):
+    """Registers (expert id, trip count 0/1) of block b."""
+    expert_reg = nisa.register_alloc()
+    nisa.register_load(expert_reg, expert_sb[0:1, b:b + 1])
+    trips_reg = nisa.register_alloc()
+    nisa.register_load(trips_reg, valid_sb[0:1, b:b + 1])
+    return expert_reg, trips_reg
+
+
+def load_expert_cols(w, expert_reg, row_tiles, col0, ncols):
+    """(P, RT, ncols) tile of w[e, rows, col0 : col0 + ncols] (w (E, R, C) in HBM, natural layout)."""
+    cols = w.shape[2]
+    w_sb = nl.ndarray((nl.tile_size.pmax, len(row_tiles), ncols), dtype=w.dtype, buffer=nl.sbuf)
+    for rt, (r0, rs) in enumerate(row_tiles):
+        nisa.dma_copy(dst=w_sb[:rs, rt, :],
+                      src=w.ap([[cols, rs], [1, ncols]], offset=r0 * cols + col0,
+                               scalar_offset=expert_reg, indirect_dim=0))
+    return w_sb
+
+
+def weight_spans(col_tiles):
+    """``col_tiles`` in consecutive groups covering at most WEIGHT_SPAN columns each."""
+    per_span = max(1, WEIGHT_SPAN // nl.tile_size.pmax)
+    return [col_tiles[i:i + per_span] for i in range(0, len(col_tiles), per_span)]
+
+
+def load_expert_t(w, expert_reg, col_tiles, row0, nrows):
+    """(P, CT, nrows) tile of w[e, row0 : row0 + nrows, cols]^T: the contraction dim (w's
+    contiguous last dim, tiled by 128 as ``col_tiles``) on partitions. w (E, R, C) natural layout.
+
+    Per 128 rows and column span: one DMA with long contiguous runs, then TensorE transposes
+    (bit-exact transpose mode) of its 128 x 128 blocks, several blocks per PSUM bank and one
+    eviction per bank, alternating between VectorE and ScalarE (a bit-exact copy on either)."""
+    pmax = nl.tile_size.pmax
+    per_bank = nl.tile_size.psum_fmax // pmax            # transposed blocks per PSUM bank (fp32 bound)
+    cols = w.shape[2]
+    w_t = nl.ndarray((pmax, len(col_tiles), nrows), dtype=w.dtype, buffer=nl.sbuf)
+    evictions = 0
+    for r0, rs in spans(nrows, pmax):
+        ct0 = 0
+        for span in weight_spans(col_tiles):
+            c_start = span[0][0]
+            c_span = span[-1][0] + span[-1][1] - c_start
+            nat_sb = nl.ndarray((rs, c_span), dtype=w.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=nat_sb, src=w.ap([[cols, rs], [1, c_span]], offset=(row0 + r0) * cols + c_start,
+                                               scalar_offset=expert_reg, indirect_dim=0))
+            full = [t for t in span if t[1] == pmax]    # only the last tile may be partial
+            groups = [(g0, full[g0:g0 + per_bank]) for g0 in range(0, len(full), per_bank)]
+            if len(full) < len(span):
+                groups.append((len(full), span[len(full):]))
+            for g0, group in groups:
+                cs = group[0][1]
+                tr_psum = nl.ndarray((cs, len(group), rs), dtype=w.dtype, buffer=nl.psum)
+                for gi, (c0, _) in enumerate(group):
+                    nisa.nc_transpose(dst=tr_psum[:, gi, :], data=nat_sb[:, c0 - c_start:c0 - c_start + cs])
+                nisa.tensor_copy(dst=w_t[:cs, ct0 + g0:ct0 + g0 + len(group), r0:r0 + rs], src=tr_psum,
+                                 engine=EVICTION_ENGINES[evictions % len(EVICTION_ENGINES)])
+                evictions += 1
+            ct0 += len(span)
+    return w_t
+
+
+def reduce_assignments(src_slots, dst, top_k, topk_w=None):
+    """dst[t] = sum_j w[t, j] * src_slots[t * k + j] (fp32, j ascending; w = 1 when topk_w is
+    None, else topk_w (N, 1) fp32, read in token order: no gather), cast to dst's dtype."""
+    t_len, hidden = dst.shape
+    for t0, tp in spans(t_len, nl.tile_size.pmax):
+        w_sb = None
+        if topk_w is not None:
+            w_sb = nl.ndarray((tp, top_k), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=w_sb, src=topk_w.ap([[top_k, tp], [1, top_k]], offset=t0 * top_k))
+        for h0, hn in spans(hidden, nl.tile_size.gemm_moving_fmax):
+            parts_sb = nl.ndarray((tp, top_k, hn), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=parts_sb, src=src_slots.ap([[top_k * hidden, tp], [hidden, top_k], [1, hn]],
+                                                         offset=t0 * top_k * hidden + h0))
+            out_sb = nl.ndarray((tp, hn), dtype=dst.dtype, buffer=nl.sbuf)
+            acc_sb = out_sb if top_k == 1 else nl.ndarray((tp, hn), dtype=nl.float32, buffer=nl.sbuf)
+            if w_sb is None:
+                nisa.tensor_copy(dst=acc_sb, src=parts_sb[:, 0, :])
+            else:
+                nisa.tensor_scalar(dst=acc_sb, data=parts_sb[:, 0, :], op0=nl.multiply, operand0=w_sb[:, 0:1])
+            for j in range(1, top_k):
+                step_sb = out_sb if j == top_k - 1 else acc_sb
+                if w_sb is None:
+                    nisa.tensor_tensor(dst=step_sb, data1=acc_sb, data2=parts_sb[:, j, :], op=nl.add)
+                else:
+                    nisa.scalar_tensor_tensor(dst=step_sb, data=parts_sb[:, j, :], op0=nl.multiply,
+                                              operand0=w_sb[:, j:j + 1], op1=nl.add, operand1=acc_sb)
+            nisa.dma_copy(dst=dst[t0:t0 + tp, h0:h0 + hn], src=out_sb)
