@@ -179,13 +179,8 @@ def sbuf_bytes_bwd(hidden: int, num_experts: int, itemsize: int) -> int:
 
 
 def check_supported(x, weight):
-    num_experts, hidden = weight.shape
-    if num_experts > rc.FIND8_MAX_FREE:
-        raise Unsupported(f"E={num_experts} exceeds the max8/nc_find_index8 scan limit {rc.FIND8_MAX_FREE}")
-    need = sbuf_bytes_bwd(hidden, num_experts, x.element_size())
-    if need > nl.tile_size.sbuf_fmax_bytes:
-        raise Unsupported(f"router backward needs {need} SBUF bytes per partition (H={hidden}, "
-                          f"E={num_experts}), more than {nl.tile_size.sbuf_fmax_bytes}")
+    """Raise ``Unsupported`` (before any launch) for what the router backward kernel cannot serve."""
+    rc.check_supported(weight, sbuf_bytes_bwd(weight.shape[1], weight.shape[0], x.element_size()), "router backward")
 
 
 def launch_moe_router_bwd(dlogits, dtopk_weights, x, weight, logits, topk_ids, *, score_func, renormalize):

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.backend import lnc_degree
-from nki_lib.dispatch import KernelLaunch, Unsupported
+from nki_lib.dispatch import KernelLaunch
 from nki_lib.moe.kernels import moe_router_steps as rc
 from nki_lib.sizes import FP32_BYTES, ceil_div
 
@@ -133,14 +133,8 @@ def sbuf_bytes_fwd(hidden: int, num_experts: int, itemsize: int) -> int:
 
 
 def check_supported(x, weight):
-    """Raise ``Unsupported`` (before any launch) for what the router kernels cannot serve."""
-    num_experts, hidden = weight.shape
-    if num_experts > rc.FIND8_MAX_FREE:
-        raise Unsupported(f"E={num_experts} exceeds the max8/nc_find_index8 scan limit {rc.FIND8_MAX_FREE}")
-    need = sbuf_bytes_fwd(hidden, num_experts, x.element_size())
-    if need > nl.tile_size.sbuf_fmax_bytes:
-        raise Unsupported(f"router needs {need} SBUF bytes per partition (H={hidden}, E={num_experts}), "
-                          f"more than {nl.tile_size.sbuf_fmax_bytes}")
+    """Raise ``Unsupported`` (before any launch) for what the router kernel cannot serve."""
+    rc.check_supported(weight, sbuf_bytes_fwd(weight.shape[1], weight.shape[0], x.element_size()), "router")
 
 
 def launch_moe_router_fwd(x, weight, expert_bias, *, top_k, score_func, renormalize, num_groups, topk_groups):

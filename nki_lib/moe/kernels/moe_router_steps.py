@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from nki_lib._nki import nisa, nl
+from nki_lib.dispatch import Unsupported
 from nki_lib.sizes import ceil_div
 
 TOPK_WIDTH = 8                                   # values per max8 / nc_find_index8 (ISA)
@@ -190,3 +191,15 @@ def group_limit(key_sb, rows, num_experts, num_groups, topk_groups):
     for g in range(num_groups):
         group_keys = key_sb[:rows, nl.ds(g * group_size, group_size)]
         nisa.tensor_scalar(dst=group_keys, data=group_keys, op0=nl.add, operand0=penalty[:rows, nl.ds(g, 1)])
+
+
+def check_supported(weight, need_sbuf, kernel):
+    """Host side, before any launch: raise ``Unsupported`` for what the router ``kernel``
+    (``"router"`` / ``"router backward"``) cannot serve: more experts than one max8 scan, or
+    ``need_sbuf`` bytes per partition beyond SBUF."""
+    num_experts, hidden = weight.shape
+    if num_experts > FIND8_MAX_FREE:
+        raise Unsupported(f"E={num_experts} exceeds the max8/nc_find_index8 scan limit {FIND8_MAX_FREE}")
+    if need_sbuf > nl.tile_size.sbuf_fmax_bytes:
+        raise Unsupported(f"{kernel} needs {need_sbuf} SBUF bytes per partition (H={hidden}, E={num_experts}), "
+                          f"more than {nl.tile_size.sbuf_fmax_bytes}")
