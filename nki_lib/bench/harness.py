@@ -75,7 +75,8 @@ def plan(case: Case) -> SimPlan:
         sim = {**d, "B": 1, "Hkv": 1, "Hq": d["Hq"] // d["Hkv"]}
         return SimPlan(sim, float(groups), f"simulated 1 of {groups} independent (batch x kv-head) groups "
                                            f"({sim['Hq']} query heads, real sequence lengths); "
-                                           f"time = launch + {groups} x simulated makespan")
+                                           f"time = launch + {groups} x simulated makespan (an upper bound in practice: "
+                                           f"the overlap of consecutive groups is left out)")
     if case.op == "moe_experts" and d["E"] > MOE_SIM_EXPERTS:
         e_sim = MOE_SIM_EXPERTS
         k_sim = min(d["k"], e_sim)
@@ -86,7 +87,8 @@ def plan(case: Case) -> SimPlan:
         scale = real_blocks / sim_blocks
         return SimPlan(sim, scale, f"simulated {e_sim} of {d['E']} experts with the real tokens per expert "
                                    f"(T'={t_sim}, k'={k_sim}, balanced routing, {sim_blocks} blocks); time = launch + "
-                                   f"{scale:.4g} x simulated makespan ({real_blocks} blocks)")
+                                   f"{scale:.4g} x simulated makespan ({real_blocks} blocks; an upper bound in practice: "
+                                   f"the overlap of consecutive blocks is left out)")
     return SimPlan(d, 1.0, None)
 
 
