@@ -276,12 +276,13 @@ def _evict_scores(s_view, s_psum, scale, softcap):
         nisa.activation(dst=s_view, op=nl.copy, data=s_psum, scale=scale)
 
 
-def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap):
+def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused=False):
     """S^T (128, rn, n) of every row tile for the slots of one softmax step: element [p, r, j] is
     the score of row r with key p*M + c0 + j (rows outermost, so each row's slots are one
     contiguous run for its range_select). One matmul per slot and head-dim chunk
     (stationary K^T slot (dc, 128), moving q^T (dc, rn)) into a score block's PSUM tile, evicted
-    with the scale when the block is complete. K^T blocks are software-pipelined
+    with the scale when the block is complete -- or, ``fused`` (one block, no softcap), left in PSUM
+    for the mask to read (returned: per row tile the (128, rn, n) view). K^T blocks are software-pipelined
     ``KT_LOOKAHEAD`` blocks deep (their transposes are issued that far ahead of their matmuls,
     hiding the PE -> eviction -> PE latency)."""
     pmax = nl.tile_size.pmax
@@ -308,12 +309,13 @@ def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, so
                 for h in range(len(q_t[t])):
                     nisa.nc_matmul(dst=s_psum[t][:, k0 - b0 + j, :], stationary=k_t[h][:, j * pmax:(j + 1) * pmax],
                                    moving=q_t[t][h], accumulate=(h > 0))
-        if k0 + kn == b0 + bn:
+        if k0 + kn == b0 + bn and not fused:
             for t in range(len(s_sb)):
                 _evict_scores(s_sb[t][:, :, b0:b0 + bn].permute((0, 2, 1)), s_psum[t], scale, softcap)
+    return [p.permute((0, 2, 1)) for p in s_psum] if fused else s_sb
 
 
-def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
+def _step_probs(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0):
     """P^T (128, rn, n) = exp(S^T - m_new) of the scores S^T (128, rn, n) of slots c0 .. c0 + n, and
     -m_new (rn, 1), with ``m_new = max(m_prev, rowmax)``: ``neg_m_prev`` is -m after the previous
     step, whose state update may not be issued yet (its P @ V is deferred).
@@ -324,13 +326,18 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
     -m broadcast to the partitions: PE transpose of a stride-0 (rn, 128) view -> (128, rn)
     P^T = exp(S^T - m) in the input dtype: one ScalarE exp per row r with the per-partition bias
       -m_r (column r of the broadcast) when a row has >= MIN_II_ELEMS slots, else one VectorE add of
-      the broadcast and a single exp"""
+      the broadcast and a single exp
+
+    ``s_src``: the unscaled scores in PSUM (fused step, long rows only): the range_select evicts
+    them into ``s_sb``, and ``score_scale`` goes into -m and the exp (one ScalarE eviction and its
+    PE -> ScalarE -> VectorE hop less per step)"""
     pmax = nl.tile_size.pmax
+    s_src = s_sb if s_src is None else s_src
     rn, d = state.acc.shape
     n = s_sb.shape[2]
     part_max = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
     for r in range(rn):
-        nisa.range_select(dst=s_sb[:, r, :], on_true_tile=s_sb[:, r, :], comp_op0=nl.greater_equal,
+        nisa.range_select(dst=s_sb[:, r, :], on_true_tile=s_src[:, r, :], comp_op0=nl.greater_equal,
                           comp_op1=nl.less_equal, bound0=state.bounds[:, r, 0:1], bound1=state.bounds[:, r, 1:2],
                           reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=part_max[:, r:r + 1],
                           reduce_op=nl.maximum, range_start=c0)
@@ -339,7 +346,7 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
     rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
     neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
+    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
                        op1=nl.minimum, operand1=neg_m_prev)
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
@@ -348,7 +355,8 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
         neg_m_bias = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=neg_m_bias, src=neg_m_cols, engine=nisa.engine.scalar)
         for r in range(rn):
-            nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1])
+            nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1],
+                            scale=score_scale)
     else:                                       # short rows: one VectorE shift, one exp for all rows
         nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(2).broadcast(2, n), op=nl.add)
         nisa.activation(dst=p_t, op=nl.exp, data=s_sb)
@@ -530,16 +538,19 @@ def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_d
     def scores(step):
         s_sb = [nl.ndarray((pmax, st.acc.shape[0], step[1]), dtype=nl.float32, buffer=nl.sbuf)
                 for st in split_states]
-        _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap)
-        return s_sb
+        fused = softcap == 0 and MIN_II_ELEMS <= step[1] <= plan[1]   # one score block, per-row exps
+        src = _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused)
+        return s_sb, (src if fused else s_sb), (scale if fused else 1.0)
 
     pending = None                  # (step, P^T and -m_new per row tile) awaiting P @ V
     s_next = scores(steps[0])
     for i, step in enumerate(steps):
-        s_sb = s_next
+        s_cur = s_next
         if i + 1 < len(steps):
             s_next = scores(steps[i + 1])
-        probs = [_step_probs(st, s_sb[t], step[0], st.neg_m if pending is None else pending[1][t][1], dtype)
+        s_sb, s_src, score_scale = s_cur
+        probs = [_step_probs(st, s_sb[t], step[0], st.neg_m if pending is None else pending[1][t][1], dtype,
+                             s_src[t], score_scale)
                  for t, st in enumerate(split_states)]
         if pending is not None:
             _flush_pv(split_states, pending, v_chunk, ones_col, d_spans)
