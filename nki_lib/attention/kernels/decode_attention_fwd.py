@@ -162,12 +162,14 @@ class _SplitState(nl.NKIObject):
     l: object        # (rn, 1) running sum                    = packed[:, D + 1]  # noqa: E741
     bounds: object   # (128, rn, 2) per partition p and row r: (lo_r - p*M, hi_r - p*M), lo/hi
                      # relative to the chunk start: the visible slots of partition p
+    group_sq: object  # Sq when the tile holds every row of its unit (rows r = g*Sq + t with equal t
+                      # share their bounds: short-row steps mask a whole t at once), else None
 
 
-def _state_views(packed, bounds=None):
+def _state_views(packed, bounds=None, group_sq=None):
     d = packed.shape[1] - 2
     return _SplitState(packed=packed, acc=packed[:, 0:d], neg_m=packed[:, d:d + 1],
-                       l=packed[:, d + 1:d + 2], bounds=bounds)
+                       l=packed[:, d + 1:d + 2], bounds=bounds, group_sq=group_sq)
 
 
 def _load_q_t(q, row0, rn, d_spans, dtype):
@@ -193,6 +195,7 @@ class _BatchMeta(nl.NKIObject):
     window_pm: object  # (128, B*S*2) float32: ``window`` - p*M on partition p
     row_pos: object    # (128, R) float32: t_r - Sq for row r = g*Sq + t_r (its position minus L_b)
     reach: float       # keys a row sees before its own position: window_left, or MAX_INDEX unbounded
+    sq: int            # new tokens per sequence
 
 
 def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left):
@@ -211,7 +214,7 @@ def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left):
     nisa.iota(dst=row_pos, pattern=[[0, rows // sq], [1, sq]], offset=-sq)
     reach = float(window_left) if window_left >= 0 else float(MAX_INDEX)
     return _BatchMeta(bounds=bounds_sb, window=window_sb, window_pm=window_pm,
-                      row_pos=row_pos.reshape((pmax, rows)), reach=reach)
+                      row_pos=row_pos.reshape((pmax, rows)), reach=reach, sq=sq)
 
 
 def _init_state(meta, ws, r0, rn, d):
@@ -221,8 +224,9 @@ def _init_state(meta, ws, r0, rn, d):
     ``hi = L_rel - Sq + t_r - p*M`` and ``lo = max(hi - window_left, first_rel - p*M)``
     (``first`` already folds in the window and cache_start)."""
     pmax = nl.tile_size.pmax
+    whole = r0 == 0 and rn == meta.row_pos.shape[1]
     state = _state_views(nl.ndarray((rn, d + 2), dtype=nl.float32, buffer=nl.sbuf),
-                         nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf))
+                         nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf), meta.sq if whole else None)
     nisa.memset(dst=state.packed, value=0.0)
     nisa.memset(dst=state.neg_m, value=-STAT_INIT)
     c = 2 * ws
@@ -276,12 +280,13 @@ def _evict_scores(s_view, s_psum, scale, softcap):
         nisa.activation(dst=s_view, op=nl.copy, data=s_psum, scale=scale)
 
 
-def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap):
+def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused=False):
     """S^T (128, rn, n) of every row tile for the slots of one softmax step: element [p, r, j] is
     the score of row r with key p*M + c0 + j (rows outermost, so each row's slots are one
     contiguous run for its range_select). One matmul per slot and head-dim chunk
     (stationary K^T slot (dc, 128), moving q^T (dc, rn)) into a score block's PSUM tile, evicted
-    with the scale when the block is complete. K^T blocks are software-pipelined
+    with the scale when the block is complete -- or, ``fused`` (one block, no softcap), left in PSUM
+    for the mask to read (returned: per row tile the (128, rn, n) view). K^T blocks are software-pipelined
     ``KT_LOOKAHEAD`` blocks deep (their transposes are issued that far ahead of their matmuls,
     hiding the PE -> eviction -> PE latency)."""
     pmax = nl.tile_size.pmax
@@ -302,18 +307,45 @@ def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, so
         b0 = k0 - k0 % blk_slots
         bn = min(blk_slots, n - b0)
         if k0 == b0:
-            s_psum = [nl.ndarray((pmax, bn, s.shape[1]), dtype=nl.float32, buffer=nl.psum) for s in s_sb]
+            s_psum = [nl.ndarray((pmax, bn, q[0].shape[1]), dtype=nl.float32, buffer=nl.psum) for q in q_t]
         for t in range(len(s_sb)):
             for j in range(kn):
                 for h in range(len(q_t[t])):
                     nisa.nc_matmul(dst=s_psum[t][:, k0 - b0 + j, :], stationary=k_t[h][:, j * pmax:(j + 1) * pmax],
                                    moving=q_t[t][h], accumulate=(h > 0))
-        if k0 + kn == b0 + bn:
+        if k0 + kn == b0 + bn and not fused:
             for t in range(len(s_sb)):
-                _evict_scores(s_sb[t][:, :, b0:b0 + bn].permute((0, 2, 1)), s_psum[t], scale, softcap)
+                _evict_scores(*_score_views(s_sb[t], s_psum[t], b0, bn), scale, softcap)
+    return [p.permute((0, 2, 1)) for p in s_psum] if fused else s_sb
 
 
-def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
+def _score_views(s_sb, s_psum, b0, bn):
+    """(SBUF destination, PSUM source) views of one score block's eviction, element for element:
+    the block is (128, bn, rn) slot-major; S^T is rows outermost (128, rn, n), or for grouped rows
+    (128, Sq, n, G) (row r = g*Sq + t at [t, c, g])."""
+    if len(s_sb.shape) == 3:
+        return s_sb[:, :, b0:b0 + bn].permute((0, 2, 1)), s_psum
+    pmax, sq, _, group = s_sb.shape
+    return s_sb[:, :, b0:b0 + bn, :].permute((0, 2, 3, 1)), s_psum.reshape((pmax, bn, group, sq))
+
+
+def _mask_grouped(state, s_sb, c0, part_max):
+    """Mask and per-partition row max of grouped short-row scores S^T (128, Sq, n, G): rows of one
+    t share their bounds, so one range_select per t covers its G rows (free index c*G + g, visible
+    iff lo*G <= c*G + g < (hi + 1)*G), then one max over the slots of every row."""
+    pmax, sq, n, group = s_sb.shape
+    g_bounds = nl.ndarray((pmax, sq, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=g_bounds[:, :, 0], data=state.bounds[:, 0:sq, 0], op0=nl.multiply, operand0=float(group))
+    nisa.tensor_scalar(dst=g_bounds[:, :, 1], data=state.bounds[:, 0:sq, 1], op0=nl.add, operand0=1.0,
+                       op1=nl.multiply, operand1=float(group))
+    for t in range(sq):
+        nisa.range_select(dst=s_sb[:, t], on_true_tile=s_sb[:, t], comp_op0=nl.greater_equal, comp_op1=nl.less,
+                          bound0=g_bounds[:, t, 0:1], bound1=g_bounds[:, t, 1:2], range_start=c0 * group)
+    nisa.tensor_reduce(dst=part_max.reshape((pmax, group, sq)).permute((0, 2, 1)), op=nl.maximum,
+                       data=s_sb.permute((0, 1, 3, 2)), axis=3)
+
+
+def _step_probs(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0):
     """P^T (128, rn, n) = exp(S^T - m_new) of the scores S^T (128, rn, n) of slots c0 .. c0 + n, and
     -m_new (rn, 1), with ``m_new = max(m_prev, rowmax)``: ``neg_m_prev`` is -m after the previous
     step, whose state update may not be issued yet (its P @ V is deferred).
@@ -324,13 +356,21 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
     -m broadcast to the partitions: PE transpose of a stride-0 (rn, 128) view -> (128, rn)
     P^T = exp(S^T - m) in the input dtype: one ScalarE exp per row r with the per-partition bias
       -m_r (column r of the broadcast) when a row has >= MIN_II_ELEMS slots, else one VectorE add of
-      the broadcast and a single exp"""
+      the broadcast and a single exp
+
+    ``s_src``: the unscaled scores in PSUM (fused step, long rows only): the range_select evicts
+    them into ``s_sb``, and ``score_scale`` goes into -m and the exp (one ScalarE eviction and its
+    PE -> ScalarE -> VectorE hop less per step)"""
     pmax = nl.tile_size.pmax
+    s_src = s_sb if s_src is None else s_src
     rn, d = state.acc.shape
+    grouped = len(s_sb.shape) == 4
     n = s_sb.shape[2]
     part_max = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
-    for r in range(rn):
-        nisa.range_select(dst=s_sb[:, r, :], on_true_tile=s_sb[:, r, :], comp_op0=nl.greater_equal,
+    if grouped:
+        _mask_grouped(state, s_sb, c0, part_max)
+    for r in range(0 if grouped else rn):
+        nisa.range_select(dst=s_sb[:, r, :], on_true_tile=s_src[:, r, :], comp_op0=nl.greater_equal,
                           comp_op1=nl.less_equal, bound0=state.bounds[:, r, 0:1], bound1=state.bounds[:, r, 1:2],
                           reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=part_max[:, r:r + 1],
                           reduce_op=nl.maximum, range_start=c0)
@@ -339,7 +379,7 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
     rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
     neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
+    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
                        op1=nl.minimum, operand1=neg_m_prev)
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
@@ -348,7 +388,13 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
         neg_m_bias = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=neg_m_bias, src=neg_m_cols, engine=nisa.engine.scalar)
         for r in range(rn):
-            nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1])
+            nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1],
+                            scale=score_scale)
+    elif grouped:                               # grouped short rows: shift and exp in S^T's layout
+        sq, group = s_sb.shape[1], s_sb.shape[3]
+        neg_m_tg = neg_m_cols.reshape((pmax, group, sq)).permute((0, 2, 1)).expand_dim(2).broadcast(2, n)
+        nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_tg, op=nl.add)
+        nisa.activation(dst=p_t.reshape((pmax, group, sq, n)).permute((0, 2, 3, 1)), op=nl.exp, data=s_sb)
     else:                                       # short rows: one VectorE shift, one exp for all rows
         nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(2).broadcast(2, n), op=nl.add)
         nisa.activation(dst=p_t, op=nl.exp, data=s_sb)
@@ -528,18 +574,23 @@ def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_d
     steps = spans(m, plan[0])
 
     def scores(step):
-        s_sb = [nl.ndarray((pmax, st.acc.shape[0], step[1]), dtype=nl.float32, buffer=nl.sbuf)
-                for st in split_states]
-        _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap)
-        return s_sb
+        n = step[1]
+        s_sb = [nl.ndarray((pmax, st.group_sq, n, st.acc.shape[0] // st.group_sq), dtype=nl.float32, buffer=nl.sbuf)
+                if st.group_sq and n < MIN_II_ELEMS else
+                nl.ndarray((pmax, st.acc.shape[0], n), dtype=nl.float32, buffer=nl.sbuf) for st in split_states]
+        fused = softcap == 0 and MIN_II_ELEMS <= n <= plan[1]   # one score block, per-row exps
+        src = _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused)
+        return s_sb, (src if fused else s_sb), (scale if fused else 1.0)
 
     pending = None                  # (step, P^T and -m_new per row tile) awaiting P @ V
     s_next = scores(steps[0])
     for i, step in enumerate(steps):
-        s_sb = s_next
+        s_cur = s_next
         if i + 1 < len(steps):
             s_next = scores(steps[i + 1])
-        probs = [_step_probs(st, s_sb[t], step[0], st.neg_m if pending is None else pending[1][t][1], dtype)
+        s_sb, s_src, score_scale = s_cur
+        probs = [_step_probs(st, s_sb[t], step[0], st.neg_m if pending is None else pending[1][t][1], dtype,
+                             s_src[t], score_scale)
                  for t, st in enumerate(split_states)]
         if pending is not None:
             _flush_pv(split_states, pending, v_chunk, ones_col, d_spans)
