@@ -66,7 +66,7 @@ Busy times at Sq = Sk = 4096 causal: TensorE 170 us, VectorE 134, ScalarE 124, D
 Every streamed DMA moves one contiguous run of >= 1 KiB per partition (Q^T and dO^T 1 KiB
 each per group, Q/dO/O rows 3 KiB per group, K^T, V^T, K rows and dK/dV 1 KiB per key tile).
 Q^T, dO^T, K^T and V^T are DMA transposes of the natural (B, H, S, D) inputs for 2-byte dtypes
-with D <= 128 (``transposed_loads``; no host transposes), else rows of host transposes.
+with D <= 128 (``flash_attention_transposed_loads``; no host transposes), else rows of host transposes.
 
 Working set (per partition; D <= 128, 16-bit inputs): SBUF about 38 KiB (eight pairs, three
 query groups and two key tiles in flight, phase-0 rows of the next group) plus 24 B per query
@@ -117,7 +117,7 @@ from nki_lib.attention.kernels.flash_attention_bwd_tile import (
     scores_stage,
     seen_blocks,
 )
-from nki_lib.attention.kernels.transposed_loads import as_kernel_layout, load_transposed_into, on_chip
+from nki_lib.attention.kernels.flash_attention_transposed_loads import as_kernel_layout, load_transposed_into, on_chip
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.sizes import ceil_div
@@ -170,7 +170,7 @@ class KeyTile(nl.NKIObject):
 
 def _load_kv(kv, k_src, v_src, natural, b, hk, head_dim):
     """K^T and V^T (one DMA each per head-dim chunk: DMA transposes of natural K/V rows, or rows
-    of the launcher's transposes, ``transposed_loads``); the K rows follow (:func:`_load_k_rows`)."""
+    of the launcher's transposes, ``flash_attention_transposed_loads``); the K rows follow (:func:`_load_k_rows`)."""
     pmax = nl.tile_size.pmax
     chunks = tiles.head_dim_chunks(head_dim)
     k0, kn = kv.k0, kv.kn
@@ -241,7 +241,7 @@ def _runs(slots, partial_slot):
 
 class Streams(nl.NKIObject):
     """The query-side HBM tensors of one launch: ``qdo_rows`` (Q and dO rows, row-group layout),
-    ``q_src``, ``do_src`` (Q and dO, natural or transposed: ``transposed_loads``), ``q_cache``
+    ``q_src``, ``do_src`` (Q and dO, natural or transposed: ``flash_attention_transposed_loads``), ``q_cache``
     (``{(query head, group): (Q^T/dO^T, Q/dO rows)}`` of the current kv head, kept for its later
     key tiles when :func:`q_cached` allows, else None), ``dq``
     (output, row-group layout), ``dq_acc`` (fp32 scratch between key tiles; None when the

@@ -63,7 +63,7 @@ contiguously).
 
 DMA layouts: q^T/k^T tiles (q^T one DMA per head and chunk for QUERY_SECTION_TILES consecutive
 query tiles, K^T one per aligned span) are DMA transposes of natural rows or contiguous rows of
-the launcher's (D, S) layouts (``transposed_loads``); V is
+the launcher's (D, S) layouts (``flash_attention_transposed_loads``); V is
 read "interleaved" in runs of up to 8 blocks (4 in fp32; partition p of block g0 + i holds key
 ``128 g0 + c p + i``) so every partition reads one contiguous run of ``c * D`` elements per run,
 and the transposes read the matching columns of P with a stride of at most 16 B; cached V uses
@@ -71,7 +71,7 @@ natural 128-key blocks where a section covers only part of an aligned run (the c
 diagonal), see ``flash_attention_fwd_values``.
 
 Shapes (HBM): q (B, Hq, Sq, D), k (B, Hkv, Sk, D) in natural layout (``natural``: 2-byte
-dtypes, D <= 128; q^T/k^T tiles by DMA transposes, ``transposed_loads``), else their transposes
+dtypes, D <= 128; q^T/k^T tiles by DMA transposes, ``flash_attention_transposed_loads``), else their transposes
 (B, Hq, D, Sq), (B, Hkv, D, Sk) from the launcher (layout glue); v (B, Hkv, Sk, D), sinks (Hq,)
 float32, doc (2, S) float32 with the first
 and last position of each position's document (cu_seqlens). Outputs: out (B, Hq, Sq, D) in q's
@@ -122,6 +122,7 @@ from nki_lib.attention.kernels.flash_attention_fwd_plan import (
 from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, new_lse_batch
 from nki_lib.attention.kernels.flash_attention_fwd_step import PT_DVE_SHARE, PT_DVE_SHARE_SOFTCAP
 from nki_lib.attention.kernels.flash_attention_fwd_values import ValueCache, cache_bytes
+from nki_lib.attention.kernels.flash_attention_transposed_loads import as_kernel_layout, on_chip
 from nki_lib.attention.kernels.tiles import (
     MAX_INDEX,
     STAT_INIT,
@@ -131,7 +132,6 @@ from nki_lib.attention.kernels.tiles import (
     heads_per_pass,
     key_tile_width,
 )
-from nki_lib.attention.kernels.transposed_loads import as_kernel_layout, on_chip
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.sizes import FP32_BYTES, HALF_BYTES, ceil_div

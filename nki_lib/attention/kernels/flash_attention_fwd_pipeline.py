@@ -17,8 +17,8 @@ from nki_lib.attention.kernels.flash_attention_fwd_step import (
     transpose_p,
 )
 from nki_lib.attention.kernels.flash_attention_fwd_values import cached_v, load_v
+from nki_lib.attention.kernels.flash_attention_transposed_loads import load_transposed
 from nki_lib.attention.kernels.tiles import row_bounds
-from nki_lib.attention.kernels.transposed_loads import load_transposed
 
 __all__ = ["load_k", "section_k", "load_v_of", "stage_scores", "stage_softmax", "stage_transpose",
            "stage_evict_pt", "stage_pv", "stage_acc", "close_group"]

@@ -19,7 +19,7 @@ class Ctx(nl.NKIObject):
     """Kernel-wide inputs, outputs and compile-time flags, passed to the step helpers."""
     q: object              # q (B, Hq, Sq, D) HBM, or its transpose (B, Hq, D, Sq) (not natural)
     k: object              # k (B, Hkv, Sk, D) HBM, or its transpose (B, Hkv, D, Sk)
-    natural: bool          # q, k in natural layout, transposed on chip (transposed_loads)
+    natural: bool          # q, k in natural layout, transposed on chip (flash_attention_transposed_loads)
     v: object              # (B, Hkv, Sk, D) HBM
     sinks: object          # (Hq,) fp32 HBM or None
     has_sinks: bool
