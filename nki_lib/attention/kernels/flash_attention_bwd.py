@@ -15,8 +15,8 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
 
     for b, kv head hk (one pass each, LNC2: split between the programs):
         issue the first key tile's loads; phase 0 (bwd_prep) of hk's query heads: -lse of all
-        rows now, -delta (and the per-row key bounds with documents) of a query group when the
-        pass first loads it (its O/dO rows prefetched STATS_AHEAD groups earlier), all kept in
+        rows now, -delta (and the per-row key bounds, when given) of a query group when the pass
+        first loads it (its O/dO rows prefetched STATS_AHEAD groups earlier), all kept in
         SBUF; dsinks partials at the end of the pass
         pairs = [(key tile [k0, k0 + kn), kn <= 512, query head h, query group, query tile)
                  for every key tile, query head of the group, visiting query tile]
@@ -25,7 +25,7 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
                                                      the last visible 128-key block)
             probs    P = exp(scale * S - lse)        ScalarE (reads PSUM); masks of partial tiles:
                                                      GpSimd affine_select on P (causal/window),
-                                                     documents: VectorE range_select before exp;
+                                                     key bounds: VectorE range_select before exp;
                      dP - delta                      ScalarE eviction (the bias of a copy), fp32
             dscores  dS = (dP - delta) * P           VectorE, one product
             dv       dV += P^T dO                    TensorE, per visible 128-key block (queries
@@ -73,16 +73,17 @@ Shapes (HBM; the launcher prepares the layouts, layout glue): qdo_rows, od_rows
 (B, Hq, NG, pmax, per, 2, D) (Q and dO / O and dO rows in row-group layout, ``row_groups``:
 [.., g, p, s, :] = row (g * per + s) * pmax + p, zero rows past Sq); qdo_t (B, Hq, NG, D, 2,
 per * pmax) (Q^T and dO^T by group); k_rows (B, Hkv, NKT, pmax, per, D); k_t, v_t
-(B, Hkv, D, Sk); lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32; doc (2, Sq) fp32 first/last
-position of each position's document (cu_seqlens). Outputs dq (B, Hq, NG, pmax, per, D) and
+(B, Hkv, D, Sk); lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32; doc (B, 2, Sq) fp32 per-row key
+bounds [lo, hi] (``nki_lib.attention.key_bounds``: documents, key padding, the causal/window rules
+intersected) or None. Outputs dq (B, Hq, NG, pmax, per, D) and
 dk, dv (B, Hkv, NKT, pmax, per, D) in row-group layout (the launcher turns them back).
 Scratch (non-resident dQ): dq_acc like dq, fp32.
 Dimension legend: B batch, Hq/Hkv query/kv heads (G = Hq // Hkv), Sq/Sk lengths, D head dim,
 pmax partitions, per = 128-row tiles per group (= 128-key blocks per key tile, 4), NG query
 groups, NKT key tiles, qn/kn rows/keys of the current tile, NT query tiles.
 Limits: D <= 256 (two contraction chunks); bf16/fp16/fp32; Sq + Sk < 2**24 (float32 key
-indices); with cu_seqlens and no softcap, scale > 0 (document-masked scores are filled with the
-most negative float32 before exp), else ``Unsupported``.
+indices); with per-row key bounds (cu_seqlens, attn_mask) and no softcap, scale > 0 (scores
+outside the bounds are filled with the most negative float32 before exp), else ``Unsupported``.
 """
 
 from __future__ import annotations
@@ -495,9 +496,10 @@ def flash_attention_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t,
 
 # --------------------------------------------------------------------------- launcher
 
-def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale, window_left,
+def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, key_bounds, *, causal, scale, window_left,
               window_right, softcap):
-    """The launch of the backward kernel; it returns ``(dq, dk, dv, dsinks)`` (dsinks float32 (Hq,),
+    """The launch of the backward kernel (``key_bounds`` (B, 2, Sq) float32 or None and the flags
+    from ``key_bounds.plan``); it returns ``(dq, dk, dv, dsinks)`` (dsinks float32 (Hq,),
     zeros without sinks). Raises :class:`Unsupported` when the kernel cannot serve the call."""
     if q.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {q.dtype} (the backward kernel handles bfloat16, float16, float32)")
@@ -505,17 +507,17 @@ def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens,
         raise Unsupported(f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}")
     if q.shape[2] + k.shape[2] >= tiles.MAX_INDEX:
         raise Unsupported(f"Sq + Sk = {q.shape[2] + k.shape[2]} >= 2**24 (key indices are float32 in the kernel)")
-    if cu_seqlens is not None and softcap == 0 and scale <= 0:
-        raise Unsupported("scale <= 0 with cu_seqlens: document-masked scores would not vanish under exp")
+    if key_bounds is not None and softcap == 0 and scale <= 0:
+        raise Unsupported("scale <= 0 with per-row key bounds (cu_seqlens, attn_mask): masked scores "
+                          "would not vanish under exp")
     grid = lnc_degree()
-    doc = None if cu_seqlens is None else tiles.document_bounds(cu_seqlens, q.shape[2])
     pair = lambda x, y: torch.stack([row_groups(x), row_groups(y)], dim=5)  # noqa: E731
     qdo_t = torch.stack([col_groups(q.transpose(2, 3)), col_groups(dout.transpose(2, 3))], dim=4)
     k_t, v_t = (x.transpose(2, 3).contiguous() for x in (k, v))
     return KernelLaunch(
         flash_attention_bwd_kernel,
         (pair(q, dout), qdo_t, pair(out, dout), dlse.contiguous(), row_groups(k), k_t, v_t, lse.contiguous(),
-         None if sinks is None else sinks.contiguous(), doc),
+         None if sinks is None else sinks.contiguous(), key_bounds),
         dict(causal=bool(causal), scale=float(scale), window_left=int(window_left), window_right=int(window_right),
              softcap=float(softcap)),
         grid=grid, unpack=partial(_unpack_grads, q.shape[2], k.shape[2]))

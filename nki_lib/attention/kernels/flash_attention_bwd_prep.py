@@ -13,8 +13,9 @@ head begins (``(pmax, NT)`` columns: row t * pmax + p on partition p, column t):
   row-group layout, prefetched by :func:`prefetch_group`): VectorE product, row sums and
   subtract -- one engine, so no other in-order engine queue of the pipeline waits on the chain.
   Stored negated so the main loop subtracts delta as the bias of its ScalarE eviction of dP.
-* ``lo``, ``hi``: the visible-key interval of the row (causal, window and document masks, from
-  ``tiles.row_bounds``, per tile; only with documents: causal/window masks need no per-row data)
+* ``lo``, ``hi``: the visible-key interval of the row (the host's per-row key bounds: causal,
+  window, documents and key padding together, loaded by ``tiles.row_bounds`` per tile; only
+  with those bounds: causal/window masks alone need no per-row data)
 * ``dsinks[h] = sum_{b,i} exp(sink_h - lse_i) * neg_delta_i`` (:func:`head_finish`, after the
   groups no pair needed): ScalarE exp, VectorE product and row reduce into a per-partition
   accumulator; :func:`finish` sums across partitions with a ones-vector matmul on TensorE.
@@ -28,9 +29,9 @@ Output (SBUF, per (b, h)): stats (pmax, NT, NSTAT) fp32: [p, t, s] = statistic s
 t * pmax + p.
 
 Shapes: od_rows (B, Hq, NG, pmax, per, 2, D) (O and dO, ``flash_attention_bwd.row_groups``); lse, dlse (B, Hq, Sq)
-fp32; sinks (Hq,) fp32; doc (2, Sq).
+fp32; sinks (Hq,) fp32; doc (B, 2, Sq) fp32 per-row key bounds [lo, hi] or None.
 Dimension legend: B batch, Hq query heads, Sq query length, D head dim, NT = ceil(Sq / pmax),
-NG query groups of ``per`` tiles, NSTAT statistics per row (2, or 4 with documents).
+NG query groups of ``per`` tiles, NSTAT statistics per row (2, or 4 with key bounds).
 Limits: one pass over dO and O; SBUF (pmax, NT) fp32 columns (a few per head).
 """
 
@@ -136,7 +137,7 @@ class Prep(nl.NKIObject):
         self.dlse = dlse
         self.lse = lse
         self.sinks = sinks
-        self.doc_rows = (None, None) if doc is None else (doc[0], doc[1])
+        self.key_bounds = doc
         self.mask = mask
         self.num_stats = num_stats
         self.zeros_sb = None
@@ -220,7 +221,7 @@ def group_stats(prep, hs, gid):
         for t in range(gid * per, min(hs.stats_sb.shape[1], (gid + 1) * per)):
             q0 = t * pmax
             rows = min(pmax, seqlen_q - q0)
-            lo_sb, hi_sb = tiles.row_bounds(prep.mask, q0, rows, *prep.doc_rows)
+            lo_sb, hi_sb = tiles.row_bounds(prep.mask, q0, rows, *tiles.bounds_rows(prep.key_bounds, hs.b))
             nisa.tensor_copy(dst=hs.stats_sb[:rows, t, LO], src=lo_sb, engine=nisa.engine.vector)
             nisa.tensor_copy(dst=hs.stats_sb[:rows, t, HI], src=hi_sb, engine=nisa.engine.vector)
 

@@ -68,8 +68,9 @@ g0 + i holds key ``s0 + 128 g0 + c p + i``) so every partition reads one contigu
 at most 16 B.
 
 Shapes (HBM, prepared by the launcher; transposes are layout glue): q_t (B, Hq, D, Sq),
-k_t (B, Hkv, D, Sk), v (B, Hkv, Sk, D), sinks (Hq,) float32, doc (2, S) float32 with the first
-and last position of each position's document (cu_seqlens). Outputs: out (B, Hq, Sq, D) in q's
+k_t (B, Hkv, D, Sk), v (B, Hkv, Sk, D), sinks (Hq,) float32, doc (B, 2, Sq) float32 per-row key
+bounds [lo, hi] (``nki_lib.attention.key_bounds``: documents, key padding, with the causal/window
+rules intersected) or None. Outputs: out (B, Hq, Sq, D) in q's
 dtype, lse (B, Hq, Sq) float32.
 Dimension legend: B batch, Hq/Hkv query/kv heads, G = Hq / Hkv, Sq/Sk lengths, D head dim,
 dc head-dim chunk (<= 128), qn query rows of a tile (<= 128), kn keys of a tile (<= 512),
@@ -118,7 +119,6 @@ from nki_lib.attention.kernels.tiles import (
     MAX_INDEX,
     STAT_INIT,
     MaskSpec,
-    document_bounds,
     head_dim_chunks,
     heads_per_pass,
     key_tile_width,
@@ -169,7 +169,7 @@ def flash_attention_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, cau
     n_pass = heads_per_pass(group, state_bytes,
                             nl.tile_size.total_available_sbuf_size // STATE_SBUF_SHARE)
     ctx = Ctx(q_t=q_t, k_t=k_t, v=v, sinks=sinks, has_sinks=has_sinks, d=d, chunks=chunks,
-              mask=mask, doc_lo=doc[0] if has_docs else None, doc_hi=doc[1] if has_docs else None)
+              mask=mask, key_bounds=doc if has_docs else None)
     section_keys = max(key_tile_width(), KEY_SECTION_BYTES // q_bytes)
     n_spans = ceil_div(sk, section_keys)
     k_fits = (len(chunks) * sk * q_bytes
@@ -226,9 +226,10 @@ def flash_attention_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, cau
 
 # --------------------------------------------------------------------------- launcher
 
-def launch_flash_attention_fwd(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_right, softcap):
+def launch_flash_attention_fwd(q, k, v, sinks, key_bounds, *, causal, scale, window_left, window_right, softcap):
     """The launch of :func:`flash_attention_fwd_kernel` for ``nki::flash_attention`` (arguments already
-    validated, ``scale`` resolved); it returns ``(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq)
+    validated, ``scale`` resolved; ``key_bounds`` (B, 2, Sq) float32 or None and the flags from
+    ``key_bounds.plan``); it returns ``(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq)
     float32)``. Raises :class:`Unsupported` for what the kernel cannot serve."""
     if q.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {q.dtype} (the kernel handles bfloat16, float16, float32)")
@@ -238,8 +239,7 @@ def launch_flash_attention_fwd(q, k, v, sinks, cu_seqlens, *, causal, scale, win
     q_t = q.transpose(2, 3).contiguous()
     k_t = k.transpose(2, 3).contiguous()
     sinks_c = None if sinks is None else sinks.contiguous()
-    doc = None if cu_seqlens is None else document_bounds(cu_seqlens, sq)
     return KernelLaunch(flash_attention_fwd_kernel,
-                        (q_t, k_t, v.contiguous(), sinks_c, doc, sinks is not None, cu_seqlens is not None,
+                        (q_t, k_t, v.contiguous(), sinks_c, key_bounds, sinks is not None, key_bounds is not None,
                          bool(causal), float(scale), int(window_left), int(window_right), float(softcap)),
                         grid=lnc_degree())

@@ -9,10 +9,12 @@ Two kinds of helpers live here:
   ``masks.tile_is_visible`` / ``masks.tile_is_full``), and how many query heads of a GQA group
   fit in one pass (:func:`heads_per_pass`).
 * **In-kernel mask helpers** (emit NKI instructions): every mask of docs/contract.md §3.1 -- causal,
-  sliding window, and the ``cu_seqlens`` document mask -- restricts the keys of query ``i`` to
-  one interval ``[lo_i, hi_i]`` (inclusive, absolute key indices). :func:`row_bounds` builds the
-  two bound columns ``(rows, 1)`` float32 for a query tile (iota on GpSimd for the causal/window
-  diagonal, ``max``/``min`` with the per-position document bounds loaded from HBM);
+  sliding window, ``cu_seqlens`` / ``cu_seqlens_k`` documents and key padding -- restricts the
+  keys of query ``i`` to one interval ``[lo_i, hi_i]`` (inclusive, absolute key indices).
+  :func:`row_bounds` builds the two bound columns ``(rows, 1)`` float32 for a query tile: iota
+  on GpSimd for the causal/window diagonal, or, with per-row key bounds (documents, padding;
+  built on the host by ``nki_lib.attention.key_bounds`` with the rules already intersected),
+  two DMAs of the tile's rows of those bounds;
   :func:`mask_scores` applies them to a score tile with one VectorE ``range_select`` that also
   returns the row max. Masked scores become ``MASK_FILL`` (the most negative finite float32,
   which ``range_select`` requires), so ``exp(MASK_FILL - m)`` is exactly 0 for any running max
@@ -24,8 +26,8 @@ Two kinds of helpers live here:
 Conventions (both kernels): queries on partitions, keys on the free axis.
 Shapes: query tiles (qn <= pmax = 128 rows), score tiles (qn, kn) with kn <= 512 keys (the matmul
 moving size and one fp32 PSUM bank), 128-key blocks for P @ V, head-dim chunks of <= 128; mask
-bounds are (qn, 1) float32 columns; document bounds in HBM are float32 vectors (S,).
-Dimension legend: Sq/Sk query/key lengths, S packed length, D head dim, qn/kn rows/keys of one
+bounds are (qn, 1) float32 columns; per-row key bounds in HBM are (B, 2, Sq) float32.
+Dimension legend: B batch, Sq/Sk query/key lengths, D head dim, qn/kn rows/keys of one
 tile.
 Limits: key indices are float32 inside the kernels, so Sq + Sk must stay below ``MAX_INDEX``
 (2**24); ``range_select`` needs NC-v3+ (trn2/trn3).
@@ -39,7 +41,7 @@ from nki_lib.sizes import spans
 
 __all__ = ["MASK_FILL", "STAT_INIT", "MAX_INDEX", "MaskSpec", "spans", "query_tiles", "key_tiles",
            "key_tile_width", "key_blocks", "head_dim_chunks", "plan_row", "heads_per_pass",
-           "document_bounds",
+           "bounds_rows",
            "row_bounds", "mask_scores", "inf_max_rows"]
 
 MASK_FILL = -3.4028234663852886e38  # most negative finite float32 (range_select's only fill value)
@@ -49,7 +51,9 @@ MAX_INDEX = 1 << 24                 # float32 represents every integer index bel
 
 class MaskSpec(nl.NKIObject):
     """The static part of the mask (compile time), with windows normalised: a window side that
-    cannot exclude any key (``window_left >= Sk - 1``, ``window_right >= Sq - 1``) becomes -1."""
+    cannot exclude any key (``window_left >= Sk - 1``, ``window_right >= Sq - 1``) becomes -1.
+    ``has_docs``: per-row key bounds are given (documents or key padding); they make every
+    visited tile partial, and skipping stays with the static rules."""
 
     def __init__(self, sq: int, sk: int, causal: bool, window_left: int, window_right: int,
                  has_docs: bool):
@@ -73,7 +77,7 @@ class MaskSpec(nl.NKIObject):
         return masks.tile_is_visible(q0, q0 + qn, k0, k0 + kn, **self._flags())
 
     def tile_full(self, q0: int, qn: int, k0: int, kn: int) -> bool:
-        """No key of the tile is masked for any query (document masks make every tile partial)."""
+        """No key of the tile is masked for any query (per-row key bounds make every tile partial)."""
         return not self.has_docs and masks.tile_is_full(q0, q0 + qn, k0, k0 + kn, **self._flags())
 
 
@@ -112,14 +116,12 @@ def plan_row(mask: MaskSpec, q0: int, qn: int) -> tuple:
     return tuple(plan)
 
 
-def document_bounds(cu_seqlens, length: int):
-    """Host metadata for :func:`row_bounds`: (2, S) float32 with the first and last position of
-    the document of every position (``cu_seqlens`` int32 (N+1,))."""
-    import torch
-
-    cu = cu_seqlens.to(torch.int64)
-    seg = masks.segment_ids(cu, length)
-    return torch.stack([cu[seg], cu[seg + 1] - 1]).to(torch.float32).contiguous()
+def bounds_rows(bounds, b: int):
+    """``(lo, hi)`` HBM vectors (Sq,) of batch row ``b`` of the per-row key bounds
+    (B, 2, Sq) float32 (``nki_lib.attention.key_bounds``), or ``(None, None)`` without them."""
+    if bounds is None:
+        return None, None
+    return bounds[b, 0], bounds[b, 1]
 
 
 def heads_per_pass(group: int, per_head_bytes: int, budget_bytes: int) -> int:
@@ -147,9 +149,19 @@ def row_bounds(mask: MaskSpec, q0: int, qn: int, doc_lo=None, doc_hi=None):
     """Visible-key interval of each query row of the tile ``[q0, q0 + qn)``.
 
     Returns ``(lo_sb, hi_sb)``, each ``(qn, 1)`` float32: query ``q0 + p`` may see key j iff
-    ``lo_sb[p] <= j <= hi_sb[p]``. ``doc_lo``/``doc_hi`` are HBM float32 vectors (S,) with the
-    first and last position of each position's document (``cu_seqlens``), or None.
+    ``lo_sb[p] <= j <= hi_sb[p]``. ``doc_lo``/``doc_hi`` are HBM float32 vectors (Sq,) with the
+    per-row key bounds of one batch row (:func:`bounds_rows`; built on the host by
+    ``key_bounds.plan`` with the causal/window rules, documents and key padding already
+    intersected): then they are the interval, two DMAs. Without them the interval is the
+    causal/window diagonal (GpSimd iota) or the whole key range.
     """
+    if mask.has_docs:
+        bounds = []
+        for doc in (doc_lo, doc_hi):
+            bound_sb = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=bound_sb, src=doc[q0:q0 + qn])
+            bounds.append(bound_sb)
+        return bounds[0], bounds[1]
     diag = q0 + mask.offset
     if mask.window_left >= 0:
         lo_sb = _diagonal_column(qn, diag - mask.window_left)
@@ -162,11 +174,6 @@ def row_bounds(mask: MaskSpec, q0: int, qn: int, doc_lo=None, doc_hi=None):
         hi_sb = _diagonal_column(qn, diag + min(hi_shifts))
     else:
         hi_sb = _constant_column(qn, mask.sk - 1)
-    if mask.has_docs:
-        for bound_sb, doc, op in ((lo_sb, doc_lo, nl.maximum), (hi_sb, doc_hi, nl.minimum)):
-            doc_sb = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=doc_sb, src=doc[q0:q0 + qn])
-            nisa.tensor_tensor(dst=bound_sb, data1=bound_sb, data2=doc_sb, op=op)
     return lo_sb, hi_sb
 
 
