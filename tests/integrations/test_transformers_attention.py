@@ -78,21 +78,29 @@ def _logits(model, ids, mask):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
 def test_logits_and_grads_match_the_models_own_attention(name, dtype, padding):
+    _assert_logits_and_grads(name, dtype, padding, "reference")
+
+
+def _assert_logits_and_grads(name, dtype, padding, path):
+    """Logits of the valid positions and dW_q of layer 0: the nki model on ``path`` (strict on
+    the simulator) against the model's own attention (baseline) and its float64 (oracle)."""
     ids, mask = _batch(padding)
     ours, theirs = _pair(name, dtype)
     oracle = _model(name, MODELS[name][3], torch.float64)
     valid = mask.bool()
     outs = {}
     for key, model in (("ours", ours), ("baseline", theirs), ("oracle", oracle)):
-        logits = _logits(model, ids, mask)
-        weights = torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)
-        (logits[valid] * weights).sum().backward()
+        ours_path = path if key == "ours" else "reference"
+        with nki_lib.use_backend(ours_path), nki_lib.strict(ours_path == "simulator"):
+            logits = _logits(model, ids, mask)
+            weights = torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)
+            (logits[valid] * weights).sum().backward()
         q_proj = model.model.layers[0].self_attn.q_proj.weight
         outs[key] = (logits[valid].detach(), q_proj.grad.detach())
     assert_parity(outs["ours"][0], outs["oracle"][0], outs["baseline"][0], kind="output",
-                  dtype=dtype, name=f"{name} logits")
+                  dtype=dtype, name=f"{name} logits ({path})")
     assert_parity(outs["ours"][1], outs["oracle"][1], outs["baseline"][1], kind="grad",
-                  dtype=dtype, name=f"{name} dW_q")
+                  dtype=dtype, name=f"{name} dW_q ({path})")
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -188,22 +196,7 @@ def test_padding_with_holes_is_a_recorded_fallback():
 def test_simulator_path_runs_padded_batches_on_the_kernels(name, padding):
     """Left/right-padded batches (B = 3) on the simulator path, strict: logits and dW_q within the
     parity rule, and every attention call (forward and backward) served by the kernels."""
-    ids, mask = _batch(padding)
-    ours, theirs = _pair(name, torch.bfloat16)
-    oracle = _model(name, MODELS[name][3], torch.float64)
-    valid = mask.bool()
-    outs = {}
     nki_lib.reset_coverage()
-    for key, model in (("ours", ours), ("baseline", theirs), ("oracle", oracle)):
-        with nki_lib.use_backend("simulator" if key == "ours" else "reference"), nki_lib.strict(key == "ours"):
-            logits = _logits(model, ids, mask)
-            weights = torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)
-            (logits[valid] * weights).sum().backward()
-        q_proj = model.model.layers[0].self_attn.q_proj.weight
-        outs[key] = (logits[valid].detach(), q_proj.grad.detach())
-    assert_parity(outs["ours"][0], outs["oracle"][0], outs["baseline"][0], kind="output",
-                  dtype=torch.bfloat16, name=f"{name} simulator logits")
-    assert_parity(outs["ours"][1], outs["oracle"][1], outs["baseline"][1], kind="grad",
-                  dtype=torch.bfloat16, name=f"{name} simulator dW_q")
+    _assert_logits_and_grads(name, torch.bfloat16, padding, "simulator")
     layers = COMMON["num_hidden_layers"]
     assert _simulator_calls() == {"flash_attention": (layers, {}), "flash_attention_backward": (layers, {})}
