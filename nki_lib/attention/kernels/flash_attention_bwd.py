@@ -15,8 +15,8 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
 
     for (b, kv head hk) units (one pass each, LNC2: shared between the programs):
         issue the first key tile's loads; phase 0 (bwd_prep) of hk's query heads: -lse of all
-        rows now, -delta (and the per-row key bounds, when given) of a query group when the pass
-        first loads it (its O/dO rows prefetched STATS_AHEAD groups earlier), all kept in
+        rows (and the per-row key bounds, when given, one DMA) now, -delta of a query group when
+        the pass first loads it (its O/dO rows prefetched STATS_AHEAD groups earlier), all kept in
         SBUF; dsinks partials at the end of the pass
         pairs = [(key tile [k0, k0 + kn), kn <= 512, query head h, query group, query tile)
                  for every key tile, query head of the group, visiting query tile]
@@ -77,9 +77,9 @@ Shapes (HBM; the launcher prepares the layouts, layout glue): qdo_rows, od_rows
 (B, Hq, NG, pmax, per, 2, D) (Q and dO / O and dO rows in row-group layout, ``row_groups``:
 [.., g, p, s, :] = row (g * per + s) * pmax + p, zero rows past Sq); qdo_t (B, Hq, NG, D, 2,
 per * pmax) (Q^T and dO^T by group); k_rows (B, Hkv, NKT, pmax, per, D); k_t, v_t
-(B, Hkv, D, Sk); lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32; doc (B, 2, Sq) fp32 per-row key
+(B, Hkv, D, Sk); lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32; doc (B, pmax, NT, 2) fp32 per-row key
 bounds [lo, hi] (``nki_lib.attention.key_bounds``: documents, key padding, the causal/window rules
-intersected) or None. Outputs dq (B, Hq, NG, pmax, per, D) and
+intersected; ``tiles.bounds_layout``) or None. Outputs dq (B, Hq, NG, pmax, per, D) and
 dk, dv (B, Hkv, NKT, pmax, per, D) in row-group layout (the launcher turns them back).
 Scratch (non-resident dQ): dq_acc like dq, fp32.
 Dimension legend: B batch, Hq/Hkv query/kv heads (G = Hq // Hkv), Sq/Sk lengths, D head dim,
@@ -542,7 +542,8 @@ def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, key_bounds,
     return KernelLaunch(
         flash_attention_bwd_kernel,
         (pair(q, dout), qdo_t, pair(out, dout), dlse.contiguous(), row_groups(k), k_t, v_t, lse.contiguous(),
-         None if sinks is None else sinks.contiguous(), key_bounds),
+         None if sinks is None else sinks.contiguous(),
+         None if key_bounds is None else tiles.bounds_layout(key_bounds)),
         dict(causal=bool(causal), scale=float(scale), window_left=int(window_left), window_right=int(window_right),
              softcap=float(softcap)),
         grid=grid, unpack=partial(_unpack_grads, q.shape[2], k.shape[2]))

@@ -70,9 +70,9 @@ natural 128-key blocks where a section covers only part of an aligned run (the c
 diagonal), see ``flash_attention_fwd_values``.
 
 Shapes (HBM, prepared by the launcher; transposes are layout glue): q_t (B, Hq, D, Sq),
-k_t (B, Hkv, D, Sk), v (B, Hkv, Sk, D), sinks (Hq,) float32, doc (B, 2, Sq) float32 per-row key
+k_t (B, Hkv, D, Sk), v (B, Hkv, Sk, D), sinks (Hq,) float32, doc (B, pmax, NT, 2) float32 per-row key
 bounds [lo, hi] (``nki_lib.attention.key_bounds``: documents, key padding, with the causal/window
-rules intersected) or None. Outputs: out (B, Hq, Sq, D) in q's
+rules intersected; ``tiles.bounds_layout``, NT query tiles) or None. Outputs: out (B, Hq, Sq, D) in q's
 dtype, lse (B, Hq, Sq) float32.
 Dimension legend: B batch, Hq/Hkv query/kv heads, G = Hq / Hkv, Sq/Sk lengths, D head dim,
 dc head-dim chunk (<= 128), qn query rows of a tile (<= 128), kn keys of a tile (<= 512),
@@ -123,7 +123,9 @@ from nki_lib.attention.kernels.flash_attention_fwd_values import ValueCache, cac
 from nki_lib.attention.kernels.tiles import (
     MAX_INDEX,
     STAT_INIT,
+    KeyRows,
     MaskSpec,
+    bounds_layout,
     head_dim_chunks,
     heads_per_pass,
     key_tile_width,
@@ -174,7 +176,7 @@ def flash_attention_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, cau
     n_pass = heads_per_pass(group, state_bytes,
                             nl.tile_size.total_available_sbuf_size // STATE_SBUF_SHARE)
     ctx = Ctx(q_t=q_t, k_t=k_t, v=v, sinks=sinks, has_sinks=has_sinks, d=d, chunks=chunks,
-              mask=mask, key_bounds=doc if has_docs else None)
+              mask=mask, key_rows=KeyRows(doc) if has_docs else None)
     section_keys = max(key_tile_width(), KEY_SECTION_BYTES // q_bytes)
     n_spans = ceil_div(sk, section_keys)
     k_fits = (len(chunks) * sk * q_bytes
@@ -249,6 +251,7 @@ def launch_flash_attention_fwd(q, k, v, sinks, key_bounds, *, causal, scale, win
     k_t = k.transpose(2, 3).contiguous()
     sinks_c = None if sinks is None else sinks.contiguous()
     return KernelLaunch(flash_attention_fwd_kernel,
-                        (q_t, k_t, v.contiguous(), sinks_c, key_bounds, sinks is not None, key_bounds is not None,
+                        (q_t, k_t, v.contiguous(), sinks_c, None if key_bounds is None else bounds_layout(key_bounds),
+                         sinks is not None, key_bounds is not None,
                          bool(causal), float(scale), int(window_left), int(window_right), float(softcap)),
                         grid=lnc_degree())

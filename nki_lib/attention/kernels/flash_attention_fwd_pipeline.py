@@ -19,7 +19,7 @@ from nki_lib.attention.kernels.flash_attention_fwd_step import (
     transpose_p,
 )
 from nki_lib.attention.kernels.flash_attention_fwd_values import cached_v, load_v
-from nki_lib.attention.kernels.tiles import bounds_rows, row_bounds
+from nki_lib.attention.kernels.tiles import row_bounds
 
 __all__ = ["load_k", "section_k", "load_v_of", "stage_scores", "stage_softmax", "stage_transpose",
            "stage_evict_pt", "stage_pv", "stage_acc", "close_group"]
@@ -45,7 +45,7 @@ def load_k(ctx, groups, steps, s):
         grp.k = [None] * len(grp.sections)
         grp.v = [None] * len(grp.sections)
         if any(masked for _, _, masked in grp.plan):
-            grp.bounds = row_bounds(ctx.mask, grp.q0, grp.qn, *bounds_rows(ctx.key_bounds, grp.b))
+            grp.bounds = row_bounds(ctx.mask, grp.q0, grp.qn, ctx.key_rows, grp.b)
     if si >= 0 and grp.k[si] is None:
         s0, slen, _ = section_span(grp, si)
         grp.k[si] = section_k(ctx, grp, s0, slen)

@@ -25,7 +25,7 @@ class Ctx(nl.NKIObject):
     d: int                 # head dim D
     chunks: tuple          # head-dim chunks ((start, size), ...) of at most 128
     mask: object           # tiles.MaskSpec
-    key_bounds: object     # (B, 2, Sq) fp32 per-row visible keys [lo, hi] (HBM) or None
+    key_rows: object       # tiles.KeyRows (per-row key bounds cache) or None
     section_keys: int      # keys per K/V section
     stat_init: float       # initial running max (scaled)
     k_cache: object        # cached K^T sections of the current kv head (list) or None
