@@ -139,6 +139,7 @@ SINGLE_CHUNK_KEYS = 2048          # capacities up to this (one chunk, one split)
                                   # whole capacity is read: kept small)
 LOCKSTEP_CHAINS = 4               # softmax / P @ V chains (row tile x head-dim chunk) interleaved in lockstep:
                                   # each holds ~3 PSUM banks while in flight, 8 banks in all
+KT_ACT_EVERY = 4                  # single-chunk path: every 4th K^T eviction on ScalarE
 KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers (divided by the
                                   # number of row tiles, whose working sets grow); streams (one per
@@ -221,7 +222,14 @@ def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left):
     nisa.dma_copy(dst=bounds_sb, src=split_bounds.ap([[n_bounds, 1], [1, n_bounds]]))
     n_window = key_window.shape[0] * key_window.shape[1] * key_window.shape[2]
     window_sb = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=window_sb, src=key_window.ap([[0, pmax], [1, n_window]]))
+    if n_window <= pmax:            # one column, broadcast to the partitions by a PE transpose (exact):
+        window_col = nl.ndarray((n_window, 1), dtype=nl.float32, buffer=nl.sbuf)   # 1 DMA engine, not 16
+        nisa.dma_copy(dst=window_col, src=key_window.ap([[1, n_window], [1, 1]]))
+        window_psum = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=window_psum, data=window_col.broadcast(1, pmax))
+        nisa.tensor_copy(dst=window_sb, src=window_psum)
+    else:
+        nisa.dma_copy(dst=window_sb, src=key_window.ap([[0, pmax], [1, n_window]]))
     window_pm = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=window_pm, data=window_sb, op0=nl.subtract, operand0=part_keys)
     row_pos = nl.ndarray((pmax, rows // sq, sq), dtype=nl.float32, buffer=nl.sbuf)
@@ -266,7 +274,7 @@ def _gather_chunk(cache_units, idx_sb, head_offset, unit_keys, chunk_sb, slots=N
                   dge_mode=nisa.dge_mode.swdge)
 
 
-def _block_keys_transposed(k_chunk, block, d_spans, m, dtype):
+def _block_keys_transposed(k_chunk, block, d_spans, m, dtype, engine):
     """K^T chunks (dc, 128 * n) of one K^T block (slots c0 .. c0 + n): column j*128 + p is key
     p*M + c0 + j of the chunk (evicted from PSUM by VectorE)."""
     pmax = nl.tile_size.pmax
@@ -280,7 +288,7 @@ def _block_keys_transposed(k_chunk, block, d_spans, m, dtype):
             nisa.nc_transpose(dst=k_t_psum[:, j * pmax:(j + 1) * pmax],
                               data=k_chunk[:, c * d + d0:c * d + d0 + dn])
         k_t_sb = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=k_t_sb, src=k_t_psum, engine=nisa.engine.vector)
+        nisa.tensor_copy(dst=k_t_sb, src=k_t_psum, engine=engine)
         k_t.append(k_t_sb)
     return k_t
 
@@ -294,7 +302,7 @@ def _evict_scores(s_view, s_psum, scale, softcap):
         nisa.activation(dst=s_view, op=nl.copy, data=s_psum, scale=scale)
 
 
-def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused=False):
+def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused=False, rota=None):
     """S^T (128, rn, n) of every row tile for the slots of one softmax step: element [p, r, j] is
     the score of row r with key p*M + c0 + j (rows outermost, so each row's slots are one
     contiguous run for its range_select). One matmul per slot and head-dim chunk
@@ -310,7 +318,8 @@ def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, so
 
     def transposed(i):
         k0, kn = kt_blocks[i]
-        return _block_keys_transposed(k_chunk, (c0 + k0, kn), d_spans, m, kv_dtype)
+        return _block_keys_transposed(k_chunk, (c0 + k0, kn), d_spans, m, kv_dtype,
+                                      rota.next() if rota is not None else nisa.engine.vector)
 
     pending = [transposed(i) for i in range(min(KT_LOOKAHEAD, len(kt_blocks)))]
     s_psum = None
@@ -682,6 +691,18 @@ def _zero_invisible_rows(v_chunk, key_slots, window_sb):
     nisa.tensor_copy_predicated(dst=v_chunk, src=0.0, predicate=outside.expand_dim(2).broadcast(2, d))
 
 
+class _EvictionRota:
+    """Engines of consecutive K^T evictions across the units of a wave: every ``KT_ACT_EVERY``-th on
+    ScalarE (otherwise idle between exps), the rest on VectorE (the busiest engine at short rows)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def next(self):
+        self.count += 1
+        return nisa.engine.scalar if self.count % KT_ACT_EVERY == 0 else nisa.engine.vector
+
+
 def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
     """Scores, mask, softmax and P @ V of one loaded chunk for every row tile (``_chunks`` with one
     job); then the row bounds move to the next chunk (-128*M keys)."""
@@ -699,6 +720,7 @@ def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
     single-chunk path) so overlap their chains in program order."""
     pmax = nl.tile_size.pmax
     width = max(1, LOCKSTEP_CHAINS // (len(jobs[0][0]) * len(d_spans)))   # jobs per wave: PSUM bounds it
+    rota = _EvictionRota() if len(jobs) > 1 else None
     waves = [[(job, step) for job in jobs[j0:j0 + width]] for j0 in range(0, len(jobs), width)
              for step in spans(m, plan[0])]   # step-major within each wave of jobs
 
@@ -709,7 +731,7 @@ def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
                 if st.group_sq and n < MIN_II_ELEMS else
                 nl.ndarray((pmax, st.acc.shape[0], n), dtype=nl.float32, buffer=nl.sbuf) for st in split_states]
         fused = softcap == 0 and MIN_II_ELEMS <= n <= plan[1]   # one score block, per-row exps
-        src = _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused)
+        src = _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused, rota)
         return s_sb, (src if fused else s_sb), (scale if fused else 1.0)
 
     pending = None                  # (wave, per item: P^T and -m_new per row tile) awaiting P @ V
@@ -799,6 +821,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     nisa.iota(dst=key_slots, pattern=[[1, m]], offset=0, channel_multiplier=m)
     ones_col = nl.ndarray((pmax, 1), dtype=dtype, buffer=nl.sbuf)         # row sums of P by matmul
     nisa.memset(dst=ones_col, value=1.0)
+    warm = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)   # the exp table loads while ScalarE
+    nisa.activation(dst=warm, op=nl.exp, data=ones_col)             # idles, not in the first softmax
     meta = _load_meta(split_bounds, key_window, rows, sq, key_slots[:, 0:1], window_left)
     pair_bytes = m * d * (k_units.itemsize + v_units.itemsize)
     budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
