@@ -251,3 +251,13 @@ def test_invisible_slots_never_poison_the_result(block_size):
     assert torch.isfinite(ref_out[1]).all() and not torch.isfinite(ref_out[0]).all()
     assert torch.equal(torch.isfinite(ref_out), torch.isfinite(got_out))
     assert torch.equal(torch.isfinite(outs["reference"][1]), torch.isfinite(outs["simulator"][1]))
+
+
+@pytest.mark.parametrize("length, window_left", [(8192, -1), (8000, 3000)])
+def test_long_row_step_masks_scores_in_psum(length, window_left):
+    """One 64-slot softmax step per 8192-key chunk (4 rows): the mask evicts the unscaled scores
+    from PSUM and the scale goes into -m and the exp (interior and edge chunks, with a window)."""
+    sample = make_sample(1, 4, 1, 1, 32, [length], torch.bfloat16, capacity_=8192, sinks=True,
+                         window_left=window_left, scale=0.3)
+    outs, _ = _launch(sample, num_splits=1)
+    _judge(sample, outs)

@@ -46,7 +46,7 @@ One chunk (``u`` keys per gathered unit, ``M`` keys per partition)::
                                  += matmul(P^T slot c, ones (128, 1)); O^T -> O (rn, D) by a PE
                                  transpose; issued after the next step's scores
 
-Each split visits three chunk ranges in key order (``split_bounds`` (B, S, 6)): edge chunks,
+Each split visits three chunk ranges in key order (``split_bounds`` (B, S, 4)): edge chunks,
 interior chunks (every key inside ``[first, L_b)``), edge chunks. For a contiguous cache an
 interior chunk is one contiguous HBM run per kv head and loads with hardware-DGE DMAs
 (``.ap(scalar_offset=col)``, ``DIRECT_PIECE_SLOTS`` slots each, no GpSimd descriptor generation);
@@ -58,15 +58,23 @@ stale or never-written data, which the mask and the V cleaning remove). The devi
 the chunks of ``[first, L_b)``, so traffic and work follow ``L_b``, not the capacity. Row bounds
 (128, rn, 2): ``(lo_r - p*M, hi_r - p*M)`` relative to the chunk start, moved by ``-C`` per chunk.
 
-Loop structure::
+Loop structure (program order is what the in-order engines and DMA queues see, so every load
+is issued before the stores and setup of later units that would otherwise hold them)::
 
-    for b, hk (static):                          q^T (dc, rn) per row tile and head-dim chunk
-      for split s (static):                      state; 6 registers <- split_bounds[b, s]
+    split bounds (1, B*S*4), key windows (128, B*S*2): one DMA each for the whole batch
+    for unit (b, hk) (static):
+      prepare the next unit:                     q^T (one DMA and transpose for the units whose
+                                                 rows fit 128 partitions), sinks (once per kv head),
+                                                 per split: state, row bounds (from its key window,
+                                                 on chip), 4 registers <- split bounds
       for split s (static):
         for range in (edge, interior, edge):
           for col in dynamic_range(lo, hi, C/u):     load (edge: + zero V rows outside
                                                      [first, L_b)), one chunk (above), every row tile
-      merge splits + sink; store out (rn, D) and lse (rn, 1) per row tile
+      merge splits + sink -> out (rn, D), -M and L into column k of the batch's lse tiles
+      store the out rows of the unit OUT_STORE_LAG units back
+    store the remaining out rows; lse = M + log(L) for all units at once (one ACT table switch),
+    transposed to (units, rn) and stored by one DMA per row tile
 
 K/V chunk buffers: pairs rotate over the (b, hk, split) streams (as many pairs as fit
 ``CHUNK_BUFFER_BUDGET``), so one stream's gathers overlap another stream's compute.
@@ -79,9 +87,10 @@ Shapes (HBM): q (B, Hq, Sq, D); k_units/v_units (N_units, row_stride) -- the cac
 of gatherable units (paged: one block of all kv heads per row, head hk at ``hk * head_offset``;
 contiguous: ``u`` keys of one head per row, ``seq_units`` rows per sequence); unit_table (B, n_cols)
 int32 unit ids of kv head 0;
-split_bounds (B, S, 6) int32: three [start, stop) ranges in unit columns; key_window (B, S, 2)
-float32 [first, L_b) relative to the split's first key; row_bounds (B, S, R, 2) float32
-(lo, hi) relative to the split's first key; sink_rows (Hkv, R) float32 or None.
+split_bounds (B, S, 4) int32: start <= lo <= hi <= stop in unit columns, the ranges [start, lo),
+[lo, hi), [hi, stop); key_window (B, S, 2) float32 [first, L_b) relative to the split's first key
+(row r's visible keys: ``[max(pos_r - window_left, first), pos_r]``, ``pos_r = L_b - Sq + t_r``);
+sink_rows (Hkv, R) float32 or None; ``window_left`` (static int, -1 unbounded).
 Outputs: out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32.
 Dimension legend: B batch, Hq/Hkv heads, G = Hq/Hkv, Sq new tokens, D head dim, R = G*Sq rows,
 rn rows of a row tile (<= 128), dc head-dim chunk (<= 128), M keys per partition of a chunk,
@@ -99,12 +108,13 @@ positions < 2**24 (float32 bounds); unit size u a power of two with C/u <= 128.
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.attention.kernels.tiles import STAT_INIT, inf_max_rows
+from nki_lib.attention.kernels.tiles import MAX_INDEX, STAT_INIT, inf_max_rows
 from nki_lib.sizes import spans
 
 __all__ = ["decode_attention_fwd_kernel", "block_slots", "chunk_plan"]
 
 INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
+RANGE_BOUNDS = 4                  # split_bounds per split: start, lo, hi, stop (3 ranges)
 STEP_SCORE_ELEMS = 4096           # fp32 scores per partition of one softmax step (16 KiB of SBUF)
 STEP_SLOTS = 64                   # slots per softmax step: >= 64 keeps the per-row range_select at
                                   # one element per cycle; a chunk has >= 2 steps to pipeline
@@ -113,6 +123,8 @@ MIN_II_ELEMS = 64                 # an instruction costs at least ~64 engine cyc
 DIRECT_PIECE_SLOTS = 32           # contiguous interior chunks load K and V in pieces of 32 slots (8 KiB
                                   # rows at D=128 bf16, >= 2 KiB per descriptor; 600 ns hwdge issue
                                   # each): the first scores and P @ V start while the rest lands
+OUT_STORE_LAG = 2                 # units whose out stores wait behind later units' loads (the DMA
+                                  # engines serve in program order: an early store would hold them)
 KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers (divided by the
                                   # number of row tiles, whose working sets grow); streams (one per
@@ -150,12 +162,14 @@ class _SplitState(nl.NKIObject):
     l: object        # (rn, 1) running sum                    = packed[:, D + 1]  # noqa: E741
     bounds: object   # (128, rn, 2) per partition p and row r: (lo_r - p*M, hi_r - p*M), lo/hi
                      # relative to the chunk start: the visible slots of partition p
+    group_sq: object  # Sq when the tile holds every row of its unit (rows r = g*Sq + t with equal t
+                      # share their bounds: short-row steps mask a whole t at once), else None
 
 
-def _state_views(packed, bounds=None):
+def _state_views(packed, bounds=None, group_sq=None):
     d = packed.shape[1] - 2
     return _SplitState(packed=packed, acc=packed[:, 0:d], neg_m=packed[:, d:d + 1],
-                       l=packed[:, d + 1:d + 2], bounds=bounds)
+                       l=packed[:, d + 1:d + 2], bounds=bounds, group_sq=group_sq)
 
 
 def _load_q_t(q, row0, rn, d_spans, dtype):
@@ -173,19 +187,53 @@ def _load_q_t(q, row0, rn, d_spans, dtype):
     return q_t
 
 
-def _init_state(row_bounds, b, s, r0, rn, d, part_keys):
-    """Fresh state; the row bounds (lo, hi) of rows r0 .. r0 + rn are broadcast to every partition
-    (one DMA with partition stride 0) and shifted by the partition's first key p*M."""
+class _BatchMeta(nl.NKIObject):
+    """Runtime metadata of every (b, split), each loaded by one DMA at the kernel start."""
+    bounds: object     # (1, B*S*4) int32: per (b, s) the unit columns start | lo | hi | stop of its
+                       # three chunk ranges (edge [start, lo), interior [lo, hi), edge [hi, stop))
+    window: object     # (128, B*S*2) float32: per (b, s) [first, L_b) relative to the split's first key
+    window_pm: object  # (128, B*S*2) float32: ``window`` - p*M on partition p
+    row_pos: object    # (128, R) float32: t_r - Sq for row r = g*Sq + t_r (its position minus L_b)
+    reach: float       # keys a row sees before its own position: window_left, or MAX_INDEX unbounded
+    sq: int            # new tokens per sequence
+
+
+def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left):
+    """The batch's split bounds (one partition) and key windows (every partition), one DMA each,
+    and the rows' positions relative to L_b (an iota)."""
     pmax = nl.tile_size.pmax
+    n_bounds = split_bounds.shape[0] * split_bounds.shape[1] * split_bounds.shape[2]
+    bounds_sb = nl.ndarray((1, n_bounds), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=bounds_sb, src=split_bounds.ap([[n_bounds, 1], [1, n_bounds]]))
+    n_window = key_window.shape[0] * key_window.shape[1] * key_window.shape[2]
+    window_sb = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=window_sb, src=key_window.ap([[0, pmax], [1, n_window]]))
+    window_pm = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=window_pm, data=window_sb, op0=nl.subtract, operand0=part_keys)
+    row_pos = nl.ndarray((pmax, rows // sq, sq), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.iota(dst=row_pos, pattern=[[0, rows // sq], [1, sq]], offset=-sq)
+    reach = float(window_left) if window_left >= 0 else float(MAX_INDEX)
+    return _BatchMeta(bounds=bounds_sb, window=window_sb, window_pm=window_pm,
+                      row_pos=row_pos.reshape((pmax, rows)), reach=reach, sq=sq)
+
+
+def _init_state(meta, ws, r0, rn, d):
+    """Fresh state of rows r0 .. r0 + rn of the split whose key window is column pair ``ws`` of
+    ``meta.window``; its row bounds on every partition p, relative to the split's first key and
+    shifted by -p*M, come from that window (no HBM read): row r sits at ``L_b - Sq + t_r``, so
+    ``hi = L_rel - Sq + t_r - p*M`` and ``lo = max(hi - window_left, first_rel - p*M)``
+    (``first`` already folds in the window and cache_start)."""
+    pmax = nl.tile_size.pmax
+    whole = r0 == 0 and rn == meta.row_pos.shape[1]
     state = _state_views(nl.ndarray((rn, d + 2), dtype=nl.float32, buffer=nl.sbuf),
-                         nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf))
+                         nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf), meta.sq if whole else None)
+    nisa.memset(dst=state.packed, value=0.0)
     nisa.memset(dst=state.neg_m, value=-STAT_INIT)
-    nisa.memset(dst=state.l, value=0.0)
-    nisa.memset(dst=state.acc, value=0.0)
-    n_split, rows = row_bounds.shape[1], row_bounds.shape[2]
-    nisa.dma_copy(dst=state.bounds, src=row_bounds.ap([[0, pmax], [1, rn * 2]],
-                                                      offset=((b * n_split + s) * rows + r0) * 2))
-    nisa.tensor_scalar(dst=state.bounds, data=state.bounds, op0=nl.subtract, operand0=part_keys)
+    c = 2 * ws
+    nisa.tensor_scalar(dst=state.bounds[:, :, 1], data=meta.row_pos[:, r0:r0 + rn], op0=nl.add,
+                       operand0=meta.window_pm[:, c + 1:c + 2])
+    nisa.tensor_scalar(dst=state.bounds[:, :, 0], data=state.bounds[:, :, 1], op0=nl.add,
+                       operand0=-meta.reach, op1=nl.maximum, operand1=meta.window_pm[:, c:c + 1])
     return state
 
 
@@ -232,12 +280,13 @@ def _evict_scores(s_view, s_psum, scale, softcap):
         nisa.activation(dst=s_view, op=nl.copy, data=s_psum, scale=scale)
 
 
-def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap):
+def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused=False):
     """S^T (128, rn, n) of every row tile for the slots of one softmax step: element [p, r, j] is
     the score of row r with key p*M + c0 + j (rows outermost, so each row's slots are one
     contiguous run for its range_select). One matmul per slot and head-dim chunk
     (stationary K^T slot (dc, 128), moving q^T (dc, rn)) into a score block's PSUM tile, evicted
-    with the scale when the block is complete. K^T blocks are software-pipelined
+    with the scale when the block is complete -- or, ``fused`` (one block, no softcap), left in PSUM
+    for the mask to read (returned: per row tile the (128, rn, n) view). K^T blocks are software-pipelined
     ``KT_LOOKAHEAD`` blocks deep (their transposes are issued that far ahead of their matmuls,
     hiding the PE -> eviction -> PE latency)."""
     pmax = nl.tile_size.pmax
@@ -258,18 +307,45 @@ def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, so
         b0 = k0 - k0 % blk_slots
         bn = min(blk_slots, n - b0)
         if k0 == b0:
-            s_psum = [nl.ndarray((pmax, bn, s.shape[1]), dtype=nl.float32, buffer=nl.psum) for s in s_sb]
+            s_psum = [nl.ndarray((pmax, bn, q[0].shape[1]), dtype=nl.float32, buffer=nl.psum) for q in q_t]
         for t in range(len(s_sb)):
             for j in range(kn):
                 for h in range(len(q_t[t])):
                     nisa.nc_matmul(dst=s_psum[t][:, k0 - b0 + j, :], stationary=k_t[h][:, j * pmax:(j + 1) * pmax],
                                    moving=q_t[t][h], accumulate=(h > 0))
-        if k0 + kn == b0 + bn:
+        if k0 + kn == b0 + bn and not fused:
             for t in range(len(s_sb)):
-                _evict_scores(s_sb[t][:, :, b0:b0 + bn].permute((0, 2, 1)), s_psum[t], scale, softcap)
+                _evict_scores(*_score_views(s_sb[t], s_psum[t], b0, bn), scale, softcap)
+    return [p.permute((0, 2, 1)) for p in s_psum] if fused else s_sb
 
 
-def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
+def _score_views(s_sb, s_psum, b0, bn):
+    """(SBUF destination, PSUM source) views of one score block's eviction, element for element:
+    the block is (128, bn, rn) slot-major; S^T is rows outermost (128, rn, n), or for grouped rows
+    (128, Sq, n, G) (row r = g*Sq + t at [t, c, g])."""
+    if len(s_sb.shape) == 3:
+        return s_sb[:, :, b0:b0 + bn].permute((0, 2, 1)), s_psum
+    pmax, sq, _, group = s_sb.shape
+    return s_sb[:, :, b0:b0 + bn, :].permute((0, 2, 3, 1)), s_psum.reshape((pmax, bn, group, sq))
+
+
+def _mask_grouped(state, s_sb, c0, part_max):
+    """Mask and per-partition row max of grouped short-row scores S^T (128, Sq, n, G): rows of one
+    t share their bounds, so one range_select per t covers its G rows (free index c*G + g, visible
+    iff lo*G <= c*G + g < (hi + 1)*G), then one max over the slots of every row."""
+    pmax, sq, n, group = s_sb.shape
+    g_bounds = nl.ndarray((pmax, sq, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=g_bounds[:, :, 0], data=state.bounds[:, 0:sq, 0], op0=nl.multiply, operand0=float(group))
+    nisa.tensor_scalar(dst=g_bounds[:, :, 1], data=state.bounds[:, 0:sq, 1], op0=nl.add, operand0=1.0,
+                       op1=nl.multiply, operand1=float(group))
+    for t in range(sq):
+        nisa.range_select(dst=s_sb[:, t], on_true_tile=s_sb[:, t], comp_op0=nl.greater_equal, comp_op1=nl.less,
+                          bound0=g_bounds[:, t, 0:1], bound1=g_bounds[:, t, 1:2], range_start=c0 * group)
+    nisa.tensor_reduce(dst=part_max.reshape((pmax, group, sq)).permute((0, 2, 1)), op=nl.maximum,
+                       data=s_sb.permute((0, 1, 3, 2)), axis=3)
+
+
+def _step_probs(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0):
     """P^T (128, rn, n) = exp(S^T - m_new) of the scores S^T (128, rn, n) of slots c0 .. c0 + n, and
     -m_new (rn, 1), with ``m_new = max(m_prev, rowmax)``: ``neg_m_prev`` is -m after the previous
     step, whose state update may not be issued yet (its P @ V is deferred).
@@ -280,13 +356,21 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
     -m broadcast to the partitions: PE transpose of a stride-0 (rn, 128) view -> (128, rn)
     P^T = exp(S^T - m) in the input dtype: one ScalarE exp per row r with the per-partition bias
       -m_r (column r of the broadcast) when a row has >= MIN_II_ELEMS slots, else one VectorE add of
-      the broadcast and a single exp"""
+      the broadcast and a single exp
+
+    ``s_src``: the unscaled scores in PSUM (fused step, long rows only): the range_select evicts
+    them into ``s_sb``, and ``score_scale`` goes into -m and the exp (one ScalarE eviction and its
+    PE -> ScalarE -> VectorE hop less per step)"""
     pmax = nl.tile_size.pmax
+    s_src = s_sb if s_src is None else s_src
     rn, d = state.acc.shape
+    grouped = len(s_sb.shape) == 4
     n = s_sb.shape[2]
     part_max = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
-    for r in range(rn):
-        nisa.range_select(dst=s_sb[:, r, :], on_true_tile=s_sb[:, r, :], comp_op0=nl.greater_equal,
+    if grouped:
+        _mask_grouped(state, s_sb, c0, part_max)
+    for r in range(0 if grouped else rn):
+        nisa.range_select(dst=s_sb[:, r, :], on_true_tile=s_src[:, r, :], comp_op0=nl.greater_equal,
                           comp_op1=nl.less_equal, bound0=state.bounds[:, r, 0:1], bound1=state.bounds[:, r, 1:2],
                           reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=part_max[:, r:r + 1],
                           reduce_op=nl.maximum, range_start=c0)
@@ -295,7 +379,7 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
     rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
     neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-1.0,
+    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
                        op1=nl.minimum, operand1=neg_m_prev)
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
@@ -304,7 +388,13 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype):
         neg_m_bias = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=neg_m_bias, src=neg_m_cols, engine=nisa.engine.scalar)
         for r in range(rn):
-            nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1])
+            nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1],
+                            scale=score_scale)
+    elif grouped:                               # grouped short rows: shift and exp in S^T's layout
+        sq, group = s_sb.shape[1], s_sb.shape[3]
+        neg_m_tg = neg_m_cols.reshape((pmax, group, sq)).permute((0, 2, 1)).expand_dim(2).broadcast(2, n)
+        nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_tg, op=nl.add)
+        nisa.activation(dst=p_t.reshape((pmax, group, sq, n)).permute((0, 2, 3, 1)), op=nl.exp, data=s_sb)
     else:                                       # short rows: one VectorE shift, one exp for all rows
         nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(2).broadcast(2, n), op=nl.add)
         nisa.activation(dst=p_t, op=nl.exp, data=s_sb)
@@ -340,21 +430,17 @@ def _step_pv(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
                               op1=nl.add, operand1=o_psum)
 
 
-def _merge_and_store(states, sink_rows, hk, r0, out, lse, row0, dtype):
-    """Merge the split states of one row tile (and the sink), store out rows and lse."""
+def _merge(states, sink_sb, neg_big, total, dtype):
+    """Merge the split states of one row tile (and the sink): out (rn, D) in ``dtype``; ``neg_big``
+    (-M) and ``total`` (L) are written into the (rn, 1) views given (columns of the batch's lse
+    tiles, whose log runs once for all units: one ScalarE table switch, not one per unit)."""
     rn, d = states[0].acc.shape
-    neg_big = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)     # -M
     nisa.tensor_copy(dst=neg_big, src=states[0].neg_m)
     for st in states[1:]:
         nisa.tensor_tensor(dst=neg_big, data1=neg_big, data2=st.neg_m, op=nl.minimum)
-    sink_sb = None
-    if sink_rows is not None:
-        r_total = sink_rows.shape[1]
-        sink_sb = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=sink_sb, src=sink_rows.ap([[1, rn], [1, 1]], offset=hk * r_total + r0))
+    if sink_sb is not None:
         nisa.tensor_scalar(dst=neg_big, data=sink_sb, op0=nl.multiply, operand0=-1.0,
                            op1=nl.minimum, operand1=neg_big)
-    total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     o_sum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.sbuf)
     for i, st in enumerate(states):
         weight = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)  # exp(m_s - M)
@@ -375,35 +461,54 @@ def _merge_and_store(states, sink_rows, hk, r0, out, lse, row0, dtype):
     nisa.reciprocal(dst=inv_total, data=total)
     out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=out_sb, data=o_sum, op0=nl.multiply, operand0=inv_total)
-    nisa.dma_copy(dst=out.ap([[d, rn], [1, d]], offset=row0 * d), src=out_sb)
-    lse_sb = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=lse_sb, op=nl.log, data=total)
-    nisa.tensor_tensor(dst=lse_sb, data1=lse_sb, data2=neg_big, op=nl.subtract)
-    inf_max_rows(lse_sb, neg_big)
-    nisa.dma_copy(dst=lse.ap([[1, rn], [1, 1]], offset=row0), src=lse_sb)
+    return out_sb
+
+
+class _LseTile(nl.NKIObject):
+    """-M and L of one row tile (rows r0 .. r0 + rn) of every unit this core stores: column k is
+    unit ``first + k * stride`` (flattened (b, hk)), whose rows start at ``unit * R`` of lse."""
+    neg_big: object    # (rn, U) float32
+    total: object      # (rn, U) float32
+    r0: int
+    first: int
+    stride: int
+
+
+def _store_lse(tile, lse, rows):
+    """lse = -neg_big + log(total) (+inf where the max is +inf) for every unit of the tile at once,
+    transposed on TensorE to (U, rn) so each unit's rows are one contiguous run of the store."""
+    pmax = nl.tile_size.pmax
+    rn, n_units = tile.total.shape
+    lse_sb = nl.ndarray((rn, n_units), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=lse_sb, op=nl.log, data=tile.total)
+    nisa.tensor_tensor(dst=lse_sb, data1=lse_sb, data2=tile.neg_big, op=nl.subtract)
+    inf_max_rows(lse_sb, tile.neg_big)
+    for k0, kn in spans(n_units, pmax):
+        lse_t_psum = nl.ndarray((kn, rn), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=lse_t_psum, data=lse_sb[:, k0:k0 + kn])
+        lse_t_sb = nl.ndarray((kn, rn), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=lse_t_sb, src=lse_t_psum)
+        unit0 = tile.first + k0 * tile.stride
+        nisa.dma_copy(dst=lse.ap([[tile.stride * rows, kn], [1, rn]], offset=unit0 * rows + tile.r0), src=lse_t_sb)
 
 
 class _StreamSetup(nl.NKIObject):
-    """Runtime metadata of one (b, hk, split) stream, loaded before any stream of its unit runs."""
-    regs: object       # 6 registers: [start, stop) unit columns of the edge, interior, edge ranges
+    """Runtime metadata of one (b, hk, split) stream."""
+    regs: object       # 4 registers: unit columns start, lo, hi, stop of the edge, interior, edge ranges
     window: object     # (128, 2) float32 [first, L_b) relative to the current chunk, every partition
 
 
-def _stream_setup(split_bounds, key_window, b, s):
-    """Registers of the split's three chunk ranges and its key window. Issued for every split of a
-    unit before the first gather, so these small DMAs do not queue behind the K/V transfers."""
-    pmax = nl.tile_size.pmax
-    n_ranges = split_bounds.shape[2] // 2
-    bounds_sb = nl.ndarray((1, 2 * n_ranges), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=bounds_sb, src=split_bounds[b, s])
+def _stream_setup(meta, ws):
+    """Registers of the split's chunk ranges (split ``ws`` of the flattened (b, s)) and a copy of
+    its key window (moved chunk by chunk)."""
+    n_bounds = RANGE_BOUNDS
     regs = []
-    for i in range(2 * n_ranges):
+    for i in range(n_bounds):
         reg = nisa.register_alloc()
-        nisa.register_load(reg, bounds_sb[0:1, i:i + 1])
+        nisa.register_load(reg, meta.bounds[0:1, ws * n_bounds + i:ws * n_bounds + i + 1])
         regs.append(reg)
-    window_sb = nl.ndarray((pmax, 2), dtype=nl.float32, buffer=nl.sbuf)
-    n_split = key_window.shape[1]
-    nisa.dma_copy(dst=window_sb, src=key_window.ap([[0, pmax], [1, 2]], offset=(b * n_split + s) * 2))
+    window_sb = nl.ndarray((nl.tile_size.pmax, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=window_sb, src=meta.window[:, 2 * ws:2 * ws + 2])
     return _StreamSetup(regs=regs, window=window_sb)
 
 
@@ -421,10 +526,10 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
     regs, window_sb = setup.regs, setup.window
     steps = spans(m, plan[0])       # gathered K per softmax step: the first step's scores start early
     n_cols = unit_table.shape[1]
-    for r in range(len(regs) // 2):
+    for r in range(len(regs) - 1):
         interior = r == INTERIOR_RANGE
         direct = interior and seq_offset is not None
-        for col in nl.dynamic_range(regs[2 * r], regs[2 * r + 1], units_per_chunk):
+        for col in nl.dynamic_range(regs[r], regs[r + 1], units_per_chunk):
             if direct:                                  # K, then V, in pieces
                 pieces = spans(m, DIRECT_PIECE_SLOTS)
                 for cache, buf in ((k_units, k_chunk), (v_units, v_chunk)):
@@ -469,18 +574,23 @@ def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_d
     steps = spans(m, plan[0])
 
     def scores(step):
-        s_sb = [nl.ndarray((pmax, st.acc.shape[0], step[1]), dtype=nl.float32, buffer=nl.sbuf)
-                for st in split_states]
-        _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap)
-        return s_sb
+        n = step[1]
+        s_sb = [nl.ndarray((pmax, st.group_sq, n, st.acc.shape[0] // st.group_sq), dtype=nl.float32, buffer=nl.sbuf)
+                if st.group_sq and n < MIN_II_ELEMS else
+                nl.ndarray((pmax, st.acc.shape[0], n), dtype=nl.float32, buffer=nl.sbuf) for st in split_states]
+        fused = softcap == 0 and MIN_II_ELEMS <= n <= plan[1]   # one score block, per-row exps
+        src = _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused)
+        return s_sb, (src if fused else s_sb), (scale if fused else 1.0)
 
     pending = None                  # (step, P^T and -m_new per row tile) awaiting P @ V
     s_next = scores(steps[0])
     for i, step in enumerate(steps):
-        s_sb = s_next
+        s_cur = s_next
         if i + 1 < len(steps):
             s_next = scores(steps[i + 1])
-        probs = [_step_probs(st, s_sb[t], step[0], st.neg_m if pending is None else pending[1][t][1], dtype)
+        s_sb, s_src, score_scale = s_cur
+        probs = [_step_probs(st, s_sb[t], step[0], st.neg_m if pending is None else pending[1][t][1], dtype,
+                             s_src[t], score_scale)
                  for t, st in enumerate(split_states)]
         if pending is not None:
             _flush_pv(split_states, pending, v_chunk, ones_col, d_spans)
@@ -511,9 +621,28 @@ def _exchange(states, pid, first_pipe):
     return received
 
 
+class _UnitWork(nl.NKIObject):
+    """What the streams of one (b, hk) unit need, prepared one unit ahead of them."""
+    q_t: object       # per row tile: q^T chunks (dc, rn)
+    states: object    # per split of this core: per row tile a _SplitState
+    setups: object    # per split of this core: its _StreamSetup
+
+
+def _load_sink(sink_rows, hk, r0, rn):
+    """Sink logits (rn, 1) of rows r0 .. r0 + rn of kv head ``hk``."""
+    sink_sb = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=sink_sb, src=sink_rows.ap([[1, rn], [1, 1]], offset=hk * sink_rows.shape[1] + r0))
+    return sink_sb
+
+
+def _store_out(out, out_sb, row0):
+    rn, d = out_sb.shape
+    nisa.dma_copy(dst=out.ap([[d, rn], [1, d]], offset=row0 * d), src=out_sb)
+
+
 @nki.jit
-def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, row_bounds, sink_rows,
-                  n_kv_heads, head_offset, seq_units, unit_keys, keys_per_partition, scale, softcap):
+def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, sink_rows,
+                  n_kv_heads, head_offset, seq_units, unit_keys, keys_per_partition, scale, softcap, window_left):
     """Decode attention; see the module docstring for shapes and the algorithm."""
     pmax = nl.tile_size.pmax
     batch, n_q_heads, sq, d = q.shape
@@ -532,6 +661,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     nisa.iota(dst=key_slots, pattern=[[1, m]], offset=0, channel_multiplier=m)
     ones_col = nl.ndarray((pmax, 1), dtype=dtype, buffer=nl.sbuf)         # row sums of P by matmul
     nisa.memset(dst=ones_col, value=1.0)
+    meta = _load_meta(split_bounds, key_window, rows, sq, key_slots[:, 0:1], window_left)
     pair_bytes = m * d * (k_units.itemsize + v_units.itemsize)
     budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
     n_pairs = max(1, min(batch * n_kv_heads * n_split, budget // pair_bytes))
@@ -546,25 +676,64 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     pid = nl.program_id(0)
     units = tuple((b, hk) for b in range(batch) for hk in range(n_kv_heads))
     shard_units = len(units) % n_prog == 0          # LNC2: whole (b, hk) units per core ...
+    mine = [u for u in range(len(units)) if not shard_units or u % n_prog == pid]
+    my_splits = range(n_split) if shard_units else range(pid, n_split, n_prog)  # ... or splits
+    my_tiles = [t for t in range(len(row_spans)) if shard_units or t % n_prog == pid]
+    lse_tiles = {t: _LseTile(neg_big=nl.ndarray((row_spans[t][1], len(mine)), dtype=nl.float32, buffer=nl.sbuf),
+                             total=nl.ndarray((row_spans[t][1], len(mine)), dtype=nl.float32, buffer=nl.sbuf),
+                             r0=row_spans[t][0], first=mine[0], stride=n_prog if shard_units else 1)
+                 for t in my_tiles}
+    q_groups = {}                                   # one q load for the units whose rows fit 128 partitions
+    sinks = {}                                      # sink logits per (kv head, row tile)
+    units_per_q = pmax // rows if len(row_spans) == 1 else 1
+
+    def unit_q_t(u):
+        if units_per_q == 1:
+            return [_load_q_t(q, u * rows + r0, rn, d_spans, dtype) for r0, rn in row_spans]
+        g = u // units_per_q
+        if g not in q_groups:
+            n = min(units_per_q, len(units) - g * units_per_q)
+            q_groups[g] = _load_q_t(q, g * units_per_q * rows, n * rows, d_spans, dtype)
+        j = (u % units_per_q) * rows
+        return [[q_t[:, j:j + rows] for q_t in q_groups[g]]]
+
+    def prepare(u):
+        b, hk = units[u]
+        if sink_rows is not None:
+            for t in my_tiles:
+                if (hk, t) not in sinks:
+                    sinks[(hk, t)] = _load_sink(sink_rows, hk, *row_spans[t])
+        return _UnitWork(q_t=unit_q_t(u),
+                         states=[[_init_state(meta, b * n_split + s, r0, rn, d) for r0, rn in row_spans]
+                                 for s in my_splits],
+                         setups=[_stream_setup(meta, b * n_split + s) for s in my_splits])
+
     stream = 0                                      # this core's streams rotate over the buffer pairs
-    for u_idx, (b, hk) in enumerate(units):
-        if shard_units and u_idx % n_prog != pid:
-            continue
-        my_splits = range(n_split) if shard_units else range(pid, n_split, n_prog)  # ... or splits
-        row_base = (b * n_q_heads + hk * group) * sq
-        q_t = [_load_q_t(q, row_base + r0, rn, d_spans, dtype) for r0, rn in row_spans]
-        states = [[_init_state(row_bounds, b, s, r0, rn, d, key_slots[:, 0:1]) for r0, rn in row_spans]
-                  for s in my_splits]
-        setups = [_stream_setup(split_bounds, key_window, b, s) for s in my_splits]
+    pending_out = []                                # (out rows, first row) awaiting their store
+    work_next = prepare(mine[0])
+    for k, u in enumerate(mine):
+        b, hk = units[u]
+        work = work_next
+        if k + 1 < len(mine):                       # the next unit's setup ahead of this unit's loads
+            work_next = prepare(mine[k + 1])
         seq_offset = None if seq_units is None else b * seq_units * k_units.shape[1]
-        for split_states, setup in zip(states, setups):
-            _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots, b,
+        for split_states, setup in zip(work.states, work.setups):
+            _stream(split_states, setup, work.q_t, k_units, v_units, unit_table, key_slots, b,
                     hk * head_offset, seq_offset, unit_keys, chunk_bufs[stream % n_pairs], plan,
                     ones_col, d_spans, scale, softcap, dtype)
             stream += 1
+        states = work.states
         if not shard_units:
-            states = states + _exchange(states, pid, first_pipe=u_idx * n_split * len(row_spans))
-        for t, (r0, rn) in enumerate(row_spans):
-            if shard_units or t % n_prog == pid:
-                _merge_and_store([st[t] for st in states], sink_rows, hk, r0, out, lse, row_base + r0, dtype)
+            states = states + _exchange(states, pid, first_pipe=u * n_split * len(row_spans))
+        for t in my_tiles:
+            tile = lse_tiles[t]
+            out_sb = _merge([st[t] for st in states], sinks.get((hk, t)), tile.neg_big[:, k:k + 1],
+                            tile.total[:, k:k + 1], dtype)
+            pending_out.append((out_sb, u * rows + tile.r0))
+        while len(pending_out) > OUT_STORE_LAG * len(my_tiles):   # stores trail the loads they would block
+            _store_out(out, *pending_out.pop(0))
+    for out_sb, row0 in pending_out:
+        _store_out(out, out_sb, row0)
+    for t in my_tiles:
+        _store_lse(lse_tiles[t], lse, rows)
     return out, lse

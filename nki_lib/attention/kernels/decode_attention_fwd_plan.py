@@ -9,13 +9,13 @@ Host work here is layout glue and small index metadata only (no attention math):
   itself when paged), padded to whole chunks, with every unit that holds no key of the needed
   range ``[first, L_b)``, ``first = max(0, L_b - Sq - window_left, cache_start_b)``, replaced by an out-of-range sentinel (the
   kernel's indirect DMA skips it);
-* ``split_bounds`` (B, S, 6) int32: each split's chunk range in unit columns, as three ranges in
-  key order -- edge chunks, interior chunks (every key inside ``[first, L_b)``: no cleaning, and
-  for a contiguous cache one hardware-DGE DMA per K/V), edge chunks;
+* ``split_bounds`` (B, S, 4) int32: each split's chunk range in unit columns, cut at start <= lo
+  <= hi <= stop into three ranges in key order -- edge chunks, interior chunks (every key inside
+  ``[first, L_b)``: no cleaning, and for a contiguous cache one hardware-DGE DMA per K/V), edge
+  chunks;
 * ``key_window`` (B, S, 2) float32: ``[first, L_b)`` relative to the split's first key (edge
-  chunks zero the V rows of keys outside it);
-* ``row_bounds`` (B, S, R, 2) float32: per query row the visible key interval [lo, hi]
-  (position ``L_b - Sq + t`` and the window) relative to the split's first key;
+  chunks zero the V rows of keys outside it; the kernel derives each query row's visible key
+  interval from it, its position ``L_b - Sq + t`` and ``window_left``);
 * ``sink_rows`` (Hkv, R) float32: the sink logit of each query row (an expand of ``sinks``).
 
 All of it is computed with tensor ops from ``cache_seqlens`` (no host synchronisation).
@@ -99,11 +99,12 @@ def _interior_chunks(first, lengths, chunk):
 
 
 def _split_ranges(edges, direct_lo, direct_hi):
-    """(B, S, 6) chunk ranges of each split, in key order: edge, interior, edge."""
+    """(B, S, 4) chunk bounds start <= lo <= hi <= stop of each split: in key order the ranges edge
+    [start, lo), interior [lo, hi), edge [hi, stop)."""
     start, stop = edges[:, :-1], edges[:, 1:]
     lo = torch.minimum(torch.maximum(direct_lo[:, None], start), stop)
     hi = torch.minimum(torch.maximum(direct_hi[:, None], lo), stop)
-    return torch.stack([start, lo, lo, hi, hi, stop], dim=-1)
+    return torch.stack([start, lo, hi, stop], dim=-1)
 
 
 def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, window_left,
@@ -161,13 +162,6 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
     split_key0 = edges[:, :-1] * chunk                                              # (B, S)
     key_window = torch.stack([first[:, None] - split_key0, lengths[:, None] - split_key0], dim=-1)
     rows = hq // hkv * sq
-    t = torch.arange(rows, device=dev) % sq
-    pos = (lengths[:, None] - sq + t[None, :]).to(torch.float32)                      # (B, R)
-    hi = pos[:, None, :] - (edges[:, :-1] * chunk).to(torch.float32)[:, :, None]      # (B, S, R)
-    lo = hi - window_left if window_left >= 0 else torch.full_like(hi, -float(MAX_INDEX))
-    if cache_start is not None:
-        lo = torch.maximum(lo, (first[:, None] - split_key0).to(torch.float32)[:, :, None])
-    row_bounds = torch.stack([lo, hi], dim=-1).contiguous()
     sink_rows = None
     if sinks is not None:
         sink_rows = sinks.to(torch.float32).reshape(hkv, hq // hkv, 1).expand(hkv, hq // hkv, sq)
@@ -175,7 +169,7 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
 
     return KernelLaunch(decode_attention_fwd_kernel,
                         (q.contiguous(), k_units, v_units, unit_table, split_bounds.to(torch.int32).contiguous(),
-                         key_window.to(torch.float32).contiguous(), row_bounds, sink_rows,
+                         key_window.to(torch.float32).contiguous(), sink_rows,
                          hkv, head_offset, None if paged else n_rows // b, unit_keys, m,
-                         resolve_scale(scale, d), float(softcap)),
+                         resolve_scale(scale, d), float(softcap), int(window_left)),
                         grid=grid)

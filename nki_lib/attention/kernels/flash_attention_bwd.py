@@ -13,7 +13,7 @@ of one query tile x key tile pair), ``flash_attention_bwd_prep`` (phase 0: per-r
 
 Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace time):
 
-    for b, kv head hk (one pass each, LNC2: split between the programs):
+    for (b, kv head hk) units (one pass each, LNC2: shared between the programs):
         issue the first key tile's loads; phase 0 (bwd_prep) of hk's query heads: -lse of all
         rows now, -delta (and the per-row key bounds with documents) of a query group when the
         pass first loads it (its O/dO rows prefetched STATS_AHEAD groups earlier), all kept in
@@ -48,9 +48,13 @@ Deterministic: one fixed accumulation order, no atomics. Whole-tile skipping and
 ``tiles.plan_row`` / ``tiles.row_bounds`` exactly like the forward; 128-key blocks no query of
 the tile sees also skip the dV/dK/dQ matmuls.
 
-LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two programs split the kv heads (hk % 2), each with
-its GQA group's query heads, so every output row and dsinks entry has one writer and no
-barrier is needed; with a single kv head the second program idles.
+LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two programs share the (batch, kv head) units
+(``program_units``: every other unit of the batch-major order), each with its GQA group's query
+heads, so every dq/dk/dv row has one writer and no barrier is needed; with one kv head and
+B >= 2 the cores split the batch. dsinks is one row when each query head's units run on one
+program, else one row of partial sums per program, added by the launcher (``dsinks_writers``).
+With B = 1 and one kv head the second program still idles (splitting a kv head's query heads
+would need dK/dV partial sums).
 
 Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile TensorE does S, dP,
 4 x (dV, dK, dS^T, dQ) (3072 cycles, 2560 of them useful: the dS^T transposes bound TensorE at
@@ -446,6 +450,21 @@ def _visits(plans, k0):
     return tuple((t, masked) for t, plan in enumerate(plans) for pk0, _, masked in plan if pk0 == k0)
 
 
+def program_units(batch, num_kv_heads, num_progs, pid):
+    """The (batch, kv head) units program ``pid`` of ``num_progs`` serves (LNC2: one program per
+    NeuronCore): every ``num_progs``-th unit of the batch-major order, so the cores share batch
+    and heads alike (with one kv head and B = 2 each core takes one batch; with an even number of
+    kv heads a kv head's units all land on one program)."""
+    units = [(b, hk) for b in range(batch) for hk in range(num_kv_heads)]
+    return units[pid::num_progs]
+
+
+def dsinks_writers(batch, num_kv_heads, num_progs):
+    """Rows of the kernel's dsinks output: 1 when each query head's units all run on one program
+    (it owns dsinks[h]), else one row of partial sums per program (the launcher adds them)."""
+    return 1 if num_kv_heads % num_progs == 0 or batch == 1 else num_progs
+
+
 @nki.jit
 def flash_attention_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t, lse, sinks, doc, causal, scale, window_left,
                      window_right, softcap):
@@ -460,36 +479,42 @@ def flash_attention_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t,
     q_tiles = tiles.query_tiles(seqlen_q)
     num_groups = qdo_rows.shape[2]
 
+    # LNC2: the programs share the (batch, kv head) units (see program_units); each unit owns its
+    # GQA group's dq/dk/dv rows, so every output row has one writer
+    num_progs = nl.num_programs(0) if nl.program_ndim() > 0 else 1
+    pid = nl.program_id(0) if num_progs > 1 else 0
+    units = program_units(batch, num_kv_heads, num_progs, pid)
+    writers = dsinks_writers(batch, num_kv_heads, num_progs) if sinks is not None else 1
+
     dq = nl.ndarray(qdo_rows.shape[:5] + (head_dim,), dtype=qdo_rows.dtype, buffer=nl.shared_hbm)
     dk = nl.ndarray(k_rows.shape, dtype=k_rows.dtype, buffer=nl.shared_hbm)
     dv = nl.ndarray(k_rows.shape, dtype=v_t.dtype, buffer=nl.shared_hbm)
-    dsinks = nl.ndarray((num_heads,), dtype=nl.float32, buffer=nl.shared_hbm)
+    dsinks = nl.ndarray((writers, num_heads), dtype=nl.float32, buffer=nl.shared_hbm)
     resident = dq_resident(group, seqlen_q, head_dim)
     dq_acc = None if resident else nl.ndarray(dq.shape, dtype=nl.float32, buffer=nl.private_hbm)
     ins = Streams(qdo_rows, qdo_t, dq, dq_acc, seqlen_q)
 
-    # LNC2: the programs split the kv heads (each owns its GQA group's dq/dk/dv rows and dsinks)
-    num_progs = nl.num_programs(0) if nl.program_ndim() > 0 else 1
-    pid = nl.program_id(0) if num_progs > 1 else 0
-    kv_heads = list(range(pid, num_kv_heads, num_progs))
-    heads = [hk * group + g for hk in kv_heads for g in range(group)]
+    heads = sorted({hk * group + g for _, hk in units for g in range(group)})
     prep = flash_attention_bwd_prep.Prep(od_rows, dlse, lse, sinks, doc, mask, cfg.num_stats)
-    flash_attention_bwd_prep.start(prep, dsinks, heads, zero_dsinks=sinks is None and pid == 0)
+    row = pid if writers > 1 else 0
+    # without sinks program 0 zero-fills dsinks; with per-program partial rows each program
+    # zero-fills its own row first (heads it serves no unit of keep 0)
+    zero_row = pid == 0 if sinks is None else writers > 1
+    flash_attention_bwd_prep.start(prep, dsinks[row], heads, zero_dsinks=zero_row)
 
     plans = [tiles.plan_row(mask, q0, qn) for q0, qn in q_tiles]
-    for b in nl.sequential_range(batch):
-        for hk in kv_heads:
-            if resident:
-                ins.dq_res = nl.ndarray((pmax, group, num_groups * per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
-            _kv_pass(ins, (k_rows, k_t, v_t, dk, dv), prep, b, hk, group, plans, cfg)
-            ins.dq_res = None
-        for h in heads:
+    for b, hk in units:
+        if resident:
+            ins.dq_res = nl.ndarray((pmax, group, num_groups * per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
+        _kv_pass(ins, (k_rows, k_t, v_t, dk, dv), prep, b, hk, group, plans, cfg)
+        ins.dq_res = None
+        for h in range(hk * group, (hk + 1) * group):
             for t, (q0, qn) in enumerate(q_tiles):
                 if not plans[t]:
                     zeros_sb = nl.ndarray((pmax, head_dim), dtype=dq.dtype, buffer=nl.sbuf)
                     nisa.memset(dst=zeros_sb[:qn, :], value=0.0)
                     nisa.dma_copy(dst=dq[b, h, t // per, :qn, t % per, :], src=zeros_sb[:qn, :])
-    flash_attention_bwd_prep.finish(prep, dsinks)
+    flash_attention_bwd_prep.finish(prep, dsinks[row])
     return dq, dk, dv, dsinks
 
 
@@ -524,6 +549,7 @@ def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens,
 def _unpack_grads(seqlen_q, seqlen_k, grads):
     """The kernel's ``(dq, dk, dv, dsinks)`` in row groups -> the op's ``(B, H, S, D)`` gradients."""
     dq, dk, dv, dsinks = grads
+    dsinks = dsinks[0] if dsinks.shape[0] == 1 else dsinks.sum(dim=0)   # per-program partial rows (LNC2)
     return from_row_groups(dq, seqlen_q), from_row_groups(dk, seqlen_k), from_row_groups(dv, seqlen_k), dsinks
 
 

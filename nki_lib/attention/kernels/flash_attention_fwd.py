@@ -29,7 +29,8 @@ Key tiles no query of the tile can see are skipped (``tiles.plan_row``) and the 
 cut to the 128-key blocks some query sees (``flash_attention_fwd_plan.trim_plan``: the causal diagonal tile
 keeps 128 j keys); masks (one VectorE ``range_select`` against per-row key bounds) are applied
 to partial tiles only. The query heads of a pass share each V load, and K^T of a kv head is
-loaded once and shared by all its query tiles when it fits K_CACHE_SBUF_SHARE of SBUF.
+loaded once and shared by all its query tiles when it fits K_CACHE_SBUF_SHARE of SBUF; so is V
+(``flash_attention_fwd_values.ValueCache``) when K^T and V in both its layouts fit that share.
 
 Per step (engines in brackets)::
 
@@ -61,11 +62,12 @@ update. Every tile is a fresh allocation, so loads of later steps overlap comput
 contiguously).
 
 DMA layouts: q^T/k^T tiles read contiguous rows of the launcher's (D, S) layouts (q^T one DMA
-per head for QUERY_SECTION_TILES consecutive query tiles, K^T one DMA per aligned span); V of a
-section is read "interleaved" in runs of up to 8 blocks (4 in fp32; partition p of block
-g0 + i holds key ``s0 + 128 g0 + c p + i``) so every partition reads one contiguous run of
-``c * D`` elements per run, and the transposes read the matching columns of P with a stride of
-at most 16 B.
+per head for QUERY_SECTION_TILES consecutive query tiles, K^T one DMA per aligned span); V is
+read "interleaved" in runs of up to 8 blocks (4 in fp32; partition p of block g0 + i holds key
+``128 g0 + c p + i``) so every partition reads one contiguous run of ``c * D`` elements per run,
+and the transposes read the matching columns of P with a stride of at most 16 B; cached V uses
+natural 128-key blocks where a section covers only part of an aligned run (the causal
+diagonal), see ``flash_attention_fwd_values``.
 
 Shapes (HBM, prepared by the launcher; transposes are layout glue): q_t (B, Hq, D, Sq),
 k_t (B, Hkv, D, Sk), v (B, Hkv, Sk, D), sinks (Hq,) float32, doc (2, S) float32 with the first
@@ -76,7 +78,8 @@ dc head-dim chunk (<= 128), qn query rows of a tile (<= 128), kn keys of a tile 
 slen keys of a section, s0 its first key, bn keys of a block (<= 128).
 
 Working set: a few sections in flight plus the pass's per-head state (at most a quarter of SBUF)
-plus the K^T cache (at most K_CACHE_SBUF_SHARE of SBUF, else K^T streams per section);
+plus the K^T and V caches (together at most K_CACHE_SBUF_SHARE of SBUF, else V, then K^T,
+streams per section);
 at most 5 of 8 PSUM banks. Measured peaks are in DESIGN.md.
 
 Limits: dtypes bf16/fp16/fp32 (P is cast to the V dtype for P @ V; fp32 stays fp32 throughout);
@@ -86,6 +89,7 @@ the groups (balanced by step count) and write disjoint rows of the shared output
 
 Files: this one (kernel entry, pipeline loop, launcher), ``flash_attention_fwd_plan.py`` (compile-time work
 decomposition), ``flash_attention_fwd_pipeline.py`` (stages), ``flash_attention_fwd_step.py`` (per-step tile work),
+``flash_attention_fwd_values.py`` (V of a section: streamed or from the kv head's cache),
 ``flash_attention_fwd_state.py`` (online-softmax state, out/lse finalisation).
 """
 
@@ -114,6 +118,7 @@ from nki_lib.attention.kernels.flash_attention_fwd_plan import (
 )
 from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, new_lse_batch
 from nki_lib.attention.kernels.flash_attention_fwd_step import PT_DVE_SHARE, PT_DVE_SHARE_SOFTCAP
+from nki_lib.attention.kernels.flash_attention_fwd_values import ValueCache, cache_bytes
 from nki_lib.attention.kernels.tiles import (
     MAX_INDEX,
     STAT_INIT,
@@ -180,6 +185,10 @@ def flash_attention_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, cau
     ctx.stat_init = STAT_INIT * exp_scale
     ctx.k_cache = [None] * n_spans if k_fits else None
     ctx.k_owner = None
+    # V of the kv head stays too when K^T and V (both layouts) fit the same SBUF share
+    v_fits = k_fits and (len(chunks) * sk * q_bytes + cache_bytes(sk, d, v.dtype)
+                         <= nl.tile_size.total_available_sbuf_size // K_CACHE_SBUF_SHARE)
+    ctx.v_cache = ValueCache(owner=None, natural={}, runs={}) if v_fits else None
     groups = program_share(plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys),
                            nl.num_programs(axes=0), nl.program_id(axis=0))
     for grp in groups:              # query sections are released after their last group here
@@ -214,7 +223,7 @@ def flash_attention_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, cau
             for s in range(it + SCORE_LEAD, it + SCORE_LEAD + score_batch):
                 load_k(ctx, groups, steps, s)
                 stage_scores(groups, steps, work, s, scale / exp_scale, softcap)
-        stage_transpose(steps, work, it)
+        stage_transpose(groups, steps, work, it)
         stage_pv(groups, steps, work, it - PV_LAG)
         closing, closed = [], closing
         stage_acc(groups, steps, work, it - ACC_LAG, closing)

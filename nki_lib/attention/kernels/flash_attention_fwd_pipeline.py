@@ -13,12 +13,12 @@ from nki_lib.attention.kernels.flash_attention_fwd_step import (
     evict_pt,
     load_k_section,
     load_q,
-    load_v,
     p_times_v,
     section_scores,
     softmax_step,
     transpose_p,
 )
+from nki_lib.attention.kernels.flash_attention_fwd_values import cached_v, load_v
 from nki_lib.attention.kernels.tiles import row_bounds
 
 __all__ = ["load_k", "section_k", "load_v_of", "stage_scores", "stage_softmax", "stage_transpose",
@@ -72,13 +72,17 @@ def section_k(ctx, grp, s0, slen):
 
 
 def load_v_of(ctx, groups, steps, s):
-    """Load the V of step s's key section (once per section)."""
+    """Load the V of step s's key section (once per section): from the kv head's V cache when
+    ``ctx.v_cache`` is set (each key loaded once per kv head), else streamed for the section."""
     if real(steps, s):
         gi, si, _ = steps[s]
         grp = groups[gi]
         if grp.v[si] is None:
             s0, slen, _ = section_span(grp, si)
-            grp.v[si] = load_v(ctx.v, grp.b, grp.hk, s0, slen)
+            if ctx.v_cache is None:
+                grp.v[si] = load_v(ctx.v, grp.b, grp.hk, s0, slen)
+            else:
+                grp.v[si] = cached_v(ctx.v, ctx.v_cache, grp.b, grp.hk, s0, slen)
 
 
 class Work(nl.NKIObject):
@@ -122,11 +126,13 @@ def stage_softmax(groups, steps, work, s, p_dtype, exp_scale):
         w.s_sb, w.rowmax = None, None
 
 
-def stage_transpose(steps, work, s):
-    """B2a: P^T of step s in PSUM [PE]."""
+def stage_transpose(groups, steps, work, s):
+    """B2a: P^T of step s in PSUM [PE], its blocks in the order of the section's V blocks."""
     if real(steps, s):
+        gi, si, _ = steps[s]
+        v_blocks = groups[gi].v[si]
         w = work[s]
-        w.pt_psum = transpose_p(w.p_sb)
+        w.pt_psum = transpose_p(w.p_sb, v_blocks)
         w.p_sb = None
 
 
@@ -145,7 +151,7 @@ def stage_pv(groups, steps, work, s):
         gi, si, hi = steps[s]
         grp = groups[gi]
         w = work[s]
-        w.o_psum = p_times_v(w.pt_sb, grp.v[si], section_span(grp, si)[1])
+        w.o_psum = p_times_v(w.pt_sb, grp.v[si])
         w.pt_sb = None
         if hi == len(grp.heads) - 1:
             grp.v[si] = None

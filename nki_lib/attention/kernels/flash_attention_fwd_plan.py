@@ -31,6 +31,7 @@ class Ctx(nl.NKIObject):
     stat_init: float       # initial running max (scaled)
     k_cache: object        # cached K^T sections of the current kv head (list) or None
     k_owner: object        # (b, hk) whose K^T the cache holds, or None
+    v_cache: object        # flash_attention_fwd_values.ValueCache of the current kv head, or None
 
 
 class QuerySection(nl.NKIObject):

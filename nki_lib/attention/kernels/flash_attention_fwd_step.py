@@ -2,8 +2,8 @@
 P transposes and P @ V of one step (group, key section, query head). Each function emits the
 NKI instructions of one stage; :mod:`fwd_pipeline` orders them across steps.
 
-Shapes: q^T tiles (dc, qn), K^T section tiles (dc, slen), V section (128, blocks, D) interleaved
-(:func:`block_keys`), scores S (qn, slen) fp32, P (qn, slen) in the V dtype, P^T PSUM tiles
+Shapes: q^T tiles (dc, qn), K^T section tiles (dc, slen), V of a section as per-block pairs
+(``flash_attention_fwd_values``: (bn, D) tile and P's matching columns), scores S (qn, slen) fp32, P (qn, slen) in the V dtype, P^T PSUM tiles
 (128, blocks per bank, qn), O (qn, D) fp32 PSUM.
 Dimension legend: dc head-dim chunk (<= 128), qn query rows (<= 128), kn keys of a score tile
 (<= 512), slen keys of a section, s0 its first key, D head dim.
@@ -17,11 +17,9 @@ from nki_lib.attention.kernels.tiles import key_blocks, mask_scores
 from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 
 __all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "load_q",
-           "load_k_section", "load_v", "section_scores", "softmax_step", "transpose_p", "evict_pt",
+           "load_k_section", "section_scores", "softmax_step", "transpose_p", "evict_pt",
            "p_times_v"]
 
-MAX_READ_STRIDE_BYTES = 16  # innermost read stride above which an engine port runs at half
-                            # bandwidth (docs/cost-model.md §2.5, NC-v2 arch guide)
 PT_DVE_SHARE = 0.4    # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
                       # Per 2048-key bf16 section (trn2 rates) ScalarE has ~1.8 us fixed work
                       # (exp) and VectorE ~2.5 us (score evicts + max, acc), and a P^T block costs
@@ -49,50 +47,6 @@ def load_k_section(k_t, b, hk, s0, slen, chunks):
         nisa.dma_copy(dst=k_sb, src=k_t[b, hk, c0:c0 + dc, s0:s0 + slen])
         k_tiles.append(k_sb)
     return k_tiles
-
-
-def interleave_blocks(dtype):
-    """Full 128-key blocks of V interleaved together (see :func:`block_keys`): as many as keep
-    the column stride of the P transposes at ``MAX_READ_STRIDE_BYTES`` (8 in bf16/fp16, 4 in
-    fp32)."""
-    p_bytes = FP32_BYTES if dtype == nl.float32 else HALF_BYTES
-    return max(1, MAX_READ_STRIDE_BYTES // p_bytes)
-
-
-def load_v(v, b, hk, k0, kn):
-    """V of the keys [k0, k0 + kn) as (128, blocks, D) in the interleaved layout of
-    :func:`block_keys`: one DMA per run of up to ``interleave_blocks`` full blocks, each
-    partition reading one contiguous HBM run of ``c * D`` elements per run."""
-    _, hkv, sk, d = v.shape
-    pmax = nl.tile_size.pmax
-    blocks = key_blocks(kn)
-    v_sb = nl.ndarray((pmax, len(blocks), d), dtype=v.dtype, buffer=nl.sbuf)
-    n_full = kn // pmax
-    il = interleave_blocks(v.dtype)
-    for g0 in range(0, n_full, il):
-        c = min(il, n_full - g0)
-        first = ((b * hkv + hk) * sk + k0 + g0 * pmax) * d
-        nisa.dma_copy(dst=v_sb[:, g0:g0 + c, :],
-                      src=v.ap(pattern=[[c * d, pmax], [d, c], [1, d]], offset=first))
-    if n_full < len(blocks):
-        j0, bn = blocks[n_full]
-        nisa.dma_copy(dst=v_sb[0:bn, n_full, :], src=v[b, hk, k0 + j0:k0 + j0 + bn, :])
-    return v_sb
-
-
-def block_keys(p_sb, j, n_full):
-    """Columns of P (qn, kn) that block j of V holds on its partitions. The n_full full blocks
-    interleave in runs of ``c <= interleave_blocks`` blocks starting at block g0: partition p of
-    block g0 + i is key ``128 * g0 + c * p + i`` (so each partition's V rows of a run are one
-    contiguous HBM run, and the transpose reads P with a column stride of c elements, at most
-    16 B); the remainder block holds the last ``kn % 128`` keys in order."""
-    pmax = nl.tile_size.pmax
-    if j < n_full:
-        il = interleave_blocks(p_sb.dtype)
-        g0 = j - j % il
-        c = min(il, n_full - g0)
-        return p_sb[:, g0 * pmax + j - g0:(g0 + c) * pmax:c]
-    return p_sb[:, n_full * pmax:p_sb.shape[1]]
 
 
 def qk(q_tiles, k_tiles, qn, kn):
@@ -164,14 +118,14 @@ def softmax_step(state, s_sb, rowmax, p_dtype, exp_scale):
     return p_sb, alpha, rowsum
 
 
-def transpose_p(p_sb):
+def transpose_p(p_sb, v_blocks):
     """P^T in PSUM: one TensorE transpose per 128-key block of P (qn, slen), taking the block's
-    key columns (:func:`block_keys`); blocks are grouped into PSUM tiles of one bank each.
+    key columns in the order its V block holds them (``v_blocks``, see
+    ``flash_attention_fwd_values``); blocks are grouped into PSUM tiles of one bank each.
     Returns ``((first block, pt_psum (128, blocks, qn)), ...)``."""
     qn, slen = p_sb.shape
     pmax = nl.tile_size.pmax
     blocks = key_blocks(slen)
-    n_full = slen // pmax
     p_bytes = FP32_BYTES if p_sb.dtype == nl.float32 else HALF_BYTES
     per_bank = max(1, nl.tile_size.psum_fmax * FP32_BYTES // (pmax * p_bytes))
     pt_tiles = []
@@ -179,8 +133,9 @@ def transpose_p(p_sb):
         nb = min(per_bank, len(blocks) - j0)
         pt_psum = nl.ndarray((pmax, nb, qn), dtype=p_sb.dtype, buffer=nl.psum)
         for j in range(j0, j0 + nb):
-            nisa.nc_transpose(dst=pt_psum[0:blocks[j][1], j - j0, :],
-                              data=block_keys(p_sb, j, n_full), engine=nisa.engine.tensor)
+            c0, c1, step = v_blocks[j][1]
+            nisa.nc_transpose(dst=pt_psum[0:blocks[j][1], j - j0, :], data=p_sb[:, c0:c1:step],
+                              engine=nisa.engine.tensor)
         pt_tiles.append((j0, pt_psum))
     return pt_tiles
 
@@ -212,11 +167,12 @@ def evict_pt(pt_tiles, slen, dve_share):
     return pt_sb
 
 
-def p_times_v(pt_sb, v_sb, slen):
-    """O (qn, D) fp32 PSUM = P @ V, contracting the 128-key blocks of P^T on TensorE."""
+def p_times_v(pt_sb, v_blocks):
+    """O (qn, D) fp32 PSUM = P @ V, contracting the 128-key blocks of P^T with the section's V
+    blocks (``v_blocks``) on TensorE."""
     qn = pt_sb.shape[2]
-    o_psum = nl.ndarray((qn, v_sb.shape[2]), dtype=nl.float32, buffer=nl.psum)
-    for j, (_, bn) in enumerate(key_blocks(slen)):
-        nisa.nc_matmul(dst=o_psum, stationary=pt_sb[0:bn, j, :], moving=v_sb[0:bn, j, :],
-                       accumulate=j > 0)
+    o_psum = nl.ndarray((qn, v_blocks[0][0].shape[1]), dtype=nl.float32, buffer=nl.psum)
+    for j, (v_blk, _) in enumerate(v_blocks):
+        bn = v_blk.shape[0]
+        nisa.nc_matmul(dst=o_psum, stationary=pt_sb[0:bn, j, :], moving=v_blk, accumulate=j > 0)
     return o_psum

@@ -546,7 +546,7 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     body = slot_tiles + resident + max(load, chunks, dx)
     modes = len(ACC_MODES) * n_blocks * 4                       # block accumulation modes
     setup = max(4 * n_blocks * 4, 2 * n_blocks * 4 + fmax * itemsize)   # edges; idle-expert count, zeros
-    return flags_sbuf_bytes(n_blocks, block) + modes + max(body, setup, tail_sbuf_bytes(top_k, itemsize))
+    return flags_sbuf_bytes(n_blocks, block) + modes + max(body, setup, tail_sbuf_bytes(hidden, top_k, itemsize))
 
 
 def tiling(hidden, inter, block, itemsize, **counts):

@@ -4,11 +4,13 @@ Algorithm (one kernel launch, docs/contract.md §4.3 ``moe_experts``):
 host (index metadata only, :mod:`.moe_experts_groups`): up to G consecutive blocks of one expert are
   merged into a group of S = G*B slots (S <= 512, the largest whose SBUF estimate fits), so every
   weight tile is loaded and transposed once per group instead of once per block; per group the
-  expert id, per slot the token id (a // k, -1 = padding), per 128-slot tile a live flag, and per
-  assignment its slot position.
-once: the slot token ids are loaded with one contiguous DMA per 128 groups and PE-transposed so
-  that slots sit on partitions; the group flags valid[g] = (group_expert[g] >= 0) on VectorE.
-for each group g (static loop over NG, in order), with the expert id and a 0/1 trip count in
+  expert id, per slot the assignment id a and the token id a // k (-1 = padding), per 128-slot
+  tile a live flag.
+once: the slot token and assignment ids are loaded with one contiguous DMA per 128 groups each and
+  PE-transposed so that slots sit on partitions; the group flags valid[g] = (group_expert[g] >= 0)
+  on VectorE.
+for each group g of this program (static loop, in order; LNC2: the two cores take alternate
+  groups, LNC1: all of them), with the expert id and a 0/1 trip count in
   registers (a dynamic loop runs the body once, or not at all for unused groups), and each slot
   tile under its own 0/1 live guard (padding tiles cost no gather, matmul or write):
   1. gather the token rows of x with an indirect DMA per slot tile (``vector_offset``; -1 rows are
@@ -23,36 +25,41 @@ for each group g (static loop over NG, in order), with the expert id and a 0/1 t
   3. per H chunk (<= 512): W_down^T tiles (rows loaded and PE-transposed per span of I tiles),
      o = h x W_down^T (+ b_down: ones^T x bias_row first) into fp32 PSUM per live slot tile
      (contraction over I tiles), evicted on
-     ScalarE into fp32 rows staged in SBUF and written with plain DMAs to the slot-ordered scratch
-     y_group[g * S + slot] (static addresses: no GpSimd descriptor work, no read-modify-write).
-finally, per 128 tokens: y[t] = sum_j topk_weights[t, j] * y_group[pos[t * k + j]] in the fixed
-order j = 0..k-1 (one indirect gather of whole fp32 rows per j; fp32 sum), cast to x's dtype.
+     ScalarE into fp32 rows staged in SBUF and scattered (one indirect DMA per live slot tile and
+     staging group, padding slots not written) into the assignment-ordered scratch y_slots[a]
+     (shared HBM: every assignment is written exactly once, by one core).
+finally (LNC2: after a core barrier, so that each core sees the other's rows; the cores take
+alternate 128-token tiles): y[t] = sum_j topk_weights[t, j] * y_slots[t * k + j] in the fixed order
+j = 0..k-1 (contiguous loads in token order, no gather; fp32 sum), cast to x's dtype. Every row is
+computed by the same instructions on either core, so LNC2 is bitwise LNC1.
 
 Loop structure: ids; groups (static) > guard (dynamic, 0/1 trips) > {slot tiles (guarded);
 I tiles > slot tiles (guarded) > H tiles; staging groups > H chunks > I spans > slot tiles
-(guarded) > I tiles}; then token tiles > j > H chunks.
+(guarded) > I tiles}; then (barrier) token tiles > H chunks > j.
 
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k
 assignments, B plan block size, NG groups, S slots per group, ST slot tiles per group. Kernel
-inputs (HBM): x (T, H), topk_w (N, 1) fp32, group_expert (NG,) int32, slot_token (NG*S,) int32
-(a // k or -1), tile_live (NG*ST,) int32, slot_pos (N,) int32, w_gate_up (E, 2I, H), w_down
-(E, H, I) (nn.Linear layouts, as the op receives them), b_gate_up (E, 2I) and b_down (E, H) or
-None; compile-time activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols. Output y (T, H) in x's dtype; scratch y_group (NG*S, H) fp32.
+inputs (HBM): x (T, H), topk_w (N, 1) fp32, group_expert (NG,) int32, slot_token and
+slot_assignment (NG*S,) int32 (a // k and a, or -1), tile_live (NG*ST,) int32, w_gate_up
+(E, 2I, H), w_down (E, H, I) (nn.Linear layouts, as the op receives them), b_gate_up (E, 2I) and
+b_down (E, H) or None; compile-time activation, swiglu_alpha, swiglu_limit, top_k, h_chunk,
+y_cols. Output y (T, H) in x's dtype; scratch y_slots (N, H) fp32 (shared HBM).
 
 Limits: x and weights bf16/fp16/fp32 (one dtype); B <= 512 and S <= 512 (one PSUM bank per slot
 tile, at most 4 slot tiles in flight); the SBUF estimate :func:`sbuf_bytes` (dominated by xT, hT,
 two generations of x rows, double-buffered W_gate^T/W_up^T tiles and the staged y rows) must fit
 ``nl.tile_size.total_available_sbuf_size`` for the plan's block at the narrowest tiling, else the
 launcher raises Unsupported; every assignment appears exactly once in the plan (validated by the
-op); LNC1. The group loop is unrolled NG times (program size grows with NG).
+op); LNC1 or LNC2 (``NEURON_LOGICAL_NC_CONFIG``). The group loop is unrolled NG times (program size grows with NG).
 """
 
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
+from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu, ones_row
-from nki_lib.moe.kernels.moe_experts_groups import merge_blocks, slot_positions
+from nki_lib.moe.kernels.moe_experts_groups import merge_blocks
 from nki_lib.moe.kernels.moe_experts_host import (
     MAX_PSUM_SLOT_TILES,
     check_supported,
@@ -61,6 +68,7 @@ from nki_lib.moe.kernels.moe_experts_host import (
     routing_weights,
     slot_tokens,
     staged_bytes,
+    tail_sbuf_bytes,
 )
 from nki_lib.moe.kernels.moe_experts_steps import (
     WEIGHT_SPAN,
@@ -70,44 +78,15 @@ from nki_lib.moe.kernels.moe_experts_steps import (
     gather_rows_into,
     load_all_ids,
     load_expert_t,
+    reduce_assignments,
+    scatter_rows,
     transpose_rows,
     weight_spans,
 )
 from nki_lib.sizes import ceil_div, spans
 
-# --------------------------------------------------------------------------- shared helpers
-
-
-def gather_reduce(y_rows, slot_pos, topk_w, dst, top_k):
-    """dst[t] = sum_j topk_w[t * k + j] * y_rows[slot_pos[t * k + j]] (fp32, j ascending), cast to
-    dst's dtype. Per 128 tokens and j: one indirect gather of whole fp32 rows (one descriptor per
-    row; every position is valid), then the weighted sum per H chunk on VectorE."""
-    t_len, hidden = dst.shape
-    for t0, tp in spans(t_len, nl.tile_size.pmax):
-        w_sb = nl.ndarray((tp, top_k), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=w_sb, src=topk_w.ap([[top_k, tp], [1, top_k]], offset=t0 * top_k))
-        pos_sb = nl.ndarray((tp, top_k), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=pos_sb, src=slot_pos.ap([[top_k, tp], [1, top_k]], offset=t0 * top_k))
-        out_sb = nl.ndarray((tp, hidden), dtype=dst.dtype, buffer=nl.sbuf)
-        acc_sb = out_sb if top_k == 1 else nl.ndarray((tp, hidden), dtype=nl.float32, buffer=nl.sbuf)
-        for j in range(top_k):
-            row_sb = nl.ndarray((tp, hidden), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=row_sb, src=y_rows.ap([[hidden, tp], [1, hidden]], offset=0,
-                                                    vector_offset=pos_sb[:, j:j + 1], indirect_dim=0),
-                          dge_mode=nisa.dge_mode.swdge)
-            step_sb = out_sb if j == top_k - 1 else acc_sb
-            for h0, hn in spans(hidden, nl.tile_size.gemm_moving_fmax):
-                if j == 0:
-                    nisa.tensor_scalar(dst=step_sb[:, h0:h0 + hn], data=row_sb[:, h0:h0 + hn], op0=nl.multiply,
-                                       operand0=w_sb[:, 0:1])
-                else:
-                    nisa.scalar_tensor_tensor(dst=step_sb[:, h0:h0 + hn], data=row_sb[:, h0:h0 + hn],
-                                              op0=nl.multiply, operand0=w_sb[:, j:j + 1], op1=nl.add,
-                                              operand1=acc_sb[:, h0:h0 + hn])
-        nisa.dma_copy(dst=dst[t0:t0 + tp, :], src=out_sb)
-
-
 # --------------------------------------------------------------------------- kernel
+
 
 def gate_into(h_dst, g_psum, u_psum, gate):
     """h_dst = gate(g, u): act(g) * u, or gpt-oss's clamped swiglu (``gate`` = (activation,
@@ -132,7 +111,7 @@ def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h
         rows = (None, None)
         if b_gate_up is not None:
             rows = (bias_row(b_gate_up, expert_reg, i0, isz), bias_row(b_gate_up, expert_reg, inter + i0, isz))
-        for s0, ps, _, live_reg in slot_tiles:
+        for s0, ps, _, live_reg, _ in slot_tiles:
             for _ in nl.dynamic_range(0, live_reg):
                 g_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
                 u_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
@@ -147,54 +126,76 @@ def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h
                 gate_into(h_t[:isz, it, s0:s0 + ps], g_psum, u_psum, gate)
 
 
-def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_group, row0, h_chunk, y_cols, ones_sb):
-    """y_group[row0 + slot] = h @ W_down^T (+ b_down): per H chunk, contraction over I tiles in
-    PSUM (per live slot tile; the bias first, as ones^T x bias_row); the rows are staged ``y_cols``
-    wide in SBUF and written in slot order with plain DMAs (static addresses: no descriptors for
-    GpSimd to build)."""
+def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols, ones_sb, last_rows):
+    """y_slots[a] = h @ W_down^T (+ b_down) for the assignment a of each slot: per H chunk,
+    contraction over I tiles in PSUM (per live slot tile; the bias first, as ones^T x bias_row);
+    the rows are staged ``y_cols`` wide in SBUF and scattered in assignment order (one indirect
+    DMA per live slot tile and staging group; padding slots are not written), so that the final
+    k-sum reads them in token order without a gather. The last staging group is staged in
+    ``last_rows`` and not scattered here (see :func:`scatter_deferred`)."""
     hidden = w_down.shape[1]
-    for g0, gn in spans(hidden, y_cols):
-        y_rows = [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
+    groups = spans(hidden, y_cols)
+    for g0, gn in groups:
+        last = g0 == groups[-1][0]
+        y_rows = last_rows if last else [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf)
+                                         for _, ps, *_ in slot_tiles]
         for h0, hn in spans(gn, h_chunk):
             y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
             if b_down is not None:
                 row_sb = bias_row(b_down, expert_reg, g0 + h0, hn)
-                for (_, ps, _, live_reg), y_psum in zip(slot_tiles, y_psums):
+                for (_, ps, _, live_reg, _), y_psum in zip(slot_tiles, y_psums):
                     for _ in nl.dynamic_range(0, live_reg):
                         add_outer(y_psum, ones_sb[:, :ps], row_sb)
             for span in weight_spans(i_tiles):
                 wd_t = load_expert_t(w_down, expert_reg, span, g0 + h0, hn)
-                for (s0, ps, _, live_reg), y_psum in zip(slot_tiles, y_psums):
+                for (s0, ps, _, live_reg, _), y_psum in zip(slot_tiles, y_psums):
                     for _ in nl.dynamic_range(0, live_reg):
                         for si, (i0, isz) in enumerate(span):
                             it = i0 // nl.tile_size.pmax
                             nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps],
                                            moving=wd_t[:isz, si, :], accumulate=it > 0 or b_down is not None)
-            for (*_, live_reg), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
+            for (*_, live_reg, _), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
                 for _ in nl.dynamic_range(0, live_reg):
                     nisa.activation(dst=y_sb[:, h0:h0 + hn], op=nl.copy, data=y_psum)
-        for (s0, ps, _, live_reg), y_sb in zip(slot_tiles, y_rows):
+        if not last:
+            scatter_deferred(y_slots, [None, slot_tiles, y_rows, g0])
+
+
+def scatter_deferred(y_slots, deferred):
+    """Scatter staged y rows: ``deferred`` = [group trip register (None: already inside the
+    group's guard), slot tiles, their staged rows, first column], or None. A group's last
+    scatters are issued late in program order, in the next group's body after its gate/up
+    projections and its gather of the following group's rows: DMAs start in program order, so a
+    scatter issued right after the down projection, still waiting for its GpSimd descriptors,
+    held back the next group's weight loads and left TensorE idle at every group boundary
+    (docs/perf-log.md §10.2). The rows are released afterwards."""
+    if deferred is None:
+        return
+    trips_reg, slot_tiles, rows, g0 = deferred
+    for _ in (range(1) if trips_reg is None else nl.dynamic_range(0, trips_reg)):
+        for (_, _, _, live_reg, asg_sb), y_sb in zip(slot_tiles, rows):
             for _ in nl.dynamic_range(0, live_reg):
-                nisa.dma_copy(dst=y_group[row0 + s0:row0 + s0 + ps, g0:g0 + gn], src=y_sb)
+                scatter_rows(y_slots, asg_sb, y_sb, g0)
+    rows.clear()
 
 
-def _group_tiles(tok_ids, live_sb, g, group):
-    """Slot tiles (s0, ps, token ids (ps, 1), live register) of group g; the register is the
-    tile's 0/1 guard."""
+def _group_tiles(ids, live_sb, g, group):
+    """Slot tiles (s0, ps, token ids (ps, 1), live register, assignment ids (ps, 1)) of group g
+    (``ids`` = the (token, assignment) id tiles); the register is the tile's 0/1 guard."""
     slot_tiles = []
     for st, (s0, ps) in enumerate(spans(group, nl.tile_size.pmax)):
         live_reg = nisa.register_alloc()
         nisa.register_load(live_reg, live_sb[0:1, g, st:st + 1])
-        slot_tiles.append((s0, ps, tok_ids[:ps, st, g:g + 1], live_reg))
+        slot_tiles.append((s0, ps, ids[0][:ps, st, g:g + 1], live_reg, ids[1][:ps, st, g:g + 1]))
     return slot_tiles
 
 
 def _gather_group(x, slot_tiles, trips_reg):
     """Token rows of x per slot tile of a group (indirect gathers under the group's guard and each
     tile's guard)."""
-    x_rows = [nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf) for _, ps, _, _ in slot_tiles]
+    x_rows = [nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
-        for (_, _, tok_sb, live_reg), rows_sb in zip(slot_tiles, x_rows):
+        for (_, _, tok_sb, live_reg, _), rows_sb in zip(slot_tiles, x_rows):
             for _ in nl.dynamic_range(0, live_reg):
                 gather_rows_into(rows_sb, x, tok_sb)
     return x_rows
@@ -204,18 +205,20 @@ def _transpose_group(x_t, slot_tiles, x_rows, trips_reg):
     """xT[:, :, slots] = x rows^T per live slot tile (a function, so that no loop variable keeps a
     row tile alive after the caller releases the rows)."""
     for _ in nl.dynamic_range(0, trips_reg):
-        for (s0, _, _, live_reg), rows_sb in zip(slot_tiles, x_rows):
+        for (s0, _, _, live_reg, _), rows_sb in zip(slot_tiles, x_rows):
             for _ in nl.dynamic_range(0, live_reg):
                 transpose_rows(x_t, rows_sb, s0)
 
 
-def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_chunk, y_cols, y_group, row0,
-               ones_sb):
+def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_chunk, y_cols, y_slots, ones_sb,
+               deferred):
     """Group body in guarded phases: xT (then the x rows are released), h (gate/up; then xT is
     released), the gather of the next group's rows (``next_group`` = (registers, slot tiles) or
-    None; returned), the down projection and the writes of y. GpSimd issues DMAs in program order,
-    so the next gather is issued before this group's last matmul; the releases keep the x rows of
-    two groups and xT from being live at once (SBUF: see :func:`sbuf_bytes_at`)."""
+    None), the previous group's ``deferred`` y scatters, the down projection and the writes of y
+    but the last staging group's. Returns (next group's rows, this group's deferred
+    scatters). GpSimd issues DMAs in program order, so the next gather is issued before this
+    group's last matmul; the releases keep the x rows of two groups and xT from being live at
+    once (SBUF: see :func:`sbuf_bytes_at`)."""
     pmax = nl.tile_size.pmax
     w_gate_up, w_down, b_gate_up, b_down = weights
     expert_reg, trips_reg = regs
@@ -231,50 +234,56 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_
     if next_group is not None:
         (_, next_trips), next_tiles = next_group
         next_rows = _gather_group(x, next_tiles, next_trips)
+    scatter_deferred(y_slots, deferred)     # the previous group's last scatters (own guard)
+    last_cols = spans(x.shape[1], y_cols)[-1][1]
+    last_rows = [nl.ndarray((ps, last_cols), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
-        _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_group, row0, h_chunk, y_cols, ones_sb)
-    return next_rows
+        _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols, ones_sb, last_rows)
+    return next_rows, [trips_reg, slot_tiles, last_rows, x.shape[1] - last_cols]
 
 
 @nki.jit
-def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, tile_live, slot_pos, w_gate_up, w_down, b_gate_up,
-                           b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols):
+def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment, tile_live, w_gate_up, w_down,
+                           b_gate_up, b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols):
     t_len, hidden = x.shape
     n_groups = group_expert.shape[0]
     group = slot_token.shape[0] // n_groups
     n_slot_tiles = len(spans(group, nl.tile_size.pmax))
+    n_prog, pid = nl.num_programs(axes=0), nl.program_id(axis=0)
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
-    y_group = nl.ndarray((n_groups * group, hidden), dtype=nl.float32, buffer=nl.private_hbm)
+    y_slots = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.shared_hbm)
     expert_sb, valid_sb = block_flags(group_expert)
     live_sb = nl.ndarray((1, n_groups, n_slot_tiles), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=live_sb, src=tile_live.ap([[n_groups * n_slot_tiles, 1], [n_slot_tiles, n_groups],
                                                  [1, n_slot_tiles]], offset=0))
-    tok_ids = load_all_ids(slot_token, n_groups, group)
+    ids = (load_all_ids(slot_token, n_groups, group), load_all_ids(slot_assignment, n_groups, group))
     ones_sb = ones_row(nl.tile_size.pmax, x.dtype)
     weights = (w_gate_up, w_down, b_gate_up, b_down)
     gate = (activation, swiglu_alpha, swiglu_limit)
-    current = (block_registers(expert_sb, valid_sb, 0), _group_tiles(tok_ids, live_sb, 0, group))
-    x_rows = _gather_group(x, current[1], current[0][1])
-    # Static unroll (compile-time Python loop): group g's body also issues group g + 1's gather.
-    for g in range(n_groups):
+    # LNC2: the cores take alternate groups (all of them under LNC1).
+    mine = list(range(pid, n_groups, n_prog))
+    if mine:
+        current = (block_registers(expert_sb, valid_sb, mine[0]), _group_tiles(ids, live_sb, mine[0], group))
+        x_rows = _gather_group(x, current[1], current[0][1])
+    deferred = None
+    # Static unroll (compile-time Python loop): each group's body also issues the next one's gather
+    # and the previous one's last y scatters.
+    for n, g in enumerate(mine):
         following = None
-        if g + 1 < n_groups:
-            following = (block_registers(expert_sb, valid_sb, g + 1),
-                         _group_tiles(tok_ids, live_sb, g + 1, group))
-        x_rows = _group_fwd(x, current[1], x_rows, weights, current[0], following, group, gate, h_chunk, y_cols,
-                            y_group, g * group, ones_sb)
+        if n + 1 < len(mine):
+            following = (block_registers(expert_sb, valid_sb, mine[n + 1]),
+                         _group_tiles(ids, live_sb, mine[n + 1], group))
+        x_rows, deferred = _group_fwd(x, current[1], x_rows, weights, current[0], following, group, gate, h_chunk,
+                                      y_cols, y_slots, ones_sb, deferred)
         current = following
-    gather_reduce(y_group, slot_pos, topk_w, y, top_k)
+    scatter_deferred(y_slots, deferred)
+    if n_prog > 1:
+        nisa.core_barrier(y_slots, (0, 1))     # the k-sum reads rows the other core wrote
+    reduce_assignments(y_slots, y, top_k, topk_w, share=(pid, n_prog))
     return y
 
 
 # --------------------------------------------------------------------------- launcher
-
-
-def gather_tail_bytes(hidden, top_k, itemsize):
-    """SBUF bytes per partition of ``gather_reduce`` (two generations of gathered fp32 rows, the fp32
-    sum, the output rows, routing weights and positions)."""
-    return 2 * hidden * 4 + hidden * 4 + hidden * itemsize + 2 * 2 * top_k * 4
 
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_blocks, clamped=False,
@@ -295,9 +304,10 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     phases = (rows + x_t + h_t,                                 # transposes: x rows -> xT
               x_t + h_t + staging + gate_up + bias,             # gate/up (x rows released)
               rows + h_t + staging + down + bias)               # down, next group's rows (xT released)
-    body = max(phases)
+    deferred = st * min(y_cols, hidden) * 4                     # previous group's last staged y rows
+    body = max(phases) + deferred
     live_flags = n_blocks * st * 4
-    return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, gather_tail_bytes(hidden, top_k, itemsize))
+    return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, tail_sbuf_bytes(hidden, top_k, itemsize))
 
 
 def tiling(hidden, inter, block, itemsize, **counts):
@@ -333,12 +343,12 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
     counts = dict(top_k=top_k, n_blocks=block_expert.shape[0], **flags)
     blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
     group_expert, group_slots, tile_live = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
-    slot_pos = slot_positions(group_slots, topk_weights.numel())
     h_chunk, y_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
                              n_blocks=group_expert.shape[0], **flags)
     return KernelLaunch(moe_experts_fwd_kernel,
                         (x.contiguous(), routing_weights(topk_weights), group_expert, slot_tokens(group_slots, top_k),
-                         tile_live, slot_pos, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
-                         activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols))
+                         group_slots, tile_live, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
+                         activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols),
+                        grid=lnc_degree())
 
 

@@ -66,13 +66,3 @@ def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
     tile_live = torch.stack([(by_group[:, s0:s0 + pmax] >= 0).any(1) for s0 in range(0, group_slots_n, pmax)], 1)
     return group_expert, group_slots, tile_live.reshape(-1).to(torch.int32).contiguous()
 
-
-def slot_positions(group_slots, n_assignments):
-    """(N,) int32: the position (row of the forward's slot-ordered output) of each assignment
-    (static shapes: padding slots scatter into one spare entry past the end)."""
-    live = group_slots >= 0
-    dev = group_slots.device
-    target = torch.where(live, group_slots.to(torch.int64), torch.full_like(group_slots, n_assignments, dtype=torch.int64))
-    pos = torch.full((n_assignments + 1,), -1, dtype=torch.int32, device=dev)
-    pos.scatter_(0, target, torch.arange(group_slots.numel(), dtype=torch.int32, device=dev))
-    return pos[:n_assignments]

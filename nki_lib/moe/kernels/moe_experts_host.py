@@ -12,6 +12,7 @@ import torch
 
 from nki_lib._nki import nl
 from nki_lib.dispatch import Unsupported
+from nki_lib.moe.kernels.moe_experts_steps import reduce_chunk
 from nki_lib.sizes import ceil_div
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -19,10 +20,11 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are live at once
 
 
-def tail_sbuf_bytes(top_k, itemsize):
-    """SBUF bytes per partition of the final k-reduction (after the blocks; two generations)."""
-    fmax = nl.tile_size.gemm_moving_fmax
-    return 2 * ((top_k + 1) * fmax * 4 + fmax * itemsize + top_k * 4)
+def tail_sbuf_bytes(hidden, top_k, itemsize):
+    """SBUF bytes per partition of the final k-reduction (after the blocks; two generations of the
+    parts, the fp32 sum, the output rows and the routing weights)."""
+    chunk = reduce_chunk(hidden, top_k)
+    return 2 * (top_k * chunk * 4 + chunk * 4 + hidden * itemsize + top_k * 4)
 
 
 def flags_sbuf_bytes(n_blocks, block):

@@ -11,12 +11,17 @@ Limits: as the kernels that call them (``moe_experts_fwd.py``, ``moe_experts_bwd
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
-from nki_lib.sizes import spans
+from nki_lib.sizes import FP32_BYTES, spans
 
 # Columns of one weight-row DMA before the on-chip transposes: runs of 2048 bf16 = 4 KiB clear the
 # cost model's 105 ns DMA chunk floor at ~23 GB/s per DMA engine (>= ~2.4 KiB), while the staging
 # tile stays small whatever H or I is.
 WEIGHT_SPAN = 2048
+
+# SBUF bytes per partition of one step's fp32 parts in the final k-sum (reduce_assignments): 16 KiB
+# makes the parts DMA's contiguous runs 8 KiB at k = 2 (2 KiB at k = 8), far past the chunk floor,
+# while two generations stay a small share of the tail's SBUF.
+REDUCE_PARTS_BYTES = 16 * 1024
 
 # Engines that evict the weight transposes from PSUM, in turn (GpSimd cannot read PSUM).
 EVICTION_ENGINES = (nisa.engine.vector, nisa.engine.scalar)
@@ -142,30 +147,64 @@ def load_expert_t(w, expert_reg, col_tiles, row0, nrows):
     return w_t
 
 
-def reduce_assignments(src_slots, dst, top_k, topk_w=None):
+def reduce_chunk(hidden, top_k):
+    """H columns per step of :func:`reduce_assignments`: the k fp32 parts of a step fill at most
+    REDUCE_PARTS_BYTES per partition (at least gemm_moving_fmax columns, at most H)."""
+    return min(hidden, max(nl.tile_size.gemm_moving_fmax, REDUCE_PARTS_BYTES // (FP32_BYTES * top_k)))
+
+
+def _reduce_load(src_slots, topk_w, top_k, step):
+    """(routing weights (tp, k) or None, fp32 parts (tp, k, hn)) of one step (t0, tp, h0, hn) of
+    :func:`reduce_assignments`; the weights are loaded with a token tile's first step."""
+    t0, tp, h0, hn = step
+    hidden = src_slots.shape[1]
+    w_sb = None
+    if topk_w is not None and h0 == 0:
+        w_sb = nl.ndarray((tp, top_k), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=w_sb, src=topk_w.ap([[top_k, tp], [1, top_k]], offset=t0 * top_k))
+    parts_sb = nl.ndarray((tp, top_k, hn), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=parts_sb, src=src_slots.ap([[top_k * hidden, tp], [hidden, top_k], [1, hn]],
+                                                 offset=t0 * top_k * hidden + h0))
+    return w_sb, parts_sb
+
+
+def _weighted_sum(out_view, acc_sb, parts_sb, w_sb, top_k):
+    """out_view = sum_j w[:, j] * parts[:, j, :] (fp32, j ascending; w = 1 when w_sb is None)."""
+    acc_sb = out_view if top_k == 1 else acc_sb
+    if w_sb is None:
+        nisa.tensor_copy(dst=acc_sb, src=parts_sb[:, 0, :])
+    else:
+        nisa.tensor_scalar(dst=acc_sb, data=parts_sb[:, 0, :], op0=nl.multiply, operand0=w_sb[:, 0:1])
+    for j in range(1, top_k):
+        step_sb = out_view if j == top_k - 1 else acc_sb
+        if w_sb is None:
+            nisa.tensor_tensor(dst=step_sb, data1=acc_sb, data2=parts_sb[:, j, :], op=nl.add)
+        else:
+            nisa.scalar_tensor_tensor(dst=step_sb, data=parts_sb[:, j, :], op0=nl.multiply,
+                                      operand0=w_sb[:, j:j + 1], op1=nl.add, operand1=acc_sb)
+
+
+def reduce_assignments(src_slots, dst, top_k, topk_w=None, share=(0, 1)):
     """dst[t] = sum_j w[t, j] * src_slots[t * k + j] (fp32, j ascending; w = 1 when topk_w is
-    None, else topk_w (N, 1) fp32, read in token order: no gather), cast to dst's dtype."""
+    None, else topk_w (N, 1) fp32, read in token order: no gather), cast to dst's dtype.
+
+    ``share`` = (program, programs): this program writes every programs-th 128-token tile from
+    its program-th (LNC2: the two cores take alternate tiles). Steps of (token tile, H chunk of
+    :func:`reduce_chunk` columns) are software-pipelined: the next step's parts are loaded before
+    this step's sum (DMAs start in program order); a token tile's rows are stored once, whole."""
     t_len, hidden = dst.shape
-    for t0, tp in spans(t_len, nl.tile_size.pmax):
-        w_sb = None
-        if topk_w is not None:
-            w_sb = nl.ndarray((tp, top_k), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=w_sb, src=topk_w.ap([[top_k, tp], [1, top_k]], offset=t0 * top_k))
-        for h0, hn in spans(hidden, nl.tile_size.gemm_moving_fmax):
-            parts_sb = nl.ndarray((tp, top_k, hn), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=parts_sb, src=src_slots.ap([[top_k * hidden, tp], [hidden, top_k], [1, hn]],
-                                                         offset=t0 * top_k * hidden + h0))
-            out_sb = nl.ndarray((tp, hn), dtype=dst.dtype, buffer=nl.sbuf)
-            acc_sb = out_sb if top_k == 1 else nl.ndarray((tp, hn), dtype=nl.float32, buffer=nl.sbuf)
-            if w_sb is None:
-                nisa.tensor_copy(dst=acc_sb, src=parts_sb[:, 0, :])
-            else:
-                nisa.tensor_scalar(dst=acc_sb, data=parts_sb[:, 0, :], op0=nl.multiply, operand0=w_sb[:, 0:1])
-            for j in range(1, top_k):
-                step_sb = out_sb if j == top_k - 1 else acc_sb
-                if w_sb is None:
-                    nisa.tensor_tensor(dst=step_sb, data1=acc_sb, data2=parts_sb[:, j, :], op=nl.add)
-                else:
-                    nisa.scalar_tensor_tensor(dst=step_sb, data=parts_sb[:, j, :], op0=nl.multiply,
-                                              operand0=w_sb[:, j:j + 1], op1=nl.add, operand1=acc_sb)
-            nisa.dma_copy(dst=dst[t0:t0 + tp, h0:h0 + hn], src=out_sb)
+    program, programs = share
+    chunk = reduce_chunk(hidden, top_k)
+    steps = [(t0, tp, h0, hn) for t0, tp in spans(t_len, nl.tile_size.pmax)[program::programs]
+             for h0, hn in spans(hidden, chunk)]
+    pending = _reduce_load(src_slots, topk_w, top_k, steps[0]) if steps else None
+    w_sb = out_sb = None
+    for n, (t0, tp, h0, hn) in enumerate(steps):
+        step_w, parts_sb = pending
+        pending = _reduce_load(src_slots, topk_w, top_k, steps[n + 1]) if n + 1 < len(steps) else None
+        if h0 == 0:
+            w_sb, out_sb = step_w, nl.ndarray((tp, hidden), dtype=dst.dtype, buffer=nl.sbuf)
+        acc_sb = nl.ndarray((tp, hn), dtype=nl.float32, buffer=nl.sbuf)
+        _weighted_sum(out_sb[:, h0:h0 + hn], acc_sb, parts_sb, w_sb, top_k)
+        if h0 + hn == hidden:
+            nisa.dma_copy(dst=dst[t0:t0 + tp, :], src=out_sb)
