@@ -182,13 +182,17 @@ def _attend(q, k, v, attn_mask, offset, rules):
     """Attention of one segment (no sinks): ``(out, lse)`` with empty rows ``0`` / ``-inf``."""
     sq, sk = q.shape[2], k.shape[2]
     fused = _fusable(q, rules)
-    if fused and attn_mask is None:
-        if rules.unmasked(sq, sk, offset):
-            out, lse = _fused_fwd(q, k, v, 0.0, False, scale=rules.scale)
-            return out, lse.to(lse_dtype(q.dtype))
-        if rules.causal and offset == 0 and rules.window_left < 0:
-            out, lse = _fused_fwd(q, k, v, 0.0, True, scale=rules.scale)
-            return out, lse.to(lse_dtype(q.dtype))
+    one_call = _one_call(rules, sq, sk, offset, attn_mask)
+    if fused and one_call is not None:
+        out, lse = _fused_fwd(q, k, v, 0.0, one_call, attn_mask=_key_additive(attn_mask, q.dtype),
+                              scale=rules.scale)
+        lse = lse.to(lse_dtype(q.dtype))
+        if attn_mask is None:
+            return out, lse
+        lse = lse.masked_fill(_keyless_rows(attn_mask, sq, one_call), -math.inf)
+        if not bool(torch.isnan(lse).any()):
+            return out, lse
+        fused = False   # an +inf score met a -inf mask entry: the explicit path gives lse = +inf
     out = q.new_zeros(q.shape)
     lse = torch.full(q.shape[:3], -math.inf, dtype=lse_dtype(q.dtype), device=q.device)
     if not fused:
@@ -204,6 +208,35 @@ def _attend(q, k, v, attn_mask, offset, rules):
                                     out[:, :, rows], lse[:, :, rows])
         out[:, :, rows], lse[:, :, rows] = o_s
     return out, lse
+
+
+def _one_call(rules, sq, sk, offset, attn_mask):
+    """``is_causal`` of a whole-segment fused call (False: no structure, True: top-left causal),
+    or None where the structure or a per-row user mask needs chunks. A user mask that is the same
+    for every query row (key padding, (B|1, H|1, 1, Sk)) rides along as it is."""
+    if attn_mask is not None and attn_mask.shape[2] != 1:
+        return None
+    if rules.unmasked(sq, sk, offset):
+        return False
+    if rules.causal and offset == 0 and rules.window_left < 0:
+        return True
+    return None
+
+
+def _key_additive(attn_mask, dtype):
+    """A per-key user mask (B|1, H|1, 1, Sk) as the fused kernel's additive mask (None stays None)."""
+    if attn_mask is None or attn_mask.dtype != torch.bool:
+        return None if attn_mask is None else attn_mask.to(dtype)
+    return torch.where(attn_mask, torch.zeros((), dtype=dtype), torch.full((), -math.inf, dtype=dtype))
+
+
+def _keyless_rows(attn_mask, sq, causal):
+    """Bool (B|1, H|1, Sq|1): rows of a whole-segment call whose visible keys the per-key mask
+    hides all of (with top-left causal, row i sees keys [0, i]; Sq == Sk there)."""
+    keep = attn_mask[:, :, 0] if attn_mask.dtype == torch.bool else ~torch.isneginf(attn_mask[:, :, 0])
+    if causal:
+        return keep.cumsum(dim=-1)[..., :sq] == 0
+    return ~keep.any(dim=-1, keepdim=True)
 
 
 def _fused_chunk_fwd(q_rows, k_span, v_span, struct, user, rules):
@@ -426,9 +459,10 @@ class _FusedGrad:
     def segment(self, dout, q, k, v, out, lse, attn_mask, offset, rows=None):
         rules, sq, sk = self.rules, q.shape[2], k.shape[2]
         lse_f = _safe_lse(lse).to(torch.float32)
-        whole = rules.unmasked(sq, sk, offset)
-        if attn_mask is None and (whole or (rules.causal and offset == 0 and rules.window_left < 0)):
-            return _fused_bwd(dout, q, k, v, out, lse_f, 0.0, not whole, scale=rules.scale)
+        one_call = _one_call(rules, sq, sk, offset, attn_mask)
+        if one_call is not None:
+            return _fused_bwd(dout, q, k, v, out, lse_f, 0.0, one_call,
+                              attn_mask=_key_additive(attn_mask, q.dtype), scale=rules.scale)
         dq = torch.zeros_like(q)
         dk = torch.zeros_like(k, dtype=torch.float32)
         dv = torch.zeros_like(v, dtype=torch.float32)

@@ -97,7 +97,7 @@ def _seconds(fn) -> float:
 WARMUP_BELOW_S = 1.0   # a first pair slower than this counts as a measurement (lazy init is ms-scale)
 
 
-def measure(case: Case, *, backward: bool, repeats: int = 5, budget_s: float = 120.0) -> dict:
+def measure(case: Case, *, backward: bool, repeats: int = 5, budget_s: float = 60.0) -> dict:
     """{case, pass, reference_ms, loop_ms, ratio, pairs} from interleaved (reference, loop) pairs:
     up to ``repeats`` pairs, stopping early once ``budget_s`` seconds are spent (at least one
     pair). A first pair faster than :data:`WARMUP_BELOW_S` per side is a discarded warm-up."""
@@ -117,7 +117,7 @@ def measure(case: Case, *, backward: bool, repeats: int = 5, budget_s: float = 1
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--budget", type=float, default=120.0, help="seconds of timed pairs per row")
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds of timed pairs per row")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.threads:
