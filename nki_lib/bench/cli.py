@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="torch CPU threads for --sweep reference (default: torch's own)")
     p.add_argument("--lnc", type=int, choices=(1, 2), default=None,
                    help="logical NeuronCore degree the kernels launch with (sets NEURON_LOGICAL_NC_CONFIG; "
-                        "default: the environment's, else 1)")
+                        "default: the environment's, else 1; a case that names its own, as in the targets "
+                        "sweep, keeps it)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="set a cost-model constant for this run (repeatable), e.g. dma_chunk_floor_ns=150")
     p.add_argument("--sensitivity", action="store_true",

@@ -40,7 +40,7 @@ I tiles > slot tiles (guarded) > H tiles; staging groups > H chunks > I spans > 
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k
 assignments, B plan block size, NG groups, S slots per group, ST slot tiles per group. Kernel
 inputs (HBM): x (T, H), topk_w (N, 1) fp32, group_expert (NG,) int32, slot_token and
-slot_assignment (NG*S,) int32 (a // k and a, or -1), tile_live (NG*ST,) int32, w_gate_up
+slot_assignment (NG*S,) int32 (a // k and a, or -1), w_gate_up
 (E, 2I, H), w_down (E, H, I) (nn.Linear layouts, as the op receives them), b_gate_up (E, 2I) and
 b_down (E, H) or None; compile-time activation, swiglu_alpha, swiglu_limit, top_k, h_chunk,
 y_cols. Output y (T, H) in x's dtype; scratch y_slots (N, H) fp32 (shared HBM).
@@ -185,7 +185,8 @@ def _group_tiles(ids, live_sb, g, group):
     slot_tiles = []
     for st, (s0, ps) in enumerate(spans(group, nl.tile_size.pmax)):
         live_reg = nisa.register_alloc()
-        nisa.register_load(live_reg, live_sb[0:1, g, st:st + 1])
+        p, gt = g % nl.tile_size.pmax, g // nl.tile_size.pmax
+        nisa.register_load(live_reg, live_sb[p:p + 1, gt, st:st + 1])
         slot_tiles.append((s0, ps, ids[0][:ps, st, g:g + 1], live_reg, ids[1][:ps, st, g:g + 1]))
     return slot_tiles
 
@@ -243,20 +244,17 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_
 
 
 @nki.jit
-def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment, tile_live, w_gate_up, w_down,
-                           b_gate_up, b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols):
+def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
+                           b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols):
     t_len, hidden = x.shape
     n_groups = group_expert.shape[0]
     group = slot_token.shape[0] // n_groups
-    n_slot_tiles = len(spans(group, nl.tile_size.pmax))
     n_prog, pid = nl.num_programs(axes=0), nl.program_id(axis=0)
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
     y_slots = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.shared_hbm)
     expert_sb, valid_sb = block_flags(group_expert)
-    live_sb = nl.ndarray((1, n_groups, n_slot_tiles), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=live_sb, src=tile_live.ap([[n_groups * n_slot_tiles, 1], [n_slot_tiles, n_groups],
-                                                 [1, n_slot_tiles]], offset=0))
-    ids = (load_all_ids(slot_token, n_groups, group), load_all_ids(slot_assignment, n_groups, group))
+    asg_ids, live_sb = load_all_ids(slot_assignment, n_groups, group, live=True)
+    ids = (load_all_ids(slot_token, n_groups, group), asg_ids)
     ones_sb = ones_row(nl.tile_size.pmax, x.dtype)
     weights = (w_gate_up, w_down, b_gate_up, b_down)
     gate = (activation, swiglu_alpha, swiglu_limit)
@@ -342,12 +340,12 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
     hidden, inter, itemsize = x.shape[1], w_down.shape[2], x.element_size()
     counts = dict(top_k=top_k, n_blocks=block_expert.shape[0], **flags)
     blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
-    group_expert, group_slots, tile_live = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
+    group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
     h_chunk, y_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
                              n_blocks=group_expert.shape[0], **flags)
     return KernelLaunch(moe_experts_fwd_kernel,
                         (x.contiguous(), routing_weights(topk_weights), group_expert, slot_tokens(group_slots, top_k),
-                         group_slots, tile_live, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
+                         group_slots, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
                          activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols),
                         grid=lnc_degree())
 
