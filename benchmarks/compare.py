@@ -3,7 +3,8 @@
 ``python benchmarks/compare.py BEFORE/bench.jsonl AFTER/bench.jsonl`` prints, per case of the
 "after" run: the program-order estimate before and after, the dependency-bound estimate after
 (a run without it shows "-"), the host-side ops after (whole-op estimate), and the bound engine
-before -> after. Used for the cost-model entries of docs/perf-log.md.
+before -> after. Used for the cost-model entries of docs/perf-log.md. A case labelled ``... LNC1``
+also matches the unlabelled case of an older run (one launched at the default degree).
 """
 
 import argparse
@@ -37,7 +38,8 @@ def main(argv=None) -> int:
           "| bound before -> after |")
     print("|---|---:|---:|---:|---:|---|")
     for label, row in after.items():
-        old = before.get(label)
+        # a case that names LNC1 matches the same case of a run before cases named their degree
+        old = before.get(label) or before.get(label.removesuffix(" LNC1"))
         print(f"| {label} | {_us(_fig(old, 'time_us'))} | {_us(_fig(row, 'time_us'))} | "
               f"{_us(_fig(row, 'dependency_bound_us'))} | {_us(_fig(row, 'host', 'time_us'))} | "
               f"{_fig(old, 'bound_engine') or '-'} -> {_fig(row, 'bound_engine') or '-'} |")

@@ -41,9 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cpu", action="store_true", help="skip the CPU reference / baseline timings")
     p.add_argument("--no-plot", action="store_true", help="skip the roofline PNGs")
     p.add_argument("--limit", type=int, default=None, help="run only the first N cases")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for --sweep reference (default: torch's own)")
     p.add_argument("--lnc", type=int, choices=(1, 2), default=None,
                    help="logical NeuronCore degree the kernels launch with (sets NEURON_LOGICAL_NC_CONFIG; "
-                        "default: the environment's, else 1)")
+                        "default: the environment's, else 1; a case that names its own, as in the targets "
+                        "sweep, keeps it)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="set a cost-model constant for this run (repeatable), e.g. dma_chunk_floor_ns=150")
     p.add_argument("--sensitivity", action="store_true",

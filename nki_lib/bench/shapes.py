@@ -7,14 +7,17 @@ D = 192 with v padded (labelled), and it has no decode case (the absorbed MLA de
 D = 576 > 256, outside the op's contract).
 
 A :class:`Case` is one benchmark call: an op, a mode (``prefill`` forward, ``train`` forward +
-backward, ``decode``) and its dimensions.
+backward, ``decode``) and its dimensions; optionally the logical NeuronCore degree it launches with
+(``lnc``; None: the environment's) and whether the harness may extrapolate it from a part
+(``extrapolate``; the ``targets`` and ``aws`` sweeps simulate their attention and decode cases in
+full, see nki_lib/bench/harness.py). The tuning targets are in :mod:`nki_lib.bench.targets`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-__all__ = ["ModelConfig", "MODELS", "Case", "sweep", "SWEEPS", "TuningTarget", "TUNING_TARGETS"]
+__all__ = ["ModelConfig", "MODELS", "Case", "sweep", "SWEEPS"]
 
 
 @dataclass(frozen=True)
@@ -67,11 +70,14 @@ class Case:
     model: str
     dims: dict = field(default_factory=dict, hash=False, compare=False)
     dtype: str = "bfloat16"
+    lnc: int | None = None       # logical NeuronCore degree of the launches (None: the environment's)
+    extrapolate: bool = True     # False: always simulate the real shape (see harness.plan)
 
     @property
     def label(self) -> str:
         dims = " ".join(f"{k}={v}" for k, v in self.dims.items() if k not in ("causal",))
-        return f"{self.model} {self.op} {self.mode} {dims}"
+        lnc = "" if self.lnc is None else f" LNC{self.lnc}"
+        return f"{self.model} {self.op} {self.mode} {dims}{lnc}"
 
     @property
     def family(self) -> str:
@@ -152,45 +158,21 @@ def _smoke() -> list[Case]:
     ]
 
 
-@dataclass(frozen=True)
-class TuningTarget:
-    """A tuning target of issue 5: ``metric`` of the ``part`` op's kernels on trn2 >= ``threshold``."""
-
-    name: str
-    case: Case
-    part: str          # the op whose kernels are judged (forward or backward op of the call)
-    metric: str        # a key of the bench result's trn2 figures
-    threshold: float
-
-
-TUNING_TARGETS = (
-    TuningTarget("flash-attention forward, S=4096, D=128, bf16 (causal)",
-                 Case("flash_attention", "prefill", "1 head", dict(B=1, Hq=1, Hkv=1, Sq=4096, Sk=4096, D=128,
-                                                                   causal=True)),
-                 "flash_attention", "engine_roofline_fraction", 0.85),
-    TuningTarget("flash-attention backward, S=4096, D=128, bf16 (causal)",
-                 Case("flash_attention", "train", "1 head", dict(B=1, Hq=1, Hkv=1, Sq=4096, Sk=4096, D=128,
-                                                                 causal=True)),
-                 "flash_attention_backward", "engine_roofline_fraction", 0.75),
-    TuningTarget("expert MLP, 512 tokens per expert (qwen3-30b-a3b sizes)",
-                 Case("moe_experts", "prefill", "qwen3-30b-a3b", dict(T=8192, H=2048, I=768, E=128, k=8,
-                                                                      block_size=128)),
-                 "moe_experts", "mfu", 0.80),
-    TuningTarget("decode attention, 8k cache (llama3-8b)",
-                 Case("decode_attention", "decode", "llama3-8b", dict(B=1, Hq=32, Hkv=8, Sq=1, L=8192, D=128)),
-                 "decode_attention", "hbm_roofline_fraction", 0.70),
-)
-
-
 def _targets() -> list[Case]:
-    """The cases of the issue's tuning targets (see :data:`TUNING_TARGETS`)."""
-    return [t.case for t in TUNING_TARGETS]
+    """The cases of issue 13's targets (see :data:`nki_lib.bench.targets.TUNING_TARGETS`), each once."""
+    from nki_lib.bench.targets import target_cases  # noqa: PLC0415 - targets builds on Case
+
+    return target_cases()
 
 
 def _aws() -> list[Case]:
     """The problems of issue 13's comparison with AWS's NKI Library kernels (trn2, one launch
-    each; the AWS figures are in the issue and docs/perf-log.md). Run the experts case with
-    ``--lnc 2`` as well: AWS's figure uses two cores."""
+    each; the AWS figures are in the issue and docs/perf-log.md), each simulated at its full shape.
+    Run with ``--lnc 2`` as well: AWS's experts figure uses two cores."""
+    return [replace(c, extrapolate=False) for c in _aws_problems()]
+
+
+def _aws_problems() -> list[Case]:
     return [
         Case("flash_attention", "prefill", "aws", dict(B=1, Hq=1, Hkv=1, Sq=4096, Sk=4096, D=128, causal=True)),
         Case("flash_attention", "train", "aws", dict(B=1, Hq=1, Hkv=1, Sq=4096, Sk=4096, D=128, causal=True)),

@@ -109,30 +109,37 @@ def _kernel_args(tensors):
 
 
 def validate_plan_values(block_expert, slot_assignment, *, num_assignments, num_experts):
-    """Data checks of the plan (real tensors only)."""
-    experts = block_expert.to("cpu", torch.int64)
-    slots = slot_assignment.to("cpu", torch.int64)
-    if experts.numel() and (int(experts.min()) < -1 or int(experts.max()) >= num_experts):
-        raise ValueError(f"block_expert must lie in [-1, E={num_experts}), got values in "
-                         f"[{int(experts.min())}, {int(experts.max())}]")
-    if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= num_assignments):
-        raise ValueError(f"slot_assignment must lie in [-1, T*k={num_assignments}), got values in "
-                         f"[{int(slots.min())}, {int(slots.max())}]")
-    used = slots[slots >= 0]
-    if used.numel() != num_assignments or torch.bincount(used, minlength=num_assignments).ne(1).any():
+    """Data checks of the plan (real tensors only), in few tensor ops (each is a launch on a
+    device: the whole-op estimate charges them)."""
+    experts = block_expert.to("cpu")        # int32 or int64 as given: no widening copy
+    slots = slot_assignment.to("cpu")
+    idle_blocks = padded = False
+    if experts.numel():
+        low, high = (int(v) for v in torch.aminmax(experts))
+        if low < -1 or high >= num_experts:
+            raise ValueError(f"block_expert must lie in [-1, E={num_experts}), got values in [{low}, {high}]")
+        idle_blocks = low == -1
+    if slots.numel():
+        low, high = (int(v) for v in torch.aminmax(slots))
+        if low < -1 or high >= num_assignments:
+            raise ValueError(f"slot_assignment must lie in [-1, T*k={num_assignments}), got values in "
+                             f"[{low}, {high}]")
+        padded = low == -1
+    # values in [-1, N): each of 0..N-1 exactly once <=> N distinct values >= 0 in N slots >= 0
+    values, counts = torch.unique(slots, return_counts=True)
+    padding = int(counts[0]) if padded else 0
+    if values.numel() - int(padded) != num_assignments or slots.numel() - padding != num_assignments:
         raise ValueError(f"slot_assignment must hold every assignment 0..T*k-1 (T*k={num_assignments}) "
                          f"exactly once")
     if experts.numel():
-        run_start = torch.ones_like(experts, dtype=torch.bool)
-        run_start[1:] = experts[1:] != experts[:-1]
-        runs = experts[run_start & (experts >= 0)]
-        if runs.unique().numel() != runs.numel():
+        valid = experts >= 0
+        run_starts = int(valid[0]) + int(((experts[1:] != experts[:-1]) & valid[1:]).sum())
+        if run_starts != torch.unique(experts).numel() - int(idle_blocks):
             raise ValueError(f"block_expert: the blocks of each expert must be consecutive (as moe_plan makes "
                              f"them; the backward accumulates an expert's weight gradients across its run), "
                              f"got {experts.tolist()}")
-        block_size = slots.numel() // experts.numel()
-        idle = experts.repeat_interleave(block_size) < 0
-        if bool((slots[idle] >= 0).any()):
+        block_max = slots.reshape(experts.numel(), -1).amax(1)
+        if idle_blocks and int(torch.where(valid, -1, block_max).max()) >= 0:
             raise ValueError("slot_assignment must be -1 in every block whose block_expert is -1")
 
 

@@ -261,3 +261,12 @@ def test_long_row_step_masks_scores_in_psum(length, window_left):
                          window_left=window_left, scale=0.3)
     outs, _ = _launch(sample, num_splits=1)
     _judge(sample, outs)
+
+
+def test_many_sequences_broadcast_key_windows_by_dma():
+    """B*S*2 > 128 key-window values: broadcast to the partitions by one DMA instead of a PE
+    transpose of one column."""
+    lengths = [1 + (7 * i) % 40 for i in range(65)]
+    sample = make_sample(65, 2, 1, 1, 8, lengths, torch.float32, capacity_=40, window_left=9)
+    outs, _ = _launch(sample, num_splits=1)
+    _judge(sample, outs)

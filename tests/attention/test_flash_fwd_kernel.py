@@ -195,13 +195,34 @@ def test_scores_cover_only_key_blocks_some_query_sees(case):
     assert qk_keys == _tile_pairs(case)[2] * case.hq
 
 
+def _transposed_loads(report, rows, d):
+    """Loads of (d, rows) transposed tiles: DMA transposes of natural (rows, d) HBM rows (2-byte
+    dtypes) or contiguous rows of a host-transposed (d, rows) layout."""
+    return [e for e in report.trace if e.reads and e.reads[0].memory.endswith("hbm")
+            and ((e.opcode == "dma_transpose" and e.reads[0].shape == (rows, d))
+                 or (e.opcode == "dma_copy" and e.reads[0].shape == (d, rows)))]
+
+
+def test_qk_transposed_on_chip():
+    """bf16 with D <= 128: q^T and k^T come from DMA transposes of the natural rows, so the launcher
+    makes no host-side copy; fp32 keeps the host transposes."""
+    from nki_lib.bench.whole_op import record_host_ops
+    for dtype, on_chip in ((torch.bfloat16, True), (torch.float32, False)):
+        case = Case(sq=200, sk=300, d=64, dtype=dtype, causal=True)
+        sample = case.sample()
+        with record_host_ops() as host_ops, backend.use_backend("simulator"), backend.strict(True), \
+                collect_runs() as runs:
+            SPEC.op(*sample.args, **sample.kwargs)
+        opcodes = {e.opcode for e in runs[-1][1].trace}
+        assert ("dma_transpose" in opcodes) == on_chip
+        assert (len(host_ops) == 0) == on_chip
+
+
 def test_keys_loaded_once_per_kv_head():
     """K^T of a kv head is loaded once (one aligned span here) and shared by its query tiles."""
     case = Case(b=2, hq=2, hkv=1, sq=384, sk=600, d=64)
     report = _trace_of(case)
-    key_loads = [e for e in report.trace
-                 if e.opcode == "dma_copy" and e.reads[0].memory.endswith("hbm")
-                 and e.reads[0].shape == (case.d, case.sk)]
+    key_loads = _transposed_loads(report, case.sk, case.d)
     assert len(key_loads) == case.b * case.hkv
 
 
@@ -239,12 +260,8 @@ def test_streamed_values_parity(monkeypatch, case):
 def test_gqa_loads_each_kv_tile_once_per_group():
     case = Case(hq=4, hkv=1, sq=128, sk=512, d=64)
     report = _trace_of(case)
-    key_loads = [e for e in report.trace
-                 if e.opcode == "dma_copy" and e.reads[0].memory.endswith("hbm")
-                 and e.reads[0].shape == (case.d, case.sk)]
-    query_loads = [e for e in report.trace
-                   if e.opcode == "dma_copy" and e.reads[0].memory.endswith("hbm")
-                   and e.reads[0].shape == (case.d, case.sq)]
+    key_loads = _transposed_loads(report, case.sk, case.d)
+    query_loads = _transposed_loads(report, case.sq, case.d)
     assert len(key_loads) == 1
     assert len(query_loads) == case.hq
 

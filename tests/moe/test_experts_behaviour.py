@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import nki_lib
 import nki_lib.moe  # noqa: F401  (registers the ops)
@@ -179,3 +181,43 @@ def test_sbuf_estimates_bound_the_measured_peak(shape):
     group = block * moe_experts_fwd.group_blocks(h, inter, block, itemsize, **counts)   # the forward's slots per group
     assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd.sbuf_bytes(h, inter, group, itemsize, **counts)
     assert 0 < bwd.peak_sbuf_bytes <= moe_experts_bwd.sbuf_bytes(h, inter, block, itemsize, **counts)
+
+
+# --------------------------------------------------------------------------- plan data checks
+
+def _plan_ok(experts, slots, n, e):
+    """Plain-Python statement of the plan contract (docs/contract.md §4.3)."""
+    block = len(slots) // len(experts) if experts else 0
+    if any(not -1 <= x < e for x in experts) or any(not -1 <= a < n for a in slots):
+        return False
+    if sorted(a for a in slots if a >= 0) != list(range(n)):
+        return False
+    runs = [x for i, x in enumerate(experts) if x >= 0 and (i == 0 or experts[i - 1] != x)]
+    if len(runs) != len(set(runs)):
+        return False
+    return all(a < 0 for b, x in enumerate(experts) if x < 0 for a in slots[b * block:(b + 1) * block])
+
+
+@given(n_blocks=st.integers(0, 6), block=st.integers(1, 4), e=st.integers(1, 4), n=st.integers(0, 12),
+       dtype=st.sampled_from([torch.int32, torch.int64]), data=st.data())
+def test_plan_value_checks_match_the_contract(n_blocks, block, e, n, dtype, data):
+    """validate_plan_values raises exactly when a plan breaks the contract (random plans, mostly
+    near-valid: a valid plan with a few entries changed)."""
+    slots = [-1] * (n_blocks * block)
+    positions = data.draw(st.permutations(range(len(slots))))[:n] if n <= len(slots) else []
+    for a, pos in enumerate(positions):
+        slots[pos] = a
+    experts = sorted(data.draw(st.lists(st.integers(-1, e - 1), min_size=n_blocks, max_size=n_blocks)),
+                     key=lambda x: (x < 0, x))
+    for _ in range(data.draw(st.integers(0, 2))):
+        if slots and data.draw(st.booleans()):
+            slots[data.draw(st.integers(0, len(slots) - 1))] = data.draw(st.integers(-2, n))
+        elif experts:
+            experts[data.draw(st.integers(0, len(experts) - 1))] = data.draw(st.integers(-2, e))
+    ok = _plan_ok(experts, slots, n, e)
+    args = (torch.tensor(experts, dtype=dtype), torch.tensor(slots, dtype=dtype))
+    if ok:
+        moe_experts_op.validate_plan_values(*args, num_assignments=n, num_experts=e)
+    else:
+        with pytest.raises(ValueError):
+            moe_experts_op.validate_plan_values(*args, num_assignments=n, num_experts=e)

@@ -19,6 +19,10 @@ CASES = {
     "odd groups": dict(t=37, h=40, inter=24, e=3, k=2, block=8, dtype=torch.bfloat16),
     "one group": dict(t=5, h=24, inter=16, e=1, k=1, block=8, dtype=torch.float32),
     "token tiles": dict(t=300, h=136, inter=40, e=4, k=2, block=64, dtype=torch.bfloat16),
+    # every expert fills exactly one block: the plan's spare groups come last (unused), after the
+    # last used group (whose y rows are scattered late, in the following group's body)
+    "full blocks": dict(t=32, h=40, inter=136, e=4, k=2, block=16, dtype=torch.bfloat16,
+                        topk_ids=(torch.arange(64) % 4).reshape(32, 2)),
     "gpt-oss": dict(t=20, h=48, inter=24, e=4, k=2, block=8, dtype=torch.float16, activation="clamped_swiglu",
                     biases=True, swiglu_limit=0.5),
 }

@@ -1,6 +1,7 @@
 """``nki-lib bench`` end to end on tiny shapes (the registered kernels, through the simulator)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -52,26 +53,16 @@ def test_cli_smoke_writes_jsonl_table_and_plot(tmp_path):
     assert (tmp_path / "bench.txt").read_text().startswith("case")
 
 
-def _target_row(case, in_order: float, dependency_bound: float, forward: float = 0.1) -> CaseResult:
-    fig = {"engine_roofline_fraction": in_order, "bound_engine": "scalar",
-           "dependency_bound": {"engine_roofline_fraction": dependency_bound},
-           "hotspots": [{"source": "bwd.py:1", "opcode": "activation (scalar)", "waited_on": "data"}]}
-    fwd = {**fig, "engine_roofline_fraction": forward, "dependency_bound": {"engine_roofline_fraction": forward}}
-    return CaseResult(case.label, "flash_attention", "train", case.model, "attention", {}, "bfloat16",
-                      estimates={"trn2": {"parts": {"flash_attention": fwd, "flash_attention_backward": fig}}})
-
-
-def test_targets_report_judges_the_named_part_on_both_estimates():
-    from nki_lib.bench.output import targets_report
-    from nki_lib.bench.shapes import TUNING_TARGETS
-
-    bwd = next(t for t in TUNING_TARGETS if t.part == "flash_attention_backward")
-    text = targets_report([_target_row(bwd.case, 0.8, 0.9)])
-    assert "PASS" in text and "80.0% / 90.0%" in text and "bwd.py:1" in text
-    # a claim holds only if it holds on both estimates
-    assert "SHORT" in targets_report([_target_row(bwd.case, 0.5, 0.9)])
-    assert "SHORT" in targets_report([_target_row(bwd.case, 0.9, 0.5)])
-    assert targets_report([]) == ""
+def test_lnc2_case_reports_each_cores_balance():
+    case = next(c for c in sweep("smoke") if c.mode == "prefill" and c.op == "flash_attention")
+    res = run_case(replace(case, lnc=2), ("trn2",), steady=False, cpu_paths=False)
+    assert res.label.endswith(" LNC2")
+    if res.status != "ok":
+        assert res.status.startswith("fallback") and res.estimates == {}
+        return
+    est = res.estimates["trn2"]
+    assert est["grid"] == 2
+    assert 0.0 <= est["core_balance"] <= 1.0 and 0.0 <= est["dependency_bound"]["core_balance"] <= 1.0
 
 
 def test_train_case_reports_forward_and_backward_apart():

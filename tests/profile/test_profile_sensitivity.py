@@ -10,9 +10,8 @@ import json
 import pytest
 
 from nki_lib.bench.cli import main
-from nki_lib.bench.harness import CaseResult, run_case
-from nki_lib.bench.output import targets_report
-from nki_lib.bench.shapes import TUNING_TARGETS, Case
+from nki_lib.bench.harness import run_case
+from nki_lib.bench.shapes import Case
 from nki_lib.simulator.profile import corners, low_confidence, params
 
 ROUTER = Case("moe_router", "prefill", "tiny", dict(T=128, H=256, E=8, k=2))
@@ -72,16 +71,3 @@ def test_cli_set_rejects_unknown_constants():
         main(["--sweep", "smoke", "--ops", "moe_router", "--set", "warp_speed=9"])
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         main(["--sweep", "smoke", "--ops", "moe_router", "--set", "dma_chunk_floor_ns"])
-
-
-def test_target_passes_only_at_every_bound():
-    target = next(t for t in TUNING_TARGETS if t.part == "decode_attention")
-    fig = {"hbm_roofline_fraction": 0.9, "dependency_bound": {"hbm_roofline_fraction": 0.95}, "bound_engine": "dma"}
-
-    def row(corner_value):
-        corner = {"hbm_roofline_fraction": corner_value, "dependency_bound": {"hbm_roofline_fraction": 0.95}}
-        return CaseResult(target.case.label, "decode_attention", "decode", target.case.model, "attention", {},
-                          "bfloat16", estimates={"trn2": {**fig, "sensitivity": {"x=1": corner}}})
-
-    assert "PASS" in targets_report([row(0.8)]) and "x=1" in targets_report([row(0.8)])
-    assert "SHORT" in targets_report([row(0.5)])

@@ -76,6 +76,15 @@ is issued before the stores and setup of later units that would otherwise hold t
     store the remaining out rows; lse = M + log(L) for all units at once (one ACT table switch),
     transposed to (units, rn) and stored by one DMA per row tile
 
+Single-chunk path (one split, a capacity of one chunk of at most ``SINGLE_CHUNK_KEYS`` keys, and
+for a contiguous cache exactly one chunk): every unit's only chunk is chunk 0, so its loads and
+compute are static code (contiguous: the whole capacity by precomputed-descriptor DMAs, keys past
+L_b only give masked scores; paged: the gathers as above); only the V cleaning of an edge chunk
+stays in device loops (0 or 1 trips). Per group of units (as many as there are buffer pairs): K of
+every unit, then V of every unit, then their compute in waves of up to ``LOCKSTEP_CHAINS`` chains,
+the instructions of the units' softmax, P @ V and merge chains interleaved phase by phase
+(``_lockstep``), so the in-order engines pay each hop's latency once per wave, not once per unit.
+
 K/V chunk buffers: pairs rotate over the (b, hk, split) streams (as many pairs as fit
 ``CHUNK_BUFFER_BUDGET``), so one stream's gathers overlap another stream's compute.
 
@@ -125,6 +134,12 @@ DIRECT_PIECE_SLOTS = 32           # contiguous interior chunks load K and V in p
                                   # each): the first scores and P @ V start while the rest lands
 OUT_STORE_LAG = 2                 # units whose out stores wait behind later units' loads (the DMA
                                   # engines serve in program order: an early store would hold them)
+SINGLE_CHUNK_KEYS = 2048          # capacities up to this (one chunk, one split) load their chunk whole and
+                                  # statically, so the units' compute pipelines in program order (the
+                                  # whole capacity is read: kept small)
+LOCKSTEP_CHAINS = 4               # softmax / P @ V chains (row tile x head-dim chunk) interleaved in lockstep:
+                                  # each holds ~3 PSUM banks while in flight, 8 banks in all
+KT_ACT_EVERY = 4                  # single-chunk path: every 4th K^T eviction on ScalarE
 KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers (divided by the
                                   # number of row tiles, whose working sets grow); streams (one per
@@ -162,12 +177,14 @@ class _SplitState(nl.NKIObject):
     l: object        # (rn, 1) running sum                    = packed[:, D + 1]  # noqa: E741
     bounds: object   # (128, rn, 2) per partition p and row r: (lo_r - p*M, hi_r - p*M), lo/hi
                      # relative to the chunk start: the visible slots of partition p
+    group_sq: object  # Sq when the tile holds every row of its unit (rows r = g*Sq + t with equal t
+                      # share their bounds: short-row steps mask a whole t at once), else None
 
 
-def _state_views(packed, bounds=None):
+def _state_views(packed, bounds=None, group_sq=None):
     d = packed.shape[1] - 2
     return _SplitState(packed=packed, acc=packed[:, 0:d], neg_m=packed[:, d:d + 1],
-                       l=packed[:, d + 1:d + 2], bounds=bounds)
+                       l=packed[:, d + 1:d + 2], bounds=bounds, group_sq=group_sq)
 
 
 def _load_q_t(q, row0, rn, d_spans, dtype):
@@ -193,6 +210,7 @@ class _BatchMeta(nl.NKIObject):
     window_pm: object  # (128, B*S*2) float32: ``window`` - p*M on partition p
     row_pos: object    # (128, R) float32: t_r - Sq for row r = g*Sq + t_r (its position minus L_b)
     reach: float       # keys a row sees before its own position: window_left, or MAX_INDEX unbounded
+    sq: int            # new tokens per sequence
 
 
 def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left):
@@ -204,14 +222,21 @@ def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left):
     nisa.dma_copy(dst=bounds_sb, src=split_bounds.ap([[n_bounds, 1], [1, n_bounds]]))
     n_window = key_window.shape[0] * key_window.shape[1] * key_window.shape[2]
     window_sb = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=window_sb, src=key_window.ap([[0, pmax], [1, n_window]]))
+    if n_window <= pmax:            # one column, broadcast to the partitions by a PE transpose (exact):
+        window_col = nl.ndarray((n_window, 1), dtype=nl.float32, buffer=nl.sbuf)   # 1 DMA engine, not 16
+        nisa.dma_copy(dst=window_col, src=key_window.ap([[1, n_window], [1, 1]]))
+        window_psum = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=window_psum, data=window_col.broadcast(1, pmax))
+        nisa.tensor_copy(dst=window_sb, src=window_psum)
+    else:
+        nisa.dma_copy(dst=window_sb, src=key_window.ap([[0, pmax], [1, n_window]]))
     window_pm = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=window_pm, data=window_sb, op0=nl.subtract, operand0=part_keys)
     row_pos = nl.ndarray((pmax, rows // sq, sq), dtype=nl.float32, buffer=nl.sbuf)
     nisa.iota(dst=row_pos, pattern=[[0, rows // sq], [1, sq]], offset=-sq)
     reach = float(window_left) if window_left >= 0 else float(MAX_INDEX)
     return _BatchMeta(bounds=bounds_sb, window=window_sb, window_pm=window_pm,
-                      row_pos=row_pos.reshape((pmax, rows)), reach=reach)
+                      row_pos=row_pos.reshape((pmax, rows)), reach=reach, sq=sq)
 
 
 def _init_state(meta, ws, r0, rn, d):
@@ -221,8 +246,9 @@ def _init_state(meta, ws, r0, rn, d):
     ``hi = L_rel - Sq + t_r - p*M`` and ``lo = max(hi - window_left, first_rel - p*M)``
     (``first`` already folds in the window and cache_start)."""
     pmax = nl.tile_size.pmax
+    whole = r0 == 0 and rn == meta.row_pos.shape[1]
     state = _state_views(nl.ndarray((rn, d + 2), dtype=nl.float32, buffer=nl.sbuf),
-                         nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf))
+                         nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf), meta.sq if whole else None)
     nisa.memset(dst=state.packed, value=0.0)
     nisa.memset(dst=state.neg_m, value=-STAT_INIT)
     c = 2 * ws
@@ -248,7 +274,7 @@ def _gather_chunk(cache_units, idx_sb, head_offset, unit_keys, chunk_sb, slots=N
                   dge_mode=nisa.dge_mode.swdge)
 
 
-def _block_keys_transposed(k_chunk, block, d_spans, m, dtype):
+def _block_keys_transposed(k_chunk, block, d_spans, m, dtype, engine):
     """K^T chunks (dc, 128 * n) of one K^T block (slots c0 .. c0 + n): column j*128 + p is key
     p*M + c0 + j of the chunk (evicted from PSUM by VectorE)."""
     pmax = nl.tile_size.pmax
@@ -262,7 +288,7 @@ def _block_keys_transposed(k_chunk, block, d_spans, m, dtype):
             nisa.nc_transpose(dst=k_t_psum[:, j * pmax:(j + 1) * pmax],
                               data=k_chunk[:, c * d + d0:c * d + d0 + dn])
         k_t_sb = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=k_t_sb, src=k_t_psum, engine=nisa.engine.vector)
+        nisa.tensor_copy(dst=k_t_sb, src=k_t_psum, engine=engine)
         k_t.append(k_t_sb)
     return k_t
 
@@ -276,7 +302,7 @@ def _evict_scores(s_view, s_psum, scale, softcap):
         nisa.activation(dst=s_view, op=nl.copy, data=s_psum, scale=scale)
 
 
-def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused=False):
+def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused=False, rota=None):
     """S^T (128, rn, n) of every row tile for the slots of one softmax step: element [p, r, j] is
     the score of row r with key p*M + c0 + j (rows outermost, so each row's slots are one
     contiguous run for its range_select). One matmul per slot and head-dim chunk
@@ -292,7 +318,8 @@ def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, so
 
     def transposed(i):
         k0, kn = kt_blocks[i]
-        return _block_keys_transposed(k_chunk, (c0 + k0, kn), d_spans, m, kv_dtype)
+        return _block_keys_transposed(k_chunk, (c0 + k0, kn), d_spans, m, kv_dtype,
+                                      rota.next() if rota is not None else nisa.engine.vector)
 
     pending = [transposed(i) for i in range(min(KT_LOOKAHEAD, len(kt_blocks)))]
     s_psum = None
@@ -303,7 +330,7 @@ def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, so
         b0 = k0 - k0 % blk_slots
         bn = min(blk_slots, n - b0)
         if k0 == b0:
-            s_psum = [nl.ndarray((pmax, bn, s.shape[1]), dtype=nl.float32, buffer=nl.psum) for s in s_sb]
+            s_psum = [nl.ndarray((pmax, bn, q[0].shape[1]), dtype=nl.float32, buffer=nl.psum) for q in q_t]
         for t in range(len(s_sb)):
             for j in range(kn):
                 for h in range(len(q_t[t])):
@@ -311,11 +338,66 @@ def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, so
                                    moving=q_t[t][h], accumulate=(h > 0))
         if k0 + kn == b0 + bn and not fused:
             for t in range(len(s_sb)):
-                _evict_scores(s_sb[t][:, :, b0:b0 + bn].permute((0, 2, 1)), s_psum[t], scale, softcap)
+                _evict_scores(*_score_views(s_sb[t], s_psum[t], b0, bn), scale, softcap)
     return [p.permute((0, 2, 1)) for p in s_psum] if fused else s_sb
 
 
+def _score_views(s_sb, s_psum, b0, bn):
+    """(SBUF destination, PSUM source) views of one score block's eviction, element for element:
+    the block is (128, bn, rn) slot-major; S^T is rows outermost (128, rn, n), or for grouped rows
+    (128, Sq, n, G) (row r = g*Sq + t at [t, c, g])."""
+    if len(s_sb.shape) == 3:
+        return s_sb[:, :, b0:b0 + bn].permute((0, 2, 1)), s_psum
+    pmax, sq, _, group = s_sb.shape
+    return s_sb[:, :, b0:b0 + bn, :].permute((0, 2, 3, 1)), s_psum.reshape((pmax, bn, group, sq))
+
+
+def _mask_grouped(state, s_sb, c0, part_max):
+    """Mask and per-partition row max of grouped short-row scores S^T (128, Sq, n, G): rows of one
+    t share their bounds, so one range_select per t covers its G rows (free index c*G + g, visible
+    iff lo*G <= c*G + g < (hi + 1)*G), then one max over the slots of every row."""
+    pmax, sq, n, group = s_sb.shape
+    g_bounds = nl.ndarray((pmax, sq, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=g_bounds[:, :, 0], data=state.bounds[:, 0:sq, 0], op0=nl.multiply, operand0=float(group))
+    nisa.tensor_scalar(dst=g_bounds[:, :, 1], data=state.bounds[:, 0:sq, 1], op0=nl.add, operand0=1.0,
+                       op1=nl.multiply, operand1=float(group))
+    for t in range(sq):
+        nisa.range_select(dst=s_sb[:, t], on_true_tile=s_sb[:, t], comp_op0=nl.greater_equal, comp_op1=nl.less,
+                          bound0=g_bounds[:, t, 0:1], bound1=g_bounds[:, t, 1:2], range_start=c0 * group)
+    nisa.tensor_reduce(dst=part_max.reshape((pmax, group, sq)).permute((0, 2, 1)), op=nl.maximum,
+                       data=s_sb.permute((0, 1, 3, 2)), axis=3)
+
+
+def _lockstep(phases):
+    """Run phase generators round-robin, one phase of each in turn, so that the instructions of
+    independent chains interleave in program order (each hop's latency is waited for once per
+    round, not once per chain); returns their return values."""
+    results = [None] * len(phases)
+    live = list(range(len(phases)))
+    while live:
+        still = []
+        for i in live:
+            try:
+                next(phases[i])
+                still.append(i)
+            except StopIteration as done:
+                results[i] = done.value
+        live = still
+    return results
+
+
+def _lockstep_batched(phases, width):
+    """``_lockstep`` over consecutive batches of at most ``width`` chains (their PSUM tiles are live
+    together)."""
+    return [r for i in range(0, len(phases), width) for r in _lockstep(phases[i:i + width])]
+
+
 def _step_probs(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0):
+    """``_step_probs_phases`` run alone."""
+    return _lockstep([_step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src, score_scale)])[0]
+
+
+def _step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0):
     """P^T (128, rn, n) = exp(S^T - m_new) of the scores S^T (128, rn, n) of slots c0 .. c0 + n, and
     -m_new (rn, 1), with ``m_new = max(m_prev, rowmax)``: ``neg_m_prev`` is -m after the previous
     step, whose state update may not be issued yet (its P @ V is deferred).
@@ -334,22 +416,29 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0)
     pmax = nl.tile_size.pmax
     s_src = s_sb if s_src is None else s_src
     rn, d = state.acc.shape
+    grouped = len(s_sb.shape) == 4
     n = s_sb.shape[2]
     part_max = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
-    for r in range(rn):
+    if grouped:
+        _mask_grouped(state, s_sb, c0, part_max)
+    for r in range(0 if grouped else rn):
         nisa.range_select(dst=s_sb[:, r, :], on_true_tile=s_src[:, r, :], comp_op0=nl.greater_equal,
                           comp_op1=nl.less_equal, bound0=state.bounds[:, r, 0:1], bound1=state.bounds[:, r, 1:2],
                           reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=part_max[:, r:r + 1],
                           reduce_op=nl.maximum, range_start=c0)
+    yield
     part_max_t = nl.ndarray((rn, pmax), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=part_max_t, data=part_max)
+    yield
     rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
     neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
                        op1=nl.minimum, operand1=neg_m_prev)
+    yield
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
+    yield
     p_t = nl.ndarray((pmax, rn, n), dtype=dtype, buffer=nl.sbuf)
     if n >= MIN_II_ELEMS:                       # one exp per row, bias -m_r = column r of the broadcast
         neg_m_bias = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
@@ -357,6 +446,11 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0)
         for r in range(rn):
             nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1],
                             scale=score_scale)
+    elif grouped:                               # grouped short rows: shift and exp in S^T's layout
+        sq, group = s_sb.shape[1], s_sb.shape[3]
+        neg_m_tg = neg_m_cols.reshape((pmax, group, sq)).permute((0, 2, 1)).expand_dim(2).broadcast(2, n)
+        nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_tg, op=nl.add)
+        nisa.activation(dst=p_t.reshape((pmax, group, sq, n)).permute((0, 2, 3, 1)), op=nl.exp, data=s_sb)
     else:                                       # short rows: one VectorE shift, one exp for all rows
         nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(2).broadcast(2, n), op=nl.add)
         nisa.activation(dst=p_t, op=nl.exp, data=s_sb)
@@ -364,6 +458,11 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0)
 
 
 def _step_pv(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
+    """``_step_pv_phases`` run alone."""
+    _lockstep([_step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans)])
+
+
+def _step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
     """O^T (dc, rn) = sum_j matmul(V slot j (128, dc), P^T slot j (128, rn)) per head-dim chunk (the
     wide V slot is the stationary operand, so each matmul streams only rn columns), transposed
     back to O (rn, D); the row sums (rn, 1) likewise with a ones column as the moving operand
@@ -378,11 +477,16 @@ def _step_pv(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
             nisa.nc_matmul(dst=o_t[h], stationary=v_chunk[:, c * d + d0:c * d + d0 + dn], moving=p_t[:, :, j],
                            accumulate=(j > 0))
         nisa.nc_matmul(dst=rowsum, stationary=p_t[:, :, j], moving=ones_col, accumulate=(j > 0))
+    yield
+    o_t_sb = []
+    for h, (d0, dn) in enumerate(d_spans):
+        o_t_sb.append(nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.sbuf))
+        nisa.tensor_copy(dst=o_t_sb[h], src=o_t[h])
+    yield
     o_psum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.psum)
     for h, (d0, dn) in enumerate(d_spans):
-        o_t_sb = nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=o_t_sb, src=o_t[h])
-        nisa.nc_transpose(dst=o_psum[:, d0:d0 + dn], data=o_t_sb)
+        nisa.nc_transpose(dst=o_psum[:, d0:d0 + dn], data=o_t_sb[h])
+    yield
     alpha = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, bias=neg_m_new, scale=-1.0)
     nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=alpha,
@@ -393,6 +497,11 @@ def _step_pv(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
 
 
 def _merge(states, sink_sb, neg_big, total, dtype):
+    """``_merge_phases`` run alone."""
+    return _lockstep([_merge_phases(states, sink_sb, neg_big, total, dtype)])[0]
+
+
+def _merge_phases(states, sink_sb, neg_big, total, dtype):
     """Merge the split states of one row tile (and the sink): out (rn, D) in ``dtype``; ``neg_big``
     (-M) and ``total`` (L) are written into the (rn, 1) views given (columns of the batch's lse
     tiles, whose log runs once for all units: one ScalarE table switch, not one per unit)."""
@@ -403,10 +512,18 @@ def _merge(states, sink_sb, neg_big, total, dtype):
     if sink_sb is not None:
         nisa.tensor_scalar(dst=neg_big, data=sink_sb, op0=nl.multiply, operand0=-1.0,
                            op1=nl.minimum, operand1=neg_big)
+    yield
     o_sum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.sbuf)
-    for i, st in enumerate(states):
-        weight = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)  # exp(m_s - M)
-        nisa.activation(dst=weight, op=nl.exp, data=st.neg_m, bias=neg_big, scale=-1.0)
+    weights = []
+    for st in states:
+        weights.append(nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf))  # exp(m_s - M)
+        nisa.activation(dst=weights[-1], op=nl.exp, data=st.neg_m, bias=neg_big, scale=-1.0)
+    sink_term = None
+    if sink_sb is not None:
+        sink_term = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sink_term, op=nl.exp, data=sink_sb, bias=neg_big)
+    yield
+    for i, (st, weight) in enumerate(zip(states, weights)):
         if i == 0:
             nisa.tensor_scalar(dst=total, data=st.l, op0=nl.multiply, operand0=weight)
             nisa.tensor_scalar(dst=o_sum, data=st.acc, op0=nl.multiply, operand0=weight)
@@ -415,12 +532,12 @@ def _merge(states, sink_sb, neg_big, total, dtype):
                                       op1=nl.add, operand1=total)
             nisa.scalar_tensor_tensor(dst=o_sum, data=st.acc, op0=nl.multiply, operand0=weight,
                                       op1=nl.add, operand1=o_sum)
-    if sink_sb is not None:
-        sink_term = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=sink_term, op=nl.exp, data=sink_sb, bias=neg_big)
+    if sink_term is not None:
         nisa.tensor_tensor(dst=total, data1=total, data2=sink_term, op=nl.add)
+    yield
     inv_total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(dst=inv_total, data=total)
+    yield
     out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=out_sb, data=o_sum, op0=nl.multiply, operand0=inv_total)
     return out_sb
@@ -514,6 +631,54 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
 
 
+def _single_chunk_k(cache, unit, seq_offset, k_chunk):
+    """K of the only chunk of a unit whose capacity fits one chunk (static, no device loop):
+    contiguous -> the whole capacity in ``DIRECT_PIECE_SLOTS`` pieces (precomputed descriptors; keys
+    past L_b only give masked scores); paged -> the unit ids of its columns, then one gather per
+    softmax step (unneeded units skipped). Returns the unit ids (paged) for the V gather."""
+    k_units, _, unit_table, key_slots, unit_keys, head_offset, plan = cache
+    pmax = nl.tile_size.pmax
+    m = key_slots.shape[1]
+    d = k_chunk.shape[1] // m
+    b, hk = unit
+    if seq_offset is not None:
+        for c0, n in spans(m, DIRECT_PIECE_SLOTS):
+            nisa.dma_copy(dst=k_chunk[:, c0 * d:(c0 + n) * d],
+                          src=k_units.ap([[m * d, pmax], [1, n * d]], offset=seq_offset + hk * head_offset + c0 * d))
+        return None
+    units_per_chunk = unit_table.shape[1]
+    idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx_sb, src=unit_table.ap([[1, units_per_chunk], [1, 1]], offset=b * units_per_chunk))
+    for step in spans(m, plan[0]):
+        _gather_chunk(k_units, idx_sb, hk * head_offset, unit_keys, k_chunk, step)
+    return idx_sb
+
+
+def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
+    """V of the only chunk (as ``_single_chunk_k``), then, when it is an edge chunk (a device loop of
+    0 or 1 trips over each edge range), its V rows outside [first, L_b) zeroed."""
+    _, v_units, _, key_slots, unit_keys, head_offset, _ = cache
+    pmax = nl.tile_size.pmax
+    m = key_slots.shape[1]
+    d = v_chunk.shape[1] // m
+    b, hk = unit
+    if seq_offset is not None:
+        for c0, n in spans(m, DIRECT_PIECE_SLOTS):
+            nisa.dma_copy(dst=v_chunk[:, c0 * d:(c0 + n) * d],
+                          src=v_units.ap([[m * d, pmax], [1, n * d]], offset=seq_offset + hk * head_offset + c0 * d))
+    else:
+        _gather_chunk(v_units, idx_sb, hk * head_offset, unit_keys, v_chunk)
+    regs = setup.regs
+    for r in range(0, len(regs) - 1, 2):                # the edge ranges [start, lo) and [hi, stop)
+        for _ in nl.dynamic_range(regs[r], regs[r + 1], unit_table_width(m, unit_keys)):
+            _zero_invisible_rows(v_chunk, key_slots, setup.window)
+
+
+def unit_table_width(m, unit_keys):
+    """Unit columns per chunk of 128*M keys."""
+    return m * nl.tile_size.pmax // unit_keys
+
+
 def _zero_invisible_rows(v_chunk, key_slots, window_sb):
     """V rows of keys outside [first, L) (relative to the chunk) -> 0: their probabilities are 0,
     but 0 * NaN (garbage past L_b, or stale rows of skipped units) would poison P @ V."""
@@ -526,44 +691,79 @@ def _zero_invisible_rows(v_chunk, key_slots, window_sb):
     nisa.tensor_copy_predicated(dst=v_chunk, src=0.0, predicate=outside.expand_dim(2).broadcast(2, d))
 
 
-def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
-    """Scores, mask, softmax and P @ V of one loaded chunk for every row tile, one softmax step
-    (``plan[0]`` slots) at a time, software-pipelined: the scores of step i+1 are issued before the
-    softmax of step i, and the P @ V of step i after the softmax of step i+1 (TensorE transposes
-    and multiplies while VectorE/ScalarE run the mask, max and exp chain of the step before); then
-    the row bounds move to the next chunk (-128*M keys)."""
-    pmax = nl.tile_size.pmax
-    steps = spans(m, plan[0])
+class _EvictionRota:
+    """Engines of consecutive K^T evictions across the units of a wave: every ``KT_ACT_EVERY``-th on
+    ScalarE (otherwise idle between exps), the rest on VectorE (the busiest engine at short rows)."""
 
-    def scores(step):
-        s_sb = [nl.ndarray((pmax, st.acc.shape[0], step[1]), dtype=nl.float32, buffer=nl.sbuf)
-                for st in split_states]
-        fused = softcap == 0 and MIN_II_ELEMS <= step[1] <= plan[1]   # one score block, per-row exps
-        src = _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused)
+    def __init__(self):
+        self.count = 0
+
+    def next(self):
+        self.count += 1
+        return nisa.engine.scalar if self.count % KT_ACT_EVERY == 0 else nisa.engine.vector
+
+
+def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
+    """Scores, mask, softmax and P @ V of one loaded chunk for every row tile (``_chunks`` with one
+    job); then the row bounds move to the next chunk (-128*M keys)."""
+    _chunks([(split_states, q_t, k_chunk, v_chunk)], plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype)
+    for st in split_states:
+        nisa.tensor_scalar(dst=st.bounds, data=st.bounds, op0=nl.add, operand0=-float(m * nl.tile_size.pmax))
+
+
+def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
+    """Scores, mask, softmax and P @ V of loaded chunks -- ``jobs`` of (states per row tile, q^T,
+    K chunk, V chunk), one softmax step (``plan[0]`` slots) at a time, software-pipelined over the
+    steps of all jobs in order: the scores of item i+1 are issued before the softmax of item i, and
+    the P @ V of item i after the softmax of item i+1 (TensorE transposes and multiplies while
+    VectorE/ScalarE run the mask, max and exp chain of the item before). Several jobs (units of the
+    single-chunk path) so overlap their chains in program order."""
+    pmax = nl.tile_size.pmax
+    width = max(1, LOCKSTEP_CHAINS // (len(jobs[0][0]) * len(d_spans)))   # jobs per wave: PSUM bounds it
+    rota = _EvictionRota() if len(jobs) > 1 else None
+    waves = [[(job, step) for job in jobs[j0:j0 + width]] for j0 in range(0, len(jobs), width)
+             for step in spans(m, plan[0])]   # step-major within each wave of jobs
+
+    def scores(item):
+        (split_states, q_t, k_chunk, _), step = item
+        n = step[1]
+        s_sb = [nl.ndarray((pmax, st.group_sq, n, st.acc.shape[0] // st.group_sq), dtype=nl.float32, buffer=nl.sbuf)
+                if st.group_sq and n < MIN_II_ELEMS else
+                nl.ndarray((pmax, st.acc.shape[0], n), dtype=nl.float32, buffer=nl.sbuf) for st in split_states]
+        fused = softcap == 0 and MIN_II_ELEMS <= n <= plan[1]   # one score block, per-row exps
+        src = _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused, rota)
         return s_sb, (src if fused else s_sb), (scale if fused else 1.0)
 
-    pending = None                  # (step, P^T and -m_new per row tile) awaiting P @ V
-    s_next = scores(steps[0])
-    for i, step in enumerate(steps):
+    pending = None                  # (wave, per item: P^T and -m_new per row tile) awaiting P @ V
+    s_next = [scores(item) for item in waves[0]]
+    for w, wave in enumerate(waves):
         s_cur = s_next
-        if i + 1 < len(steps):
-            s_next = scores(steps[i + 1])
-        s_sb, s_src, score_scale = s_cur
-        probs = [_step_probs(st, s_sb[t], step[0], st.neg_m if pending is None else pending[1][t][1], dtype,
-                             s_src[t], score_scale)
-                 for t, st in enumerate(split_states)]
+        if w + 1 < len(waves):
+            s_next = [scores(item) for item in waves[w + 1]]
+        phases = []
+        for i, ((split_states, _, _, _), step) in enumerate(wave):
+            s_sb, s_src, score_scale = s_cur[i]
+            phases += [_step_probs_phases(st, s_sb[t], step[0], st.neg_m if pending is None else pending[1][i][t][1],
+                                          dtype, s_src[t], score_scale)
+                       for t, st in enumerate(split_states)]
+        flat = _lockstep_batched(phases, max(1, LOCKSTEP_CHAINS // len(d_spans)))
+        probs, k = [], 0
+        for (split_states, _, _, _), _ in wave:
+            probs.append(flat[k:k + len(split_states)])
+            k += len(split_states)
         if pending is not None:
-            _flush_pv(split_states, pending, v_chunk, ones_col, d_spans)
-        pending = (step, probs)
-    _flush_pv(split_states, pending, v_chunk, ones_col, d_spans)
-    for st in split_states:
-        nisa.tensor_scalar(dst=st.bounds, data=st.bounds, op0=nl.add, operand0=-float(m * pmax))
+            _flush_pv(pending, ones_col, d_spans)
+        pending = (wave, probs)
+    _flush_pv(pending, ones_col, d_spans)
 
 
-def _flush_pv(split_states, pending, v_chunk, ones_col, d_spans):
-    step, probs = pending
-    for st, (p_t, neg_m_new) in zip(split_states, probs):
-        _step_pv(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans)
+def _flush_pv(pending, ones_col, d_spans):
+    """P @ V and the state updates of one wave, in lockstep over its items and row tiles."""
+    wave, probs = pending
+    _lockstep_batched([_step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans)
+                       for ((split_states, _, _, v_chunk), step), item_probs in zip(wave, probs)
+                       for st, (p_t, neg_m_new) in zip(split_states, item_probs)],
+                      max(1, LOCKSTEP_CHAINS // len(d_spans)))
 
 
 def _exchange(states, pid, first_pipe):
@@ -621,6 +821,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     nisa.iota(dst=key_slots, pattern=[[1, m]], offset=0, channel_multiplier=m)
     ones_col = nl.ndarray((pmax, 1), dtype=dtype, buffer=nl.sbuf)         # row sums of P by matmul
     nisa.memset(dst=ones_col, value=1.0)
+    warm = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)   # the exp table loads while ScalarE
+    nisa.activation(dst=warm, op=nl.exp, data=ones_col)             # idles, not in the first softmax
     meta = _load_meta(split_bounds, key_window, rows, sq, key_slots[:, 0:1], window_left)
     pair_bytes = m * d * (k_units.itemsize + v_units.itemsize)
     budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
@@ -668,30 +870,56 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                                  for s in my_splits],
                          setups=[_stream_setup(meta, b * n_split + s) for s in my_splits])
 
-    stream = 0                                      # this core's streams rotate over the buffer pairs
     pending_out = []                                # (out rows, first row) awaiting their store
-    work_next = prepare(mine[0])
-    for k, u in enumerate(mine):
-        b, hk = units[u]
-        work = work_next
-        if k + 1 < len(mine):                       # the next unit's setup ahead of this unit's loads
-            work_next = prepare(mine[k + 1])
-        seq_offset = None if seq_units is None else b * seq_units * k_units.shape[1]
-        for split_states, setup in zip(work.states, work.setups):
-            _stream(split_states, setup, work.q_t, k_units, v_units, unit_table, key_slots, b,
-                    hk * head_offset, seq_offset, unit_keys, chunk_bufs[stream % n_pairs], plan,
-                    ones_col, d_spans, scale, softcap, dtype)
-            stream += 1
-        states = work.states
-        if not shard_units:
-            states = states + _exchange(states, pid, first_pipe=u * n_split * len(row_spans))
-        for t in my_tiles:
-            tile = lse_tiles[t]
-            out_sb = _merge([st[t] for st in states], sinks.get((hk, t)), tile.neg_big[:, k:k + 1],
-                            tile.total[:, k:k + 1], dtype)
-            pending_out.append((out_sb, u * rows + tile.r0))
+
+    def finish(done):
+        """Merge the split states of units ``done`` ((k, u, states): column k of the lse tiles), their
+        chains in lockstep; their out stores trail the loads."""
+        merges, rows0 = [], []
+        for k, u, states in done:
+            if not shard_units:
+                states = states + _exchange(states, pid, first_pipe=u * n_split * len(row_spans))
+            for t in my_tiles:
+                tile = lse_tiles[t]
+                merges.append(_merge_phases([st[t] for st in states], sinks.get((units[u][1], t)),
+                                            tile.neg_big[:, k:k + 1], tile.total[:, k:k + 1], dtype))
+                rows0.append(u * rows + tile.r0)
+        pending_out.extend(zip(_lockstep(merges), rows0))
         while len(pending_out) > OUT_STORE_LAG * len(my_tiles):   # stores trail the loads they would block
             _store_out(out, *pending_out.pop(0))
+
+    def seq_offset(b):
+        return None if seq_units is None else b * seq_units * k_units.shape[1]
+
+    whole_chunks = seq_units is None or head_offset >= m * pmax * d   # a contiguous capacity of >= 1 chunk
+    single = (n_split == 1 and shard_units and unit_table.shape[1] * unit_keys <= m * pmax
+              and m * pmax <= SINGLE_CHUNK_KEYS and whole_chunks)
+    if single:                                      # static chunk per unit, pipelined across units
+        for g0 in range(0, len(mine), n_pairs):
+            group = list(enumerate(mine))[g0:g0 + n_pairs]
+            works = [prepare(u) for _, u in group]
+            cache = (k_units, v_units, unit_table, key_slots, unit_keys, head_offset, plan)
+            idx = [_single_chunk_k(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][0])
+                   for i, (_, u) in enumerate(group)]
+            for i, ((_, u), work) in enumerate(zip(group, works)):
+                _single_chunk_v(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][1], idx[i], work.setups[0])
+            _chunks([(work.states[0], work.q_t) + chunk_bufs[i] for i, work in enumerate(works)], plan, d_spans, m,
+                    ones_col, k_units.dtype, scale, softcap, dtype)
+            finish([(k, u, work.states) for (k, u), work in zip(group, works)])
+    else:
+        stream = 0                                  # this core's streams rotate over the buffer pairs
+        work_next = prepare(mine[0])
+        for k, u in enumerate(mine):
+            b, hk = units[u]
+            work = work_next
+            if k + 1 < len(mine):                   # the next unit's setup ahead of this unit's loads
+                work_next = prepare(mine[k + 1])
+            for split_states, setup in zip(work.states, work.setups):
+                _stream(split_states, setup, work.q_t, k_units, v_units, unit_table, key_slots, b,
+                        hk * head_offset, seq_offset(b), unit_keys, chunk_bufs[stream % n_pairs], plan,
+                        ones_col, d_spans, scale, softcap, dtype)
+                stream += 1
+            finish([(k, u, work.states)])
     for out_sb, row0 in pending_out:
         _store_out(out, out_sb, row0)
     for t in my_tiles:

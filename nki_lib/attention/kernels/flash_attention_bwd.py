@@ -34,11 +34,12 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
             evict    dS^T PSUM -> SBUF               VectorE
             dq       dQ_part = dS K                  TensorE -> PSUM fp32
             acc      acc (+)= dQ_part                ScalarE (first visit) / VectorE
-        loads run one unit ahead: a key tile's K (rows), K^T, V^T when the previous key tile
-        starts; a query group's Q/dO rows and Q^T/dO^T (one DMA each) when the previous group
-        starts; after a group's last pair: dq = scale * acc in the output dtype for the tiles
-        whose last key tile this is; after a key tile's last pair: dK = scale * acc (ScalarE),
-        dV = acc (VectorE) -> HBM (one DMA each).
+        loads run one unit ahead: a key tile's K^T, V^T (then its K rows) when the previous key
+        tile starts; a query group's Q^T, dO^T (one DMA each) and its Q, dO, O rows (one DMA,
+        shared with phase 0) when the previous group starts, kept for the kv head's later key
+        tiles when they fit (``q_cached``, else reloaded per visit); after a group's last pair:
+        dq = scale * acc in the output dtype for the tiles whose last key tile this is; after a
+        key tile's last pair: dK = scale * acc (ScalarE), dV = acc (VectorE) -> HBM (one DMA each).
 
 dQ accumulates over key tiles in fp32, in key-tile order: in SBUF for the whole pass when the
 GQA group's accumulators take at most half a partition (``dq_resident``; Sq <= 16384 at G = 1,
@@ -53,33 +54,40 @@ LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two programs share the (batch, kv hea
 heads, so every dq/dk/dv row has one writer and no barrier is needed; with one kv head and
 B >= 2 the cores split the batch. dsinks is one row when each query head's units run on one
 program, else one row of partial sums per program, added by the launcher (``dsinks_writers``).
-With B = 1 and one kv head the second program still idles (splitting a kv head's query heads
-would need dK/dV partial sums).
+With an odd number of (batch, kv head) units and a GQA group the programs divide (B = 1,
+Hkv = 1, Hq = 8), the programs split every kv head's query heads instead (``head_split``) and
+write fp32 partial dK/dV, added by the launcher; otherwise (one unit and one query head) the
+second program idles.
 
 Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile TensorE does S, dP,
 4 x (dV, dK, dS^T, dQ) (3072 cycles, 2560 of them useful: the dS^T transposes bound TensorE at
 83% of its roofline); ScalarE the exp and the dP - delta eviction (854 ns); VectorE dS, the dS^T
 evictions and the dQ accumulation (933 ns); GpSimd the causal/window masks of diagonal tiles.
-Busy times at Sq = Sk = 4096 causal: TensorE 169 us, VectorE 134, ScalarE 124, DMA 108; estimated
-193 us (71% of the engine-aware roofline; 8192 causal and 4096 full reach 77%).
-Every streamed DMA moves one contiguous run of >= 1 KiB per partition (Q/dO rows and Q^T/dO^T
-2 KiB per group, O/dO 2 KiB per group in phase 0, K rows and dK/dV 1 KiB per key tile).
+Busy times at Sq = Sk = 4096 causal: TensorE 170 us, VectorE 134, ScalarE 124, DMA 63; estimated
+194 us (70% of the engine-aware roofline; docs/perf-log.md §10.3).
+Every streamed DMA moves one contiguous run of >= 1 KiB per partition (Q^T and dO^T 1 KiB
+each per group, Q/dO/O rows 3 KiB per group, K^T, V^T, K rows and dK/dV 1 KiB per key tile).
+Q^T, dO^T, K^T and V^T are DMA transposes of the natural (B, H, S, D) inputs for 2-byte dtypes
+with D <= 128 (``flash_attention_transposed_loads``; no host transposes), else rows of host transposes.
 
 Working set (per partition; D <= 128, 16-bit inputs): SBUF about 38 KiB (eight pairs, three
 query groups and two key tiles in flight, phase-0 rows of the next group) plus 24 B per query
 tile and query head of the GQA group (statistics, lse/dlse columns), plus, when resident,
-4 * D B of fp32 dQ accumulator per query tile and query head of the GQA group.
+4 * D B of fp32 dQ accumulator per query tile and query head of the GQA group, plus, when
+``q_cached``, a group's Q^T, dO^T and Q, dO, O rows (5 KiB at D = 128, bf16) per query group and
+query head of the GQA group.
 PSUM: dK, dV (one bank each, two each for D in (128, 256]) and one S, dP, dS^T and dQ tile each
 (every PSUM tile is consumed one pipeline step after it is made): 6 banks at D <= 128, 8 at
 D = 256.
 
-Shapes (HBM; the launcher prepares the layouts, layout glue): qdo_rows, od_rows
-(B, Hq, NG, pmax, per, 2, D) (Q and dO / O and dO rows in row-group layout, ``row_groups``:
-[.., g, p, s, :] = row (g * per + s) * pmax + p, zero rows past Sq); qdo_t (B, Hq, NG, D, 2,
-per * pmax) (Q^T and dO^T by group); k_rows (B, Hkv, NKT, pmax, per, D); k_t, v_t
-(B, Hkv, D, Sk); lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32; doc (B, pmax, NT, 2) fp32 per-row key
-bounds [lo, hi] (``nki_lib.attention.key_bounds``: documents, key padding, the causal/window rules
-intersected; ``tiles.bounds_layout``) or None. Outputs dq (B, Hq, NG, pmax, per, D) and
+Shapes (HBM; the row layouts are layout glue, one host op each): q_rows
+(B, Hq, NG, pmax, 3, per, D) (Q, dO and O rows in row-group layout, ``query_rows``: [.., g, p, i, s, :] = row
+(g * per + s) * pmax + p of input i, zero rows past Sq); q_src, do_src (B, Hq, Sq, D), k_src,
+v_src (B, Hkv, Sk, D) natural (``natural``), else their (B, H, D, S) transposes;
+k_rows (B, Hkv, NKT, pmax, per, D) (``row_groups``); lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32;
+doc (B, pmax, NT, 2) fp32 per-row key bounds [lo, hi] (``nki_lib.attention.key_bounds``:
+documents, key padding, the causal/window rules intersected; ``tiles.bounds_layout``) or None.
+Outputs dq (B, Hq, NG, pmax, per, D) and
 dk, dv (B, Hkv, NKT, pmax, per, D) in row-group layout (the launcher turns them back).
 Scratch (non-resident dQ): dq_acc like dq, fp32.
 Dimension legend: B batch, Hq/Hkv query/kv heads (G = Hq // Hkv), Sq/Sk lengths, D head dim,
@@ -112,6 +120,7 @@ from nki_lib.attention.kernels.flash_attention_bwd_tile import (
     scores_stage,
     seen_blocks,
 )
+from nki_lib.attention.kernels.flash_attention_transposed_loads import as_kernel_layout, load_transposed_into, on_chip
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.sizes import ceil_div
@@ -162,18 +171,24 @@ class KeyTile(nl.NKIObject):
         self.dv_started = [False] * len(self.blocks)
 
 
-def _load_kv(kv, k_rows, k_t, v_t, b, hk, head_dim):
-    """K rows (one DMA, row-group layout), K^T and V^T (one DMA each per head-dim chunk)."""
+def _load_kv(kv, k_src, v_src, natural, b, hk, head_dim):
+    """K^T and V^T (one DMA each per head-dim chunk: DMA transposes of natural K/V rows, or rows
+    of the launcher's transposes, ``flash_attention_transposed_loads``); the K rows follow (:func:`_load_k_rows`)."""
     pmax = nl.tile_size.pmax
     chunks = tiles.head_dim_chunks(head_dim)
     k0, kn = kv.k0, kv.kn
-    kv.k_sb = nl.ndarray((pmax, len(kv.blocks), head_dim), dtype=k_rows.dtype, buffer=nl.sbuf)
-    _move_rows(k_rows[b, hk, kv.kt], kv.k_sb, kv.blocks, True)
-    kv.kT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=k_t.dtype, buffer=nl.sbuf)
-    kv.vT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=v_t.dtype, buffer=nl.sbuf)
+    kv.kT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=k_src.dtype, buffer=nl.sbuf)
+    kv.vT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=v_src.dtype, buffer=nl.sbuf)
     for ch, (d0, dc) in enumerate(chunks):
-        nisa.dma_copy(dst=kv.kT_sb[:dc, ch, :], src=k_t[b, hk, d0:d0 + dc, k0:k0 + kn])
-        nisa.dma_copy(dst=kv.vT_sb[:dc, ch, :], src=v_t[b, hk, d0:d0 + dc, k0:k0 + kn])
+        load_transposed_into(kv.kT_sb[:dc, ch, :], k_src, natural, b, hk, k0, kn, d0, dc)
+        load_transposed_into(kv.vT_sb[:dc, ch, :], v_src, natural, b, hk, k0, kn, d0, dc)
+
+
+def _load_k_rows(kv, k_rows, b, hk, head_dim):
+    """K rows (one DMA, row-group layout): needed last (dQ stage), so issued after the first
+    query group's loads."""
+    kv.k_sb = nl.ndarray((nl.tile_size.pmax, len(kv.blocks), head_dim), dtype=k_rows.dtype, buffer=nl.sbuf)
+    _move_rows(k_rows[b, hk, kv.kt], kv.k_sb, kv.blocks, True)
 
 
 def _store_kv_grads(dk, dv, b, hk, kv, cfg):
@@ -229,30 +244,46 @@ def _runs(slots, partial_slot):
 
 class Streams(nl.NKIObject):
     """The query-side HBM tensors of one launch: ``qdo_rows`` (Q and dO rows, row-group layout),
-    ``qdo_t`` (Q^T and dO^T by group), ``dq`` (output, row-group layout), ``dq_acc`` (fp32
-    scratch between key tiles; None when the accumulators stay in SBUF), ``dq_res`` (the SBUF
-    accumulators of the current kv head's query heads, or None)."""
+    ``q_src``, ``do_src`` (Q and dO, natural or transposed: ``flash_attention_transposed_loads``), ``q_cache``
+    (``{(query head, group): (Q^T/dO^T, Q/dO rows)}`` of the current kv head, kept for its later
+    key tiles when :func:`q_cached` allows, else None), ``dq``
+    (output, row-group layout), ``dq_acc`` (fp32 scratch between key tiles; None when the
+    accumulators stay in SBUF), ``dq_res`` (the SBUF accumulators of the current kv head's query
+    heads, or None)."""
 
-    def __init__(self, qdo_rows, qdo_t, dq, dq_acc, seqlen_q):
+    def __init__(self, qdo_rows, q_src, do_src, natural, dq, dq_acc, seqlen_q):
         self.qdo_rows = qdo_rows
-        self.qdo_t = qdo_t
+        self.q_src = q_src
+        self.do_src = do_src
+        self.natural = natural
+        self.q_cache = None
         self.dq = dq
         self.dq_acc = dq_acc
         self.dq_res = None
         self.seqlen_q = seqlen_q
 
 
-def _load_q_group(ins, b, h, gid, head_dim):
-    """Q^T and dO^T ``(pmax, nchunks, 2, group rows)`` (one DMA per head-dim chunk) and Q, dO
-    rows-on-partitions ``(pmax, group tiles, 2, D)`` (one DMA): 2 KiB contiguous per partition."""
+def _load_q_group(ins, b, h, gid, head_dim, phase0_rows):
+    """Q^T and dO^T ``(pmax, nchunks, 2, group rows)`` (one DMA each per head-dim chunk; the
+    columns past Sq of the last group are zeroed) and Q, dO rows-on-partitions
+    ``(pmax, 2, group tiles, D)``: views of the phase-0 rows (``phase0_rows()``), else one DMA
+    (2 KiB contiguous per partition)."""
     pmax = nl.tile_size.pmax
     per = _group_tiles()
     width = per * pmax
     chunks = tiles.head_dim_chunks(head_dim)
-    qdoT_sb = nl.ndarray((pmax, len(chunks), 2, width), dtype=ins.qdo_t.dtype, buffer=nl.sbuf)
+    q0 = gid * width
+    rows = min(width, ins.seqlen_q - q0)
+    qdoT_sb = nl.ndarray((pmax, len(chunks), 2, width), dtype=ins.q_src.dtype, buffer=nl.sbuf)
+    if rows < width:
+        nisa.memset(dst=qdoT_sb[:, :, :, rows:], value=0.0)
     for ch, (d0, dc) in enumerate(chunks):
-        nisa.dma_copy(dst=qdoT_sb[:dc, ch, :, :], src=ins.qdo_t[b, h, gid, d0:d0 + dc, :, :])
-    qdo_sb = nl.ndarray((pmax, per, 2, head_dim), dtype=ins.qdo_rows.dtype, buffer=nl.sbuf)
+        for i, src in enumerate((ins.q_src, ins.do_src)):
+            load_transposed_into(qdoT_sb[:dc, ch, i, :rows], src, ins.natural, b, h, q0, rows, d0, dc)
+    rows_sb = phase0_rows()
+    if rows_sb is not None:
+        return qdoT_sb, rows_sb[:, 0:2, :, :]
+    qdo_sb = nl.ndarray((pmax, 2, per, head_dim), dtype=ins.qdo_rows.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=qdo_sb, src=ins.qdo_rows[b, h, gid])
     return qdoT_sb, qdo_sb
 
@@ -280,12 +311,21 @@ def _group_flags(group, gid, k0, plans, num_q_tiles, last_rows):
     return slots, first, last, partial
 
 
-def _load_group(ins, b, h, gid, flags, cfg):
-    """Q^T, dO^T, Q, dO and the dQ accumulator (tiles visited before) of one query group."""
+def _load_group(ins, b, h, gid, flags, cfg, phase0_rows):
+    """Q^T, dO^T, Q, dO and the dQ accumulator (tiles visited before) of one query group.
+    ``phase0_rows()`` issues the group's phase-0 rows (Q, dO, O; once per pass) after the
+    transposes and returns them, or None once its statistics are done: Q and dO rows are then
+    views of that tile instead of a DMA of their own."""
     pmax = nl.tile_size.pmax
     per = _group_tiles()
     slots, first, _, partial = flags
-    qdoT_sb, qdo_sb = _load_q_group(ins, b, h, gid, cfg.head_dim)
+    if ins.q_cache is not None and (h, gid) in ins.q_cache:
+        qdoT_sb, qdo_sb = ins.q_cache[(h, gid)]
+        phase0_rows()
+    else:
+        qdoT_sb, qdo_sb = _load_q_group(ins, b, h, gid, cfg.head_dim, phase0_rows)
+        if ins.q_cache is not None:
+            ins.q_cache[(h, gid)] = (qdoT_sb, qdo_sb)
     if ins.dq_res is not None:
         dq_grp = ins.dq_res[:, h % ins.dq_res.shape[1], gid * per:(gid + 1) * per, :]
     else:
@@ -322,6 +362,19 @@ def dq_resident(group, seqlen_q, head_dim):
     return group * rows * head_dim * 4 <= nl.tile_size.sbuf_fmax_bytes // 2
 
 
+def q_cached(group, seqlen_q, head_dim, itemsize):
+    """Whether a kv head's query groups stay in SBUF once loaded (Q^T, dO^T, Q and dO rows of every
+    query head of the GQA group, reused by every later key tile instead of one reload per visit):
+    when they and the resident dQ accumulators (:func:`dq_resident`) take at most half of a
+    partition's SBUF (Sq <= 8192 at G = 1, D = 128, bf16)."""
+    pmax, per = nl.tile_size.pmax, _group_tiles()
+    num_groups = ceil_div(seqlen_q, per * pmax)
+    chunks = len(tiles.head_dim_chunks(head_dim))
+    group_bytes = (chunks * 2 * per * pmax + 2 * per * head_dim) * itemsize
+    dq_bytes = per * head_dim * 4 if dq_resident(group, seqlen_q, head_dim) else 0
+    return group * num_groups * (group_bytes + dq_bytes) <= nl.tile_size.sbuf_fmax_bytes // 2
+
+
 # Software pipeline: the stage of pair j issued at step j + lag. Per step, the program order below
 # puts each engine's work whose inputs were produced in earlier steps first, so no in-order engine
 # queue waits behind a result of the same step. Each PSUM tile is consumed one step after it is made
@@ -341,14 +394,16 @@ PIPELINE_LAG = max(lag for lag, _ in STAGES)
 STATS_AHEAD = 1   # query groups whose phase-0 rows (O, dO) are in flight before their statistics are due
 
 
-def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
-    """Everything of kv head hk: every (query head of the GQA group, key tile, query tile) pair in
+def _kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
+    """Everything of kv head hk for its query heads ``hk * group + g`` (g in ``gs``: the whole GQA
+    group, or this program's share of it under an LNC2 head split): every (query head, key tile,
+    query tile) pair in
     one software pipeline (:data:`STAGES`), key tile by key tile, so it never drains between key
     tiles or query heads. Loads run one unit ahead (the next key tile's K/V when a key tile's
     first pair is scored, the next query group's rows when a group's first pair is scored);
     a group finishes (dq out / accumulators back) after its last pair's accumulate stage, a key
     tile's dK/dV leave after its last pair's dK stage."""
-    k_rows, k_t, v_t, dk, dv = kvs
+    k_rows, k_src, v_src, dk, dv = kvs
     q_tiles = tiles.query_tiles(ins.seqlen_q)
     units = []   # (key tile, query head, group id, visits of the group, flags)
     order = []   # (unit, index in the unit)
@@ -360,7 +415,7 @@ def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
             _store_kv_grads(dk, dv, b, hk, kv, cfg)
             continue
         ktiles.append(kv)
-        for g in range(group):
+        for g in gs:
             for gid, grp in _q_groups(visits):
                 flags = _group_flags(grp, gid, k0, plans, len(q_tiles), q_tiles[-1][1])
                 units.append((kv, g, gid, grp, flags))
@@ -372,18 +427,22 @@ def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
     def ensure(n):
         if n < len(units) and loaded[n] is None:
             kv, g, gid, _, flags = units[n]
-            flash_attention_bwd_prep.prefetch_group(prep, hstats[g], gid)
-            loaded[n] = _load_group(ins, b, hk * group + g, gid, flags, cfg)
+            loaded[n] = _load_group(ins, b, hk * group + g, gid, flags, cfg,
+                                    partial(flash_attention_bwd_prep.prefetch_group, prep, hstats[g], gid))
             for m in range(n + 1, min(n + STATS_AHEAD + 1, len(units))):   # O/dO rows a few groups ahead
                 flash_attention_bwd_prep.prefetch_group(prep, hstats[units[m][1]], units[m][2])
             flash_attention_bwd_prep.group_stats(prep, hstats[g], gid)
 
     def ensure_kv(m):
+        if m < len(ktiles) and ktiles[m].kT_sb is None:
+            _load_kv(ktiles[m], k_src, v_src, ins.natural, b, hk, cfg.head_dim)
+
+    def ensure_rows(m):
         if m < len(ktiles) and ktiles[m].k_sb is None:
-            _load_kv(ktiles[m], k_rows, k_t, v_t, b, hk, cfg.head_dim)
+            _load_k_rows(ktiles[m], k_rows, b, hk, cfg.head_dim)
 
     ensure_kv(0)
-    hstats = [flash_attention_bwd_prep.head_start(prep, b, hk * group + g) for g in range(group)]
+    hstats = {g: flash_attention_bwd_prep.head_start(prep, b, hk * group + g) for g in gs}
     for step in range(len(order) + PIPELINE_LAG):
         for lag, stage in STAGES:
             j = step - lag
@@ -396,8 +455,10 @@ def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
                 m = ktiles.index(kv)
                 ensure_kv(m)
                 ensure(n)
+                ensure_rows(m)
                 ensure(n + 1)
                 ensure_kv(m + 1)
+                ensure_rows(m + 1)
                 t, tile_masked = grp[i]
                 pairs[j] = Pair(loaded[n], flags[0][i], t, q_tiles[t][1], tile_masked, flags[1][i])
                 scores_stage(pairs[j], kv, k0, _seen_width(pairs[j], kv, cfg), cfg)
@@ -426,7 +487,7 @@ def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
                 if i == len(grp) - 1:
                     _finish_group(ins, loaded[n], b, hk * group + g, gid, flags, q_tiles, cfg)
                     loaded[n] = None
-    for hs in hstats:
+    for hs in hstats.values():
         flash_attention_bwd_prep.head_finish(prep, hs)
 
 
@@ -451,52 +512,74 @@ def _visits(plans, k0):
     return tuple((t, masked) for t, plan in enumerate(plans) for pk0, _, masked in plan if pk0 == k0)
 
 
-def program_units(batch, num_kv_heads, num_progs, pid):
-    """The (batch, kv head) units program ``pid`` of ``num_progs`` serves (LNC2: one program per
-    NeuronCore): every ``num_progs``-th unit of the batch-major order, so the cores share batch
-    and heads alike (with one kv head and B = 2 each core takes one batch; with an even number of
-    kv heads a kv head's units all land on one program)."""
+def head_split(batch, num_kv_heads, group, num_progs):
+    """Whether the programs split every kv head's query heads (LNC2 with an odd number of
+    (batch, kv head) units and a GQA group the programs divide): no core idles, each writes fp32
+    partial dK/dV that the launcher adds."""
+    return num_progs > 1 and (batch * num_kv_heads) % num_progs != 0 and group % num_progs == 0
+
+
+def program_units(batch, num_kv_heads, group, num_progs, pid):
+    """The units ``(b, hk, gs)`` program ``pid`` of ``num_progs`` serves (LNC2: one program per
+    NeuronCore), ``gs`` the query heads ``hk * group + g`` it takes of kv head hk. Whole kv heads:
+    every ``num_progs``-th (batch, kv head) of the batch-major order, so the cores share batch and
+    heads alike (with one kv head and B = 2 each core takes one batch; with an even number of kv
+    heads a kv head's units all land on one program). Under :func:`head_split` every program
+    takes its share of every kv head's query heads."""
     units = [(b, hk) for b in range(batch) for hk in range(num_kv_heads)]
-    return units[pid::num_progs]
+    if head_split(batch, num_kv_heads, group, num_progs):
+        share = group // num_progs
+        return [(b, hk, tuple(range(pid * share, (pid + 1) * share))) for b, hk in units]
+    return [(b, hk, tuple(range(group))) for b, hk in units[pid::num_progs]]
 
 
-def dsinks_writers(batch, num_kv_heads, num_progs):
+def dsinks_writers(batch, num_kv_heads, group, num_progs):
     """Rows of the kernel's dsinks output: 1 when each query head's units all run on one program
     (it owns dsinks[h]), else one row of partial sums per program (the launcher adds them)."""
-    return 1 if num_kv_heads % num_progs == 0 or batch == 1 else num_progs
+    whole = num_kv_heads % num_progs == 0 or batch == 1 or head_split(batch, num_kv_heads, group, num_progs)
+    return 1 if whole else num_progs
 
 
 @nki.jit
-def flash_attention_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t, lse, sinks, doc, causal, scale, window_left,
-                     window_right, softcap):
+def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k_rows, k_src, v_src, lse, sinks, doc, causal, scale,
+                               window_left, window_right, softcap, natural):
     """Returns ``(dq, dk, dv, dsinks)`` (dq, dk, dv in row-group layout); see the module docstring."""
     batch, num_heads, seqlen_q = lse.shape
-    num_kv_heads, head_dim, seqlen_k = k_t.shape[1], k_t.shape[2], k_t.shape[3]
+    num_kv_heads, head_dim = k_rows.shape[1], k_rows.shape[5]
+    seqlen_k = k_src.shape[2] if natural else k_src.shape[3]
+    qdo_rows = q_rows[:, :, :, :, 0:2]    # Q, dO (reloads of a group after its phase 0)
     group = num_heads // num_kv_heads
     pmax = nl.tile_size.pmax
     per = _group_tiles()
     mask = tiles.MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right, doc is not None)
     cfg = Config(mask, scale, softcap, head_dim, flash_attention_bwd_prep.num_stats(mask.has_docs))
     q_tiles = tiles.query_tiles(seqlen_q)
-    num_groups = qdo_rows.shape[2]
+    num_groups = q_rows.shape[2]
 
     # LNC2: the programs share the (batch, kv head) units (see program_units); each unit owns its
     # GQA group's dq/dk/dv rows, so every output row has one writer
     num_progs = nl.num_programs(0) if nl.program_ndim() > 0 else 1
     pid = nl.program_id(0) if num_progs > 1 else 0
-    units = program_units(batch, num_kv_heads, num_progs, pid)
-    writers = dsinks_writers(batch, num_kv_heads, num_progs) if sinks is not None else 1
+    units = program_units(batch, num_kv_heads, group, num_progs, pid)
+    writers = dsinks_writers(batch, num_kv_heads, group, num_progs) if sinks is not None else 1
+    split = head_split(batch, num_kv_heads, group, num_progs)
 
-    dq = nl.ndarray(qdo_rows.shape[:5] + (head_dim,), dtype=qdo_rows.dtype, buffer=nl.shared_hbm)
-    dk = nl.ndarray(k_rows.shape, dtype=k_rows.dtype, buffer=nl.shared_hbm)
-    dv = nl.ndarray(k_rows.shape, dtype=v_t.dtype, buffer=nl.shared_hbm)
+    dq = nl.ndarray(q_rows.shape[:4] + (per, head_dim), dtype=q_rows.dtype, buffer=nl.shared_hbm)
+    if split:   # one fp32 partial dK/dV per program, added by the launcher
+        dk = nl.ndarray((num_progs,) + k_rows.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        dv = nl.ndarray((num_progs,) + k_rows.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        dk_out, dv_out = dk[pid], dv[pid]
+    else:
+        dk = dk_out = nl.ndarray(k_rows.shape, dtype=k_rows.dtype, buffer=nl.shared_hbm)
+        dv = dv_out = nl.ndarray(k_rows.shape, dtype=v_src.dtype, buffer=nl.shared_hbm)
     dsinks = nl.ndarray((writers, num_heads), dtype=nl.float32, buffer=nl.shared_hbm)
     resident = dq_resident(group, seqlen_q, head_dim)
+    keep_q = q_cached(group, seqlen_q, head_dim, 4 if q_rows.dtype == nl.float32 else 2)
     dq_acc = None if resident else nl.ndarray(dq.shape, dtype=nl.float32, buffer=nl.private_hbm)
-    ins = Streams(qdo_rows, qdo_t, dq, dq_acc, seqlen_q)
+    ins = Streams(qdo_rows, q_src, do_src, natural, dq, dq_acc, seqlen_q)
 
-    heads = sorted({hk * group + g for _, hk in units for g in range(group)})
-    prep = flash_attention_bwd_prep.Prep(od_rows, dlse, lse, sinks, doc, mask, cfg.num_stats)
+    heads = sorted({hk * group + g for _, hk, gs in units for g in gs})
+    prep = flash_attention_bwd_prep.Prep(q_rows, dlse, lse, sinks, doc, mask, cfg.num_stats)
     row = pid if writers > 1 else 0
     # without sinks program 0 zero-fills dsinks; with per-program partial rows each program
     # zero-fills its own row first (heads it serves no unit of keep 0)
@@ -504,12 +587,13 @@ def flash_attention_bwd_kernel(qdo_rows, qdo_t, od_rows, dlse, k_rows, k_t, v_t,
     flash_attention_bwd_prep.start(prep, dsinks[row], heads, zero_dsinks=zero_row)
 
     plans = [tiles.plan_row(mask, q0, qn) for q0, qn in q_tiles]
-    for b, hk in units:
+    for b, hk, gs in units:
         if resident:
             ins.dq_res = nl.ndarray((pmax, group, num_groups * per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
-        _kv_pass(ins, (k_rows, k_t, v_t, dk, dv), prep, b, hk, group, plans, cfg)
-        ins.dq_res = None
-        for h in range(hk * group, (hk + 1) * group):
+        ins.q_cache = {} if keep_q else None
+        _kv_pass(ins, (k_rows, k_src, v_src, dk_out, dv_out), prep, b, hk, group, gs, plans, cfg)
+        ins.dq_res = ins.q_cache = None
+        for h in (hk * group + g for g in gs):
             for t, (q0, qn) in enumerate(q_tiles):
                 if not plans[t]:
                     zeros_sb = nl.ndarray((pmax, head_dim), dtype=dq.dtype, buffer=nl.sbuf)
@@ -536,24 +620,26 @@ def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, key_bounds,
         raise Unsupported("scale <= 0 with per-row key bounds (cu_seqlens, attn_mask): masked scores "
                           "would not vanish under exp")
     grid = lnc_degree()
-    pair = lambda x, y: torch.stack([row_groups(x), row_groups(y)], dim=5)  # noqa: E731
-    qdo_t = torch.stack([col_groups(q.transpose(2, 3)), col_groups(dout.transpose(2, 3))], dim=4)
-    k_t, v_t = (x.transpose(2, 3).contiguous() for x in (k, v))
+    natural = on_chip(q)   # Q^T, dO^T, K^T, V^T by DMA transposes of the natural rows, else host transposes
+    srcs = [as_kernel_layout(x, natural) for x in (q, dout, k, v)]
     return KernelLaunch(
         flash_attention_bwd_kernel,
-        (pair(q, dout), qdo_t, pair(out, dout), dlse.contiguous(), row_groups(k), k_t, v_t, lse.contiguous(),
-         None if sinks is None else sinks.contiguous(),
+        (query_rows(q, dout, out), srcs[0], srcs[1], dlse.contiguous(), row_groups(k), srcs[2], srcs[3],
+         lse.contiguous(), None if sinks is None else sinks.contiguous(),
          None if key_bounds is None else tiles.bounds_layout(key_bounds)),
         dict(causal=bool(causal), scale=float(scale), window_left=int(window_left), window_right=int(window_right),
-             softcap=float(softcap)),
-        grid=grid, unpack=partial(_unpack_grads, q.shape[2], k.shape[2]))
+             softcap=float(softcap), natural=natural),
+        grid=grid, unpack=partial(_unpack_grads, q.shape[2], k.shape[2], k.dtype))
 
 
-def _unpack_grads(seqlen_q, seqlen_k, grads):
-    """The kernel's ``(dq, dk, dv, dsinks)`` in row groups -> the op's ``(B, H, S, D)`` gradients."""
+def _unpack_grads(seqlen_q, seqlen_k, kv_dtype, grads):
+    """The kernel's ``(dq, dk, dv, dsinks)`` in row groups -> the op's ``(B, H, S, D)`` gradients;
+    per-program partial dK/dV (LNC2 head split, fp32) and dsinks rows are added here."""
     dq, dk, dv, dsinks = grads
-    dsinks = dsinks[0] if dsinks.shape[0] == 1 else dsinks.sum(dim=0)   # per-program partial rows (LNC2)
-    return from_row_groups(dq, seqlen_q), from_row_groups(dk, seqlen_k), from_row_groups(dv, seqlen_k), dsinks
+    dsinks = dsinks[0] if dsinks.shape[0] == 1 else dsinks.sum(dim=0)
+    kv = [from_row_groups(x.sum(dim=0), seqlen_k, kv_dtype) if x.dim() == dq.dim() + 1
+          else from_row_groups(x, seqlen_k) for x in (dk, dv)]
+    return from_row_groups(dq, seqlen_q), kv[0], kv[1], dsinks
 
 
 def _padded(x, dim):
@@ -567,22 +653,30 @@ def _padded(x, dim):
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
-def row_groups(x):
-    """Layout glue: ``(B, H, S, D)`` -> ``(B, H, NG, pmax, per, D)`` with
-    ``[.., g, p, s, :] = x[.., (g * per + s) * pmax + p, :]`` (zero rows past S), so one DMA moves a
-    group of ``per`` row tiles with one contiguous run per partition."""
+def _row_group_view(x):
+    """``(B, H, S, D)`` -> ``(B, H, NG, pmax, per, D)`` with ``[.., g, p, s, :] = x[.., (g * per + s)
+    * pmax + p, :]`` (zero rows past S): a view of x when S is a multiple of the group rows."""
     per, pmax = _group_tiles(), nl.tile_size.pmax
     b, h, _, d = x.shape
-    return _padded(x, 2).reshape(b, h, -1, per, pmax, d).transpose(3, 4).contiguous()
+    return _padded(x, 2).reshape(b, h, -1, per, pmax, d).transpose(3, 4)
 
 
-def col_groups(xt):
-    """Layout glue: ``(B, H, D, S)`` -> ``(B, H, NG, D, per * pmax)`` (zero columns past S)."""
-    b, h, d, _ = xt.shape
-    return _padded(xt, 3).reshape(b, h, d, -1, _group_tiles() * nl.tile_size.pmax).transpose(2, 3)
+def row_groups(x):
+    """Layout glue: :func:`_row_group_view` as one contiguous copy, so one DMA moves a group of
+    ``per`` row tiles with one contiguous run per partition."""
+    return _row_group_view(x).contiguous()
 
 
-def from_row_groups(y, s):
-    """Inverse of :func:`row_groups` (drops the padding rows)."""
+def query_rows(q, dout, out):
+    """Layout glue: Q, dO and O rows in one ``(B, Hq, NG, pmax, 3, per, D)`` tensor (one host op):
+    ``[.., g, p, i, s, :]`` = row ``(g * per + s) * pmax + p`` of (Q, dO, O)[i], so the kernel moves
+    a group's Q and dO rows (``[.., 0:2, :, :]``) or its dO and O rows (``[.., 1:3, :, :]``) with one
+    2 KiB contiguous run per partition."""
+    return torch.stack([_row_group_view(x) for x in (q, dout, out)], dim=4)
+
+
+def from_row_groups(y, s, dtype=None):
+    """Inverse of :func:`row_groups` (drops the padding rows), cast to ``dtype`` in the same copy."""
     b, h, ng, pmax, per, d = y.shape
-    return y.transpose(3, 4).reshape(b, h, ng * per * pmax, d)[:, :, :s].contiguous()
+    rows = y.transpose(3, 4).to(dtype or y.dtype, memory_format=torch.contiguous_format)
+    return rows.reshape(b, h, ng * per * pmax, d)[:, :, :s].contiguous()

@@ -29,7 +29,8 @@ zero-filled lse/dlse columns). The statistics never leave SBUF.
 Output (SBUF, per (b, h)): stats (pmax, NT, NSTAT) fp32: [p, t, s] = statistic s of row
 t * pmax + p.
 
-Shapes: od_rows (B, Hq, NG, pmax, per, 2, D) (O and dO, ``flash_attention_bwd.row_groups``); lse, dlse (B, Hq, Sq)
+Shapes: od_rows (B, Hq, NG, pmax, 3, per, D) (Q, dO and O rows, ``flash_attention_bwd.query_rows``; phase 0
+reads dO and O, the main loop takes Q and dO from the same tile); lse, dlse (B, Hq, Sq)
 fp32; sinks (Hq,) fp32; doc (B, pmax, NT, 2) fp32 per-row key bounds [lo, hi]
 (``tiles.bounds_layout``) or None.
 Dimension legend: B batch, Hq query heads, Sq query length, D head dim, NT = ceil(Sq / pmax),
@@ -61,12 +62,12 @@ def _group_neg_delta(prep, hs, gid):
     rows (one DMA, prefetched), then three VectorE ops (product, row sums, subtract) -- one
     engine, so no other engine's in-order queue waits on this chain inside the pipeline."""
     pmax = nl.tile_size.pmax
-    per, head_dim = prep.od_rows.shape[4], prep.od_rows.shape[6]
+    per, head_dim = prep.od_rows.shape[5], prep.od_rows.shape[6]
     t0, t1 = gid * per, min(hs.stats_sb.shape[1], (gid + 1) * per)
     prefetch_group(prep, hs, gid)
     od_grp = hs.od.pop(gid)
     prod_sb = nl.ndarray((pmax, per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=prod_sb, data1=od_grp[:, :, 1, :], data2=od_grp[:, :, 0, :], op=nl.multiply)
+    nisa.tensor_tensor(dst=prod_sb, data1=od_grp[:, 2, :, :], data2=od_grp[:, 1, :, :], op=nl.multiply)
     rowsum_sb = nl.ndarray((pmax, per), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=rowsum_sb, op=nl.add, data=prod_sb, axis=2)
     nisa.tensor_tensor(dst=hs.stats_sb[:, t0:t1, NEG_DELTA], data1=hs.dlse_cols[:, t0:t1],
@@ -200,18 +201,23 @@ def head_start(prep, b, h):
 
 
 def prefetch_group(prep, hs, gid):
-    """Issue the DMA of query group ``gid``'s O and dO rows (once), ahead of :func:`group_stats`."""
-    if gid in hs.done or gid in hs.od:
-        return
-    per, head_dim = prep.od_rows.shape[4], prep.od_rows.shape[6]
-    od_grp = nl.ndarray((nl.tile_size.pmax, per, 2, head_dim), dtype=prep.od_rows.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=od_grp, src=prep.od_rows[hs.b, hs.h, gid])
-    hs.od[gid] = od_grp
+    """Issue the DMA of query group ``gid``'s Q, dO and O rows (once), ahead of
+    :func:`group_stats`; returns the rows tile ``(pmax, 3, per, D)`` while the group's statistics
+    are pending (the main loop takes its Q and dO rows from it), else None."""
+    if gid in hs.done:
+        return None
+    if gid not in hs.od:
+        per, head_dim = prep.od_rows.shape[5], prep.od_rows.shape[6]
+        rows_sb = nl.ndarray((nl.tile_size.pmax, 3, per, head_dim), dtype=prep.od_rows.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows_sb, src=prep.od_rows[hs.b, hs.h, gid])
+        hs.od[gid] = rows_sb
+    return hs.od[gid]
 
 
 def group_stats(prep, hs, gid):
-    """The per-row statistics of query group ``gid`` of ``hs`` (once): -delta. The main loop calls it when it loads the group's rows, so
-    phase 0 runs interleaved with the pass, ahead of the pairs that need it."""
+    """The per-row statistics of query group ``gid`` of ``hs`` (once): -delta. The main loop calls
+    it when it loads the group's rows, so phase 0 runs interleaved with the pass, ahead of the
+    pairs that need it."""
     if gid in hs.done:
         return
     _group_neg_delta(prep, hs, gid)

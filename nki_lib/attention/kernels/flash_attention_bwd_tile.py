@@ -192,7 +192,7 @@ def dv_stage(pair, kv, k0, kn, cfg):
     for c in seen_blocks(cfg, pair.t, qn, k0, kn):
         s0, sn = blocks[c]
         nisa.nc_matmul(dst=dv_psum[:sn, c, :d], stationary=p_sb[:qn, s0:s0 + sn],
-                       moving=qdo_sb[:qn, pair.slot, 1, :], accumulate=dv_started[c])
+                       moving=qdo_sb[:qn, 1, pair.slot, :], accumulate=dv_started[c])
         dv_started[c] = True
 
 
@@ -208,7 +208,7 @@ def dk_stage(pair, kv, k0, kn, cfg):
     for c in seen_blocks(cfg, pair.t, qn, k0, kn):
         s0, sn = blocks[c]
         nisa.nc_matmul(dst=dk_psum[:sn, c, :d], stationary=ds_sb[:qn, s0:s0 + sn],
-                       moving=qdo_sb[:qn, pair.slot, 0, :], accumulate=dk_started[c])
+                       moving=qdo_sb[:qn, 0, pair.slot, :], accumulate=dk_started[c])
         dk_started[c] = True
         nisa.nc_transpose(dst=dsT_psum[:sn, c, :qn], data=ds_sb[:qn, s0:s0 + sn], engine=nisa.engine.tensor)
     pair.tiles["dsT_psum"] = dsT_psum

@@ -61,18 +61,21 @@ update. Every tile is a fresh allocation, so loads of later steps overlap comput
 ``LSE_BATCH`` (one ScalarE log per batch, a TensorE transpose so each row is stored
 contiguously).
 
-DMA layouts: q^T/k^T tiles read contiguous rows of the launcher's (D, S) layouts (q^T one DMA
-per head for QUERY_SECTION_TILES consecutive query tiles, K^T one DMA per aligned span); V is
+DMA layouts: q^T/k^T tiles (q^T one DMA per head and chunk for QUERY_SECTION_TILES consecutive
+query tiles, K^T one per aligned span) are DMA transposes of natural rows or contiguous rows of
+the launcher's (D, S) layouts (``flash_attention_transposed_loads``); V is
 read "interleaved" in runs of up to 8 blocks (4 in fp32; partition p of block g0 + i holds key
 ``128 g0 + c p + i``) so every partition reads one contiguous run of ``c * D`` elements per run,
 and the transposes read the matching columns of P with a stride of at most 16 B; cached V uses
 natural 128-key blocks where a section covers only part of an aligned run (the causal
 diagonal), see ``flash_attention_fwd_values``.
 
-Shapes (HBM, prepared by the launcher; transposes are layout glue): q_t (B, Hq, D, Sq),
-k_t (B, Hkv, D, Sk), v (B, Hkv, Sk, D), sinks (Hq,) float32, doc (B, pmax, NT, 2) float32 per-row key
-bounds [lo, hi] (``nki_lib.attention.key_bounds``: documents, key padding, with the causal/window
-rules intersected; ``tiles.bounds_layout``, NT query tiles) or None. Outputs: out (B, Hq, Sq, D) in q's
+Shapes (HBM): q (B, Hq, Sq, D), k (B, Hkv, Sk, D) in natural layout (``natural``: 2-byte
+dtypes, D <= 128; q^T/k^T tiles by DMA transposes, ``flash_attention_transposed_loads``), else their transposes
+(B, Hq, D, Sq), (B, Hkv, D, Sk) from the launcher (layout glue); v (B, Hkv, Sk, D), sinks (Hq,)
+float32, doc (B, pmax, NT, 2) float32 per-row key bounds [lo, hi] (``nki_lib.attention.key_bounds``:
+documents, key padding, with the causal/window rules intersected; ``tiles.bounds_layout``, NT query
+tiles) or None. Outputs: out (B, Hq, Sq, D) in q's
 dtype, lse (B, Hq, Sq) float32.
 Dimension legend: B batch, Hq/Hkv query/kv heads, G = Hq / Hkv, Sq/Sk lengths, D head dim,
 dc head-dim chunk (<= 128), qn query rows of a tile (<= 128), kn keys of a tile (<= 512),
@@ -120,6 +123,7 @@ from nki_lib.attention.kernels.flash_attention_fwd_plan import (
 from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, new_lse_batch
 from nki_lib.attention.kernels.flash_attention_fwd_step import PT_DVE_SHARE, PT_DVE_SHARE_SOFTCAP
 from nki_lib.attention.kernels.flash_attention_fwd_values import ValueCache, cache_bytes
+from nki_lib.attention.kernels.flash_attention_transposed_loads import as_kernel_layout, on_chip
 from nki_lib.attention.kernels.tiles import (
     MAX_INDEX,
     STAT_INIT,
@@ -159,23 +163,24 @@ KEY_SECTION_BYTES = 4096  # a step covers consecutive visible key tiles whose K^
 
 
 @nki.jit
-def flash_attention_fwd_kernel(q_t, k_t, v, sinks, doc, has_sinks, has_docs, causal, scale, window_left,
-                     window_right, softcap):
+def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal, scale, window_left,
+                     window_right, softcap, natural):
     """(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32); see the module docstring."""
-    n_batch, n_q_heads, d, sq = q_t.shape
-    n_kv_heads, sk = k_t.shape[1], k_t.shape[3]
-    out = nl.ndarray((n_batch, n_q_heads, sq, d), dtype=q_t.dtype, buffer=nl.shared_hbm)
+    n_batch, n_q_heads = q.shape[0], q.shape[1]
+    sq, d = (q.shape[2], q.shape[3]) if natural else (q.shape[3], q.shape[2])
+    n_kv_heads, sk = k.shape[1], v.shape[2]
+    out = nl.ndarray((n_batch, n_q_heads, sq, d), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((n_batch, n_q_heads, sq), dtype=nl.float32, buffer=nl.shared_hbm)
     mask = MaskSpec(sq=sq, sk=sk, causal=causal, window_left=window_left,
                     window_right=window_right, has_docs=has_docs)
     chunks = head_dim_chunks(d)
-    q_bytes = FP32_BYTES if q_t.dtype == nl.float32 else HALF_BYTES
+    q_bytes = FP32_BYTES if q.dtype == nl.float32 else HALF_BYTES
     state_bytes = (len(chunks) * QUERY_SECTION_TILES * nl.tile_size.pmax * q_bytes
                    + (d + 2) * FP32_BYTES)
     group = n_q_heads // n_kv_heads
     n_pass = heads_per_pass(group, state_bytes,
                             nl.tile_size.total_available_sbuf_size // STATE_SBUF_SHARE)
-    ctx = Ctx(q_t=q_t, k_t=k_t, v=v, sinks=sinks, has_sinks=has_sinks, d=d, chunks=chunks,
+    ctx = Ctx(q=q, k=k, natural=natural, v=v, sinks=sinks, has_sinks=has_sinks, d=d, chunks=chunks,
               mask=mask, key_rows=KeyRows(doc) if has_docs else None)
     section_keys = max(key_tile_width(), KEY_SECTION_BYTES // q_bytes)
     n_spans = ceil_div(sk, section_keys)
@@ -247,11 +252,11 @@ def launch_flash_attention_fwd(q, k, v, sinks, key_bounds, *, causal, scale, win
     sq, sk = q.shape[2], k.shape[2]
     if sq + sk >= MAX_INDEX:
         raise Unsupported(f"Sq + Sk = {sq + sk} >= 2**24 (key indices are float32 in the kernel)")
-    q_t = q.transpose(2, 3).contiguous()
-    k_t = k.transpose(2, 3).contiguous()
+    natural = on_chip(q)   # q^T / k^T by DMA transposes of the natural rows, else host transposes
     sinks_c = None if sinks is None else sinks.contiguous()
     return KernelLaunch(flash_attention_fwd_kernel,
-                        (q_t, k_t, v.contiguous(), sinks_c, None if key_bounds is None else bounds_layout(key_bounds),
-                         sinks is not None, key_bounds is not None,
-                         bool(causal), float(scale), int(window_left), int(window_right), float(softcap)),
+                        (as_kernel_layout(q, natural), as_kernel_layout(k, natural), v.contiguous(), sinks_c,
+                         None if key_bounds is None else bounds_layout(key_bounds), sinks is not None,
+                         key_bounds is not None, bool(causal), float(scale), int(window_left),
+                         int(window_right), float(softcap), natural),
                         grid=lnc_degree())

@@ -11,14 +11,13 @@ from nki_lib.attention.kernels.flash_attention_fwd_plan import section_span
 from nki_lib.attention.kernels.flash_attention_fwd_state import add_lse, init_state, store_out
 from nki_lib.attention.kernels.flash_attention_fwd_step import (
     evict_pt,
-    load_k_section,
-    load_q,
     p_times_v,
     section_scores,
     softmax_step,
     transpose_p,
 )
 from nki_lib.attention.kernels.flash_attention_fwd_values import cached_v, load_v
+from nki_lib.attention.kernels.flash_attention_transposed_loads import load_transposed
 from nki_lib.attention.kernels.tiles import row_bounds
 
 __all__ = ["load_k", "section_k", "load_v_of", "stage_scores", "stage_softmax", "stage_transpose",
@@ -35,7 +34,7 @@ def load_k(ctx, groups, steps, s):
     if grp.states is None:
         sec = grp.q_sec
         if sec.tiles is None:
-            sec.tiles = [load_q(ctx.q_t, grp.b, h, sec.q0, sec.length, ctx.chunks)
+            sec.tiles = [load_transposed(ctx.q, ctx.natural, grp.b, h, sec.q0, sec.length, ctx.chunks)
                          for h in grp.heads]
         off = grp.q0 - sec.q0
         grp.q_tiles = [[q_sb[:, off:off + grp.qn] for q_sb in head_tiles]
@@ -59,7 +58,7 @@ def section_k(ctx, grp, s0, slen):
     chunk, and every query tile and head of that kv head slices it; the cache is dropped when
     the kv head changes. Without it, each group loads its own sections."""
     if ctx.k_cache is None:
-        return load_k_section(ctx.k_t, grp.b, grp.hk, s0, slen, ctx.chunks)
+        return load_transposed(ctx.k, ctx.natural, grp.b, grp.hk, s0, slen, ctx.chunks)
     if ctx.k_owner != (grp.b, grp.hk):
         ctx.k_cache = [None] * len(ctx.k_cache)
         ctx.k_owner = (grp.b, grp.hk)
@@ -67,7 +66,7 @@ def section_k(ctx, grp, s0, slen):
     a0 = a * ctx.section_keys
     if ctx.k_cache[a] is None:
         span = min(ctx.mask.sk, a0 + ctx.section_keys) - a0
-        ctx.k_cache[a] = load_k_section(ctx.k_t, grp.b, grp.hk, a0, span, ctx.chunks)
+        ctx.k_cache[a] = load_transposed(ctx.k, ctx.natural, grp.b, grp.hk, a0, span, ctx.chunks)
     return [k_sb[:, s0 - a0:s0 - a0 + slen] for k_sb in ctx.k_cache[a]]
 
 

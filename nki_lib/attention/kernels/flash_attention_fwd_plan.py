@@ -17,8 +17,9 @@ QUERY_SECTION_TILES = 4  # q^T of this many consecutive query tiles is loaded by
 
 class Ctx(nl.NKIObject):
     """Kernel-wide inputs, outputs and compile-time flags, passed to the step helpers."""
-    q_t: object            # (B, Hq, D, Sq) HBM, q transposed
-    k_t: object            # (B, Hkv, D, Sk) HBM, k transposed
+    q: object              # q (B, Hq, Sq, D) HBM, or its transpose (B, Hq, D, Sq) (not natural)
+    k: object              # k (B, Hkv, Sk, D) HBM, or its transpose (B, Hkv, D, Sk)
+    natural: bool          # q, k in natural layout, transposed on chip (flash_attention_transposed_loads)
     v: object              # (B, Hkv, Sk, D) HBM
     sinks: object          # (Hq,) fp32 HBM or None
     has_sinks: bool

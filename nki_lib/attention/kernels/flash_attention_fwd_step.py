@@ -1,9 +1,10 @@
-"""Per-step tile work of the flash-attention forward kernel (``flash_attention_fwd.py``): loads, scores, softmax,
+"""Per-step tile work of the flash-attention forward kernel (``flash_attention_fwd.py``): scores, softmax,
 P transposes and P @ V of one step (group, key section, query head). Each function emits the
 NKI instructions of one stage; :mod:`fwd_pipeline` orders them across steps.
 
 Shapes: q^T tiles (dc, qn), K^T section tiles (dc, slen), V of a section as per-block pairs
-(``flash_attention_fwd_values``: (bn, D) tile and P's matching columns), scores S (qn, slen) fp32, P (qn, slen) in the V dtype, P^T PSUM tiles
+(``flash_attention_fwd_values``: (bn, D) tile and P's matching columns), scores S (qn, slen)
+fp32, P (qn, slen) in the V dtype, P^T PSUM tiles
 (128, blocks per bank, qn), O (qn, D) fp32 PSUM.
 Dimension legend: dc head-dim chunk (<= 128), qn query rows (<= 128), kn keys of a score tile
 (<= 512), slen keys of a section, s0 its first key, D head dim.
@@ -16,8 +17,7 @@ from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.tiles import key_blocks, mask_scores
 from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 
-__all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "load_q",
-           "load_k_section", "section_scores", "softmax_step", "transpose_p", "evict_pt",
+__all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "section_scores", "softmax_step", "transpose_p", "evict_pt",
            "p_times_v"]
 
 PT_DVE_SHARE = 0.4    # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
@@ -27,26 +27,6 @@ PT_DVE_SHARE = 0.4    # share of a section's P^T blocks evicted by VectorE, the 
                       # (masked tiles add a ScalarE evict, so causal runs favour more)
 PT_DVE_SHARE_SOFTCAP = 1.0  # softcap adds a tanh pass (1.7 us per section) on ScalarE, which then
                             # stays the busier engine with every P^T block on VectorE
-
-
-def load_q(q_t, b, h, q0, qn, chunks):
-    """q^T tiles (dc, qn) of head h for the queries [q0, q0 + qn), one per head-dim chunk."""
-    q_tiles = []
-    for c0, dc in chunks:
-        q_sb = nl.ndarray((dc, qn), dtype=q_t.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=q_sb, src=q_t[b, h, c0:c0 + dc, q0:q0 + qn])
-        q_tiles.append(q_sb)
-    return q_tiles
-
-
-def load_k_section(k_t, b, hk, s0, slen, chunks):
-    """k^T tiles (dc, slen) per head-dim chunk for the keys [s0, s0 + slen) of a key section."""
-    k_tiles = []
-    for c0, dc in chunks:
-        k_sb = nl.ndarray((dc, slen), dtype=k_t.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=k_sb, src=k_t[b, hk, c0:c0 + dc, s0:s0 + slen])
-        k_tiles.append(k_sb)
-    return k_tiles
 
 
 def qk(q_tiles, k_tiles, qn, kn):

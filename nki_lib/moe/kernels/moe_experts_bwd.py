@@ -384,19 +384,26 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols):
             scatter_rows(dx_slots, asg_sb, dx_sb, g0)
 
 
-def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_reg, c0, cn, gate,
+def chunk_weights(w_gate_up, w_down, expert_reg, c0, cn):
+    """The weights of one I chunk: W_gate^T and W_up^T columns (H on partitions) and W_down columns."""
+    inter = w_down.shape[2]
+    h_tiles = spans(w_down.shape[1], nl.tile_size.pmax)
+    return [load_expert_t(w_gate_up, expert_reg, h_tiles, c0, cn),
+            load_expert_t(w_gate_up, expert_reg, h_tiles, inter + c0, cn),
+            load_expert_cols(w_down, expert_reg, h_tiles, c0, cn)]
+
+
+def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_reg, c0, cn, gate,
              dg_t, du_t, grad_bufs, mode_regs):
     """One I chunk of a block (all its tiles die on return): g, u, dhy per slot tile (contraction
     over H tiles in PSUM; the gate/up biases first, as ones^T x bias_row), the elementwise
-    gradients, dg/du transposed into dgT/duT, and the chunk's weight gradients accumulated into
-    the expert's fp32 rows."""
+    gradients, dg/du transposed into dgT/duT, then the next chunk's weights (``prefetch()``,
+    returned; ``weights``, a list, is released first), then the chunk's weight gradients
+    accumulated into the expert's fp32 rows."""
     pmax = nl.tile_size.pmax
-    inter = w_down.shape[2]
-    h_tiles = spans(w_down.shape[1], pmax)
+    _, hidden, inter = grad_bufs[1][0].shape          # the fp32 W_down accumulator: (E, H, I)
+    h_tiles = spans(hidden, pmax)
     bias = grad_bufs[2]
-    weights = (load_expert_t(w_gate_up, expert_reg, h_tiles, c0, cn),
-               load_expert_t(w_gate_up, expert_reg, h_tiles, inter + c0, cn),
-               load_expert_cols(w_down, expert_reg, h_tiles, c0, cn))
     rows = (None, None, None)
     if bias is not None:
         rows = (bias_row(bias[0], expert_reg, c0, cn), bias_row(bias[0], expert_reg, inter + c0, cn), None)
@@ -416,7 +423,10 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_
         transpose_rows(dg_t[:, it0:it0 + n_sub, :], grads[1], s0)
         transpose_rows(du_t[:, it0:it0 + n_sub, :], grads[2], s0)
         chunk.append(grads)
+    weights.clear()                     # last use of this chunk's weights (released)
+    next_weights = prefetch()
     _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter)
+    return next_weights
 
 
 def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
@@ -458,9 +468,16 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
     for s0, _, _, _, _, x_rows in slot_tiles:
         transpose_rows(x_t, x_rows, s0)
     do_rows, dy_t = _load_grad_rows(dy_rows, slot_tiles, block)
-    for c0, cn in spans(w_down.shape[2], i_chunk):
-        _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, w_gate_up, w_down, expert_reg, c0, cn, gate,
-                 dg_t, du_t, grad_bufs, mode_regs)
+    chunks = spans(w_down.shape[2], i_chunk)
+    weights = chunk_weights(w_gate_up, w_down, expert_reg, *chunks[0])
+    for n, (c0, cn) in enumerate(chunks):
+        # the next chunk's weights are loaded before this chunk's weight-gradient stores (DMAs
+        # start in program order; the stores wait for their PSUM evictions)
+        following = chunks[n + 1] if n + 1 < len(chunks) else None
+        weights = _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights,
+                           (lambda: None) if following is None else
+                           (lambda c=following: chunk_weights(w_gate_up, w_down, expert_reg, *c)),
+                           expert_reg, c0, cn, gate, dg_t, du_t, grad_bufs, mode_regs)
     if grad_bufs[2] is not None:
         _dtopk_bias(dy_t, slot_tiles, dw_accs, grad_bufs[2], expert_reg)
 
@@ -535,7 +552,7 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     resident = (2 * ht + 2 * it) * block * itemsize             # xT, dyT, dgT, duT
     load = st * hidden * itemsize                               # phase 1: dy rows (until scaled/transposed)
     staging = 2 * min(hidden, WEIGHT_SPAN) * itemsize           # natural W rows before transposes
-    streamed = 3 * ht * i_chunk * itemsize + staging            # W_gate^T, W_up^T, W_down columns
+    streamed = 2 * 3 * ht * i_chunk * itemsize + staging        # W_gate^T, W_up^T, W_down columns (+ next chunk's)
     temps = _FP32_TEMPS_CLAMPED if clamped else _FP32_TEMPS
     chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * temps * i_chunk * 4   # h, dg, du; fp32 temps
     if biases:                                                  # g/u bias rows, ones row/column, b_down column

@@ -4,11 +4,10 @@ Algorithm (one kernel launch, docs/contract.md §4.3 ``moe_experts``):
 host (index metadata only, :mod:`.moe_experts_groups`): up to G consecutive blocks of one expert are
   merged into a group of S = G*B slots (S <= 512, the largest whose SBUF estimate fits), so every
   weight tile is loaded and transposed once per group instead of once per block; per group the
-  expert id, per slot the assignment id a and the token id a // k (-1 = padding), per 128-slot
-  tile a live flag.
+  expert id, per slot the assignment id a and the token id a // k (-1 = padding).
 once: the slot token and assignment ids are loaded with one contiguous DMA per 128 groups each and
-  PE-transposed so that slots sit on partitions; the group flags valid[g] = (group_expert[g] >= 0)
-  on VectorE.
+  PE-transposed so that slots sit on partitions; on VectorE the group flags valid[g] =
+  (group_expert[g] >= 0) and each slot tile's live flag (max of its assignment ids >= 0).
 for each group g of this program (static loop, in order; LNC2: the two cores take alternate
   groups, LNC1: all of them), with the expert id and a 0/1 trip count in
   registers (a dynamic loop runs the body once, or not at all for unused groups), and each slot
@@ -40,7 +39,7 @@ I tiles > slot tiles (guarded) > H tiles; staging groups > H chunks > I spans > 
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k
 assignments, B plan block size, NG groups, S slots per group, ST slot tiles per group. Kernel
 inputs (HBM): x (T, H), topk_w (N, 1) fp32, group_expert (NG,) int32, slot_token and
-slot_assignment (NG*S,) int32 (a // k and a, or -1), tile_live (NG*ST,) int32, w_gate_up
+slot_assignment (NG*S,) int32 (a // k and a, or -1), w_gate_up
 (E, 2I, H), w_down (E, H, I) (nn.Linear layouts, as the op receives them), b_gate_up (E, 2I) and
 b_down (E, H) or None; compile-time activation, swiglu_alpha, swiglu_limit, top_k, h_chunk,
 y_cols. Output y (T, H) in x's dtype; scratch y_slots (N, H) fp32 (shared HBM).
@@ -85,10 +84,8 @@ from nki_lib.moe.kernels.moe_experts_steps import (
 )
 from nki_lib.sizes import ceil_div, spans
 
-# --------------------------------------------------------------------------- shared helpers
-
-
 # --------------------------------------------------------------------------- kernel
+
 
 def gate_into(h_dst, g_psum, u_psum, gate):
     """h_dst = gate(g, u): act(g) * u, or gpt-oss's clamped swiglu (``gate`` = (activation,
@@ -128,15 +125,19 @@ def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h
                 gate_into(h_t[:isz, it, s0:s0 + ps], g_psum, u_psum, gate)
 
 
-def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols, ones_sb):
+def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols, ones_sb, last_rows):
     """y_slots[a] = h @ W_down^T (+ b_down) for the assignment a of each slot: per H chunk,
     contraction over I tiles in PSUM (per live slot tile; the bias first, as ones^T x bias_row);
     the rows are staged ``y_cols`` wide in SBUF and scattered in assignment order (one indirect
     DMA per live slot tile and staging group; padding slots are not written), so that the final
-    k-sum reads them in token order without a gather."""
+    k-sum reads them in token order without a gather. The last staging group is staged in
+    ``last_rows`` and not scattered here (see :func:`scatter_deferred`)."""
     hidden = w_down.shape[1]
-    for g0, gn in spans(hidden, y_cols):
-        y_rows = [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
+    groups = spans(hidden, y_cols)
+    for g0, gn in groups:
+        last = g0 == groups[-1][0]
+        y_rows = last_rows if last else [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf)
+                                         for _, ps, *_ in slot_tiles]
         for h0, hn in spans(gn, h_chunk):
             y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
             if b_down is not None:
@@ -155,9 +156,26 @@ def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk
             for (*_, live_reg, _), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
                 for _ in nl.dynamic_range(0, live_reg):
                     nisa.activation(dst=y_sb[:, h0:h0 + hn], op=nl.copy, data=y_psum)
-        for (_, _, _, live_reg, asg_sb), y_sb in zip(slot_tiles, y_rows):
+        if not last:
+            scatter_deferred(y_slots, [None, slot_tiles, y_rows, g0])
+
+
+def scatter_deferred(y_slots, deferred):
+    """Scatter staged y rows: ``deferred`` = [group trip register (None: already inside the
+    group's guard), slot tiles, their staged rows, first column], or None. A group's last
+    scatters are issued late in program order, in the next group's body after its gate/up
+    projections and its gather of the following group's rows: DMAs start in program order, so a
+    scatter issued right after the down projection, still waiting for its GpSimd descriptors,
+    held back the next group's weight loads and left TensorE idle at every group boundary
+    (docs/perf-log.md §10.2). The rows are released afterwards."""
+    if deferred is None:
+        return
+    trips_reg, slot_tiles, rows, g0 = deferred
+    for _ in (range(1) if trips_reg is None else nl.dynamic_range(0, trips_reg)):
+        for (_, _, _, live_reg, asg_sb), y_sb in zip(slot_tiles, rows):
             for _ in nl.dynamic_range(0, live_reg):
                 scatter_rows(y_slots, asg_sb, y_sb, g0)
+    rows.clear()
 
 
 def _group_tiles(ids, live_sb, g, group):
@@ -166,7 +184,8 @@ def _group_tiles(ids, live_sb, g, group):
     slot_tiles = []
     for st, (s0, ps) in enumerate(spans(group, nl.tile_size.pmax)):
         live_reg = nisa.register_alloc()
-        nisa.register_load(live_reg, live_sb[0:1, g, st:st + 1])
+        p, gt = g % nl.tile_size.pmax, g // nl.tile_size.pmax
+        nisa.register_load(live_reg, live_sb[p:p + 1, gt, st:st + 1])
         slot_tiles.append((s0, ps, ids[0][:ps, st, g:g + 1], live_reg, ids[1][:ps, st, g:g + 1]))
     return slot_tiles
 
@@ -191,12 +210,15 @@ def _transpose_group(x_t, slot_tiles, x_rows, trips_reg):
                 transpose_rows(x_t, rows_sb, s0)
 
 
-def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_chunk, y_cols, y_slots, ones_sb):
+def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_chunk, y_cols, y_slots, ones_sb,
+               deferred):
     """Group body in guarded phases: xT (then the x rows are released), h (gate/up; then xT is
     released), the gather of the next group's rows (``next_group`` = (registers, slot tiles) or
-    None; returned), the down projection and the writes of y. GpSimd issues DMAs in program order,
-    so the next gather is issued before this group's last matmul; the releases keep the x rows of
-    two groups and xT from being live at once (SBUF: see :func:`sbuf_bytes_at`)."""
+    None), the previous group's ``deferred`` y scatters, the down projection and the writes of y
+    but the last staging group's. Returns (next group's rows, this group's deferred
+    scatters). GpSimd issues DMAs in program order, so the next gather is issued before this
+    group's last matmul; the releases keep the x rows of two groups and xT from being live at
+    once (SBUF: see :func:`sbuf_bytes_at`)."""
     pmax = nl.tile_size.pmax
     w_gate_up, w_down, b_gate_up, b_down = weights
     expert_reg, trips_reg = regs
@@ -212,26 +234,26 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_
     if next_group is not None:
         (_, next_trips), next_tiles = next_group
         next_rows = _gather_group(x, next_tiles, next_trips)
+    scatter_deferred(y_slots, deferred)     # the previous group's last scatters (own guard)
+    last_cols = spans(x.shape[1], y_cols)[-1][1]
+    last_rows = [nl.ndarray((ps, last_cols), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
-        _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols, ones_sb)
-    return next_rows
+        _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols, ones_sb, last_rows)
+    return next_rows, [trips_reg, slot_tiles, last_rows, x.shape[1] - last_cols]
 
 
 @nki.jit
-def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment, tile_live, w_gate_up, w_down,
-                           b_gate_up, b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols):
+def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
+                           b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols):
     t_len, hidden = x.shape
     n_groups = group_expert.shape[0]
     group = slot_token.shape[0] // n_groups
-    n_slot_tiles = len(spans(group, nl.tile_size.pmax))
     n_prog, pid = nl.num_programs(axes=0), nl.program_id(axis=0)
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
     y_slots = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.shared_hbm)
     expert_sb, valid_sb = block_flags(group_expert)
-    live_sb = nl.ndarray((1, n_groups, n_slot_tiles), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=live_sb, src=tile_live.ap([[n_groups * n_slot_tiles, 1], [n_slot_tiles, n_groups],
-                                                 [1, n_slot_tiles]], offset=0))
-    ids = (load_all_ids(slot_token, n_groups, group), load_all_ids(slot_assignment, n_groups, group))
+    asg_ids, live_sb = load_all_ids(slot_assignment, n_groups, group, live=True)
+    ids = (load_all_ids(slot_token, n_groups, group), asg_ids)
     ones_sb = ones_row(nl.tile_size.pmax, x.dtype)
     weights = (w_gate_up, w_down, b_gate_up, b_down)
     gate = (activation, swiglu_alpha, swiglu_limit)
@@ -240,15 +262,18 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
     if mine:
         current = (block_registers(expert_sb, valid_sb, mine[0]), _group_tiles(ids, live_sb, mine[0], group))
         x_rows = _gather_group(x, current[1], current[0][1])
-    # Static unroll (compile-time Python loop): each group's body also issues the next one's gather.
+    deferred = None
+    # Static unroll (compile-time Python loop): each group's body also issues the next one's gather
+    # and the previous one's last y scatters.
     for n, g in enumerate(mine):
         following = None
         if n + 1 < len(mine):
             following = (block_registers(expert_sb, valid_sb, mine[n + 1]),
                          _group_tiles(ids, live_sb, mine[n + 1], group))
-        x_rows = _group_fwd(x, current[1], x_rows, weights, current[0], following, group, gate, h_chunk, y_cols,
-                            y_slots, ones_sb)
+        x_rows, deferred = _group_fwd(x, current[1], x_rows, weights, current[0], following, group, gate, h_chunk,
+                                      y_cols, y_slots, ones_sb, deferred)
         current = following
+    scatter_deferred(y_slots, deferred)
     if n_prog > 1:
         nisa.core_barrier(y_slots, (0, 1))     # the k-sum reads rows the other core wrote
     reduce_assignments(y_slots, y, top_k, topk_w, share=(pid, n_prog))
@@ -276,7 +301,8 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     phases = (rows + x_t + h_t,                                 # transposes: x rows -> xT
               x_t + h_t + staging + gate_up + bias,             # gate/up (x rows released)
               rows + h_t + staging + down + bias)               # down, next group's rows (xT released)
-    body = max(phases)
+    deferred = st * min(y_cols, hidden) * 4                     # previous group's last staged y rows
+    body = max(phases) + deferred
     live_flags = n_blocks * st * 4
     return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, tail_sbuf_bytes(hidden, top_k, itemsize))
 
@@ -313,12 +339,12 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
     hidden, inter, itemsize = x.shape[1], w_down.shape[2], x.element_size()
     counts = dict(top_k=top_k, n_blocks=block_expert.shape[0], **flags)
     blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
-    group_expert, group_slots, tile_live = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
+    group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
     h_chunk, y_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
                              n_blocks=group_expert.shape[0], **flags)
     return KernelLaunch(moe_experts_fwd_kernel,
                         (x.contiguous(), routing_weights(topk_weights), group_expert, slot_tokens(group_slots, top_k),
-                         group_slots, tile_live, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
+                         group_slots, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
                          activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols),
                         grid=lnc_degree())
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from nki_lib._nki import nl
 from nki_lib.validation import has_values
 
 
@@ -30,11 +29,11 @@ def group_count(n_blocks, n_experts, group_blocks, n_runs):
 
 
 def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
-    """(group_expert (NG,) int32, group_slots (NG*S,) int32, tile_live (NG*ST,) int32).
+    """(group_expert (NG,) int32, group_slots (NG*S,) int32).
 
     Runs of consecutive blocks with one expert (>= 0) are cut into groups of at most
     ``group_blocks`` blocks, in plan order; a group's slots are its blocks' slots in order, then -1
-    padding; tile_live[g * ST + t] = 1 when slot tile t of group g holds an assignment. Blocks with
+    padding (the kernel derives each slot tile's live flag from them on chip). Blocks with
     expert -1 are dropped; unused groups have expert -1 and no live tiles. Static shapes: dropped
     blocks are scattered into one spare row past the end (cut off), so the ops trace with fixed
     shapes; only the run count that sizes NG for a plan with more runs than experts reads data."""
@@ -46,23 +45,17 @@ def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
     valid = block_expert >= 0
     prev = torch.cat([torch.full((1,), -2, dtype=block_expert.dtype, device=dev), block_expert[:-1]])
     run_start = valid & (block_expert != prev)
-    start_of_run = torch.cummax(torch.where(run_start, idx, torch.zeros_like(idx)), 0).values
-    pos = idx - start_of_run
-    group_start = valid & (pos % group_blocks == 0)
-    group_id = torch.cumsum(group_start.to(torch.int64), 0) - 1
+    pos = idx - torch.cummax(torch.where(run_start, idx, 0), 0).values      # block index inside its run
+    in_group = pos % group_blocks
+    group_id = torch.cumsum(valid & (in_group == 0), 0) - 1
     # a traced plan (no values) is moe_plan's: an expert's blocks are consecutive, runs <= experts
     n_runs = int(run_start.sum()) if has_values(run_start) else 0
     n_groups = group_count(n_blocks, n_experts, group_blocks, n_runs)
-    spare = torch.full_like(group_id, n_groups)
     group_expert = torch.full((n_groups + 1,), -1, dtype=torch.int32, device=dev)
-    group_expert.scatter_(0, torch.where(valid, group_id, spare), block_expert.to(torch.int32))
-    base = torch.where(valid, group_id * group_slots_n + (pos % group_blocks) * block, spare * group_slots_n)
+    group_expert.scatter_(0, torch.where(valid, group_id, n_groups), block_expert.to(torch.int32))
+    base = torch.where(valid, group_id * group_slots_n + in_group * block, n_groups * group_slots_n)
     dst = (base[:, None] + torch.arange(block, device=dev)[None, :]).reshape(-1)
     group_slots = torch.full((n_groups * group_slots_n + block,), -1, dtype=torch.int32, device=dev)
     group_slots.scatter_(0, dst, slot_assignment.reshape(-1).to(torch.int32))
-    group_expert, group_slots = group_expert[:n_groups], group_slots[:n_groups * group_slots_n]
-    pmax = nl.tile_size.pmax
-    by_group = group_slots.reshape(n_groups, group_slots_n)
-    tile_live = torch.stack([(by_group[:, s0:s0 + pmax] >= 0).any(1) for s0 in range(0, group_slots_n, pmax)], 1)
-    return group_expert, group_slots, tile_live.reshape(-1).to(torch.int32).contiguous()
+    return group_expert[:n_groups], group_slots[:n_groups * group_slots_n]
 

@@ -32,21 +32,30 @@ def act_fn(activation):
     return {"silu": nl.silu, "gelu": nl.gelu, "gelu_tanh": nl.gelu_apprx_tanh}[activation]
 
 
-def load_all_ids(slot_ids, n_blocks, block):
+def load_all_ids(slot_ids, n_blocks, block, live=False):
     """(P, ST, NB) int32 tile: [p, st, b] = slot_ids[b * B + st * 128 + p] (token or assignment ids,
     -1 = padding), loaded once per kernel: one contiguous DMA per 128 blocks (blocks on
-    partitions), then TensorE transposes put the slots on partitions."""
+    partitions), then TensorE transposes put the slots on partitions. With ``live``, also the
+    (P, NBT, ST) int32 live flags: [p, bt, st] = 1 when slot tile st of block bt * 128 + p holds an
+    id >= 0 (a max over the tile's ids per partition, then a compare, on VectorE)."""
     pmax = nl.tile_size.pmax
     st_tiles = spans(block, pmax)
+    b_tiles = spans(n_blocks, pmax)
     ids_sb = nl.ndarray((pmax, len(st_tiles), n_blocks), dtype=nl.int32, buffer=nl.sbuf)
-    for b0, nb in spans(n_blocks, pmax):
+    live_sb = nl.ndarray((pmax, len(b_tiles), len(st_tiles)), dtype=nl.int32, buffer=nl.sbuf) if live else None
+    for bt, (b0, nb) in enumerate(b_tiles):
         rows_sb = nl.ndarray((nb, block), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=rows_sb, src=slot_ids[b0 * block:(b0 + nb) * block])
         for st, (s0, ps) in enumerate(st_tiles):
             tr_psum = nl.ndarray((ps, nb), dtype=nl.int32, buffer=nl.psum)
             nisa.nc_transpose(dst=tr_psum, data=rows_sb[:, s0:s0 + ps])
             nisa.tensor_copy(dst=ids_sb[:ps, st, b0:b0 + nb], src=tr_psum)
-    return ids_sb
+            if live:
+                nisa.tensor_reduce(dst=live_sb[:nb, bt, st:st + 1], op=nl.maximum, data=rows_sb[:, s0:s0 + ps],
+                                   axis=1)
+        if live:
+            nisa.tensor_scalar(dst=live_sb[:nb, bt, :], data=live_sb[:nb, bt, :], op0=nl.greater_equal, operand0=0)
+    return (ids_sb, live_sb) if live else ids_sb
 
 
 def gather_rows_into(rows_sb, src, ids_sb):

@@ -14,7 +14,8 @@ Also per-engine busy time and utilisation, the critical engine, and two bounds (
 ``lower_bound_ns = launch + max over engines of busy time`` (perfect overlap) and
 ``upper_bound_ns = launch + sum of all (service + latency)`` (fully serial).
 For an LNC2 launch each program is one physical core: busy times are the maximum over cores,
-rooflines use ``grid`` cores.
+rooflines use ``grid`` cores; ``core_makespans_ns`` / ``core_dependency_makespans_ns`` give each
+core's own makespan (0 for a core with no instructions), to see whether a core idles.
 
 Not modelled (limitations, docs/cost-model.md §7.4): HBM bank conflicts, DMA queue QoS, instruction fetch,
 SBUF spills, the innermost-stride (> 16 B) port penalty, PE row/column
@@ -52,6 +53,8 @@ class Estimate:
     act_table_loads: int
     throttle_ns: float
     unmodelled: dict = field(default_factory=dict)
+    core_makespans_ns: tuple = ()               # per program (core), program order
+    core_dependency_makespans_ns: tuple = ()    # per program (core), dependency bound
     timeline: list | None = None
     critical_path: list = field(default_factory=list, repr=False)
     hw: HardwareParams | None = field(default=None, repr=False)
@@ -166,6 +169,8 @@ def estimate(report_or_trace, target: str | HardwareParams | None = None, *,
     makespan = max((r.makespan_ns for r in results), default=0.0)
     free_makespan = min(makespan, max((r.makespan_ns for r in free), default=0.0))
     grid = getattr(report_or_trace, "grid", None) or max(len(programs), 1)
+    cores = {r.program_id: (r.makespan_ns, min(r.makespan_ns, f.makespan_ns)) for r, f in zip(results, free)}
+    per_core = [cores.get(pid, (0.0, 0.0)) for pid in range(max(grid, len(programs)))]
     return Estimate(
         kernel=getattr(report_or_trace, "kernel", "<trace>"),
         target=target,
@@ -182,6 +187,8 @@ def estimate(report_or_trace, target: str | HardwareParams | None = None, *,
         act_table_loads=sum(r.act_table_loads for r in results),
         throttle_ns=max((r.throttle_ns for r in results), default=0.0),
         unmodelled=dict(unmodelled),
+        core_makespans_ns=tuple(m for m, _ in per_core),
+        core_dependency_makespans_ns=tuple(d for _, d in per_core),
         timeline=results[0].timeline if results else None,
         critical_path=max(results, key=lambda r: r.makespan_ns).critical_path if results else [],
         hw=hw,

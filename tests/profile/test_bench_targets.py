@@ -1,0 +1,165 @@
+"""Issue 13's targets table (nki_lib.bench.targets): the limits the issue names, and the PASS /
+SHORT decision on every limited estimate and at every sensitivity corner. Synthetic results only:
+no test here asserts the time of a real kernel."""
+
+import os
+
+import pytest
+
+from nki_lib.bench.harness import CaseResult, core_balance, lnc_degree, plan
+from nki_lib.bench.output import targets_report
+from nki_lib.bench.shapes import Case, sweep
+from nki_lib.bench.targets import TUNING_TARGETS, TuningTarget, judge, target_cases
+
+TIME_CASE = Case("decode_attention", "decode", "unit", dict(B=1, Hq=1, Hkv=1, Sq=1, L=128, D=64), lnc=1)
+TIME_TARGET = TuningTarget("unit time", TIME_CASE, "decode_attention", "time_us",
+                           {"in order": 10.0, "dependency bound": 10.0, "lower bound": 5.0}, at_most=True)
+FRACTION_TARGET = TuningTarget("unit fraction", TIME_CASE, "decode_attention", "hbm_roofline_fraction",
+                               {"in order": 0.7, "dependency bound": 0.7})
+
+
+def _figures(in_order=9.0, dep=8.0, lower=4.0, fraction=0.8, dep_fraction=0.9) -> dict:
+    return {"time_us": in_order, "dependency_bound_us": dep, "lower_bound_us": lower,
+            "hbm_roofline_fraction": fraction,
+            "dependency_bound": {"time_us": dep, "hbm_roofline_fraction": dep_fraction},
+            "bound_engine": "dma", "hotspots": [{"source": "k.py:7", "opcode": "dma_copy", "waited_on": "data"}],
+            "host": {"time_us": 20.0}, "whole_op_us": in_order + 20.0, "whole_op_dependency_bound_us": dep + 20.0}
+
+
+def _row(figures: dict, sensitivity: dict | None = None, case: Case = TIME_CASE) -> CaseResult:
+    est = dict(figures)
+    if sensitivity is not None:
+        est["sensitivity"] = sensitivity
+    return CaseResult(case.label, case.op, case.mode, case.model, case.family, dict(case.dims), "bfloat16",
+                      estimates={"trn2": est})
+
+
+def _by_name(fragment: str) -> TuningTarget:
+    (target,) = [t for t in TUNING_TARGETS if fragment in t.name]
+    return target
+
+
+@pytest.mark.parametrize("fragment, in_order, lower", [
+    ("decode B=4 Hq=8 Hkv=1 Sq=1 cache 2048", 24.0, 15.7),
+    ("decode B=8 Hq=4 Hkv=1 Sq=4 cache 128", 28.7, 13.0),
+    ("decode B=8 Hq=8 Hkv=1 Sq=4 cache 1024", 34.8, 16.8),
+    ("router softmax", 106.8, 64.2),
+    ("experts forward T=1024", 438.0, 294.2),
+])
+def test_aws_limits_are_the_issues_figures(fragment, in_order, lower):
+    t = _by_name(fragment)
+    assert t.at_most and t.metric == "time_us"
+    assert t.limits == {"in order": in_order, "dependency bound": in_order, "lower bound": lower}
+    assert not t.case.extrapolate  # simulated at full shape
+
+
+@pytest.mark.parametrize("fragment, part, metric, threshold", [
+    ("attention forward S=4096 D=128 causal: engine", "flash_attention", "engine_roofline_fraction", 0.85),
+    ("attention backward S=4096 D=128 causal: engine", "flash_attention_backward", "engine_roofline_fraction", 0.75),
+    ("expert MLP forward", "moe_experts", "mfu", 0.80),
+    ("expert MLP backward", "moe_experts_backward", "mfu", 0.50),
+    ("decode 8k", "decode_attention", "hbm_roofline_fraction", 0.70),
+    ("no core idles", "flash_attention_backward", "core_balance", 0.9),
+])
+def test_fraction_targets_hold_on_both_estimates(fragment, part, metric, threshold):
+    t = _by_name(fragment)
+    assert (t.part, t.metric, t.at_most) == (part, metric, False)
+    assert t.limits == {"in order": threshold, "dependency bound": threshold}
+
+
+def test_two_core_targets_launch_with_lnc2_and_the_sweep_runs_each_case_once():
+    assert _by_name("experts forward T=1024").case.lnc == 2
+    lnc2_bwd = _by_name("no core idles").case
+    assert lnc2_bwd.lnc == 2 and lnc2_bwd.dims["B"] == 2 and lnc2_bwd.dims["Hkv"] == 1
+    labels = [c.label for c in sweep("targets")]
+    assert len(labels) == len(set(labels)) == len(target_cases())
+    assert {t.case.label for t in TUNING_TARGETS} == set(labels)
+    # only the 128-expert MFU case is extrapolated (documented as an upper bound on time)
+    assert [c.op for c in sweep("targets") if c.extrapolate] == ["moe_experts"]
+    assert all(not c.extrapolate for c in sweep("aws"))
+
+
+def test_time_target_passes_only_when_every_estimate_is_under_its_limit():
+    assert judge(TIME_TARGET, _row(_figures())).status == "PASS"
+    for short in (dict(in_order=11.0), dict(dep=10.5), dict(lower=5.5)):
+        verdict = judge(TIME_TARGET, _row(_figures(**short)))
+        assert verdict.status == "SHORT"
+        assert [c.ok for c in verdict.checks].count(False) == 1
+
+
+def test_fraction_target_passes_only_on_both_estimates():
+    assert judge(FRACTION_TARGET, _row(_figures())).status == "PASS"
+    assert judge(FRACTION_TARGET, _row(_figures(fraction=0.6))).status == "SHORT"
+    assert judge(FRACTION_TARGET, _row(_figures(dep_fraction=0.6))).status == "SHORT"
+
+
+def test_sensitivity_judges_the_unfavourable_end_of_each_range():
+    corner_slow = {"time_us": 10.5, "dependency_bound_us": 8.0, "lower_bound_us": 4.0,
+                   "hbm_roofline_fraction": 0.75, "dependency_bound": {"hbm_roofline_fraction": 0.9}}
+    corner_fast = {"time_us": 8.0, "dependency_bound_us": 7.0, "lower_bound_us": 3.0,
+                   "hbm_roofline_fraction": 0.65, "dependency_bound": {"hbm_roofline_fraction": 0.95}}
+    row = _row(_figures(), {"c=1": corner_slow, "c=2": corner_fast})
+    time_verdict = judge(TIME_TARGET, row)
+    assert time_verdict.status == "SHORT"  # nominal passes; c=1 pushes in-order time over 10
+    in_order = time_verdict.checks[0]
+    assert in_order.low == (8.0, "c=2") and in_order.high == (10.5, "c=1") and in_order.worst == 10.5
+    fraction_verdict = judge(FRACTION_TARGET, row)
+    assert fraction_verdict.status == "SHORT"  # c=2 drops the in-order fraction to 65%
+    assert fraction_verdict.checks[0].worst == 0.65
+    assert judge(TIME_TARGET, _row(_figures(), {"c=2": corner_fast})).status == "PASS"
+
+
+def test_missing_figure_is_not_available_not_judged():
+    verdict = judge(TIME_TARGET, CaseResult(TIME_CASE.label, TIME_CASE.op, "decode", "unit", "attention", {},
+                                            "bfloat16", status="fallback: no kernel"))
+    assert verdict.status == "n/a" and "fallback" in verdict.reason
+
+
+def test_judged_part_of_a_train_call():
+    case = _by_name("expert MLP backward").case
+    fwd, bwd = _figures(fraction=0.1), _figures()
+    for fig, mfu in ((fwd, 0.85), (bwd, 0.55)):
+        fig["mfu"], fig["dependency_bound"]["mfu"] = mfu, mfu
+    row = CaseResult(case.label, case.op, case.mode, case.model, case.family, {}, "bfloat16",
+                     estimates={"trn2": {"parts": {"moe_experts": fwd, "moe_experts_backward": bwd}}})
+    assert judge(_by_name("expert MLP forward"), row).status == "PASS"
+    assert judge(_by_name("expert MLP backward"), row).status == "PASS"
+    bwd["dependency_bound"]["mfu"] = 0.45
+    assert judge(_by_name("expert MLP backward"), row).status == "SHORT"
+
+
+def test_report_prints_verdicts_estimates_ranges_and_whole_op(monkeypatch):
+    import nki_lib.bench.targets as targets
+
+    monkeypatch.setattr(targets, "TUNING_TARGETS", (TIME_TARGET, FRACTION_TARGET))
+    corner = {"time_us": 9.5, "dependency_bound_us": 8.5, "lower_bound_us": 4.5, "hbm_roofline_fraction": 0.6,
+              "dependency_bound": {"hbm_roofline_fraction": 0.9}}
+    text = targets_report([_row(_figures(), {"c=3": corner})])
+    assert "1 PASS, 1 SHORT" in text
+    assert "PASS  unit time" in text and "SHORT unit fraction" in text
+    assert "in order 9.0 us (target <= 10.0 us" in text and "lower bound 4.0 us (target <= 5.0 us" in text
+    assert "9.0 us at nominal .. 9.5 us at c=3" in text
+    assert "in order 80.0% (target >= 70.0%; over the documented ranges 60.0% at c=3" in text
+    assert "whole op 29.0 us in order, 28.0 us dependency bound" in text and "k.py:7" in text
+    assert targets_report([]) == ""
+
+
+def test_core_balance_over_launches():
+    assert core_balance([(100.0,)]) == 1.0
+    assert core_balance([(100.0, 100.0)]) == 1.0
+    assert core_balance([(100.0, 0.0)]) == 0.0
+    assert core_balance([(100.0, 50.0), (0.0, 50.0)]) == 1.0
+    assert core_balance([]) == 1.0
+
+
+def test_full_shape_cases_are_not_extrapolated_and_lnc_is_scoped(monkeypatch):
+    dims = dict(B=4, Hq=8, Hkv=1, Sq=1, L=2048, D=128)
+    assert plan(Case("decode_attention", "decode", "m", dims)).scale == 4.0
+    full = plan(Case("decode_attention", "decode", "m", dims, extrapolate=False))
+    assert full.scale == 1.0 and full.extrapolation is None and full.dims == dims
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    with lnc_degree(2):
+        assert os.environ["NEURON_LOGICAL_NC_CONFIG"] == "2"
+    assert "NEURON_LOGICAL_NC_CONFIG" not in os.environ
+    with lnc_degree(None):
+        assert "NEURON_LOGICAL_NC_CONFIG" not in os.environ
