@@ -7,10 +7,16 @@ the figure is the ratio of the medians. Where SDPA cannot state the call (softca
 the same shape without them (the cost of the attention itself). Targets (issue 12): ratio <= 1.3
 where SDPA expresses the call, <= 2 with softcap or sinks. A last line measures the peak RSS of
 fwd + bwd at S = 16384 in a fresh process against one dense fp32 S x S matrix (target < 25%).
+
+``--threads N`` sets torch's CPU threads for both sides. On a small shared machine use 1: with
+2 threads every parallel op waits at a barrier for a core another process holds (measured: a
+tensor op of ~0.05 ms taking ~20 ms at load 12 on 2 cores), which inflates the side issuing more
+ops, whatever their work.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -165,14 +171,28 @@ def _moe_rows(rows, limit) -> bool:
             good = r["ratio"] <= reference_moe.TARGET
             ok &= good
             rows.append((f"moe_experts {r['case']}", r["pass_"], f"{r['reference_ms']:.1f}", f"{r['loop_ms']:.1f}",
-                         f"{r['ratio']:.2f}", f"<= {reference_moe.TARGET} (vs expert loop)",
+                         f"{r['ratio']:.2f}", f"<= {reference_moe.TARGET} (vs expert loop, {r['pairs']} pairs)",
                          "PASS" if good else "FAIL"))
             print("  ".join(rows[-1]), flush=True)
     return ok
 
 
+def _header(threads) -> None:
+    """Print the conditions of the run (the machine may be shared: its load average is printed
+    at the start and the end; absolute times scale with it, ratios much less)."""
+    if threads:
+        torch.set_num_threads(threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s), "
+          f"{os.cpu_count()} cores, load average {_load()}", flush=True)
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main(args=None) -> int:
     limit = getattr(args, "limit", None)
+    _header(getattr(args, "threads", None))
     cases = CASES[:limit] if limit else CASES
     rows = [("case", "pass", "ours ms", "sdpa ms", "ratio", "target", "")]
     ok = True
@@ -190,4 +210,5 @@ def main(args=None) -> int:
     print(f"memory fwd+bwd S=16384 bf16 causal: peak RSS growth {mem:.3f} of a dense fp32 SxS "
           f"(whole process incl. torch import: {whole:.3f}) (target < {MEMORY_TARGET}) "
           f"{'PASS' if mem < MEMORY_TARGET else 'FAIL'}")
+    print(f"load average at the end {_load()}")
     return 0 if ok else 1

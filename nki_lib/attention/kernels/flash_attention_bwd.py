@@ -54,8 +54,10 @@ LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two programs share the (batch, kv hea
 heads, so every dq/dk/dv row has one writer and no barrier is needed; with one kv head and
 B >= 2 the cores split the batch. dsinks is one row when each query head's units run on one
 program, else one row of partial sums per program, added by the launcher (``dsinks_writers``).
-With B = 1 and one kv head the second program still idles (splitting a kv head's query heads
-would need dK/dV partial sums).
+With an odd number of (batch, kv head) units and a GQA group the programs divide (B = 1,
+Hkv = 1, Hq = 8), the programs split every kv head's query heads instead (``head_split``) and
+write fp32 partial dK/dV, added by the launcher; otherwise (one unit and one query head) the
+second program idles.
 
 Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile TensorE does S, dP,
 4 x (dV, dK, dS^T, dQ) (3072 cycles, 2560 of them useful: the dS^T transposes bound TensorE at
@@ -391,8 +393,10 @@ PIPELINE_LAG = max(lag for lag, _ in STAGES)
 STATS_AHEAD = 1   # query groups whose phase-0 rows (O, dO) are in flight before their statistics are due
 
 
-def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
-    """Everything of kv head hk: every (query head of the GQA group, key tile, query tile) pair in
+def _kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
+    """Everything of kv head hk for its query heads ``hk * group + g`` (g in ``gs``: the whole GQA
+    group, or this program's share of it under an LNC2 head split): every (query head, key tile,
+    query tile) pair in
     one software pipeline (:data:`STAGES`), key tile by key tile, so it never drains between key
     tiles or query heads. Loads run one unit ahead (the next key tile's K/V when a key tile's
     first pair is scored, the next query group's rows when a group's first pair is scored);
@@ -410,7 +414,7 @@ def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
             _store_kv_grads(dk, dv, b, hk, kv, cfg)
             continue
         ktiles.append(kv)
-        for g in range(group):
+        for g in gs:
             for gid, grp in _q_groups(visits):
                 flags = _group_flags(grp, gid, k0, plans, len(q_tiles), q_tiles[-1][1])
                 units.append((kv, g, gid, grp, flags))
@@ -437,7 +441,7 @@ def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
             _load_k_rows(ktiles[m], k_rows, b, hk, cfg.head_dim)
 
     ensure_kv(0)
-    hstats = [flash_attention_bwd_prep.head_start(prep, b, hk * group + g) for g in range(group)]
+    hstats = {g: flash_attention_bwd_prep.head_start(prep, b, hk * group + g) for g in gs}
     for step in range(len(order) + PIPELINE_LAG):
         for lag, stage in STAGES:
             j = step - lag
@@ -482,7 +486,7 @@ def _kv_pass(ins, kvs, prep, b, hk, group, plans, cfg):
                 if i == len(grp) - 1:
                     _finish_group(ins, loaded[n], b, hk * group + g, gid, flags, q_tiles, cfg)
                     loaded[n] = None
-    for hs in hstats:
+    for hs in hstats.values():
         flash_attention_bwd_prep.head_finish(prep, hs)
 
 
@@ -507,19 +511,32 @@ def _visits(plans, k0):
     return tuple((t, masked) for t, plan in enumerate(plans) for pk0, _, masked in plan if pk0 == k0)
 
 
-def program_units(batch, num_kv_heads, num_progs, pid):
-    """The (batch, kv head) units program ``pid`` of ``num_progs`` serves (LNC2: one program per
-    NeuronCore): every ``num_progs``-th unit of the batch-major order, so the cores share batch
-    and heads alike (with one kv head and B = 2 each core takes one batch; with an even number of
-    kv heads a kv head's units all land on one program)."""
+def head_split(batch, num_kv_heads, group, num_progs):
+    """Whether the programs split every kv head's query heads (LNC2 with an odd number of
+    (batch, kv head) units and a GQA group the programs divide): no core idles, each writes fp32
+    partial dK/dV that the launcher adds."""
+    return num_progs > 1 and (batch * num_kv_heads) % num_progs != 0 and group % num_progs == 0
+
+
+def program_units(batch, num_kv_heads, group, num_progs, pid):
+    """The units ``(b, hk, gs)`` program ``pid`` of ``num_progs`` serves (LNC2: one program per
+    NeuronCore), ``gs`` the query heads ``hk * group + g`` it takes of kv head hk. Whole kv heads:
+    every ``num_progs``-th (batch, kv head) of the batch-major order, so the cores share batch and
+    heads alike (with one kv head and B = 2 each core takes one batch; with an even number of kv
+    heads a kv head's units all land on one program). Under :func:`head_split` every program
+    takes its share of every kv head's query heads."""
     units = [(b, hk) for b in range(batch) for hk in range(num_kv_heads)]
-    return units[pid::num_progs]
+    if head_split(batch, num_kv_heads, group, num_progs):
+        share = group // num_progs
+        return [(b, hk, tuple(range(pid * share, (pid + 1) * share))) for b, hk in units]
+    return [(b, hk, tuple(range(group))) for b, hk in units[pid::num_progs]]
 
 
-def dsinks_writers(batch, num_kv_heads, num_progs):
+def dsinks_writers(batch, num_kv_heads, group, num_progs):
     """Rows of the kernel's dsinks output: 1 when each query head's units all run on one program
     (it owns dsinks[h]), else one row of partial sums per program (the launcher adds them)."""
-    return 1 if num_kv_heads % num_progs == 0 or batch == 1 else num_progs
+    whole = num_kv_heads % num_progs == 0 or batch == 1 or head_split(batch, num_kv_heads, group, num_progs)
+    return 1 if whole else num_progs
 
 
 @nki.jit
@@ -542,19 +559,25 @@ def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k_rows, k_src, v_src
     # GQA group's dq/dk/dv rows, so every output row has one writer
     num_progs = nl.num_programs(0) if nl.program_ndim() > 0 else 1
     pid = nl.program_id(0) if num_progs > 1 else 0
-    units = program_units(batch, num_kv_heads, num_progs, pid)
-    writers = dsinks_writers(batch, num_kv_heads, num_progs) if sinks is not None else 1
+    units = program_units(batch, num_kv_heads, group, num_progs, pid)
+    writers = dsinks_writers(batch, num_kv_heads, group, num_progs) if sinks is not None else 1
+    split = head_split(batch, num_kv_heads, group, num_progs)
 
     dq = nl.ndarray(q_rows.shape[:4] + (per, head_dim), dtype=q_rows.dtype, buffer=nl.shared_hbm)
-    dk = nl.ndarray(k_rows.shape, dtype=k_rows.dtype, buffer=nl.shared_hbm)
-    dv = nl.ndarray(k_rows.shape, dtype=v_src.dtype, buffer=nl.shared_hbm)
+    if split:   # one fp32 partial dK/dV per program, added by the launcher
+        dk = nl.ndarray((num_progs,) + k_rows.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        dv = nl.ndarray((num_progs,) + k_rows.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        dk_out, dv_out = dk[pid], dv[pid]
+    else:
+        dk = dk_out = nl.ndarray(k_rows.shape, dtype=k_rows.dtype, buffer=nl.shared_hbm)
+        dv = dv_out = nl.ndarray(k_rows.shape, dtype=v_src.dtype, buffer=nl.shared_hbm)
     dsinks = nl.ndarray((writers, num_heads), dtype=nl.float32, buffer=nl.shared_hbm)
     resident = dq_resident(group, seqlen_q, head_dim)
     keep_q = q_cached(group, seqlen_q, head_dim, 4 if q_rows.dtype == nl.float32 else 2)
     dq_acc = None if resident else nl.ndarray(dq.shape, dtype=nl.float32, buffer=nl.private_hbm)
     ins = Streams(qdo_rows, q_src, do_src, natural, dq, dq_acc, seqlen_q)
 
-    heads = sorted({hk * group + g for _, hk in units for g in range(group)})
+    heads = sorted({hk * group + g for _, hk, gs in units for g in gs})
     prep = flash_attention_bwd_prep.Prep(q_rows, dlse, lse, sinks, doc, mask, cfg.num_stats)
     row = pid if writers > 1 else 0
     # without sinks program 0 zero-fills dsinks; with per-program partial rows each program
@@ -563,13 +586,13 @@ def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k_rows, k_src, v_src
     flash_attention_bwd_prep.start(prep, dsinks[row], heads, zero_dsinks=zero_row)
 
     plans = [tiles.plan_row(mask, q0, qn) for q0, qn in q_tiles]
-    for b, hk in units:
+    for b, hk, gs in units:
         if resident:
             ins.dq_res = nl.ndarray((pmax, group, num_groups * per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
         ins.q_cache = {} if keep_q else None
-        _kv_pass(ins, (k_rows, k_src, v_src, dk, dv), prep, b, hk, group, plans, cfg)
+        _kv_pass(ins, (k_rows, k_src, v_src, dk_out, dv_out), prep, b, hk, group, gs, plans, cfg)
         ins.dq_res = ins.q_cache = None
-        for h in range(hk * group, (hk + 1) * group):
+        for h in (hk * group + g for g in gs):
             for t, (q0, qn) in enumerate(q_tiles):
                 if not plans[t]:
                     zeros_sb = nl.ndarray((pmax, head_dim), dtype=dq.dtype, buffer=nl.sbuf)
@@ -603,14 +626,17 @@ def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens,
          lse.contiguous(), None if sinks is None else sinks.contiguous(), doc),
         dict(causal=bool(causal), scale=float(scale), window_left=int(window_left), window_right=int(window_right),
              softcap=float(softcap), natural=natural),
-        grid=grid, unpack=partial(_unpack_grads, q.shape[2], k.shape[2]))
+        grid=grid, unpack=partial(_unpack_grads, q.shape[2], k.shape[2], k.dtype))
 
 
-def _unpack_grads(seqlen_q, seqlen_k, grads):
-    """The kernel's ``(dq, dk, dv, dsinks)`` in row groups -> the op's ``(B, H, S, D)`` gradients."""
+def _unpack_grads(seqlen_q, seqlen_k, kv_dtype, grads):
+    """The kernel's ``(dq, dk, dv, dsinks)`` in row groups -> the op's ``(B, H, S, D)`` gradients;
+    per-program partial dK/dV (LNC2 head split, fp32) and dsinks rows are added here."""
     dq, dk, dv, dsinks = grads
-    dsinks = dsinks[0] if dsinks.shape[0] == 1 else dsinks.sum(dim=0)   # per-program partial rows (LNC2)
-    return from_row_groups(dq, seqlen_q), from_row_groups(dk, seqlen_k), from_row_groups(dv, seqlen_k), dsinks
+    dsinks = dsinks[0] if dsinks.shape[0] == 1 else dsinks.sum(dim=0)
+    kv = [from_row_groups(x.sum(dim=0), seqlen_k, kv_dtype) if x.dim() == dq.dim() + 1
+          else from_row_groups(x, seqlen_k) for x in (dk, dv)]
+    return from_row_groups(dq, seqlen_q), kv[0], kv[1], dsinks
 
 
 def _padded(x, dim):
@@ -646,7 +672,8 @@ def query_rows(q, dout, out):
     return torch.stack([_row_group_view(x) for x in (q, dout, out)], dim=4)
 
 
-def from_row_groups(y, s):
-    """Inverse of :func:`row_groups` (drops the padding rows)."""
+def from_row_groups(y, s, dtype=None):
+    """Inverse of :func:`row_groups` (drops the padding rows), cast to ``dtype`` in the same copy."""
     b, h, ng, pmax, per, d = y.shape
-    return y.transpose(3, 4).reshape(b, h, ng * per * pmax, d)[:, :, :s].contiguous()
+    rows = y.transpose(3, 4).to(dtype or y.dtype, memory_format=torch.contiguous_format)
+    return rows.reshape(b, h, ng * per * pmax, d)[:, :, :s].contiguous()
