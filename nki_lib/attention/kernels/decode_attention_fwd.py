@@ -134,12 +134,13 @@ DIRECT_PIECE_SLOTS = 32           # contiguous interior chunks load K and V in p
                                   # each): the first scores and P @ V start while the rest lands
 OUT_STORE_LAG = 2                 # units whose out stores wait behind later units' loads (the DMA
                                   # engines serve in program order: an early store would hold them)
-SINGLE_CHUNK_KEYS = 2048          # capacities up to this (one chunk, one split) load their chunk whole and
-                                  # statically, so the units' compute pipelines in program order (the
-                                  # whole capacity is read: kept small)
+SINGLE_CHUNK_KEYS = 8192          # capacities up to this (one chunk, one split) load their chunk
+                                  # statically, so the units' compute pipelines in program order
 LOCKSTEP_CHAINS = 4               # softmax / P @ V chains (row tile x head-dim chunk) interleaved in lockstep:
                                   # each holds ~3 PSUM banks while in flight, 8 banks in all
 KT_ACT_EVERY = 4                  # single-chunk path: every 4th K^T eviction on ScalarE
+LOAD_GROUP_PARTITIONS = 16        # single-chunk contiguous loads skip groups of this many partitions
+                                  # that hold no key of [first, L_b) (2 DMA engines each: 16 groups in flight)
 KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers (divided by the
                                   # number of row tiles, whose working sets grow); streams (one per
@@ -575,6 +576,7 @@ class _StreamSetup(nl.NKIObject):
     """Runtime metadata of one (b, hk, split) stream."""
     regs: object       # 4 registers: unit columns start, lo, hi, stop of the edge, interior, edge ranges
     window: object     # (128, 2) float32 [first, L_b) relative to the current chunk, every partition
+    key_regs: object   # single-chunk path: registers of first and L_b (from ``window``), or None
 
 
 def _stream_setup(meta, ws):
@@ -588,7 +590,7 @@ def _stream_setup(meta, ws):
         regs.append(reg)
     window_sb = nl.ndarray((nl.tile_size.pmax, 2), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=window_sb, src=meta.window[:, 2 * ws:2 * ws + 2])
-    return _StreamSetup(regs=regs, window=window_sb)
+    return _StreamSetup(regs=regs, window=window_sb, key_regs=None)
 
 
 def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
@@ -631,20 +633,45 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
 
 
-def _single_chunk_k(cache, unit, seq_offset, k_chunk):
+def _load_needed_groups(cache_units, chunk_sb, base, m, key_regs):
+    """A contiguous chunk (keys p*M + c on partition p) by groups of ``LOAD_GROUP_PARTITIONS``
+    partitions, each with precomputed descriptors inside two device loops of 0 or 1 trips (static
+    start or stop, a key-window register on the other side, a step of one chunk): a group loads
+    only if it holds a key of [first, L_b), so traffic follows L_b; in ``DIRECT_PIECE_SLOTS``
+    pieces, so the first scores start while the rest lands."""
+    pmax = nl.tile_size.pmax
+    first_reg, end_reg = key_regs
+    chunk_keys = m * pmax
+    d = chunk_sb.shape[1] // m
+    for p0, pn in spans(pmax, LOAD_GROUP_PARTITIONS):
+        for _ in nl.dynamic_range(p0 * m, end_reg, chunk_keys):               # L_b > the group's first key
+            for _ in nl.dynamic_range(first_reg, (p0 + pn) * m, chunk_keys):  # first < its end
+                for c0, n in spans(m, DIRECT_PIECE_SLOTS):
+                    nisa.dma_copy(dst=chunk_sb[p0:p0 + pn, c0 * d:(c0 + n) * d],
+                                  src=cache_units.ap([[m * d, pn], [1, n * d]], offset=base + (p0 * m + c0) * d))
+
+
+def _key_registers(setup):
+    """Registers of [first, L_b) (the split's key window, relative to its first key), loaded once."""
+    if setup.key_regs is None:
+        setup.key_regs = []
+        for i in range(2):
+            reg = nisa.register_alloc()
+            nisa.register_load(reg, setup.window[0:1, i:i + 1])
+            setup.key_regs.append(reg)
+    return setup.key_regs
+
+
+def _single_chunk_k(cache, unit, seq_offset, k_chunk, setup):
     """K of the only chunk of a unit whose capacity fits one chunk (static, no device loop):
     contiguous -> the whole capacity in ``DIRECT_PIECE_SLOTS`` pieces (precomputed descriptors; keys
     past L_b only give masked scores); paged -> the unit ids of its columns, then one gather per
     softmax step (unneeded units skipped). Returns the unit ids (paged) for the V gather."""
     k_units, _, unit_table, key_slots, unit_keys, head_offset, plan = cache
-    pmax = nl.tile_size.pmax
     m = key_slots.shape[1]
-    d = k_chunk.shape[1] // m
     b, hk = unit
     if seq_offset is not None:
-        for c0, n in spans(m, DIRECT_PIECE_SLOTS):
-            nisa.dma_copy(dst=k_chunk[:, c0 * d:(c0 + n) * d],
-                          src=k_units.ap([[m * d, pmax], [1, n * d]], offset=seq_offset + hk * head_offset + c0 * d))
+        _load_needed_groups(k_units, k_chunk, seq_offset + hk * head_offset, m, _key_registers(setup))
         return None
     units_per_chunk = unit_table.shape[1]
     idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -658,14 +685,10 @@ def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
     """V of the only chunk (as ``_single_chunk_k``), then, when it is an edge chunk (a device loop of
     0 or 1 trips over each edge range), its V rows outside [first, L_b) zeroed."""
     _, v_units, _, key_slots, unit_keys, head_offset, _ = cache
-    pmax = nl.tile_size.pmax
     m = key_slots.shape[1]
-    d = v_chunk.shape[1] // m
     b, hk = unit
     if seq_offset is not None:
-        for c0, n in spans(m, DIRECT_PIECE_SLOTS):
-            nisa.dma_copy(dst=v_chunk[:, c0 * d:(c0 + n) * d],
-                          src=v_units.ap([[m * d, pmax], [1, n * d]], offset=seq_offset + hk * head_offset + c0 * d))
+        _load_needed_groups(v_units, v_chunk, seq_offset + hk * head_offset, m, _key_registers(setup))
     else:
         _gather_chunk(v_units, idx_sb, hk * head_offset, unit_keys, v_chunk)
     regs = setup.regs
@@ -899,8 +922,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
             group = list(enumerate(mine))[g0:g0 + n_pairs]
             works = [prepare(u) for _, u in group]
             cache = (k_units, v_units, unit_table, key_slots, unit_keys, head_offset, plan)
-            idx = [_single_chunk_k(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][0])
-                   for i, (_, u) in enumerate(group)]
+            idx = [_single_chunk_k(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][0], work.setups[0])
+                   for i, ((_, u), work) in enumerate(zip(group, works))]
             for i, ((_, u), work) in enumerate(zip(group, works)):
                 _single_chunk_v(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][1], idx[i], work.setups[0])
             _chunks([(work.states[0], work.q_t) + chunk_bufs[i] for i, work in enumerate(works)], plan, d_spans, m,
