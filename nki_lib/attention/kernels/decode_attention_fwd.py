@@ -398,7 +398,7 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0)
     return _lockstep([_step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src, score_scale)])[0]
 
 
-def _step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0):
+def _step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0, fresh=False):
     """P^T (128, rn, n) = exp(S^T - m_new) of the scores S^T (128, rn, n) of slots c0 .. c0 + n, and
     -m_new (rn, 1), with ``m_new = max(m_prev, rowmax)``: ``neg_m_prev`` is -m after the previous
     step, whose state update may not be issued yet (its P @ V is deferred).
@@ -431,11 +431,14 @@ def _step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_sca
     part_max_t = nl.ndarray((rn, pmax), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=part_max_t, data=part_max)
     yield
-    rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
     neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
-                       op1=nl.minimum, operand1=neg_m_prev)
+    if fresh and score_scale == 1.0:            # a fresh state's -STAT_INIT is above every -rowmax of
+        nisa.tensor_reduce(dst=neg_m_new, op=nl.maximum, data=part_max_t, axis=1, negate=True)  # a visible key
+    else:
+        rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
+        nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
+                           op1=nl.minimum, operand1=neg_m_prev)
     yield
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
@@ -463,7 +466,7 @@ def _step_pv(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
     _lockstep([_step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans)])
 
 
-def _step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
+def _step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, fresh=False):
     """O^T (dc, rn) = sum_j matmul(V slot j (128, dc), P^T slot j (128, rn)) per head-dim chunk (the
     wide V slot is the stationary operand, so each matmul streams only rn columns), transposed
     back to O (rn, D); the row sums (rn, 1) likewise with a ones column as the moving operand
@@ -488,6 +491,11 @@ def _step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
     for h, (d0, dn) in enumerate(d_spans):
         nisa.nc_transpose(dst=o_psum[:, d0:d0 + dn], data=o_t_sb[h])
     yield
+    if fresh:                                   # alpha = exp(-STAT_INIT - m_new) = 0: plain copies
+        nisa.tensor_copy(dst=state.l, src=rowsum)
+        nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
+        nisa.tensor_copy(dst=state.acc, src=o_psum)
+        return
     alpha = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, bias=neg_m_new, scale=-1.0)
     nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=alpha,
@@ -507,6 +515,8 @@ def _merge_phases(states, sink_sb, neg_big, total, dtype):
     (-M) and ``total`` (L) are written into the (rn, 1) views given (columns of the batch's lse
     tiles, whose log runs once for all units: one ScalarE table switch, not one per unit)."""
     rn, d = states[0].acc.shape
+    if len(states) == 1:
+        return (yield from _merge_one(states[0], sink_sb, neg_big, total, dtype))
     nisa.tensor_copy(dst=neg_big, src=states[0].neg_m)
     for st in states[1:]:
         nisa.tensor_tensor(dst=neg_big, data1=neg_big, data2=st.neg_m, op=nl.minimum)
@@ -541,6 +551,38 @@ def _merge_phases(states, sink_sb, neg_big, total, dtype):
     yield
     out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=out_sb, data=o_sum, op0=nl.multiply, operand0=inv_total)
+    return out_sb
+
+
+def _merge_one(st, sink_sb, neg_big, total, dtype):
+    """``_merge_phases`` for one split: -M = min(-m, -sink), w = exp(m - M), L = w*l + exp(sink - M),
+    out = acc * (1/L) * w (one pass over the (rn, D) rows)."""
+    rn, d = st.acc.shape
+    if sink_sb is not None:
+        nisa.tensor_scalar(dst=neg_big, data=sink_sb, op0=nl.multiply, operand0=-1.0,
+                           op1=nl.minimum, operand1=st.neg_m)
+    else:
+        nisa.tensor_copy(dst=neg_big, src=st.neg_m)
+    yield
+    weight = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=weight, op=nl.exp, data=st.neg_m, bias=neg_big, scale=-1.0)
+    sink_term = None
+    if sink_sb is not None:
+        sink_term = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sink_term, op=nl.exp, data=sink_sb, bias=neg_big)
+    yield
+    if sink_term is not None:
+        nisa.scalar_tensor_tensor(dst=total, data=st.l, op0=nl.multiply, operand0=weight,
+                                  op1=nl.add, operand1=sink_term)
+    else:
+        nisa.tensor_scalar(dst=total, data=st.l, op0=nl.multiply, operand0=weight)
+    yield
+    inv_total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=inv_total, data=total)
+    yield
+    out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out_sb, data=st.acc, op0=nl.multiply, operand0=inv_total,
+                       op1=nl.multiply, operand1=weight)
     return out_sb
 
 
@@ -734,13 +776,17 @@ def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_d
         nisa.tensor_scalar(dst=st.bounds, data=st.bounds, op0=nl.add, operand0=-float(m * nl.tile_size.pmax))
 
 
-def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
+def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, fresh=False):
     """Scores, mask, softmax and P @ V of loaded chunks -- ``jobs`` of (states per row tile, q^T,
     K chunk, V chunk), one softmax step (``plan[0]`` slots) at a time, software-pipelined over the
     steps of all jobs in order: the scores of item i+1 are issued before the softmax of item i, and
     the P @ V of item i after the softmax of item i+1 (TensorE transposes and multiplies while
     VectorE/ScalarE run the mask, max and exp chain of the item before). Several jobs (units of the
-    single-chunk path) so overlap their chains in program order."""
+    single-chunk path) so overlap their chains in program order. ``fresh``: the jobs' states are
+    newly initialised, so their first step needs no running max and no rescaling.
+
+    A step's -m_prev is the state's own (first step of a job) or the previous wave's item of the
+    same job (its state update is still deferred)."""
     pmax = nl.tile_size.pmax
     width = max(1, LOCKSTEP_CHAINS // (len(jobs[0][0]) * len(d_spans)))   # jobs per wave: PSUM bounds it
     rota = _EvictionRota() if len(jobs) > 1 else None
@@ -764,26 +810,28 @@ def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
         if w + 1 < len(waves):
             s_next = [scores(item) for item in waves[w + 1]]
         phases = []
-        for i, ((split_states, _, _, _), step) in enumerate(wave):
+        for i, (job, step) in enumerate(wave):
             s_sb, s_src, score_scale = s_cur[i]
-            phases += [_step_probs_phases(st, s_sb[t], step[0], st.neg_m if pending is None else pending[1][i][t][1],
-                                          dtype, s_src[t], score_scale)
-                       for t, st in enumerate(split_states)]
+            chained = pending is not None and pending[0][i][0] is job
+            phases += [_step_probs_phases(st, s_sb[t], step[0], pending[1][i][t][1] if chained else st.neg_m,
+                                          dtype, s_src[t], score_scale, fresh and step[0] == 0)
+                       for t, st in enumerate(job[0])]
         flat = _lockstep_batched(phases, max(1, LOCKSTEP_CHAINS // len(d_spans)))
         probs, k = [], 0
         for (split_states, _, _, _), _ in wave:
             probs.append(flat[k:k + len(split_states)])
             k += len(split_states)
         if pending is not None:
-            _flush_pv(pending, ones_col, d_spans)
+            _flush_pv(pending, ones_col, d_spans, fresh)
         pending = (wave, probs)
-    _flush_pv(pending, ones_col, d_spans)
+    _flush_pv(pending, ones_col, d_spans, fresh)
 
 
-def _flush_pv(pending, ones_col, d_spans):
+def _flush_pv(pending, ones_col, d_spans, fresh):
     """P @ V and the state updates of one wave, in lockstep over its items and row tiles."""
     wave, probs = pending
-    _lockstep_batched([_step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans)
+    _lockstep_batched([_step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans,
+                                       fresh and step[0] == 0)
                        for ((split_states, _, _, v_chunk), step), item_probs in zip(wave, probs)
                        for st, (p_t, neg_m_new) in zip(split_states, item_probs)],
                       max(1, LOCKSTEP_CHAINS // len(d_spans)))
@@ -927,7 +975,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
             for i, ((_, u), work) in enumerate(zip(group, works)):
                 _single_chunk_v(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][1], idx[i], work.setups[0])
             _chunks([(work.states[0], work.q_t) + chunk_bufs[i] for i, work in enumerate(works)], plan, d_spans, m,
-                    ones_col, k_units.dtype, scale, softcap, dtype)
+                    ones_col, k_units.dtype, scale, softcap, dtype, fresh=True)
             finish([(k, u, work.states) for (k, u), work in zip(group, works)])
     else:
         stream = 0                                  # this core's streams rotate over the buffer pairs
