@@ -540,8 +540,10 @@ def naive(q, k, v, sinks=None, cu_seqlens=None, cu_seqlens_k=None, attn_mask=Non
                            cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k, device=q.device)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         mask = mask & attn_mask
-    elif attn_mask is not None:
-        s = s + attn_mask.to(s.dtype)
+    elif attn_mask is not None:   # -inf entries mask (so an empty row's gradient is 0, not NaN)
+        blocked = attn_mask == -math.inf
+        mask = mask & ~blocked
+        s = s + attn_mask.masked_fill(blocked, 0).to(s.dtype)
     s = s.masked_fill(~mask, -math.inf)
     if sinks is not None:
         sink_col = sinks.to(s.dtype).reshape(1, hq, 1, 1).expand(b, hq, sq, 1)
