@@ -21,7 +21,7 @@ import math
 import torch
 
 from nki_lib import registry
-from nki_lib.attention import flash_attention_reference
+from nki_lib.attention import flash_attention_reference, key_bounds
 from nki_lib.attention.attention_args import MAX_HEAD_DIM, lse_dtype, resolve_scale
 from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.autograd.autocast import follow_sdpa_autocast
@@ -149,12 +149,16 @@ def _prepare(q, k, sinks, cu_seqlens, cu_seqlens_k, attn_mask):
     return sinks, cu_seqlens_k, attn_mask
 
 
-def _kernel_guard(cu_seqlens_k, attn_mask):
+def _kernel_mask(q, k, cu_seqlens, cu_seqlens_k, attn_mask, resolved):
+    """The kernels' per-row key bounds and static flags (``key_bounds.plan``), with ``resolved``'s
+    causal/window flags replaced by the ones the kernels apply; a mask they cannot express
+    raises ``Unsupported`` (a recorded fallback)."""
     from nki_lib.dispatch import Unsupported
-    if cu_seqlens_k is not None:
-        raise Unsupported("cu_seqlens_k (documents with Sq != Sk): not in the kernels yet")
-    if attn_mask is not None:
-        raise Unsupported("attn_mask: not in the kernels yet")
+    rules = {name: resolved[name] for name in ("causal", "window_left", "window_right")}
+    found = key_bounds.plan(q, k, cu_seqlens, cu_seqlens_k, attn_mask, **rules)
+    if isinstance(found, str):
+        raise Unsupported(found)
+    return found.bounds, dict(resolved, **found.flags)
 
 
 # --------------------------------------------------------------------------- forward op
@@ -175,9 +179,9 @@ def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     resolved = dict(flags, scale=resolve_scale(scale, q.shape[-1]))
 
     def launch():
-        _kernel_guard(cu_seqlens_k, attn_mask)
+        bounds, kernel_flags = _kernel_mask(q, k, cu_seqlens, cu_seqlens_k, attn_mask, resolved)
         from nki_lib.attention.kernels import flash_attention_fwd
-        return flash_attention_fwd.launch_flash_attention_fwd(q, k, v, sinks, cu_seqlens, **resolved)
+        return flash_attention_fwd.launch_flash_attention_fwd(q, k, v, sinks, bounds, **kernel_flags)
 
     out, lse = dispatch("flash_attention", (q, k, v, sinks), launch=launch,
                         reference=lambda: flash_attention_reference.flash_attention(
@@ -214,9 +218,10 @@ def flash_attention_backward_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch
     resolved = dict(flags, scale=resolve_scale(scale, q.shape[-1]))
 
     def launch():
-        _kernel_guard(cu_seqlens_k, attn_mask)
+        bounds, kernel_flags = _kernel_mask(q, k, cu_seqlens, cu_seqlens_k, attn_mask, resolved)
         from nki_lib.attention.kernels import flash_attention_bwd
-        return flash_attention_bwd.launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, **resolved)
+        return flash_attention_bwd.launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, bounds,
+                                                              **kernel_flags)
 
     grads = dispatch("flash_attention_backward", (dout, q, k, v, sinks), launch=launch,
                      reference=lambda: flash_attention_reference.flash_attention_backward(
@@ -323,6 +328,10 @@ def _report_samples():
         _make((1, 2, 200, 256), (1, 2, 136, 256), torch.float32, True),
         _make((1, 2, 333, 96), (1, 2, 333, 96), torch.float16, True, window_left=64, window_right=64),
         _make((1, 1, 4096, 128), (1, 1, 4096, 128), bf16, True, causal=True),
+        _make((2, 2, 512, 128), (2, 2, 512, 128), bf16, True, causal=True,
+              key_padding=[(0, 512), (200, 512)]),
+        _make((1, 2, 256, 64), (1, 2, 384, 64), bf16, True, causal=True, cu_seqlens=[0, 100, 256],
+              cu_seqlens_k=[0, 150, 384]),
     ]
 
 

@@ -8,7 +8,10 @@ multiple of Hkv. Calls go to ``torch.ops.nki.flash_attention``:
 * top-left causal is rewritten exactly into the op's bottom-right rule: for L <= S the keys
   ``>= L`` are never visible (they are dropped); for L > S the first S queries are causal over
   all keys and the rest see every key (two calls);
-* ``attn_mask`` goes to the op's ``attn_mask`` (4-D, broadcast dims kept at size 1);
+* ``attn_mask`` goes to the op's ``attn_mask`` (4-D, broadcast dims kept at size 1); the NKI
+  kernels serve it when each query row's allowed keys are one interval, the same for all heads
+  (key padding; bool, or additive 0/-inf), otherwise the op's reference does and the coverage
+  ledger records why (``nki_lib/attention/key_bounds.py``);
 * what the op does not take -- ``dropout_p > 0``, a value head dim Ev != E, fewer than 3 or more
   than 4 dims -- runs PyTorch's SDPA and is recorded in ``nki_lib.coverage()`` (op
   ``flash_attention``, path ``sdpa``).

@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cpu", action="store_true", help="skip the CPU reference / baseline timings")
     p.add_argument("--no-plot", action="store_true", help="skip the roofline PNGs")
     p.add_argument("--limit", type=int, default=None, help="run only the first N cases")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for --sweep reference (default: torch's own)")
     p.add_argument("--lnc", type=int, choices=(1, 2), default=None,
                    help="logical NeuronCore degree the kernels launch with (sets NEURON_LOGICAL_NC_CONFIG; "
                         "default: the environment's, else 1; a case that names its own, as in the targets "

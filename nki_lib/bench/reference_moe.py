@@ -3,7 +3,8 @@ experts in the inputs' dtype (what a transformers model's eager experts do), bf1
 forward + backward, on this machine's CPU.
 
 Ratios come from interleaved runs (A, B, A, B, ...; median of each), so drifting machine load
-hits both sides alike. ``ratio`` = reference time / loop time: <= 1 means the reference is no
+hits both sides alike; a row stops after its time budget (the slowest rows, a bf16 loop's
+backward, take about a minute per pair on 2 cores), with at least one pair. ``ratio`` = reference time / loop time: <= 1 means the reference is no
 slower than the loop (:data:`TARGET`). Run with ``python -m nki_lib.bench.reference_moe
 [--repeats N]``; ``nki-lib bench --sweep reference`` runs these cases after the attention ones.
 
@@ -93,29 +94,41 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def measure(case: Case, *, backward: bool, repeats: int = 5) -> dict:
-    """{case, pass, reference_ms, loop_ms, ratio} from ``repeats`` interleaved runs (one warm-up each)."""
+WARMUP_BELOW_S = 1.0   # a first pair slower than this counts as a measurement (lazy init is ms-scale)
+
+
+def measure(case: Case, *, backward: bool, repeats: int = 5, budget_s: float = 60.0) -> dict:
+    """{case, pass, reference_ms, loop_ms, ratio, pairs} from interleaved (reference, loop) pairs:
+    up to ``repeats`` pairs, stopping early once ``budget_s`` seconds are spent (at least one
+    pair). A first pair faster than :data:`WARMUP_BELOW_S` per side is a discarded warm-up."""
     reference, loop = _runners(case, backward)
-    reference(), loop()
-    ref_times, loop_times = [], []
-    for _ in range(repeats):
+    ref_times, loop_times = [_seconds(reference)], [_seconds(loop)]
+    if max(ref_times[0], loop_times[0]) < WARMUP_BELOW_S:
+        ref_times, loop_times = [], []
+    start = time.perf_counter()
+    while len(ref_times) < repeats and (not ref_times or time.perf_counter() - start < budget_s):
         ref_times.append(_seconds(reference))
         loop_times.append(_seconds(loop))
     ref_ms, loop_ms = 1e3 * statistics.median(ref_times), 1e3 * statistics.median(loop_times)
     return dict(case=case.label, pass_="fwd+bwd" if backward else "fwd", reference_ms=ref_ms, loop_ms=loop_ms,
-                ratio=ref_ms / loop_ms)
+                ratio=ref_ms / loop_ms, pairs=len(ref_times))
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds of timed pairs per row")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
-    print(f"{'case':<40} {'pass':<8} {'reference ms':>13} {'loop ms':>10} {'ratio':>7}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"{torch.get_num_threads()} CPU thread(s)")
+    print(f"{'case':<40} {'pass':<8} {'reference ms':>13} {'loop ms':>10} {'ratio':>7} {'pairs':>5}")
     for case in CASES:
         for backward in (False, True):
-            r = measure(case, backward=backward, repeats=args.repeats)
+            r = measure(case, backward=backward, repeats=args.repeats, budget_s=args.budget)
             print(f"{r['case']:<40} {r['pass_']:<8} {r['reference_ms']:>13.1f} {r['loop_ms']:>10.1f} "
-                  f"{r['ratio']:>7.2f}")
+                  f"{r['ratio']:>7.2f} {r['pairs']:>5}", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,15 +17,18 @@ How HF's masks map onto the op (static shapes throughout: compile and export wor
   ``causal=True`` and, for ``sliding_window=W``, ``window_left = W - 1`` (HF's rule: query q sees
   keys ``q - W < k <= q``), bottom-right aligned, which is HF's absolute alignment whenever
   ``q_offset - kv_offset == Sk - Sq`` (no cache, dynamic caches, sliding-window caches).
-* **Padding** (left or right): the key mask becomes ``attn_mask`` (B, 1, 1, Sk) of the op.
+* **Padding** (left or right): the key mask becomes ``attn_mask`` (B, 1, 1, Sk) of the op; the
+  flash kernels take it as per-row key bounds (one O(B * Sk) host pass), so padded batches run
+  on the kernels; a mask with holes inside a row is a recorded fallback.
 * **Packed sequences**: HF's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` kwargs (e.g. from
   ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) become ``cu_seqlens`` /
   ``cu_seqlens_k`` (B == 1); the mask transformers built for the same packing is not used.
 * **Everything else** (other mask functions: packed ``position_ids`` without ``cu_seq_lens_*``,
   bidirectional, chunked or custom overlays; static caches whose offsets are not bottom-right)
   gets transformers' dense boolean mask (its ``sdpa_mask``), passed as ``attn_mask`` with no
-  causal/window flags: correct, and counted as a fallback in ``nki_lib.coverage()`` whenever the
-  kernels cannot take it.
+  causal/window flags: correct, served by the kernels when every row's keys are one interval
+  (e.g. packed ``position_ids``: block-diagonal causal), else counted as a fallback in
+  ``nki_lib.coverage()``.
 * ``softcap`` (Gemma 2), ``s_aux`` sinks (gpt-oss, any float dtype), GQA and ``scaling`` map
   directly. Attention dropout (``dropout > 0`` in training) is not in the op: the call runs
   PyTorch's SDPA and is recorded as a fallback (softcap or sinks with dropout raise).

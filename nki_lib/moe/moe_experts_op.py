@@ -111,8 +111,8 @@ def _kernel_args(tensors):
 def validate_plan_values(block_expert, slot_assignment, *, num_assignments, num_experts):
     """Data checks of the plan (real tensors only), in few tensor ops (each is a launch on a
     device: the whole-op estimate charges them)."""
-    experts = block_expert.to("cpu", torch.int64)
-    slots = slot_assignment.to("cpu", torch.int64)
+    experts = block_expert.to("cpu")        # int32 or int64 as given: no widening copy
+    slots = slot_assignment.to("cpu")
     idle_blocks = padded = False
     if experts.numel():
         low, high = (int(v) for v in torch.aminmax(experts))

@@ -122,7 +122,7 @@ def _forward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, 
     for e, t, a in _expert_rows(topk_weights, block_expert, slot_assignment):
         g, u = _projections(x[t].to(dtype), e, w_gate_up, b_gate_up, dtype)
         y_e = _down(gate(g, u, **flags), e, w_down, b_down, dtype) * w_flat[a].to(dtype)[:, None]
-        y = y.index_add(0, t, y_e)
+        y.index_add_(0, t, y_e)
     return y
 
 
@@ -178,7 +178,7 @@ def moe_experts_backward(dy, x, topk_weights, block_expert, slot_assignment, w_g
         dh = dhy * wgt
         du = dh * a_g if du_mask is None else dh * a_g * du_mask
         dgu = torch.cat([dh * v * da, du], dim=1)
-        dx = dx.index_add(0, t, dgu @ wgu)
+        dx.index_add_(0, t, dgu @ wgu)
         dw_gate_up[e] += dgu.T @ x_e
         dw_down[e] += (dy_e * wgt).T @ h
         if db_gate_up is not None:

@@ -137,13 +137,14 @@ def test_contiguous_interior_chunks_use_hwdge_dmas(window_left, cap, length):
 
 
 def test_work_follows_lengths_not_capacity():
-    """Same lengths, 2x the capacity: the same instructions run (device loops over needed chunks)."""
+    """Same lengths, 2x the capacity: the same instructions run (device loops over needed chunks;
+    capacities of several chunks, past the single-chunk path's SINGLE_CHUNK_KEYS)."""
     counts = []
-    for cap in (8192, 16384):
+    for cap in (16384, 32768):
         sample = make_sample(1, 2, 1, 1, 16, [300], torch.bfloat16, block_size=64, capacity_=cap)
         _, report = _launch(sample, num_splits=1)
         counts.append(report.instructions)
-    longer = make_sample(1, 2, 1, 1, 16, [9000], torch.bfloat16, block_size=64, capacity_=16384)
+    longer = make_sample(1, 2, 1, 1, 16, [9000], torch.bfloat16, block_size=64, capacity_=32768)
     _, report = _launch(longer, num_splits=1)
     assert counts[0] == counts[1] < report.instructions
 
@@ -270,3 +271,21 @@ def test_many_sequences_broadcast_key_windows_by_dma():
     sample = make_sample(65, 2, 1, 1, 8, lengths, torch.float32, capacity_=40, window_left=9)
     outs, _ = _launch(sample, num_splits=1)
     _judge(sample, outs)
+
+
+@pytest.mark.parametrize("length, window_left", [(300, -1), (8000, 500)])
+def test_single_chunk_contiguous_reads_follow_the_window(length, window_left):
+    """A contiguous capacity of one chunk loads statically, but only the partition groups holding
+    a key of [first, L_b): fewer bytes than the full capacity, the rest poisoned with NaN."""
+    cap = 8192
+    sample = make_sample(1, 4, 1, 1, 32, [length], torch.bfloat16, capacity_=cap, window_left=window_left)
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    first = max(0, length - 1 - window_left) if window_left >= 0 else 0
+    pos = torch.arange(cap)[None, None, :, None]
+    keep = (pos >= first) & (pos < length)
+    poisoned = Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
+                      sample.label + " poisoned")
+    outs, report = _launch(poisoned, num_splits=1)
+    _judge(poisoned, outs)
+    kv_bytes = sum(e.bytes for e in report.trace if e.opcode == "dma_copy" and e.bytes >= 1024)
+    assert kv_bytes < 2 * cap * 32 * k.element_size()

@@ -137,7 +137,7 @@ def test_unsupported_before_launch():
     q = torch.randn(1, 1, 8, 4)
     stats = torch.zeros(1, 1, 8)
     with pytest.raises(Unsupported, match="scale <= 0"):
-        flash_attention_bwd.launch_flash_attention_bwd(q, stats, q, q, q, q, stats, None, torch.tensor([0, 3, 8], dtype=torch.int32),
+        flash_attention_bwd.launch_flash_attention_bwd(q, stats, q, q, q, q, stats, None, torch.zeros(1, 2, 8),
                       causal=True, scale=-0.5, window_left=-1, window_right=-1, softcap=0.0)
 
 

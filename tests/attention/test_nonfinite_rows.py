@@ -1,5 +1,5 @@
 """Rows whose running max is +inf (an inf score, issue 10 behaviour 8): lse is +inf there (the
-logsumexp of the scores, as the reference defines it), for the flash-attention forward and the
+logsumexp of the scores, as the naive oracle defines it), for the flash-attention forward and the
 decode kernels; the other rows are untouched.
 
 A query row with +inf in one head-dim entry, against keys whose entry there is positive, scores
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import nki_lib
+from nki_lib.attention import flash_attention_reference
 from nki_lib.attention.decode_attention_op import make_sample
 
 
@@ -25,15 +26,14 @@ def _both_paths(op, args, kwargs):
 
 
 def _assert_inf_lse_row(outs, row_index):
-    """lse is +inf on the poisoned row (logsumexp of +inf scores) and finite, as the reference's,
-    everywhere else. (The reference path itself is not asserted on the poisoned row: its fused
-    CPU attention gives NaN there when it runs with an additive mask, e.g. decode's offset causal
-    rows, and +inf otherwise.)"""
-    ref, got = outs["reference"][1], outs["simulator"][1]
-    assert torch.isposinf(got[row_index]), got[row_index]
-    others = torch.ones_like(got, dtype=torch.bool)
-    others[row_index] = False
-    assert torch.isfinite(got[others]).all() and torch.isfinite(ref[others]).all()
+    """lse is +inf on the poisoned row (logsumexp of +inf scores) on both paths, and finite
+    everywhere else."""
+    for path in ("reference", "simulator"):
+        lse = outs[path][1]
+        assert torch.isposinf(lse[row_index]), (path, lse[row_index])
+        others = torch.ones_like(lse, dtype=torch.bool)
+        others[row_index] = False
+        assert torch.isfinite(lse[others]).all(), path
 
 
 def _positive_entry(t, dim_index):
@@ -66,3 +66,38 @@ def test_decode_inf_score_row_has_inf_lse():
     q[row + (5,)] = float("inf")
     outs = _both_paths(torch.ops.nki.decode_attention, (q, k, *rest), sample.kwargs)
     _assert_inf_lse_row(outs, row)
+
+
+REFERENCE_MASKED_CALLS = {
+    # the structure or mask makes the reference run its fused kernel with an additive mask, where
+    # an +inf score meets the mask's -inf entries
+    "window": (200, dict(causal=True, window_left=37), False),
+    "offset causal": (120, dict(causal=True), False),
+    "key padding": (200, dict(causal=True), True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_MASKED_CALLS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_reference_masked_inf_score_row_has_inf_lse(name, dtype):
+    """The reference path's masked calls give lse = +inf on a row with an +inf score (not NaN),
+    as the naive oracle does, and the oracle's finite lse everywhere else."""
+    sq, flags, key_padding = REFERENCE_MASKED_CALLS[name]
+    gen = torch.Generator().manual_seed(1)
+    b, hq, hkv, sk, d = 2, 2, 1, 200, 32
+    q = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
+    k = _positive_entry(torch.randn(b, hkv, sk, d, generator=gen), 3).to(dtype)
+    v = torch.randn(b, hkv, sk, d, generator=gen).to(dtype)
+    row = (1, 0, sq - 50)
+    q[row + (3,)] = float("inf")
+    mask = None
+    if key_padding:
+        keys = torch.arange(sk)
+        mask = torch.stack([keys >= 0, keys >= 30]).reshape(b, 1, 1, sk)
+    with nki_lib.use_backend("reference"):
+        _, lse = torch.ops.nki.flash_attention(q, k, v, None, None, None, mask, **flags)
+    _, want = flash_attention_reference.naive(q.double(), k.double(), v.double(), None, None, None,
+                                              mask, **flags)
+    assert torch.isposinf(lse[row]), lse[row]
+    assert torch.equal(torch.isposinf(lse), torch.isposinf(want))
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want)) and not lse.isnan().any()

@@ -78,21 +78,29 @@ def _logits(model, ids, mask):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
 def test_logits_and_grads_match_the_models_own_attention(name, dtype, padding):
+    _assert_logits_and_grads(name, dtype, padding, "reference")
+
+
+def _assert_logits_and_grads(name, dtype, padding, path):
+    """Logits of the valid positions and dW_q of layer 0: the nki model on ``path`` (strict on
+    the simulator) against the model's own attention (baseline) and its float64 (oracle)."""
     ids, mask = _batch(padding)
     ours, theirs = _pair(name, dtype)
     oracle = _model(name, MODELS[name][3], torch.float64)
     valid = mask.bool()
     outs = {}
     for key, model in (("ours", ours), ("baseline", theirs), ("oracle", oracle)):
-        logits = _logits(model, ids, mask)
-        weights = torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)
-        (logits[valid] * weights).sum().backward()
+        ours_path = path if key == "ours" else "reference"
+        with nki_lib.use_backend(ours_path), nki_lib.strict(ours_path == "simulator"):
+            logits = _logits(model, ids, mask)
+            weights = torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)
+            (logits[valid] * weights).sum().backward()
         q_proj = model.model.layers[0].self_attn.q_proj.weight
         outs[key] = (logits[valid].detach(), q_proj.grad.detach())
     assert_parity(outs["ours"][0], outs["oracle"][0], outs["baseline"][0], kind="output",
-                  dtype=dtype, name=f"{name} logits")
+                  dtype=dtype, name=f"{name} logits ({path})")
     assert_parity(outs["ours"][1], outs["oracle"][1], outs["baseline"][1], kind="grad",
-                  dtype=dtype, name=f"{name} dW_q")
+                  dtype=dtype, name=f"{name} dW_q ({path})")
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -140,31 +148,55 @@ def test_compile_fullgraph_and_export_with_padding(name):
     torch.testing.assert_close(again, eager, rtol=0, atol=0)
 
 
-def test_dense_fallback_is_recorded_for_masks_the_flags_cannot_state():
-    """Packed position_ids without cu_seq_lens: transformers' dense mask goes to the op, which
-    serves it (correct logits) and the simulator path records why its kernels could not."""
+def _simulator_calls():
+    """{op: (calls, fallback reasons)} of the simulator path in the coverage ledger."""
+    stats = nki_lib.coverage()
+    return {op: (stats[op]["simulator"].calls, dict(stats[op]["simulator"].fallbacks))
+            for op in ("flash_attention", "flash_attention_backward") if op in stats}
+
+
+def test_packed_position_ids_dense_mask_runs_on_the_kernel():
+    """Packed position_ids without cu_seq_lens: transformers' dense (block-diagonal causal) mask
+    goes to the op as attn_mask; each row's keys are one interval, so the kernel serves it."""
     ours, theirs = _pair("llama", torch.float32)
     ids = torch.randint(0, COMMON["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(3))
     position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]])
     nki_lib.reset_coverage()
     kw = dict(position_ids=position_ids, use_cache=False)   # (with a cache HF does not pack)
-    with torch.no_grad(), nki_lib.use_backend("simulator"):
+    with torch.no_grad(), nki_lib.use_backend("simulator"), nki_lib.strict():
         got = ours(ids, **kw).logits
     with torch.no_grad():
         want = theirs(ids, **kw).logits
         exact = _model("llama", "sdpa", torch.float64)(ids, **kw).logits
     assert_parity(got, exact, want, kind="output", dtype=torch.float32, name="dense mask")
-    fallbacks = nki_lib.coverage()["flash_attention"]["simulator"].fallbacks
-    assert any("attn_mask" in reason for reason in fallbacks), fallbacks
+    assert _simulator_calls()["flash_attention"] == (COMMON["num_hidden_layers"], {})
 
 
-def test_simulator_path_matches_on_an_unpadded_batch():
-    ids, _ = _batch("none")
-    ours, theirs = _pair("llama", torch.bfloat16)
-    oracle = _model("llama", "sdpa", torch.float64)
+def test_padding_with_holes_is_a_recorded_fallback():
+    """A 2-D attention_mask with a hole inside a row is no key interval: the op serves it on the
+    reference and the simulator path records why its kernels could not."""
+    ids, mask = _batch("none")
+    mask[1, 4:6] = 0
+    ours, theirs = _pair("llama", torch.float32)
+    nki_lib.reset_coverage()
+    with torch.no_grad(), nki_lib.use_backend("simulator"):
+        got = ours(ids, attention_mask=mask).logits
     with torch.no_grad():
-        with nki_lib.use_backend("simulator"), nki_lib.strict():
-            got = ours(ids[:1, :8]).logits
-        want = theirs(ids[:1, :8]).logits
-        exact = oracle(ids[:1, :8]).logits
-    assert_parity(got, exact, want, kind="output", dtype=torch.bfloat16, name="simulator logits")
+        want = theirs(ids, attention_mask=mask).logits
+        exact = _model("llama", "sdpa", torch.float64)(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert_parity(got[valid], exact[valid], want[valid], kind="output", dtype=torch.float32,
+                  name="holes")
+    fallbacks = nki_lib.coverage()["flash_attention"]["simulator"].fallbacks
+    assert any("holes" in reason for reason in fallbacks), fallbacks
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+def test_simulator_path_runs_padded_batches_on_the_kernels(name, padding):
+    """Left/right-padded batches (B = 3) on the simulator path, strict: logits and dW_q within the
+    parity rule, and every attention call (forward and backward) served by the kernels."""
+    nki_lib.reset_coverage()
+    _assert_logits_and_grads(name, torch.bfloat16, padding, "simulator")
+    layers = COMMON["num_hidden_layers"]
+    assert _simulator_calls() == {"flash_attention": (layers, {}), "flash_attention_backward": (layers, {})}

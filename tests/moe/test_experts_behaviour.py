@@ -199,8 +199,8 @@ def _plan_ok(experts, slots, n, e):
 
 
 @given(n_blocks=st.integers(0, 6), block=st.integers(1, 4), e=st.integers(1, 4), n=st.integers(0, 12),
-       data=st.data())
-def test_plan_value_checks_match_the_contract(n_blocks, block, e, n, data):
+       dtype=st.sampled_from([torch.int32, torch.int64]), data=st.data())
+def test_plan_value_checks_match_the_contract(n_blocks, block, e, n, dtype, data):
     """validate_plan_values raises exactly when a plan breaks the contract (random plans, mostly
     near-valid: a valid plan with a few entries changed)."""
     slots = [-1] * (n_blocks * block)
@@ -215,7 +215,7 @@ def test_plan_value_checks_match_the_contract(n_blocks, block, e, n, data):
         elif experts:
             experts[data.draw(st.integers(0, len(experts) - 1))] = data.draw(st.integers(-2, e))
     ok = _plan_ok(experts, slots, n, e)
-    args = (torch.tensor(experts, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64))
+    args = (torch.tensor(experts, dtype=dtype), torch.tensor(slots, dtype=dtype))
     if ok:
         moe_experts_op.validate_plan_values(*args, num_assignments=n, num_experts=e)
     else:

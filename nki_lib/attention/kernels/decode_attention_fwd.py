@@ -134,12 +134,13 @@ DIRECT_PIECE_SLOTS = 32           # contiguous interior chunks load K and V in p
                                   # each): the first scores and P @ V start while the rest lands
 OUT_STORE_LAG = 2                 # units whose out stores wait behind later units' loads (the DMA
                                   # engines serve in program order: an early store would hold them)
-SINGLE_CHUNK_KEYS = 2048          # capacities up to this (one chunk, one split) load their chunk whole and
-                                  # statically, so the units' compute pipelines in program order (the
-                                  # whole capacity is read: kept small)
+SINGLE_CHUNK_KEYS = 8192          # capacities up to this (one chunk, one split) load their chunk
+                                  # statically, so the units' compute pipelines in program order
 LOCKSTEP_CHAINS = 4               # softmax / P @ V chains (row tile x head-dim chunk) interleaved in lockstep:
                                   # each holds ~3 PSUM banks while in flight, 8 banks in all
 KT_ACT_EVERY = 4                  # single-chunk path: every 4th K^T eviction on ScalarE
+LOAD_GROUP_PARTITIONS = 16        # single-chunk contiguous loads skip groups of this many partitions
+                                  # that hold no key of [first, L_b) (2 DMA engines each: 16 groups in flight)
 KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers (divided by the
                                   # number of row tiles, whose working sets grow); streams (one per
@@ -397,7 +398,7 @@ def _step_probs(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0)
     return _lockstep([_step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src, score_scale)])[0]
 
 
-def _step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0):
+def _step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0, fresh=False):
     """P^T (128, rn, n) = exp(S^T - m_new) of the scores S^T (128, rn, n) of slots c0 .. c0 + n, and
     -m_new (rn, 1), with ``m_new = max(m_prev, rowmax)``: ``neg_m_prev`` is -m after the previous
     step, whose state update may not be issued yet (its P @ V is deferred).
@@ -430,11 +431,14 @@ def _step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_sca
     part_max_t = nl.ndarray((rn, pmax), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=part_max_t, data=part_max)
     yield
-    rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
     neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
-                       op1=nl.minimum, operand1=neg_m_prev)
+    if fresh and score_scale == 1.0:            # a fresh state's -STAT_INIT is above every -rowmax of
+        nisa.tensor_reduce(dst=neg_m_new, op=nl.maximum, data=part_max_t, axis=1, negate=True)  # a visible key
+    else:
+        rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
+        nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
+                           op1=nl.minimum, operand1=neg_m_prev)
     yield
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
@@ -462,7 +466,7 @@ def _step_pv(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
     _lockstep([_step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans)])
 
 
-def _step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
+def _step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, fresh=False):
     """O^T (dc, rn) = sum_j matmul(V slot j (128, dc), P^T slot j (128, rn)) per head-dim chunk (the
     wide V slot is the stationary operand, so each matmul streams only rn columns), transposed
     back to O (rn, D); the row sums (rn, 1) likewise with a ones column as the moving operand
@@ -487,6 +491,11 @@ def _step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
     for h, (d0, dn) in enumerate(d_spans):
         nisa.nc_transpose(dst=o_psum[:, d0:d0 + dn], data=o_t_sb[h])
     yield
+    if fresh:                                   # alpha = exp(-STAT_INIT - m_new) = 0: plain copies
+        nisa.tensor_copy(dst=state.l, src=rowsum)
+        nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
+        nisa.tensor_copy(dst=state.acc, src=o_psum)
+        return
     alpha = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, bias=neg_m_new, scale=-1.0)
     nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=alpha,
@@ -506,6 +515,8 @@ def _merge_phases(states, sink_sb, neg_big, total, dtype):
     (-M) and ``total`` (L) are written into the (rn, 1) views given (columns of the batch's lse
     tiles, whose log runs once for all units: one ScalarE table switch, not one per unit)."""
     rn, d = states[0].acc.shape
+    if len(states) == 1:
+        return (yield from _merge_one(states[0], sink_sb, neg_big, total, dtype))
     nisa.tensor_copy(dst=neg_big, src=states[0].neg_m)
     for st in states[1:]:
         nisa.tensor_tensor(dst=neg_big, data1=neg_big, data2=st.neg_m, op=nl.minimum)
@@ -543,6 +554,38 @@ def _merge_phases(states, sink_sb, neg_big, total, dtype):
     return out_sb
 
 
+def _merge_one(st, sink_sb, neg_big, total, dtype):
+    """``_merge_phases`` for one split: -M = min(-m, -sink), w = exp(m - M), L = w*l + exp(sink - M),
+    out = acc * (1/L) * w (one pass over the (rn, D) rows)."""
+    rn, d = st.acc.shape
+    if sink_sb is not None:
+        nisa.tensor_scalar(dst=neg_big, data=sink_sb, op0=nl.multiply, operand0=-1.0,
+                           op1=nl.minimum, operand1=st.neg_m)
+    else:
+        nisa.tensor_copy(dst=neg_big, src=st.neg_m)
+    yield
+    weight = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=weight, op=nl.exp, data=st.neg_m, bias=neg_big, scale=-1.0)
+    sink_term = None
+    if sink_sb is not None:
+        sink_term = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sink_term, op=nl.exp, data=sink_sb, bias=neg_big)
+    yield
+    if sink_term is not None:
+        nisa.scalar_tensor_tensor(dst=total, data=st.l, op0=nl.multiply, operand0=weight,
+                                  op1=nl.add, operand1=sink_term)
+    else:
+        nisa.tensor_scalar(dst=total, data=st.l, op0=nl.multiply, operand0=weight)
+    yield
+    inv_total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=inv_total, data=total)
+    yield
+    out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out_sb, data=st.acc, op0=nl.multiply, operand0=inv_total,
+                       op1=nl.multiply, operand1=weight)
+    return out_sb
+
+
 class _LseTile(nl.NKIObject):
     """-M and L of one row tile (rows r0 .. r0 + rn) of every unit this core stores: column k is
     unit ``first + k * stride`` (flattened (b, hk)), whose rows start at ``unit * R`` of lse."""
@@ -575,6 +618,7 @@ class _StreamSetup(nl.NKIObject):
     """Runtime metadata of one (b, hk, split) stream."""
     regs: object       # 4 registers: unit columns start, lo, hi, stop of the edge, interior, edge ranges
     window: object     # (128, 2) float32 [first, L_b) relative to the current chunk, every partition
+    key_regs: object   # single-chunk path: registers of first and L_b (from ``window``), or None
 
 
 def _stream_setup(meta, ws):
@@ -588,7 +632,7 @@ def _stream_setup(meta, ws):
         regs.append(reg)
     window_sb = nl.ndarray((nl.tile_size.pmax, 2), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=window_sb, src=meta.window[:, 2 * ws:2 * ws + 2])
-    return _StreamSetup(regs=regs, window=window_sb)
+    return _StreamSetup(regs=regs, window=window_sb, key_regs=None)
 
 
 def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
@@ -631,20 +675,45 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
 
 
-def _single_chunk_k(cache, unit, seq_offset, k_chunk):
+def _load_needed_groups(cache_units, chunk_sb, base, m, key_regs):
+    """A contiguous chunk (keys p*M + c on partition p) by groups of ``LOAD_GROUP_PARTITIONS``
+    partitions, each with precomputed descriptors inside two device loops of 0 or 1 trips (static
+    start or stop, a key-window register on the other side, a step of one chunk): a group loads
+    only if it holds a key of [first, L_b), so traffic follows L_b; in ``DIRECT_PIECE_SLOTS``
+    pieces, so the first scores start while the rest lands."""
+    pmax = nl.tile_size.pmax
+    first_reg, end_reg = key_regs
+    chunk_keys = m * pmax
+    d = chunk_sb.shape[1] // m
+    for p0, pn in spans(pmax, LOAD_GROUP_PARTITIONS):
+        for _ in nl.dynamic_range(p0 * m, end_reg, chunk_keys):               # L_b > the group's first key
+            for _ in nl.dynamic_range(first_reg, (p0 + pn) * m, chunk_keys):  # first < its end
+                for c0, n in spans(m, DIRECT_PIECE_SLOTS):
+                    nisa.dma_copy(dst=chunk_sb[p0:p0 + pn, c0 * d:(c0 + n) * d],
+                                  src=cache_units.ap([[m * d, pn], [1, n * d]], offset=base + (p0 * m + c0) * d))
+
+
+def _key_registers(setup):
+    """Registers of [first, L_b) (the split's key window, relative to its first key), loaded once."""
+    if setup.key_regs is None:
+        setup.key_regs = []
+        for i in range(2):
+            reg = nisa.register_alloc()
+            nisa.register_load(reg, setup.window[0:1, i:i + 1])
+            setup.key_regs.append(reg)
+    return setup.key_regs
+
+
+def _single_chunk_k(cache, unit, seq_offset, k_chunk, setup):
     """K of the only chunk of a unit whose capacity fits one chunk (static, no device loop):
     contiguous -> the whole capacity in ``DIRECT_PIECE_SLOTS`` pieces (precomputed descriptors; keys
     past L_b only give masked scores); paged -> the unit ids of its columns, then one gather per
     softmax step (unneeded units skipped). Returns the unit ids (paged) for the V gather."""
     k_units, _, unit_table, key_slots, unit_keys, head_offset, plan = cache
-    pmax = nl.tile_size.pmax
     m = key_slots.shape[1]
-    d = k_chunk.shape[1] // m
     b, hk = unit
     if seq_offset is not None:
-        for c0, n in spans(m, DIRECT_PIECE_SLOTS):
-            nisa.dma_copy(dst=k_chunk[:, c0 * d:(c0 + n) * d],
-                          src=k_units.ap([[m * d, pmax], [1, n * d]], offset=seq_offset + hk * head_offset + c0 * d))
+        _load_needed_groups(k_units, k_chunk, seq_offset + hk * head_offset, m, _key_registers(setup))
         return None
     units_per_chunk = unit_table.shape[1]
     idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -658,14 +727,10 @@ def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
     """V of the only chunk (as ``_single_chunk_k``), then, when it is an edge chunk (a device loop of
     0 or 1 trips over each edge range), its V rows outside [first, L_b) zeroed."""
     _, v_units, _, key_slots, unit_keys, head_offset, _ = cache
-    pmax = nl.tile_size.pmax
     m = key_slots.shape[1]
-    d = v_chunk.shape[1] // m
     b, hk = unit
     if seq_offset is not None:
-        for c0, n in spans(m, DIRECT_PIECE_SLOTS):
-            nisa.dma_copy(dst=v_chunk[:, c0 * d:(c0 + n) * d],
-                          src=v_units.ap([[m * d, pmax], [1, n * d]], offset=seq_offset + hk * head_offset + c0 * d))
+        _load_needed_groups(v_units, v_chunk, seq_offset + hk * head_offset, m, _key_registers(setup))
     else:
         _gather_chunk(v_units, idx_sb, hk * head_offset, unit_keys, v_chunk)
     regs = setup.regs
@@ -711,13 +776,17 @@ def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_d
         nisa.tensor_scalar(dst=st.bounds, data=st.bounds, op0=nl.add, operand0=-float(m * nl.tile_size.pmax))
 
 
-def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
+def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, fresh=False):
     """Scores, mask, softmax and P @ V of loaded chunks -- ``jobs`` of (states per row tile, q^T,
     K chunk, V chunk), one softmax step (``plan[0]`` slots) at a time, software-pipelined over the
     steps of all jobs in order: the scores of item i+1 are issued before the softmax of item i, and
     the P @ V of item i after the softmax of item i+1 (TensorE transposes and multiplies while
     VectorE/ScalarE run the mask, max and exp chain of the item before). Several jobs (units of the
-    single-chunk path) so overlap their chains in program order."""
+    single-chunk path) so overlap their chains in program order. ``fresh``: the jobs' states are
+    newly initialised, so their first step needs no running max and no rescaling.
+
+    A step's -m_prev is the state's own (first step of a job) or the previous wave's item of the
+    same job (its state update is still deferred)."""
     pmax = nl.tile_size.pmax
     width = max(1, LOCKSTEP_CHAINS // (len(jobs[0][0]) * len(d_spans)))   # jobs per wave: PSUM bounds it
     rota = _EvictionRota() if len(jobs) > 1 else None
@@ -741,26 +810,28 @@ def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
         if w + 1 < len(waves):
             s_next = [scores(item) for item in waves[w + 1]]
         phases = []
-        for i, ((split_states, _, _, _), step) in enumerate(wave):
+        for i, (job, step) in enumerate(wave):
             s_sb, s_src, score_scale = s_cur[i]
-            phases += [_step_probs_phases(st, s_sb[t], step[0], st.neg_m if pending is None else pending[1][i][t][1],
-                                          dtype, s_src[t], score_scale)
-                       for t, st in enumerate(split_states)]
+            chained = pending is not None and pending[0][i][0] is job
+            phases += [_step_probs_phases(st, s_sb[t], step[0], pending[1][i][t][1] if chained else st.neg_m,
+                                          dtype, s_src[t], score_scale, fresh and step[0] == 0)
+                       for t, st in enumerate(job[0])]
         flat = _lockstep_batched(phases, max(1, LOCKSTEP_CHAINS // len(d_spans)))
         probs, k = [], 0
         for (split_states, _, _, _), _ in wave:
             probs.append(flat[k:k + len(split_states)])
             k += len(split_states)
         if pending is not None:
-            _flush_pv(pending, ones_col, d_spans)
+            _flush_pv(pending, ones_col, d_spans, fresh)
         pending = (wave, probs)
-    _flush_pv(pending, ones_col, d_spans)
+    _flush_pv(pending, ones_col, d_spans, fresh)
 
 
-def _flush_pv(pending, ones_col, d_spans):
+def _flush_pv(pending, ones_col, d_spans, fresh):
     """P @ V and the state updates of one wave, in lockstep over its items and row tiles."""
     wave, probs = pending
-    _lockstep_batched([_step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans)
+    _lockstep_batched([_step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans,
+                                       fresh and step[0] == 0)
                        for ((split_states, _, _, v_chunk), step), item_probs in zip(wave, probs)
                        for st, (p_t, neg_m_new) in zip(split_states, item_probs)],
                       max(1, LOCKSTEP_CHAINS // len(d_spans)))
@@ -899,12 +970,12 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
             group = list(enumerate(mine))[g0:g0 + n_pairs]
             works = [prepare(u) for _, u in group]
             cache = (k_units, v_units, unit_table, key_slots, unit_keys, head_offset, plan)
-            idx = [_single_chunk_k(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][0])
-                   for i, (_, u) in enumerate(group)]
+            idx = [_single_chunk_k(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][0], work.setups[0])
+                   for i, ((_, u), work) in enumerate(zip(group, works))]
             for i, ((_, u), work) in enumerate(zip(group, works)):
                 _single_chunk_v(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][1], idx[i], work.setups[0])
             _chunks([(work.states[0], work.q_t) + chunk_bufs[i] for i, work in enumerate(works)], plan, d_spans, m,
-                    ones_col, k_units.dtype, scale, softcap, dtype)
+                    ones_col, k_units.dtype, scale, softcap, dtype, fresh=True)
             finish([(k, u, work.states) for (k, u), work in zip(group, works)])
     else:
         stream = 0                                  # this core's streams rotate over the buffer pairs

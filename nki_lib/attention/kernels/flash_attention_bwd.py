@@ -15,8 +15,8 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
 
     for (b, kv head hk) units (one pass each, LNC2: shared between the programs):
         issue the first key tile's loads; phase 0 (bwd_prep) of hk's query heads: -lse of all
-        rows now, -delta (and the per-row key bounds with documents) of a query group when the
-        pass first loads it (its O/dO rows prefetched STATS_AHEAD groups earlier), all kept in
+        rows (and the per-row key bounds, when given, one DMA) now, -delta of a query group when
+        the pass first loads it (its O/dO rows prefetched STATS_AHEAD groups earlier), all kept in
         SBUF; dsinks partials at the end of the pass
         pairs = [(key tile [k0, k0 + kn), kn <= 512, query head h, query group, query tile)
                  for every key tile, query head of the group, visiting query tile]
@@ -25,7 +25,7 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
                                                      the last visible 128-key block)
             probs    P = exp(scale * S - lse)        ScalarE (reads PSUM); masks of partial tiles:
                                                      GpSimd affine_select on P (causal/window),
-                                                     documents: VectorE range_select before exp;
+                                                     key bounds: VectorE range_select before exp;
                      dP - delta                      ScalarE eviction (the bias of a copy), fp32
             dscores  dS = (dP - delta) * P           VectorE, one product
             dv       dV += P^T dO                    TensorE, per visible 128-key block (queries
@@ -85,16 +85,17 @@ Shapes (HBM; the row layouts are layout glue, one host op each): q_rows
 (g * per + s) * pmax + p of input i, zero rows past Sq); q_src, do_src (B, Hq, Sq, D), k_src,
 v_src (B, Hkv, Sk, D) natural (``natural``), else their (B, H, D, S) transposes;
 k_rows (B, Hkv, NKT, pmax, per, D) (``row_groups``); lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32;
-doc (2, Sq) fp32 first/last
-position of each position's document (cu_seqlens). Outputs dq (B, Hq, NG, pmax, per, D) and
+doc (B, pmax, NT, 2) fp32 per-row key bounds [lo, hi] (``nki_lib.attention.key_bounds``:
+documents, key padding, the causal/window rules intersected; ``tiles.bounds_layout``) or None.
+Outputs dq (B, Hq, NG, pmax, per, D) and
 dk, dv (B, Hkv, NKT, pmax, per, D) in row-group layout (the launcher turns them back).
 Scratch (non-resident dQ): dq_acc like dq, fp32.
 Dimension legend: B batch, Hq/Hkv query/kv heads (G = Hq // Hkv), Sq/Sk lengths, D head dim,
 pmax partitions, per = 128-row tiles per group (= 128-key blocks per key tile, 4), NG query
 groups, NKT key tiles, qn/kn rows/keys of the current tile, NT query tiles.
 Limits: D <= 256 (two contraction chunks); bf16/fp16/fp32; Sq + Sk < 2**24 (float32 key
-indices); with cu_seqlens and no softcap, scale > 0 (document-masked scores are filled with the
-most negative float32 before exp), else ``Unsupported``.
+indices); with per-row key bounds (cu_seqlens, attn_mask) and no softcap, scale > 0 (scores
+outside the bounds are filled with the most negative float32 before exp), else ``Unsupported``.
 """
 
 from __future__ import annotations
@@ -604,9 +605,10 @@ def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k_rows, k_src, v_src
 
 # --------------------------------------------------------------------------- launcher
 
-def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, *, causal, scale, window_left,
+def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, key_bounds, *, causal, scale, window_left,
               window_right, softcap):
-    """The launch of the backward kernel; it returns ``(dq, dk, dv, dsinks)`` (dsinks float32 (Hq,),
+    """The launch of the backward kernel (``key_bounds`` (B, 2, Sq) float32 or None and the flags
+    from ``key_bounds.plan``); it returns ``(dq, dk, dv, dsinks)`` (dsinks float32 (Hq,),
     zeros without sinks). Raises :class:`Unsupported` when the kernel cannot serve the call."""
     if q.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {q.dtype} (the backward kernel handles bfloat16, float16, float32)")
@@ -614,16 +616,17 @@ def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens,
         raise Unsupported(f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}")
     if q.shape[2] + k.shape[2] >= tiles.MAX_INDEX:
         raise Unsupported(f"Sq + Sk = {q.shape[2] + k.shape[2]} >= 2**24 (key indices are float32 in the kernel)")
-    if cu_seqlens is not None and softcap == 0 and scale <= 0:
-        raise Unsupported("scale <= 0 with cu_seqlens: document-masked scores would not vanish under exp")
+    if key_bounds is not None and softcap == 0 and scale <= 0:
+        raise Unsupported("scale <= 0 with per-row key bounds (cu_seqlens, attn_mask): masked scores "
+                          "would not vanish under exp")
     grid = lnc_degree()
-    doc = None if cu_seqlens is None else tiles.document_bounds(cu_seqlens, q.shape[2])
     natural = on_chip(q)   # Q^T, dO^T, K^T, V^T by DMA transposes of the natural rows, else host transposes
     srcs = [as_kernel_layout(x, natural) for x in (q, dout, k, v)]
     return KernelLaunch(
         flash_attention_bwd_kernel,
         (query_rows(q, dout, out), srcs[0], srcs[1], dlse.contiguous(), row_groups(k), srcs[2], srcs[3],
-         lse.contiguous(), None if sinks is None else sinks.contiguous(), doc),
+         lse.contiguous(), None if sinks is None else sinks.contiguous(),
+         None if key_bounds is None else tiles.bounds_layout(key_bounds)),
         dict(causal=bool(causal), scale=float(scale), window_left=int(window_left), window_right=int(window_right),
              softcap=float(softcap), natural=natural),
         grid=grid, unpack=partial(_unpack_grads, q.shape[2], k.shape[2], k.dtype))

@@ -13,8 +13,10 @@ head begins (``(pmax, NT)`` columns: row t * pmax + p on partition p, column t):
   row-group layout, prefetched by :func:`prefetch_group`): VectorE product, row sums and
   subtract -- one engine, so no other in-order engine queue of the pipeline waits on the chain.
   Stored negated so the main loop subtracts delta as the bias of its ScalarE eviction of dP.
-* ``lo``, ``hi``: the visible-key interval of the row (causal, window and document masks, from
-  ``tiles.row_bounds``, per tile; only with documents: causal/window masks need no per-row data)
+* ``lo``, ``hi``: the visible-key interval of the row (the host's per-row key bounds: causal,
+  window, documents and key padding together), one DMA per (b, h) from the partition-major
+  layout ``tiles.bounds_layout`` by :func:`head_start`; only with those bounds: causal/window
+  masks alone need no per-row data
 * ``dsinks[h] = sum_{b,i} exp(sink_h - lse_i) * neg_delta_i`` (:func:`head_finish`, after the
   groups no pair needed): ScalarE exp, VectorE product and row reduce into a per-partition
   accumulator; :func:`finish` sums across partitions with a ones-vector matmul on TensorE.
@@ -29,9 +31,10 @@ t * pmax + p.
 
 Shapes: od_rows (B, Hq, NG, pmax, 3, per, D) (Q, dO and O rows, ``flash_attention_bwd.query_rows``; phase 0
 reads dO and O, the main loop takes Q and dO from the same tile); lse, dlse (B, Hq, Sq)
-fp32; sinks (Hq,) fp32; doc (2, Sq).
+fp32; sinks (Hq,) fp32; doc (B, pmax, NT, 2) fp32 per-row key bounds [lo, hi]
+(``tiles.bounds_layout``) or None.
 Dimension legend: B batch, Hq query heads, Sq query length, D head dim, NT = ceil(Sq / pmax),
-NG query groups of ``per`` tiles, NSTAT statistics per row (2, or 4 with documents).
+NG query groups of ``per`` tiles, NSTAT statistics per row (2, or 4 with key bounds).
 Limits: one pass over dO and O; SBUF (pmax, NT) fp32 columns (a few per head).
 """
 
@@ -40,7 +43,6 @@ from __future__ import annotations
 import numpy as np
 
 from nki_lib._nki import nisa, nl
-from nki_lib.attention.kernels import tiles
 
 FP32_MAX = float(np.finfo(np.float32).max)
 
@@ -137,7 +139,7 @@ class Prep(nl.NKIObject):
         self.dlse = dlse
         self.lse = lse
         self.sinks = sinks
-        self.doc_rows = (None, None) if doc is None else (doc[0], doc[1])
+        self.key_bounds = doc
         self.mask = mask
         self.num_stats = num_stats
         self.zeros_sb = None
@@ -187,12 +189,14 @@ def head_start(prep, b, h):
     pmax = nl.tile_size.pmax
     seqlen_q = prep.lse.shape[2]
     num_q_tiles = (seqlen_q + pmax - 1) // pmax
+    stats_sb = nl.ndarray((pmax, num_q_tiles, prep.num_stats), dtype=nl.float32, buffer=nl.sbuf)
+    if prep.num_stats > LO:   # per-row key bounds of every row (rows past Sq see none): one DMA
+        bounds_sb = nl.ndarray((pmax, num_q_tiles, 2), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=bounds_sb, src=prep.key_bounds[b])     # (contiguous: one run per partition)
+        nisa.tensor_copy(dst=stats_sb[:, :, LO:HI + 1], src=bounds_sb, engine=nisa.engine.gpsimd)
     lse_cols = _columns(prep.lse[b, h], seqlen_q)
     dlse_cols = _columns(prep.dlse[b, h], seqlen_q)
-    stats_sb = nl.ndarray((pmax, num_q_tiles, prep.num_stats), dtype=nl.float32, buffer=nl.sbuf)
     _neg_lse(stats_sb, lse_cols, prep.zeros_sb)
-    if prep.num_stats > LO and seqlen_q % pmax:
-        nisa.memset(dst=stats_sb[:, num_q_tiles - 1, LO:], value=0.0)
     return HeadStats(b, h, stats_sb, lse_cols, dlse_cols)
 
 
@@ -211,23 +215,13 @@ def prefetch_group(prep, hs, gid):
 
 
 def group_stats(prep, hs, gid):
-    """The per-row statistics of query group ``gid`` of ``hs`` (once): -delta and, with documents,
-    the visible-key bounds of its tiles. The main loop calls it when it loads the group's rows, so
-    phase 0 runs interleaved with the pass, ahead of the pairs that need it."""
+    """The per-row statistics of query group ``gid`` of ``hs`` (once): -delta. The main loop calls
+    it when it loads the group's rows, so phase 0 runs interleaved with the pass, ahead of the
+    pairs that need it."""
     if gid in hs.done:
         return
-    pmax = nl.tile_size.pmax
-    per = prep.od_rows.shape[5]
-    seqlen_q = prep.lse.shape[2]
     _group_neg_delta(prep, hs, gid)
     hs.done.add(gid)
-    if prep.num_stats > LO:
-        for t in range(gid * per, min(hs.stats_sb.shape[1], (gid + 1) * per)):
-            q0 = t * pmax
-            rows = min(pmax, seqlen_q - q0)
-            lo_sb, hi_sb = tiles.row_bounds(prep.mask, q0, rows, *prep.doc_rows)
-            nisa.tensor_copy(dst=hs.stats_sb[:rows, t, LO], src=lo_sb, engine=nisa.engine.vector)
-            nisa.tensor_copy(dst=hs.stats_sb[:rows, t, HI], src=hi_sb, engine=nisa.engine.vector)
 
 
 def head_finish(prep, hs):

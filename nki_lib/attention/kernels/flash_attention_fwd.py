@@ -73,8 +73,9 @@ diagonal), see ``flash_attention_fwd_values``.
 Shapes (HBM): q (B, Hq, Sq, D), k (B, Hkv, Sk, D) in natural layout (``natural``: 2-byte
 dtypes, D <= 128; q^T/k^T tiles by DMA transposes, ``flash_attention_transposed_loads``), else their transposes
 (B, Hq, D, Sq), (B, Hkv, D, Sk) from the launcher (layout glue); v (B, Hkv, Sk, D), sinks (Hq,)
-float32, doc (2, S) float32 with the first
-and last position of each position's document (cu_seqlens). Outputs: out (B, Hq, Sq, D) in q's
+float32, doc (B, pmax, NT, 2) float32 per-row key bounds [lo, hi] (``nki_lib.attention.key_bounds``:
+documents, key padding, with the causal/window rules intersected; ``tiles.bounds_layout``, NT query
+tiles) or None. Outputs: out (B, Hq, Sq, D) in q's
 dtype, lse (B, Hq, Sq) float32.
 Dimension legend: B batch, Hq/Hkv query/kv heads, G = Hq / Hkv, Sq/Sk lengths, D head dim,
 dc head-dim chunk (<= 128), qn query rows of a tile (<= 128), kn keys of a tile (<= 512),
@@ -126,8 +127,9 @@ from nki_lib.attention.kernels.flash_attention_transposed_loads import as_kernel
 from nki_lib.attention.kernels.tiles import (
     MAX_INDEX,
     STAT_INIT,
+    KeyRows,
     MaskSpec,
-    document_bounds,
+    bounds_layout,
     head_dim_chunks,
     heads_per_pass,
     key_tile_width,
@@ -179,7 +181,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
     n_pass = heads_per_pass(group, state_bytes,
                             nl.tile_size.total_available_sbuf_size // STATE_SBUF_SHARE)
     ctx = Ctx(q=q, k=k, natural=natural, v=v, sinks=sinks, has_sinks=has_sinks, d=d, chunks=chunks,
-              mask=mask, doc_lo=doc[0] if has_docs else None, doc_hi=doc[1] if has_docs else None)
+              mask=mask, key_rows=KeyRows(doc) if has_docs else None)
     section_keys = max(key_tile_width(), KEY_SECTION_BYTES // q_bytes)
     n_spans = ceil_div(sk, section_keys)
     k_fits = (len(chunks) * sk * q_bytes
@@ -240,9 +242,10 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
 
 # --------------------------------------------------------------------------- launcher
 
-def launch_flash_attention_fwd(q, k, v, sinks, cu_seqlens, *, causal, scale, window_left, window_right, softcap):
+def launch_flash_attention_fwd(q, k, v, sinks, key_bounds, *, causal, scale, window_left, window_right, softcap):
     """The launch of :func:`flash_attention_fwd_kernel` for ``nki::flash_attention`` (arguments already
-    validated, ``scale`` resolved); it returns ``(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq)
+    validated, ``scale`` resolved; ``key_bounds`` (B, 2, Sq) float32 or None and the flags from
+    ``key_bounds.plan``); it returns ``(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq)
     float32)``. Raises :class:`Unsupported` for what the kernel cannot serve."""
     if q.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {q.dtype} (the kernel handles bfloat16, float16, float32)")
@@ -251,9 +254,9 @@ def launch_flash_attention_fwd(q, k, v, sinks, cu_seqlens, *, causal, scale, win
         raise Unsupported(f"Sq + Sk = {sq + sk} >= 2**24 (key indices are float32 in the kernel)")
     natural = on_chip(q)   # q^T / k^T by DMA transposes of the natural rows, else host transposes
     sinks_c = None if sinks is None else sinks.contiguous()
-    doc = None if cu_seqlens is None else document_bounds(cu_seqlens, sq)
     return KernelLaunch(flash_attention_fwd_kernel,
-                        (as_kernel_layout(q, natural), as_kernel_layout(k, natural), v.contiguous(), sinks_c, doc,
-                         sinks is not None, cu_seqlens is not None, bool(causal), float(scale), int(window_left),
+                        (as_kernel_layout(q, natural), as_kernel_layout(k, natural), v.contiguous(), sinks_c,
+                         None if key_bounds is None else bounds_layout(key_bounds), sinks is not None,
+                         key_bounds is not None, bool(causal), float(scale), int(window_left),
                          int(window_right), float(softcap), natural),
                         grid=lnc_degree())

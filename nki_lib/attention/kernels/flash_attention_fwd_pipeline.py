@@ -44,7 +44,7 @@ def load_k(ctx, groups, steps, s):
         grp.k = [None] * len(grp.sections)
         grp.v = [None] * len(grp.sections)
         if any(masked for _, _, masked in grp.plan):
-            grp.bounds = row_bounds(ctx.mask, grp.q0, grp.qn, ctx.doc_lo, ctx.doc_hi)
+            grp.bounds = row_bounds(ctx.mask, grp.q0, grp.qn, ctx.key_rows, grp.b)
     if si >= 0 and grp.k[si] is None:
         s0, slen, _ = section_span(grp, si)
         grp.k[si] = section_k(ctx, grp, s0, slen)

@@ -26,8 +26,7 @@ class Ctx(nl.NKIObject):
     d: int                 # head dim D
     chunks: tuple          # head-dim chunks ((start, size), ...) of at most 128
     mask: object           # tiles.MaskSpec
-    doc_lo: object         # (Sq,) document start per query (HBM) or None
-    doc_hi: object         # (Sq,) document end per query (HBM) or None
+    key_rows: object       # tiles.KeyRows (per-row key bounds cache) or None
     section_keys: int      # keys per K/V section
     stat_init: float       # initial running max (scaled)
     k_cache: object        # cached K^T sections of the current kv head (list) or None

@@ -9,10 +9,12 @@ Two kinds of helpers live here:
   ``masks.tile_is_visible`` / ``masks.tile_is_full``), and how many query heads of a GQA group
   fit in one pass (:func:`heads_per_pass`).
 * **In-kernel mask helpers** (emit NKI instructions): every mask of docs/contract.md §3.1 -- causal,
-  sliding window, and the ``cu_seqlens`` document mask -- restricts the keys of query ``i`` to
-  one interval ``[lo_i, hi_i]`` (inclusive, absolute key indices). :func:`row_bounds` builds the
-  two bound columns ``(rows, 1)`` float32 for a query tile (iota on GpSimd for the causal/window
-  diagonal, ``max``/``min`` with the per-position document bounds loaded from HBM);
+  sliding window, ``cu_seqlens`` / ``cu_seqlens_k`` documents and key padding -- restricts the
+  keys of query ``i`` to one interval ``[lo_i, hi_i]`` (inclusive, absolute key indices).
+  :func:`row_bounds` builds the two bound columns ``(rows, 1)`` float32 for a query tile: iota
+  on GpSimd for the causal/window diagonal, or, with per-row key bounds (documents, padding;
+  built on the host by ``nki_lib.attention.key_bounds`` with the rules already intersected),
+  views of those bounds, cached in SBUF (one DMA per ``BOUNDS_CHUNK_TILES`` query tiles);
   :func:`mask_scores` applies them to a score tile with one VectorE ``range_select`` that also
   returns the row max. Masked scores become ``MASK_FILL`` (the most negative finite float32,
   which ``range_select`` requires), so ``exp(MASK_FILL - m)`` is exactly 0 for any running max
@@ -24,8 +26,9 @@ Two kinds of helpers live here:
 Conventions (both kernels): queries on partitions, keys on the free axis.
 Shapes: query tiles (qn <= pmax = 128 rows), score tiles (qn, kn) with kn <= 512 keys (the matmul
 moving size and one fp32 PSUM bank), 128-key blocks for P @ V, head-dim chunks of <= 128; mask
-bounds are (qn, 1) float32 columns; document bounds in HBM are float32 vectors (S,).
-Dimension legend: Sq/Sk query/key lengths, S packed length, D head dim, qn/kn rows/keys of one
+bounds are (qn, 1) float32 columns; per-row key bounds in HBM are (B, pmax, NT, 2) float32
+(``bounds_layout``; NT query tiles).
+Dimension legend: B batch, Sq/Sk query/key lengths, D head dim, qn/kn rows/keys of one
 tile.
 Limits: key indices are float32 inside the kernels, so Sq + Sk must stay below ``MAX_INDEX``
 (2**24); ``range_select`` needs NC-v3+ (trn2/trn3).
@@ -39,17 +42,21 @@ from nki_lib.sizes import spans
 
 __all__ = ["MASK_FILL", "STAT_INIT", "MAX_INDEX", "MaskSpec", "spans", "query_tiles", "key_tiles",
            "key_tile_width", "key_blocks", "head_dim_chunks", "plan_row", "heads_per_pass",
-           "document_bounds",
+           "bounds_layout", "KeyRows", "BOUNDS_CHUNK_TILES",
            "row_bounds", "mask_scores", "inf_max_rows"]
 
 MASK_FILL = -3.4028234663852886e38  # most negative finite float32 (range_select's only fill value)
 STAT_INIT = MASK_FILL / 2           # initial running max: finite, above MASK_FILL by ~1.7e38
 MAX_INDEX = 1 << 24                 # float32 represents every integer index below this
+BOUNDS_CHUNK_TILES = 64             # per-row key bounds of this many query tiles (8192 rows) are
+                                    # loaded by one DMA: 512 B of SBUF per partition
 
 
 class MaskSpec(nl.NKIObject):
     """The static part of the mask (compile time), with windows normalised: a window side that
-    cannot exclude any key (``window_left >= Sk - 1``, ``window_right >= Sq - 1``) becomes -1."""
+    cannot exclude any key (``window_left >= Sk - 1``, ``window_right >= Sq - 1``) becomes -1.
+    ``has_docs``: per-row key bounds are given (documents or key padding); they make every
+    visited tile partial, and skipping stays with the static rules."""
 
     def __init__(self, sq: int, sk: int, causal: bool, window_left: int, window_right: int,
                  has_docs: bool):
@@ -73,7 +80,7 @@ class MaskSpec(nl.NKIObject):
         return masks.tile_is_visible(q0, q0 + qn, k0, k0 + kn, **self._flags())
 
     def tile_full(self, q0: int, qn: int, k0: int, kn: int) -> bool:
-        """No key of the tile is masked for any query (document masks make every tile partial)."""
+        """No key of the tile is masked for any query (per-row key bounds make every tile partial)."""
         return not self.has_docs and masks.tile_is_full(q0, q0 + qn, k0, k0 + kn, **self._flags())
 
 
@@ -112,14 +119,42 @@ def plan_row(mask: MaskSpec, q0: int, qn: int) -> tuple:
     return tuple(plan)
 
 
-def document_bounds(cu_seqlens, length: int):
-    """Host metadata for :func:`row_bounds`: (2, S) float32 with the first and last position of
-    the document of every position (``cu_seqlens`` int32 (N+1,))."""
+def bounds_layout(bounds):
+    """Launcher glue: per-row key bounds (B, 2, Sq) float32 (``key_bounds.plan``) -> the kernels'
+    partition-major layout (B, pmax, NT, 2) with ``[b, p, t, :] = bounds[b, :, t * pmax + p]``
+    (rows past Sq see no key: lo = 0, hi = -1), so one DMA puts the bounds of many query tiles
+    on partitions with one contiguous run per partition."""
     import torch
 
-    cu = cu_seqlens.to(torch.int64)
-    seg = masks.segment_ids(cu, length)
-    return torch.stack([cu[seg], cu[seg + 1] - 1]).to(torch.float32).contiguous()
+    pmax = nl.tile_size.pmax
+    b, _, sq = bounds.shape
+    pad = -sq % pmax
+    if pad:
+        empty = torch.tensor([0.0, -1.0], dtype=bounds.dtype, device=bounds.device)
+        bounds = torch.cat([bounds, empty.reshape(1, 2, 1).expand(b, 2, pad)], dim=2)
+    return bounds.reshape(b, 2, -1, pmax).permute(0, 3, 2, 1).contiguous()
+
+
+class KeyRows(nl.NKIObject):
+    """SBUF cache of the per-row key bounds (HBM (B, pmax, NT, 2), :func:`bounds_layout`): the
+    bounds of ``BOUNDS_CHUNK_TILES`` consecutive query tiles of one batch row, one DMA each."""
+
+    def __init__(self, bounds):
+        self.bounds = bounds
+        self.key = None
+        self.bounds_sb = None
+
+
+def _cached_rows(rows: KeyRows, b: int, q0: int, qn: int):
+    """``(lo, hi)`` (qn, 1) views of the cached bounds of rows ``[q0, q0 + qn)`` of batch row b."""
+    t = q0 // nl.tile_size.pmax
+    c0 = t - t % BOUNDS_CHUNK_TILES
+    if rows.key != (b, c0):
+        cn = min(BOUNDS_CHUNK_TILES, rows.bounds.shape[2] - c0)
+        rows.bounds_sb = nl.ndarray((nl.tile_size.pmax, cn, 2), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows.bounds_sb, src=rows.bounds[b, :, c0:c0 + cn, :])
+        rows.key = (b, c0)
+    return rows.bounds_sb[:qn, t - c0, 0:1], rows.bounds_sb[:qn, t - c0, 1:2]
 
 
 def heads_per_pass(group: int, per_head_bytes: int, budget_bytes: int) -> int:
@@ -143,13 +178,18 @@ def _constant_column(rows: int, value: float):
     return col_sb
 
 
-def row_bounds(mask: MaskSpec, q0: int, qn: int, doc_lo=None, doc_hi=None):
-    """Visible-key interval of each query row of the tile ``[q0, q0 + qn)``.
+def row_bounds(mask: MaskSpec, q0: int, qn: int, key_rows: KeyRows | None = None, b: int = 0):
+    """Visible-key interval of each query row of the tile ``[q0, q0 + qn)`` of batch row ``b``.
 
     Returns ``(lo_sb, hi_sb)``, each ``(qn, 1)`` float32: query ``q0 + p`` may see key j iff
-    ``lo_sb[p] <= j <= hi_sb[p]``. ``doc_lo``/``doc_hi`` are HBM float32 vectors (S,) with the
-    first and last position of each position's document (``cu_seqlens``), or None.
+    ``lo_sb[p] <= j <= hi_sb[p]``. With per-row key bounds (``mask.has_docs``; ``key_rows``,
+    built on the host by ``key_bounds.plan`` with the causal/window rules, documents and key
+    padding already intersected) they are views of the cached bounds (one DMA per
+    ``BOUNDS_CHUNK_TILES`` query tiles). Without them the interval is the causal/window
+    diagonal (GpSimd iota) or the whole key range.
     """
+    if mask.has_docs:
+        return _cached_rows(key_rows, b, q0, qn)
     diag = q0 + mask.offset
     if mask.window_left >= 0:
         lo_sb = _diagonal_column(qn, diag - mask.window_left)
@@ -162,11 +202,6 @@ def row_bounds(mask: MaskSpec, q0: int, qn: int, doc_lo=None, doc_hi=None):
         hi_sb = _diagonal_column(qn, diag + min(hi_shifts))
     else:
         hi_sb = _constant_column(qn, mask.sk - 1)
-    if mask.has_docs:
-        for bound_sb, doc, op in ((lo_sb, doc_lo, nl.maximum), (hi_sb, doc_hi, nl.minimum)):
-            doc_sb = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=doc_sb, src=doc[q0:q0 + qn])
-            nisa.tensor_tensor(dst=bound_sb, data1=bound_sb, data2=doc_sb, op=op)
     return lo_sb, hi_sb
 
 

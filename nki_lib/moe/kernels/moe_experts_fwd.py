@@ -4,11 +4,10 @@ Algorithm (one kernel launch, docs/contract.md §4.3 ``moe_experts``):
 host (index metadata only, :mod:`.moe_experts_groups`): up to G consecutive blocks of one expert are
   merged into a group of S = G*B slots (S <= 512, the largest whose SBUF estimate fits), so every
   weight tile is loaded and transposed once per group instead of once per block; per group the
-  expert id, per slot the assignment id a and the token id a // k (-1 = padding), per 128-slot
-  tile a live flag.
+  expert id, per slot the assignment id a and the token id a // k (-1 = padding).
 once: the slot token and assignment ids are loaded with one contiguous DMA per 128 groups each and
-  PE-transposed so that slots sit on partitions; the group flags valid[g] = (group_expert[g] >= 0)
-  on VectorE.
+  PE-transposed so that slots sit on partitions; on VectorE the group flags valid[g] =
+  (group_expert[g] >= 0) and each slot tile's live flag (max of its assignment ids >= 0).
 for each group g of this program (static loop, in order; LNC2: the two cores take alternate
   groups, LNC1: all of them), with the expert id and a 0/1 trip count in
   registers (a dynamic loop runs the body once, or not at all for unused groups), and each slot

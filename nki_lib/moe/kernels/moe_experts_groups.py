@@ -45,17 +45,15 @@ def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
     valid = block_expert >= 0
     prev = torch.cat([torch.full((1,), -2, dtype=block_expert.dtype, device=dev), block_expert[:-1]])
     run_start = valid & (block_expert != prev)
-    start_of_run = torch.cummax(torch.where(run_start, idx, torch.zeros_like(idx)), 0).values
-    pos = idx - start_of_run
-    group_start = valid & (pos % group_blocks == 0)
-    group_id = torch.cumsum(group_start.to(torch.int64), 0) - 1
+    pos = idx - torch.cummax(torch.where(run_start, idx, 0), 0).values      # block index inside its run
+    in_group = pos % group_blocks
+    group_id = torch.cumsum(valid & (in_group == 0), 0) - 1
     # a traced plan (no values) is moe_plan's: an expert's blocks are consecutive, runs <= experts
     n_runs = int(run_start.sum()) if has_values(run_start) else 0
     n_groups = group_count(n_blocks, n_experts, group_blocks, n_runs)
-    spare = torch.full_like(group_id, n_groups)
     group_expert = torch.full((n_groups + 1,), -1, dtype=torch.int32, device=dev)
-    group_expert.scatter_(0, torch.where(valid, group_id, spare), block_expert.to(torch.int32))
-    base = torch.where(valid, group_id * group_slots_n + (pos % group_blocks) * block, spare * group_slots_n)
+    group_expert.scatter_(0, torch.where(valid, group_id, n_groups), block_expert.to(torch.int32))
+    base = torch.where(valid, group_id * group_slots_n + in_group * block, n_groups * group_slots_n)
     dst = (base[:, None] + torch.arange(block, device=dev)[None, :]).reshape(-1)
     group_slots = torch.full((n_groups * group_slots_n + block,), -1, dtype=torch.int32, device=dev)
     group_slots.scatter_(0, dst, slot_assignment.reshape(-1).to(torch.int32))

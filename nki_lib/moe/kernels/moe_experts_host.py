@@ -73,7 +73,7 @@ def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sb
 def slot_tokens(slot_assignment, top_k):
     """Index metadata: the token id a // k of each slot, -1 for padding."""
     return torch.where(slot_assignment >= 0, torch.div(slot_assignment, top_k, rounding_mode="floor"),
-                       torch.full_like(slot_assignment, -1)).to(torch.int32).contiguous()
+                       -1).to(torch.int32).contiguous()
 
 
 def routing_weights(topk_weights):
