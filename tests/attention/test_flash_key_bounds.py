@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import nki_lib
 from nki_lib import registry
 from nki_lib.attention import key_bounds, masks
+from nki_lib.dispatch import collect_runs
 from nki_lib.numerics.oppar import op_parity
 from nki_lib.registry import Sample
 
@@ -235,3 +236,15 @@ def test_padding_patterns_share_one_kernel_specialization():
             args = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in sample.args)
             SPEC.op(*args, **sample.kwargs)
     assert nki_lib.coverage().specializations["flash_attention"] == 1
+
+
+@pytest.mark.parametrize("case", [
+    Case(b=2, hq=4, hkv=2, sq=200, sk=300, causal=True, rows=((0, 300), (50, 300)), dtype="bf16"),
+    Case(hq=2, hkv=2, sq=140, sk=600, d=32, cu=(0, 70, 140), cu_k=(0, 550, 600), rows=((10, 590),)),
+], ids=["padded-gqa", "docs-padding"])
+def test_kernels_serve_bounds_with_lnc2(monkeypatch, case):
+    """NEURON_LOGICAL_NC_CONFIG=2: both programs read the bounds of the rows they own."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    with collect_runs() as runs:
+        _check_kernels(case)
+    assert {report.grid for _, report in runs if report is not None} == {2}
