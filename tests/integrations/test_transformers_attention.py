@@ -200,3 +200,19 @@ def test_simulator_path_runs_padded_batches_on_the_kernels(name, padding):
     _assert_logits_and_grads(name, torch.bfloat16, padding, "simulator")
     layers = COMMON["num_hidden_layers"]
     assert _simulator_calls() == {"flash_attention": (layers, {}), "flash_attention_backward": (layers, {})}
+
+
+def test_static_cache_generate_with_left_padding_runs_on_the_kernels():
+    """A static cache gives transformers' dense mask (unused cache slots masked): with left padding
+    every row's keys are still one interval, so prefill and decode steps run on the kernels and
+    the greedy tokens equal sdpa's."""
+    ids, mask = _batch("left")
+    ours, theirs = _pair("llama", torch.float32)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static")
+    nki_lib.reset_coverage()
+    with torch.no_grad():
+        want = theirs.generate(ids, **kw)
+        with nki_lib.use_backend("simulator"), nki_lib.strict():
+            got = ours.generate(ids, **kw)
+    assert torch.equal(got, want)
+    assert _simulator_calls()["flash_attention"] == (COMMON["num_hidden_layers"] * 4, {})

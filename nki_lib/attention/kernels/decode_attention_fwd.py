@@ -78,9 +78,10 @@ is issued before the stores and setup of later units that would otherwise hold t
 
 Single-chunk path (one split, a capacity of one chunk of at most ``SINGLE_CHUNK_KEYS`` keys, and
 for a contiguous cache exactly one chunk): every unit's only chunk is chunk 0, so its loads and
-compute are static code (contiguous: the whole capacity by precomputed-descriptor DMAs, keys past
-L_b only give masked scores; paged: the gathers as above); only the V cleaning of an edge chunk
-stays in device loops (0 or 1 trips). Per group of units (as many as there are buffer pairs): K of
+compute are static code (contiguous: precomputed-descriptor DMAs per group of
+``LOAD_GROUP_PARTITIONS`` partitions, each inside device loops of 0 or 1 trips that skip a group
+holding no key of [first, L_b); paged: the gathers as above); the V cleaning of an edge chunk runs
+in device loops of 0 or 1 trips too. Per group of units (as many as there are buffer pairs): K of
 every unit, then V of every unit, then their compute in waves of up to ``LOCKSTEP_CHAINS`` chains,
 the instructions of the units' softmax, P @ V and merge chains interleaved phase by phase
 (``_lockstep``), so the in-order engines pay each hop's latency once per wave, not once per unit.
@@ -991,7 +992,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                         ones_col, d_spans, scale, softcap, dtype)
                 stream += 1
             finish([(k, u, work.states)])
-    for out_sb, row0 in pending_out:
+    nisa.activation(dst=warm, op=nl.log, data=ones_col)   # the log table loads behind the last merge's
+    for out_sb, row0 in pending_out:                         # exps, while VectorE finishes L and out
         _store_out(out, out_sb, row0)
     for t in my_tiles:
         _store_lse(lse_tiles[t], lse, rows)
