@@ -91,12 +91,14 @@ def test_several_intermediate_chunks():
     check(sample(5, 8, 2 * 256 + 40, 2, 1, 8, torch.float32, "gelu"))
 
 
-def test_narrow_tilings(monkeypatch):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_narrow_tilings(monkeypatch, overlap):
     """Chunks narrow to pmax and outputs are scattered per chunk when SBUF is short (large H, I,
-    B): the same results through those code paths."""
+    B), with and without the overlap (forward: deferred last y scatters; backward: next-chunk
+    weight prefetch): the same results through those code paths."""
     from nki_lib._nki import nl
     from nki_lib.moe.kernels import moe_experts_bwd, moe_experts_fwd
-    narrow = (nl.tile_size.pmax, nl.tile_size.pmax)
+    narrow = (nl.tile_size.pmax, nl.tile_size.pmax, overlap)
     monkeypatch.setattr(moe_experts_fwd, "tiling", lambda *a, **k: narrow)
     monkeypatch.setattr(moe_experts_bwd, "tiling", lambda *a, **k: narrow)
     check(sample(6, 300, 2 * 128 + 44, 3, 2, 8, torch.bfloat16, "gelu_tanh"))

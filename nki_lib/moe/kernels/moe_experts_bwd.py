@@ -42,7 +42,7 @@ staging groups > H chunks > I tiles > slot tiles}; then the k-reduction of dx.
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k, NB
 blocks, B block size. Kernel inputs (HBM): dy, x (T, H); topk_w (N, 1) fp32; block_expert (NB,),
 slot_token, slot_assignment (NB*B,) int32; w_gate_up (E, 2I, H); w_down (E, H, I) (nn.Linear
-layouts as given); compile-time activation, top_k, i_chunk, dx_cols. Outputs: dx (T, H),
+layouts as given); compile-time activation, top_k, i_chunk, dx_cols, prefetch_weights. Outputs: dx (T, H),
 dtopk (N, 1) fp32, dw_gate_up (E, 2I, H), dw_down (E, H, I).
 
 Limits: as the forward (bf16/fp16/fp32, B <= 512, LNC1) with the SBUF estimate :func:`sbuf_bytes`
@@ -64,7 +64,7 @@ from nki_lib.moe.activations import GELU_TANH_A, GELU_TANH_C
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu_terms, ones_row
 from nki_lib.moe.kernels.moe_experts_host import (
     check_supported,
-    choose_tiling,
+    choose_overlap_tiling,
     flags_sbuf_bytes,
     routing_weights,
     slot_tokens,
@@ -430,7 +430,7 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_
 
 
 def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
-               gate, i_chunk, dx_cols, grad_bufs, dx_slots, dtopk):
+               gate, i_chunk, dx_cols, grad_bufs, dx_slots, dtopk, prefetch):
     """Block b in guarded phases: transposes, I chunks and weight gradients; then the gathers of
     block b + 1 into rows allocated here (``next_regs`` = its registers, or None; the rows are
     returned); then dx and d topk_weights. GpSimd issues DMAs in program order, so the next
@@ -446,7 +446,7 @@ def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_re
     dw_accs = [nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
         _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg, mode_regs, block,
-                     gate, i_chunk, dg_t, du_t, grad_bufs)
+                     gate, (i_chunk, prefetch), dg_t, du_t, grad_bufs)
     next_rows = None
     if next_regs is not None:
         next_rows = _block_rows(x, dy, tok_ids, asg_ids, b + 1, block)
@@ -460,9 +460,11 @@ def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_re
 
 
 def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg, mode_regs, block,
-                 gate, i_chunk, dg_t, du_t, grad_bufs):
+                 gate, chunking, dg_t, du_t, grad_bufs):
     """xT, dyT and do from the gathered rows, then the I chunks (weight gradients, dgT, duT), then
-    the down bias's share of d topk_weights."""
+    the down bias's share of d topk_weights. ``chunking`` = (I chunk, prefetch): with prefetch the
+    next chunk's weights are loaded inside this chunk, else after it (see :func:`tiling`)."""
+    i_chunk, prefetch = chunking
     pmax = nl.tile_size.pmax
     x_t = nl.ndarray((pmax, len(spans(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
     for s0, _, _, _, _, x_rows in slot_tiles:
@@ -475,9 +477,11 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
         # start in program order; the stores wait for their PSUM evictions)
         following = chunks[n + 1] if n + 1 < len(chunks) else None
         weights = _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights,
-                           (lambda: None) if following is None else
+                           (lambda: None) if following is None or not prefetch else
                            (lambda c=following: chunk_weights(w_gate_up, w_down, expert_reg, *c)),
                            expert_reg, c0, cn, gate, dg_t, du_t, grad_bufs, mode_regs)
+        if following is not None and not prefetch:
+            weights = chunk_weights(w_gate_up, w_down, expert_reg, *following)
     if grad_bufs[2] is not None:
         _dtopk_bias(dy_t, slot_tiles, dw_accs, grad_bufs[2], expert_reg)
 
@@ -486,7 +490,8 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
 
 @nki.jit
 def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
-                           b_down, activation, swiglu_alpha, swiglu_limit, top_k, i_chunk, dx_cols):
+                           b_down, activation, swiglu_alpha, swiglu_limit, top_k, i_chunk, dx_cols,
+                           prefetch_weights):
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
     dx = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
@@ -514,7 +519,7 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
         next_regs = block_registers(expert_sb, valid_sb, b + 1) if b + 1 < n_blocks else None
         rows = _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
                           block, (activation, swiglu_alpha, swiglu_limit), i_chunk, dx_cols, grad_bufs, dx_slots,
-                          dtopk)
+                          dtopk, prefetch_weights)
         regs = next_regs
     reduce_assignments(dx_slots, dx, top_k)
     if bias is None:
@@ -541,18 +546,19 @@ def _bias_context(b_gate_up, b_down, dtype):
 # --------------------------------------------------------------------------- launcher
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_blocks, clamped=False,
-                  biases=False):
+                  biases=False, overlap=True):
     """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` and dx staging
     width ``dx_cols`` (upper bound): the block's resident tiles plus the largest of its three
     phases (loading rows, I chunks, dx), whose tiles are freed before the next phase; the clamped
-    swiglu's temporaries and the bias rows, ones and bias column when asked."""
+    swiglu's temporaries and the bias rows, ones and bias column when asked; with ``overlap``, the
+    next I chunk's weight columns (prefetched)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     slot_tiles = st * (2 * hidden * itemsize + 4 * 4)            # x, do rows; ids, weight, d weight
     resident = (2 * ht + 2 * it) * block * itemsize             # xT, dyT, dgT, duT
     load = st * hidden * itemsize                               # phase 1: dy rows (until scaled/transposed)
     staging = 2 * min(hidden, WEIGHT_SPAN) * itemsize           # natural W rows before transposes
-    streamed = 2 * 3 * ht * i_chunk * itemsize + staging        # W_gate^T, W_up^T, W_down columns (+ next chunk's)
+    streamed = (2 if overlap else 1) * 3 * ht * i_chunk * itemsize + staging   # W_gate^T, W_up^T, W_down (+ next)
     temps = _FP32_TEMPS_CLAMPED if clamped else _FP32_TEMPS
     chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * temps * i_chunk * 4   # h, dg, du; fp32 temps
     if biases:                                                  # g/u bias rows, ones row/column, b_down column
@@ -567,14 +573,14 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
 
 
 def tiling(hidden, inter, block, itemsize, **counts):
-    """(i_chunk, dx_cols) of the backward kernel for this shape."""
-    return choose_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, **counts)
+    """(i_chunk, dx_cols, prefetch_weights) of the backward kernel for this shape."""
+    return choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, **counts)
 
 
 def sbuf_bytes(hidden, inter, block, itemsize, **counts):
     """Peak SBUF bytes per partition at the chosen tiling."""
-    return sbuf_bytes_at(hidden, inter, block, itemsize, *tiling(hidden, inter, block, itemsize, **counts),
-                         **counts)
+    i_chunk, dx_cols, overlap = tiling(hidden, inter, block, itemsize, **counts)
+    return sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, overlap=overlap, **counts)
 
 
 def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
@@ -587,14 +593,14 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
                                  sbuf_fn=sbuf_bytes, **flags)
     top_k = topk_weights.shape[1]
-    i_chunk, dx_cols = tiling(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
+    i_chunk, dx_cols, prefetch = tiling(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
                               n_blocks=block_expert.shape[0], **flags)
     return KernelLaunch(
         moe_experts_bwd_kernel,
         (dy.contiguous(), x.contiguous(), routing_weights(topk_weights), block_expert.contiguous(),
          slot_tokens(slot_assignment, top_k), slot_assignment.contiguous(), w_gate_up.contiguous(),
          w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha), float(swiglu_limit), top_k,
-         i_chunk, dx_cols),
+         i_chunk, dx_cols, prefetch),
         unpack=partial(_unpack_grads, x, topk_weights, b_gate_up, b_down))
 
 

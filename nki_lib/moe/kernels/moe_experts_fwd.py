@@ -42,7 +42,7 @@ inputs (HBM): x (T, H), topk_w (N, 1) fp32, group_expert (NG,) int32, slot_token
 slot_assignment (NG*S,) int32 (a // k and a, or -1), w_gate_up
 (E, 2I, H), w_down (E, H, I) (nn.Linear layouts, as the op receives them), b_gate_up (E, 2I) and
 b_down (E, H) or None; compile-time activation, swiglu_alpha, swiglu_limit, top_k, h_chunk,
-y_cols. Output y (T, H) in x's dtype; scratch y_slots (N, H) fp32 (shared HBM).
+y_cols, defer_scatters. Output y (T, H) in x's dtype; scratch y_slots (N, H) fp32 (shared HBM).
 
 Limits: x and weights bf16/fp16/fp32 (one dtype); B <= 512 and S <= 512 (one PSUM bank per slot
 tile, at most 4 slot tiles in flight); the SBUF estimate :func:`sbuf_bytes` (dominated by xT, hT,
@@ -62,7 +62,7 @@ from nki_lib.moe.kernels.moe_experts_groups import merge_blocks
 from nki_lib.moe.kernels.moe_experts_host import (
     MAX_PSUM_SLOT_TILES,
     check_supported,
-    choose_tiling,
+    choose_overlap_tiling,
     flags_sbuf_bytes,
     routing_weights,
     slot_tokens,
@@ -211,12 +211,13 @@ def _transpose_group(x_t, slot_tiles, x_rows, trips_reg):
 
 
 def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_chunk, y_cols, y_slots, ones_sb,
-               deferred):
+               deferred, defer):
     """Group body in guarded phases: xT (then the x rows are released), h (gate/up; then xT is
     released), the gather of the next group's rows (``next_group`` = (registers, slot tiles) or
     None), the previous group's ``deferred`` y scatters, the down projection and the writes of y
     but the last staging group's. Returns (next group's rows, this group's deferred
-    scatters). GpSimd issues DMAs in program order, so the next gather is issued before this
+    scatters); with ``defer`` False (see :func:`tiling`) the last scatters follow the down
+    projection at once and None is returned in their place. GpSimd issues DMAs in program order, so the next gather is issued before this
     group's last matmul; the releases keep the x rows of two groups and xT from being live at
     once (SBUF: see :func:`sbuf_bytes_at`)."""
     pmax = nl.tile_size.pmax
@@ -239,12 +240,16 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_
     last_rows = [nl.ndarray((ps, last_cols), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
         _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols, ones_sb, last_rows)
-    return next_rows, [trips_reg, slot_tiles, last_rows, x.shape[1] - last_cols]
+    last = [trips_reg, slot_tiles, last_rows, x.shape[1] - last_cols]
+    if not defer:
+        scatter_deferred(y_slots, last)
+        last = None
+    return next_rows, last
 
 
 @nki.jit
 def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
-                           b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols):
+                           b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols, defer_scatters):
     t_len, hidden = x.shape
     n_groups = group_expert.shape[0]
     group = slot_token.shape[0] // n_groups
@@ -271,7 +276,7 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
             following = (block_registers(expert_sb, valid_sb, mine[n + 1]),
                          _group_tiles(ids, live_sb, mine[n + 1], group))
         x_rows, deferred = _group_fwd(x, current[1], x_rows, weights, current[0], following, group, gate, h_chunk,
-                                      y_cols, y_slots, ones_sb, deferred)
+                                      y_cols, y_slots, ones_sb, deferred, defer_scatters)
         current = following
     scatter_deferred(y_slots, deferred)
     if n_prog > 1:
@@ -284,10 +289,11 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
 
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_blocks, clamped=False,
-                  biases=False):
+                  biases=False, overlap=True):
     """Peak SBUF bytes per partition of the forward kernel at down-projection H chunk ``h_chunk``
     and y staging width ``y_cols`` (upper bound: two generations of every streamed tile; with the
-    clamped swiglu's three more fp32 temporaries and the bias rows and ones when asked)."""
+    clamped swiglu's three more fp32 temporaries and the bias rows and ones when asked; with
+    ``overlap``, the previous group's last staged y rows, whose scatters are deferred)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     rows = st * hidden * itemsize                                # x rows of one group
@@ -301,21 +307,21 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     phases = (rows + x_t + h_t,                                 # transposes: x rows -> xT
               x_t + h_t + staging + gate_up + bias,             # gate/up (x rows released)
               rows + h_t + staging + down + bias)               # down, next group's rows (xT released)
-    deferred = st * min(y_cols, hidden) * 4                     # previous group's last staged y rows
+    deferred = st * min(y_cols, hidden) * 4 if overlap else 0   # previous group's last staged y rows
     body = max(phases) + deferred
     live_flags = n_blocks * st * 4
     return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, tail_sbuf_bytes(hidden, top_k, itemsize))
 
 
 def tiling(hidden, inter, block, itemsize, **counts):
-    """(h_chunk, y_cols) of the forward kernel for this shape."""
-    return choose_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, **counts)
+    """(h_chunk, y_cols, defer_scatters) of the forward kernel for this shape."""
+    return choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, **counts)
 
 
 def sbuf_bytes(hidden, inter, block, itemsize, **counts):
     """Peak SBUF bytes per partition at the chosen tiling."""
-    return sbuf_bytes_at(hidden, inter, block, itemsize, *tiling(hidden, inter, block, itemsize, **counts),
-                         **counts)
+    h_chunk, y_cols, overlap = tiling(hidden, inter, block, itemsize, **counts)
+    return sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, overlap=overlap, **counts)
 
 
 def group_blocks(hidden, inter, block, itemsize, **counts):
@@ -340,12 +346,12 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
     counts = dict(top_k=top_k, n_blocks=block_expert.shape[0], **flags)
     blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
     group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
-    h_chunk, y_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
-                             n_blocks=group_expert.shape[0], **flags)
+    h_chunk, y_cols, defer = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
+                                    n_blocks=group_expert.shape[0], **flags)
     return KernelLaunch(moe_experts_fwd_kernel,
                         (x.contiguous(), routing_weights(topk_weights), group_expert, slot_tokens(group_slots, top_k),
                          group_slots, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
-                         activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols),
+                         activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols, defer),
                         grid=lnc_degree())
 
 

@@ -54,6 +54,25 @@ def choose_tiling(sbuf_at, hidden, *args, **counts):
     return choices[-1]
 
 
+def choose_overlap_tiling(sbuf_at, hidden, *args, **counts):
+    """(chunk, out_cols, overlap): :func:`choose_tiling` with the buffers of the kernel's overlap
+    (``sbuf_at(..., overlap=True)``: the forward's deferred y scatters, the backward's next-chunk
+    weights) counted, unless leaving them out gets a preferred tiling (rows staged whole, or a
+    wider chunk); then the kernel runs without the overlap. At deepseek-v3's H=7168 the overlap's
+    buffers cost whole staging (forward) or half the I chunk (backward), which cost more than the
+    overlap gains (docs/perf-log.md §10.6)."""
+    with_overlap = choose_tiling(sbuf_at, hidden, *args, overlap=True, **counts)
+    without = choose_tiling(sbuf_at, hidden, *args, overlap=False, **counts)
+
+    def preference(choice):
+        chunk, cols = choice
+        return cols >= hidden, chunk, cols
+
+    if preference(without) > preference(with_overlap):
+        return (*without, False)
+    return (*with_overlap, True)
+
+
 def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sbuf_fn, **flags):
     """Raise Unsupported (before launching) for what the kernels cannot serve."""
     if x.dtype not in KERNEL_DTYPES:
