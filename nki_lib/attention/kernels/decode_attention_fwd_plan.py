@@ -73,26 +73,43 @@ def _cores_share(n_split: int, units: int, grid: int) -> int:
     return ceil_div(n_split, grid) * grid if units % grid else n_split
 
 
-def _unit_view(cache, block_table, unit_keys):
-    """(cache rows of units, head offset in elements, unit ids of kv head 0 per column, #rows)."""
+def _unit_rows(cache, paged, unit_keys):
+    """(cache rows of units, head offset in elements, #rows): a reshape, no copy."""
     cache = cache.contiguous()
-    if block_table is not None:
+    if paged:
         nb, hkv, bs, d = cache.shape
-        return cache.reshape(nb, hkv * bs * d), bs * d, block_table.to(torch.int32), nb
+        return cache.reshape(nb, hkv * bs * d), bs * d, nb
     b, hkv, smax, d = cache.shape
     per_head = smax // unit_keys
-    rows = cache.reshape(b * hkv * per_head, unit_keys * d)
-    table = (torch.arange(b, dtype=torch.int32, device=cache.device)[:, None] * (hkv * per_head)
-             + torch.arange(per_head, dtype=torch.int32, device=cache.device)[None, :])
-    return rows, per_head * unit_keys * d, table, b * hkv * per_head
+    return cache.reshape(b * hkv * per_head, unit_keys * d), per_head * unit_keys * d, b * hkv * per_head
 
 
-def _interior_chunks(first, lengths, chunk):
+def _unit_ids(block_table, batch, seq_rows, n_cols_pad, device):
+    """(B, n_cols_pad) unit ids of kv head 0 per column (entries past the table's columns are never
+    read: ``_unit_table`` replaces them). Contiguous: row ``b * seq_rows + col`` -- one arange seen
+    through a strided view (no copy)."""
+    if block_table is not None:
+        n_cols = block_table.shape[1]
+        return torch.nn.functional.pad(block_table, (0, n_cols_pad - n_cols)) if n_cols_pad > n_cols else block_table
+    ids = torch.arange((batch - 1) * seq_rows + n_cols_pad, dtype=torch.int32, device=device)
+    return ids.as_strided((batch, n_cols_pad), (seq_rows, 1))
+
+
+def _unit_table(ids, lengths, first, unit_keys, n_rows):
+    """Unit ids with every unit holding no key of ``[first, L_b)`` replaced by the out-of-range
+    sentinel ``n_rows`` (units past the capacity start at or after L_b: no separate check)."""
+    col_key0 = torch.arange(0, ids.shape[1] * unit_keys, unit_keys, dtype=torch.int32, device=ids.device)
+    needed = col_key0[None, :] < lengths[:, None]
+    if not isinstance(first, int):
+        needed = needed & (col_key0[None, :] > (first - unit_keys)[:, None])
+    return torch.where(needed, ids, n_rows)
+
+
+def _interior_chunks(first, lengths, end, chunk):
     """Chunks [lo, hi) of each sequence whose keys are all visible to some new token (inside
     [first, L_b)): no slot needs cleaning, and for a contiguous cache one hardware-DGE DMA loads
-    them whole. Empty (lo = hi = end of the last chunk) when there is none."""
-    end = (lengths + chunk - 1) // chunk
-    lo = (first + chunk - 1) // chunk
+    them whole. Empty (lo = hi = ``end``, the end of the last chunk) when there is none."""
+    lo = 0 if isinstance(first, int) else (first + chunk - 1) // chunk
     hi = lengths // chunk
     none = hi <= lo
     return torch.where(none, end, lo), torch.where(none, end, hi)
@@ -100,11 +117,32 @@ def _interior_chunks(first, lengths, chunk):
 
 def _split_ranges(edges, direct_lo, direct_hi):
     """(B, S, 4) chunk bounds start <= lo <= hi <= stop of each split: in key order the ranges edge
-    [start, lo), interior [lo, hi), edge [hi, stop)."""
+    [start, lo), interior [lo, hi), edge [hi, stop) (start <= stop, so each clamp is a min of a max)."""
     start, stop = edges[:, :-1], edges[:, 1:]
-    lo = torch.minimum(torch.maximum(direct_lo[:, None], start), stop)
-    hi = torch.minimum(torch.maximum(direct_hi[:, None], lo), stop)
+    lo = torch.clamp(direct_lo[:, None], min=start, max=stop)
+    hi = torch.clamp(direct_hi[:, None], min=lo, max=stop)
     return torch.stack([start, lo, hi, stop], dim=-1)
+
+
+def _first_keys(lengths, sq, window_left, cache_start):
+    """``first = max(0, L_b - Sq - window_left, cache_start_b)`` per sequence, int32; the Python
+    int 0 when no window or start applies (the tables then skip every op on it)."""
+    first = 0
+    if window_left >= 0:
+        first = (lengths - (sq + window_left)).clamp(min=0)
+    if cache_start is not None:                       # left-padded cache: keys before start unseen
+        start = cache_start.to(torch.int32)
+        first = start if isinstance(first, int) else torch.maximum(first, start)
+    return first
+
+
+def _sink_rows(sinks, hkv, sq):
+    """(Hkv, R) float32 sink logit of each query row, R = (Hq/Hkv) * Sq (a view when Sq = 1)."""
+    if sinks is None:
+        return None
+    group = sinks.shape[0] // hkv
+    rows = sinks.to(torch.float32).reshape(hkv, group, 1).expand(hkv, group, sq)
+    return rows.reshape(hkv, group * sq).contiguous()
 
 
 def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, window_left,
@@ -135,41 +173,36 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
     if cap + chunk >= MAX_INDEX:
         raise Unsupported(f"cache capacity {cap}: key positions must stay below {MAX_INDEX} (float32 bounds)")
 
-    k_units, head_offset, table, n_rows = _unit_view(k_cache, block_table, unit_keys)
-    v_units, _, _, _ = _unit_view(v_cache, block_table, unit_keys)
-    dev = q.device
-    lengths = cache_seqlens.to(torch.int64)
-    first = (lengths - sq - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(lengths)
-    if cache_start is not None:                       # left-padded cache: keys before start unseen
-        first = torch.maximum(first, cache_start.to(torch.int64))
-
-    n_cols = table.shape[1]
+    k_units, head_offset, n_rows = _unit_rows(k_cache, paged, unit_keys)
+    v_units, _, _ = _unit_rows(v_cache, paged, unit_keys)
+    lengths = cache_seqlens.to(torch.int32)         # all table math in int32 (< MAX_INDEX)
+    first = _first_keys(lengths, sq, window_left, cache_start)
+    n_cols = block_table.shape[1] if paged else n_rows // (b * hkv)
     n_cols_pad = ceil_div(n_cols, units_per_chunk) * units_per_chunk
-    cols = torch.arange(n_cols_pad, device=dev)
-    needed = ((cols[None, :] * unit_keys < lengths[:, None])
-              & ((cols[None, :] + 1) * unit_keys > first[:, None]) & (cols[None, :] < n_cols))
-    padded = torch.nn.functional.pad(table, (0, n_cols_pad - n_cols))
-    unit_table = torch.where(needed, padded, torch.full_like(padded, n_rows)).to(torch.int32)
+    ids = _unit_ids(block_table, b, n_rows // b, n_cols_pad, q.device)
+    unit_table = _unit_table(ids.to(torch.int32), lengths, first, unit_keys, n_rows)
 
     grid = grid or lnc_degree()
     n_split = (_cores_share(num_splits, b * hkv, grid) if num_splits
                else plan_splits(b, hkv, ceil_div(cap, chunk), grid))
-    c0 = first // chunk
-    n_chunks = (lengths + chunk - 1) // chunk - c0
-    s_idx = torch.arange(n_split + 1, device=dev)
-    edges = c0[:, None] + (s_idx[None, :] * n_chunks[:, None]) // n_split          # (B, S+1) chunks
-    split_bounds = _split_ranges(edges, *_interior_chunks(first, lengths, chunk)) * units_per_chunk
-    split_key0 = edges[:, :-1] * chunk                                              # (B, S)
-    key_window = torch.stack([first[:, None] - split_key0, lengths[:, None] - split_key0], dim=-1)
-    rows = hq // hkv * sq
-    sink_rows = None
-    if sinks is not None:
-        sink_rows = sinks.to(torch.float32).reshape(hkv, hq // hkv, 1).expand(hkv, hq // hkv, sq)
-        sink_rows = sink_rows.reshape(hkv, rows).contiguous()
+    end = (lengths + (chunk - 1)) // chunk
+    s_idx = torch.arange(n_split + 1, dtype=torch.int32, device=q.device)
+    if isinstance(first, int):
+        edges = (s_idx[None, :] * end[:, None]) // n_split                            # (B, S+1) chunks
+    else:
+        c0 = first // chunk
+        edges = c0[:, None] + (s_idx[None, :] * (end - c0)[:, None]) // n_split
+    split_bounds = _split_ranges(edges, *_interior_chunks(first, lengths, end, chunk))
+    if units_per_chunk > 1:
+        split_bounds = split_bounds * units_per_chunk
+    window = (torch.nn.functional.pad(lengths[:, None], (1, 0)) if isinstance(first, int)
+              else torch.stack([first, lengths], dim=-1))                          # (B, 2) [first, L_b)
+    split_key0 = edges[:, :-1] * float(chunk)                                       # (B, S) float
+    key_window = (window[:, None, :] - split_key0[:, :, None]).to(torch.float32)
+    sink_rows = _sink_rows(sinks, hkv, sq)
 
     return KernelLaunch(decode_attention_fwd_kernel,
-                        (q.contiguous(), k_units, v_units, unit_table, split_bounds.to(torch.int32).contiguous(),
-                         key_window.to(torch.float32).contiguous(), sink_rows,
+                        (q.contiguous(), k_units, v_units, unit_table, split_bounds, key_window, sink_rows,
                          hkv, head_offset, None if paged else n_rows // b, unit_keys, m,
                          resolve_scale(scale, d), float(softcap), int(window_left)),
                         grid=grid)
