@@ -130,10 +130,10 @@ def validate_values(q, k_cache, cache_seqlens, block_table):
     """Data checks (real tensors only): lengths within [Sq, capacity], used block ids in range."""
     sq = q.shape[2]
     cap = capacity(k_cache, block_table)
-    lengths = cache_seqlens.to("cpu", torch.int64)
+    lengths = cache_seqlens.to("cpu")
     if lengths.numel() == 0:
         return
-    low, high = int(lengths.min()), int(lengths.max())
+    low, high = (int(x) for x in torch.aminmax(lengths))
     if low < sq:
         raise ValueError(f"cache_seqlens must be >= Sq={sq} (the cache already holds the new tokens), "
                          f"got a length of {low}")
@@ -142,9 +142,9 @@ def validate_values(q, k_cache, cache_seqlens, block_table):
     if block_table is None:
         return
     block_size, num_blocks = k_cache.shape[2], k_cache.shape[0]
-    table = block_table.to("cpu", torch.int64)
-    used = torch.arange(table.shape[1])[None, :] < ceil_div(lengths, block_size)[:, None]
-    bad = used & ((table < 0) | (table >= num_blocks))
+    table = block_table.to("cpu")
+    block_key0 = torch.arange(0, table.shape[1] * block_size, block_size)   # first key of each column
+    bad = (block_key0[None, :] < lengths[:, None]) & (table.clamp(0, num_blocks - 1) != table)
     if bool(bad.any()):
         b, col = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"block_table entries of used blocks must lie in [0, {num_blocks}) "

@@ -109,8 +109,11 @@ def _interior_chunks(first, lengths, end, chunk):
     """Chunks [lo, hi) of each sequence whose keys are all visible to some new token (inside
     [first, L_b)): no slot needs cleaning, and for a contiguous cache one hardware-DGE DMA loads
     them whole. Empty (lo = hi = ``end``, the end of the last chunk) when there is none."""
-    lo = 0 if isinstance(first, int) else (first + chunk - 1) // chunk
     hi = lengths // chunk
+    if isinstance(first, int):          # first = 0: none only when hi = 0, and then end = 1 (L_b >= 1)
+        hi_or_end = hi.clamp(min=1)
+        return hi_or_end - hi, hi_or_end
+    lo = (first + chunk - 1) // chunk
     none = hi <= lo
     return torch.where(none, end, lo), torch.where(none, end, hi)
 
@@ -197,8 +200,8 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
         split_bounds = split_bounds * units_per_chunk
     window = (torch.nn.functional.pad(lengths[:, None], (1, 0)) if isinstance(first, int)
               else torch.stack([first, lengths], dim=-1))                          # (B, 2) [first, L_b)
-    split_key0 = edges[:, :-1] * float(chunk)                                       # (B, S) float
-    key_window = (window[:, None, :] - split_key0[:, :, None]).to(torch.float32)
+    key_window = torch.empty((b, n_split, 2), dtype=torch.float32, device=q.device)
+    torch.add(window[:, None, :], edges[:, :-1, None], alpha=-chunk, out=key_window)  # minus the split's key 0
     sink_rows = _sink_rows(sinks, hkv, sq)
 
     return KernelLaunch(decode_attention_fwd_kernel,
