@@ -736,11 +736,11 @@ def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
         _gather_chunk(v_units, idx_sb, hk * head_offset, unit_keys, v_chunk)
     regs = setup.regs
     for r in range(0, len(regs) - 1, 2):                # the edge ranges [start, lo) and [hi, stop)
-        for _ in nl.dynamic_range(regs[r], regs[r + 1], unit_table_width(m, unit_keys)):
+        for _ in nl.dynamic_range(regs[r], regs[r + 1], _unit_table_width(m, unit_keys)):
             _zero_invisible_rows(v_chunk, key_slots, setup.window)
 
 
-def unit_table_width(m, unit_keys):
+def _unit_table_width(m, unit_keys):
     """Unit columns per chunk of 128*M keys."""
     return m * nl.tile_size.pmax // unit_keys
 
