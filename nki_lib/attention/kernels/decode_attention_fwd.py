@@ -84,7 +84,7 @@ holding no key of [first, L_b); paged: the gathers as above); the V cleaning of 
 in device loops of 0 or 1 trips too. Per group of units (as many as there are buffer pairs): K of
 every unit, then V of every unit, then their compute in waves of up to ``LOCKSTEP_CHAINS`` chains,
 the instructions of the units' softmax, P @ V and merge chains interleaved phase by phase
-(``_lockstep``), so the in-order engines pay each hop's latency once per wave, not once per unit.
+(``lockstep``), so the in-order engines pay each hop's latency once per wave, not once per unit.
 
 K/V chunk buffers: pairs rotate over the (b, hk, split) streams (as many pairs as fit
 ``CHUNK_BUFFER_BUDGET``), so one stream's gathers overlap another stream's compute.
@@ -118,7 +118,18 @@ positions < 2**24 (float32 bounds); unit size u a power of two with C/u <= 128.
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.attention.kernels.tiles import MAX_INDEX, STAT_INIT, inf_max_rows
+from nki_lib.attention.kernels.decode_attention_fwd_steps import (
+    MIN_II_ELEMS,
+    LseTile,
+    lockstep,
+    lockstep_batched,
+    merge_phases,
+    step_probs_phases,
+    step_pv_phases,
+    step_scores,
+    store_lse,
+)
+from nki_lib.attention.kernels.tiles import MAX_INDEX, STAT_INIT
 from nki_lib.sizes import spans
 
 __all__ = ["decode_attention_fwd_kernel", "block_slots", "chunk_plan"]
@@ -128,8 +139,6 @@ RANGE_BOUNDS = 4                  # split_bounds per split: start, lo, hi, stop 
 STEP_SCORE_ELEMS = 4096           # fp32 scores per partition of one softmax step (16 KiB of SBUF)
 STEP_SLOTS = 64                   # slots per softmax step: >= 64 keeps the per-row range_select at
                                   # one element per cycle; a chunk has >= 2 steps to pipeline
-MIN_II_ELEMS = 64                 # an instruction costs at least ~64 engine cycles (MIN_II): per-row
-                                  # instructions pay off only when a row has this many slots
 DIRECT_PIECE_SLOTS = 32           # contiguous interior chunks load K and V in pieces of 32 slots (8 KiB
                                   # rows at D=128 bf16, >= 2 KiB per descriptor; 600 ns hwdge issue
                                   # each): the first scores and P @ V start while the rest lands
@@ -142,7 +151,6 @@ LOCKSTEP_CHAINS = 4               # softmax / P @ V chains (row tile x head-dim 
 KT_ACT_EVERY = 4                  # single-chunk path: every 4th K^T eviction on ScalarE
 LOAD_GROUP_PARTITIONS = 16        # single-chunk contiguous loads skip groups of this many partitions
                                   # that hold no key of [first, L_b) (2 DMA engines each: 16 groups in flight)
-KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers (divided by the
                                   # number of row tiles, whose working sets grow); streams (one per
                                   # (b, hk, split)) rotate over the pairs that fit, so consecutive
@@ -275,344 +283,6 @@ def _gather_chunk(cache_units, idx_sb, head_offset, unit_keys, chunk_sb, slots=N
     nisa.dma_copy(dst=chunk_sb[:, c0 * d:(c0 + n) * d], src=src, oob_mode=nisa.oob_mode.skip,
                   dge_mode=nisa.dge_mode.swdge)
 
-
-def _block_keys_transposed(k_chunk, block, d_spans, m, dtype, engine):
-    """K^T chunks (dc, 128 * n) of one K^T block (slots c0 .. c0 + n): column j*128 + p is key
-    p*M + c0 + j of the chunk (evicted from PSUM by VectorE)."""
-    pmax = nl.tile_size.pmax
-    c0, n = block
-    d = k_chunk.shape[1] // m
-    k_t = []
-    for d0, dn in d_spans:
-        k_t_psum = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.psum)
-        for j in range(n):
-            c = c0 + j
-            nisa.nc_transpose(dst=k_t_psum[:, j * pmax:(j + 1) * pmax],
-                              data=k_chunk[:, c * d + d0:c * d + d0 + dn])
-        k_t_sb = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=k_t_sb, src=k_t_psum, engine=engine)
-        k_t.append(k_t_sb)
-    return k_t
-
-
-def _evict_scores(s_view, s_psum, scale, softcap):
-    """S^T block PSUM -> SBUF with the scale (and softcap) applied (ScalarE)."""
-    if softcap > 0:
-        nisa.activation(dst=s_view, op=nl.tanh, data=s_psum, scale=scale / softcap)
-        nisa.tensor_scalar(dst=s_view, data=s_view, op0=nl.multiply, operand0=softcap)
-    else:
-        nisa.activation(dst=s_view, op=nl.copy, data=s_psum, scale=scale)
-
-
-def _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused=False, rota=None):
-    """S^T (128, rn, n) of every row tile for the slots of one softmax step: element [p, r, j] is
-    the score of row r with key p*M + c0 + j (rows outermost, so each row's slots are one
-    contiguous run for its range_select). One matmul per slot and head-dim chunk
-    (stationary K^T slot (dc, 128), moving q^T (dc, rn)) into a score block's PSUM tile, evicted
-    with the scale when the block is complete -- or, ``fused`` (one block, no softcap), left in PSUM
-    for the mask to read (returned: per row tile the (128, rn, n) view). K^T blocks are software-pipelined
-    ``KT_LOOKAHEAD`` blocks deep (their transposes are issued that far ahead of their matmuls,
-    hiding the PE -> eviction -> PE latency)."""
-    pmax = nl.tile_size.pmax
-    c0, n = step
-    _, blk_slots, kt_slots = plan
-    kt_blocks = tuple((b0 + k0, kn) for b0, bn in spans(n, blk_slots) for k0, kn in spans(bn, kt_slots))
-
-    def transposed(i):
-        k0, kn = kt_blocks[i]
-        return _block_keys_transposed(k_chunk, (c0 + k0, kn), d_spans, m, kv_dtype,
-                                      rota.next() if rota is not None else nisa.engine.vector)
-
-    pending = [transposed(i) for i in range(min(KT_LOOKAHEAD, len(kt_blocks)))]
-    s_psum = None
-    for i, (k0, kn) in enumerate(kt_blocks):
-        k_t = pending.pop(0)
-        if i + KT_LOOKAHEAD < len(kt_blocks):
-            pending.append(transposed(i + KT_LOOKAHEAD))
-        b0 = k0 - k0 % blk_slots
-        bn = min(blk_slots, n - b0)
-        if k0 == b0:
-            s_psum = [nl.ndarray((pmax, bn, q[0].shape[1]), dtype=nl.float32, buffer=nl.psum) for q in q_t]
-        for t in range(len(s_sb)):
-            for j in range(kn):
-                for h in range(len(q_t[t])):
-                    nisa.nc_matmul(dst=s_psum[t][:, k0 - b0 + j, :], stationary=k_t[h][:, j * pmax:(j + 1) * pmax],
-                                   moving=q_t[t][h], accumulate=(h > 0))
-        if k0 + kn == b0 + bn and not fused:
-            for t in range(len(s_sb)):
-                _evict_scores(*_score_views(s_sb[t], s_psum[t], b0, bn), scale, softcap)
-    return [p.permute((0, 2, 1)) for p in s_psum] if fused else s_sb
-
-
-def _score_views(s_sb, s_psum, b0, bn):
-    """(SBUF destination, PSUM source) views of one score block's eviction, element for element:
-    the block is (128, bn, rn) slot-major; S^T is rows outermost (128, rn, n), or for grouped rows
-    (128, Sq, n, G) (row r = g*Sq + t at [t, c, g])."""
-    if len(s_sb.shape) == 3:
-        return s_sb[:, :, b0:b0 + bn].permute((0, 2, 1)), s_psum
-    pmax, sq, _, group = s_sb.shape
-    return s_sb[:, :, b0:b0 + bn, :].permute((0, 2, 3, 1)), s_psum.reshape((pmax, bn, group, sq))
-
-
-def _mask_grouped(state, s_sb, c0, part_max):
-    """Mask and per-partition row max of grouped short-row scores S^T (128, Sq, n, G): rows of one
-    t share their bounds, so one range_select per t covers its G rows (free index c*G + g, visible
-    iff lo*G <= c*G + g < (hi + 1)*G), then one max over the slots of every row."""
-    pmax, sq, n, group = s_sb.shape
-    g_bounds = nl.ndarray((pmax, sq, 2), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=g_bounds[:, :, 0], data=state.bounds[:, 0:sq, 0], op0=nl.multiply, operand0=float(group))
-    nisa.tensor_scalar(dst=g_bounds[:, :, 1], data=state.bounds[:, 0:sq, 1], op0=nl.add, operand0=1.0,
-                       op1=nl.multiply, operand1=float(group))
-    for t in range(sq):
-        nisa.range_select(dst=s_sb[:, t], on_true_tile=s_sb[:, t], comp_op0=nl.greater_equal, comp_op1=nl.less,
-                          bound0=g_bounds[:, t, 0:1], bound1=g_bounds[:, t, 1:2], range_start=c0 * group)
-    nisa.tensor_reduce(dst=part_max.reshape((pmax, group, sq)).permute((0, 2, 1)), op=nl.maximum,
-                       data=s_sb.permute((0, 1, 3, 2)), axis=3)
-
-
-def _lockstep(phases):
-    """Run phase generators round-robin, one phase of each in turn, so that the instructions of
-    independent chains interleave in program order (each hop's latency is waited for once per
-    round, not once per chain); returns their return values."""
-    results = [None] * len(phases)
-    live = list(range(len(phases)))
-    while live:
-        still = []
-        for i in live:
-            try:
-                next(phases[i])
-                still.append(i)
-            except StopIteration as done:
-                results[i] = done.value
-        live = still
-    return results
-
-
-def _lockstep_batched(phases, width):
-    """``_lockstep`` over consecutive batches of at most ``width`` chains (their PSUM tiles are live
-    together)."""
-    return [r for i in range(0, len(phases), width) for r in _lockstep(phases[i:i + width])]
-
-
-def _step_probs(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0):
-    """``_step_probs_phases`` run alone."""
-    return _lockstep([_step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src, score_scale)])[0]
-
-
-def _step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0, fresh=False):
-    """P^T (128, rn, n) = exp(S^T - m_new) of the scores S^T (128, rn, n) of slots c0 .. c0 + n, and
-    -m_new (rn, 1), with ``m_new = max(m_prev, rowmax)``: ``neg_m_prev`` is -m after the previous
-    step, whose state update may not be issued yet (its P @ V is deferred).
-
-    mask + per-partition row max: one range_select per row r over its n slots (slot c of
-      partition p is key p*M + c: visible iff lo_r - p*M <= c <= hi_r - p*M)
-    row max across partitions: PE transpose (128, rn) -> (rn, 128), VectorE max
-    -m broadcast to the partitions: PE transpose of a stride-0 (rn, 128) view -> (128, rn)
-    P^T = exp(S^T - m) in the input dtype: one ScalarE exp per row r with the per-partition bias
-      -m_r (column r of the broadcast) when a row has >= MIN_II_ELEMS slots, else one VectorE add of
-      the broadcast and a single exp
-
-    ``s_src``: the unscaled scores in PSUM (fused step, long rows only): the range_select evicts
-    them into ``s_sb``, and ``score_scale`` goes into -m and the exp (one ScalarE eviction and its
-    PE -> ScalarE -> VectorE hop less per step)"""
-    pmax = nl.tile_size.pmax
-    s_src = s_sb if s_src is None else s_src
-    rn, d = state.acc.shape
-    grouped = len(s_sb.shape) == 4
-    n = s_sb.shape[2]
-    part_max = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
-    if grouped:
-        _mask_grouped(state, s_sb, c0, part_max)
-    for r in range(0 if grouped else rn):
-        nisa.range_select(dst=s_sb[:, r, :], on_true_tile=s_src[:, r, :], comp_op0=nl.greater_equal,
-                          comp_op1=nl.less_equal, bound0=state.bounds[:, r, 0:1], bound1=state.bounds[:, r, 1:2],
-                          reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=part_max[:, r:r + 1],
-                          reduce_op=nl.maximum, range_start=c0)
-    yield
-    part_max_t = nl.ndarray((rn, pmax), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_transpose(dst=part_max_t, data=part_max)
-    yield
-    neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if fresh and score_scale == 1.0:            # a fresh state's -STAT_INIT is above every -rowmax of
-        nisa.tensor_reduce(dst=neg_m_new, op=nl.maximum, data=part_max_t, axis=1, negate=True)  # a visible key
-    else:
-        rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
-        nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
-                           op1=nl.minimum, operand1=neg_m_prev)
-    yield
-    neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
-    yield
-    p_t = nl.ndarray((pmax, rn, n), dtype=dtype, buffer=nl.sbuf)
-    if n >= MIN_II_ELEMS:                       # one exp per row, bias -m_r = column r of the broadcast
-        neg_m_bias = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=neg_m_bias, src=neg_m_cols, engine=nisa.engine.scalar)
-        for r in range(rn):
-            nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1],
-                            scale=score_scale)
-    elif grouped:                               # grouped short rows: shift and exp in S^T's layout
-        sq, group = s_sb.shape[1], s_sb.shape[3]
-        neg_m_tg = neg_m_cols.reshape((pmax, group, sq)).permute((0, 2, 1)).expand_dim(2).broadcast(2, n)
-        nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_tg, op=nl.add)
-        nisa.activation(dst=p_t.reshape((pmax, group, sq, n)).permute((0, 2, 3, 1)), op=nl.exp, data=s_sb)
-    else:                                       # short rows: one VectorE shift, one exp for all rows
-        nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(2).broadcast(2, n), op=nl.add)
-        nisa.activation(dst=p_t, op=nl.exp, data=s_sb)
-    return p_t, neg_m_new
-
-
-def _step_pv(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans):
-    """``_step_pv_phases`` run alone."""
-    _lockstep([_step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans)])
-
-
-def _step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, fresh=False):
-    """O^T (dc, rn) = sum_j matmul(V slot j (128, dc), P^T slot j (128, rn)) per head-dim chunk (the
-    wide V slot is the stationary operand, so each matmul streams only rn columns), transposed
-    back to O (rn, D); the row sums (rn, 1) likewise with a ones column as the moving operand
-    (TensorE has room, VectorE does not); then the online-softmax update of ``state``."""
-    rn, d = state.acc.shape
-    n = p_t.shape[2]
-    rowsum = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.psum)
-    o_t = [nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.psum) for _, dn in d_spans]
-    for j in range(n):
-        c = c0 + j
-        for h, (d0, dn) in enumerate(d_spans):
-            nisa.nc_matmul(dst=o_t[h], stationary=v_chunk[:, c * d + d0:c * d + d0 + dn], moving=p_t[:, :, j],
-                           accumulate=(j > 0))
-        nisa.nc_matmul(dst=rowsum, stationary=p_t[:, :, j], moving=ones_col, accumulate=(j > 0))
-    yield
-    o_t_sb = []
-    for h, (d0, dn) in enumerate(d_spans):
-        o_t_sb.append(nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.sbuf))
-        nisa.tensor_copy(dst=o_t_sb[h], src=o_t[h])
-    yield
-    o_psum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.psum)
-    for h, (d0, dn) in enumerate(d_spans):
-        nisa.nc_transpose(dst=o_psum[:, d0:d0 + dn], data=o_t_sb[h])
-    yield
-    if fresh:                                   # alpha = exp(-STAT_INIT - m_new) = 0: plain copies
-        nisa.tensor_copy(dst=state.l, src=rowsum)
-        nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
-        nisa.tensor_copy(dst=state.acc, src=o_psum)
-        return
-    alpha = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, bias=neg_m_new, scale=-1.0)
-    nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=alpha,
-                              op1=nl.add, operand1=rowsum)
-    nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
-    nisa.scalar_tensor_tensor(dst=state.acc, data=state.acc, op0=nl.multiply, operand0=alpha,
-                              op1=nl.add, operand1=o_psum)
-
-
-def _merge(states, sink_sb, neg_big, total, dtype):
-    """``_merge_phases`` run alone."""
-    return _lockstep([_merge_phases(states, sink_sb, neg_big, total, dtype)])[0]
-
-
-def _merge_phases(states, sink_sb, neg_big, total, dtype):
-    """Merge the split states of one row tile (and the sink): out (rn, D) in ``dtype``; ``neg_big``
-    (-M) and ``total`` (L) are written into the (rn, 1) views given (columns of the batch's lse
-    tiles, whose log runs once for all units: one ScalarE table switch, not one per unit)."""
-    rn, d = states[0].acc.shape
-    if len(states) == 1:
-        return (yield from _merge_one(states[0], sink_sb, neg_big, total, dtype))
-    nisa.tensor_copy(dst=neg_big, src=states[0].neg_m)
-    for st in states[1:]:
-        nisa.tensor_tensor(dst=neg_big, data1=neg_big, data2=st.neg_m, op=nl.minimum)
-    if sink_sb is not None:
-        nisa.tensor_scalar(dst=neg_big, data=sink_sb, op0=nl.multiply, operand0=-1.0,
-                           op1=nl.minimum, operand1=neg_big)
-    yield
-    o_sum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.sbuf)
-    weights = []
-    for st in states:
-        weights.append(nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf))  # exp(m_s - M)
-        nisa.activation(dst=weights[-1], op=nl.exp, data=st.neg_m, bias=neg_big, scale=-1.0)
-    sink_term = None
-    if sink_sb is not None:
-        sink_term = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=sink_term, op=nl.exp, data=sink_sb, bias=neg_big)
-    yield
-    for i, (st, weight) in enumerate(zip(states, weights)):
-        if i == 0:
-            nisa.tensor_scalar(dst=total, data=st.l, op0=nl.multiply, operand0=weight)
-            nisa.tensor_scalar(dst=o_sum, data=st.acc, op0=nl.multiply, operand0=weight)
-        else:
-            nisa.scalar_tensor_tensor(dst=total, data=st.l, op0=nl.multiply, operand0=weight,
-                                      op1=nl.add, operand1=total)
-            nisa.scalar_tensor_tensor(dst=o_sum, data=st.acc, op0=nl.multiply, operand0=weight,
-                                      op1=nl.add, operand1=o_sum)
-    if sink_term is not None:
-        nisa.tensor_tensor(dst=total, data1=total, data2=sink_term, op=nl.add)
-    yield
-    inv_total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=inv_total, data=total)
-    yield
-    out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=out_sb, data=o_sum, op0=nl.multiply, operand0=inv_total)
-    return out_sb
-
-
-def _merge_one(st, sink_sb, neg_big, total, dtype):
-    """``_merge_phases`` for one split: -M = min(-m, -sink), w = exp(m - M), L = w*l + exp(sink - M),
-    out = acc * (1/L) * w (one pass over the (rn, D) rows)."""
-    rn, d = st.acc.shape
-    if sink_sb is not None:
-        nisa.tensor_scalar(dst=neg_big, data=sink_sb, op0=nl.multiply, operand0=-1.0,
-                           op1=nl.minimum, operand1=st.neg_m)
-    else:
-        nisa.tensor_copy(dst=neg_big, src=st.neg_m)
-    yield
-    weight = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=weight, op=nl.exp, data=st.neg_m, bias=neg_big, scale=-1.0)
-    sink_term = None
-    if sink_sb is not None:
-        sink_term = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=sink_term, op=nl.exp, data=sink_sb, bias=neg_big)
-    yield
-    if sink_term is not None:
-        nisa.scalar_tensor_tensor(dst=total, data=st.l, op0=nl.multiply, operand0=weight,
-                                  op1=nl.add, operand1=sink_term)
-    else:
-        nisa.tensor_scalar(dst=total, data=st.l, op0=nl.multiply, operand0=weight)
-    yield
-    inv_total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=inv_total, data=total)
-    yield
-    out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=out_sb, data=st.acc, op0=nl.multiply, operand0=inv_total,
-                       op1=nl.multiply, operand1=weight)
-    return out_sb
-
-
-class _LseTile(nl.NKIObject):
-    """-M and L of one row tile (rows r0 .. r0 + rn) of every unit this core stores: column k is
-    unit ``first + k * stride`` (flattened (b, hk)), whose rows start at ``unit * R`` of lse."""
-    neg_big: object    # (rn, U) float32
-    total: object      # (rn, U) float32
-    r0: int
-    first: int
-    stride: int
-
-
-def _store_lse(tile, lse, rows):
-    """lse = -neg_big + log(total) (+inf where the max is +inf) for every unit of the tile at once,
-    transposed on TensorE to (U, rn) so each unit's rows are one contiguous run of the store."""
-    pmax = nl.tile_size.pmax
-    rn, n_units = tile.total.shape
-    lse_sb = nl.ndarray((rn, n_units), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=lse_sb, op=nl.log, data=tile.total)
-    nisa.tensor_tensor(dst=lse_sb, data1=lse_sb, data2=tile.neg_big, op=nl.subtract)
-    inf_max_rows(lse_sb, tile.neg_big)
-    for k0, kn in spans(n_units, pmax):
-        lse_t_psum = nl.ndarray((kn, rn), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_transpose(dst=lse_t_psum, data=lse_sb[:, k0:k0 + kn])
-        lse_t_sb = nl.ndarray((kn, rn), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=lse_t_sb, src=lse_t_psum)
-        unit0 = tile.first + k0 * tile.stride
-        nisa.dma_copy(dst=lse.ap([[tile.stride * rows, kn], [1, rn]], offset=unit0 * rows + tile.r0), src=lse_t_sb)
 
 
 class _StreamSetup(nl.NKIObject):
@@ -801,7 +471,7 @@ def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, f
                 if st.group_sq and n < MIN_II_ELEMS else
                 nl.ndarray((pmax, st.acc.shape[0], n), dtype=nl.float32, buffer=nl.sbuf) for st in split_states]
         fused = softcap == 0 and MIN_II_ELEMS <= n <= plan[1]   # one score block, per-row exps
-        src = _step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused, rota)
+        src = step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused, rota)
         return s_sb, (src if fused else s_sb), (scale if fused else 1.0)
 
     pending = None                  # (wave, per item: P^T and -m_new per row tile) awaiting P @ V
@@ -814,10 +484,10 @@ def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, f
         for i, (job, step) in enumerate(wave):
             s_sb, s_src, score_scale = s_cur[i]
             chained = pending is not None and pending[0][i][0] is job
-            phases += [_step_probs_phases(st, s_sb[t], step[0], pending[1][i][t][1] if chained else st.neg_m,
+            phases += [step_probs_phases(st, s_sb[t], step[0], pending[1][i][t][1] if chained else st.neg_m,
                                           dtype, s_src[t], score_scale, fresh and step[0] == 0)
                        for t, st in enumerate(job[0])]
-        flat = _lockstep_batched(phases, max(1, LOCKSTEP_CHAINS // len(d_spans)))
+        flat = lockstep_batched(phases, max(1, LOCKSTEP_CHAINS // len(d_spans)))
         probs, k = [], 0
         for (split_states, _, _, _), _ in wave:
             probs.append(flat[k:k + len(split_states)])
@@ -831,7 +501,7 @@ def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, f
 def _flush_pv(pending, ones_col, d_spans, fresh):
     """P @ V and the state updates of one wave, in lockstep over its items and row tiles."""
     wave, probs = pending
-    _lockstep_batched([_step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans,
+    lockstep_batched([step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans,
                                        fresh and step[0] == 0)
                        for ((split_states, _, _, v_chunk), step), item_probs in zip(wave, probs)
                        for st, (p_t, neg_m_new) in zip(split_states, item_probs)],
@@ -913,7 +583,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     mine = [u for u in range(len(units)) if not shard_units or u % n_prog == pid]
     my_splits = range(n_split) if shard_units else range(pid, n_split, n_prog)  # ... or splits
     my_tiles = [t for t in range(len(row_spans)) if shard_units or t % n_prog == pid]
-    lse_tiles = {t: _LseTile(neg_big=nl.ndarray((row_spans[t][1], len(mine)), dtype=nl.float32, buffer=nl.sbuf),
+    lse_tiles = {t: LseTile(neg_big=nl.ndarray((row_spans[t][1], len(mine)), dtype=nl.float32, buffer=nl.sbuf),
                              total=nl.ndarray((row_spans[t][1], len(mine)), dtype=nl.float32, buffer=nl.sbuf),
                              r0=row_spans[t][0], first=mine[0], stride=n_prog if shard_units else 1)
                  for t in my_tiles}
@@ -953,10 +623,10 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                 states = states + _exchange(states, pid, first_pipe=u * n_split * len(row_spans))
             for t in my_tiles:
                 tile = lse_tiles[t]
-                merges.append(_merge_phases([st[t] for st in states], sinks.get((units[u][1], t)),
+                merges.append(merge_phases([st[t] for st in states], sinks.get((units[u][1], t)),
                                             tile.neg_big[:, k:k + 1], tile.total[:, k:k + 1], dtype))
                 rows0.append(u * rows + tile.r0)
-        pending_out.extend(zip(_lockstep(merges), rows0))
+        pending_out.extend(zip(lockstep(merges), rows0))
         while len(pending_out) > OUT_STORE_LAG * len(my_tiles):   # stores trail the loads they would block
             _store_out(out, *pending_out.pop(0))
 
@@ -996,5 +666,5 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     for out_sb, row0 in pending_out:                         # exps, while VectorE finishes L and out
         _store_out(out, out_sb, row0)
     for t in my_tiles:
-        _store_lse(lse_tiles[t], lse, rows)
+        store_lse(lse_tiles[t], lse, rows)
     return out, lse

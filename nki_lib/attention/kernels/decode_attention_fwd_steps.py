@@ -1,0 +1,359 @@
+"""Decode-attention NKI kernel, on-chip steps of one chunk: K^T blocks, scores, the grouped mask,
+the online-softmax update, P @ V, the merge of a row tile's split states with the sink, and the lse
+store. ``decode_attention_fwd`` (the kernel, its streams and its single-chunk path) drives them.
+
+Algorithm per softmax step of ``n`` key slots (keys on partitions, rows on the free axis; see
+``decode_attention_fwd`` for the whole kernel)::
+
+    K^T blocks   PE transposes of nk slots, KT_LOOKAHEAD blocks ahead of their score matmuls
+    s            = scale * q @ k^T (softcap: softcap * tanh(s / softcap)), evicted from PSUM
+    mask, rowmax one range_select per position of a row group (rows sharing a position)
+    m_new, p     = max(m, rowmax), exp(s - m_new)      (per-row exps when a row has >= MIN_II_ELEMS slots)
+    l, acc       = alpha * l + rowsum(p), alpha * acc + p @ v
+    merge        splits and the sink through their maxima and sums: out (rn, D), lse = M + log L
+
+Each ``*_phases`` function is a generator whose yields separate dependent instruction groups, so
+``lockstep`` can interleave several chains (row tiles x head-dim chunks) in program order.
+
+Shapes (SBUF): scores (128, R, n) fp32 or (128, Sq, n, G) grouped; q^T (dc, rn); K chunk (128, M, D);
+V chunk (128, M, D); state neg_m / l (rn, 1) fp32, acc (rn, D) fp32.
+Dimension legend: R = G * Sq rows, rn rows of a row tile (<= 128), G query heads per kv head,
+Sq new tokens, D head dim, dc head-dim chunk (<= 128), M keys per partition of a chunk, n slots of a
+step, nk slots of a K^T block (one PSUM bank).
+
+Limits: those of ``decode_attention_fwd`` (D <= 256, bf16/fp16/fp32, positions < 2**24).
+"""
+
+from __future__ import annotations
+
+from nki_lib._nki import nisa, nl
+from nki_lib.attention.kernels.tiles import inf_max_rows
+from nki_lib.sizes import spans
+
+MIN_II_ELEMS = 64                 # an instruction costs at least ~64 engine cycles (MIN_II): per-row
+                                  # instructions pay off only when a row has this many slots
+KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
+
+
+def _block_keys_transposed(k_chunk, block, d_spans, m, dtype, engine):
+    """K^T chunks (dc, 128 * n) of one K^T block (slots c0 .. c0 + n): column j*128 + p is key
+    p*M + c0 + j of the chunk (evicted from PSUM by VectorE)."""
+    pmax = nl.tile_size.pmax
+    c0, n = block
+    d = k_chunk.shape[1] // m
+    k_t = []
+    for d0, dn in d_spans:
+        k_t_psum = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.psum)
+        for j in range(n):
+            c = c0 + j
+            nisa.nc_transpose(dst=k_t_psum[:, j * pmax:(j + 1) * pmax],
+                              data=k_chunk[:, c * d + d0:c * d + d0 + dn])
+        k_t_sb = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=k_t_sb, src=k_t_psum, engine=engine)
+        k_t.append(k_t_sb)
+    return k_t
+
+
+def _evict_scores(s_view, s_psum, scale, softcap):
+    """S^T block PSUM -> SBUF with the scale (and softcap) applied (ScalarE)."""
+    if softcap > 0:
+        nisa.activation(dst=s_view, op=nl.tanh, data=s_psum, scale=scale / softcap)
+        nisa.tensor_scalar(dst=s_view, data=s_view, op0=nl.multiply, operand0=softcap)
+    else:
+        nisa.activation(dst=s_view, op=nl.copy, data=s_psum, scale=scale)
+
+
+def step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused=False, rota=None):
+    """S^T (128, rn, n) of every row tile for the slots of one softmax step: element [p, r, j] is
+    the score of row r with key p*M + c0 + j (rows outermost, so each row's slots are one
+    contiguous run for its range_select). One matmul per slot and head-dim chunk
+    (stationary K^T slot (dc, 128), moving q^T (dc, rn)) into a score block's PSUM tile, evicted
+    with the scale when the block is complete -- or, ``fused`` (one block, no softcap), left in PSUM
+    for the mask to read (returned: per row tile the (128, rn, n) view). K^T blocks are software-pipelined
+    ``KT_LOOKAHEAD`` blocks deep (their transposes are issued that far ahead of their matmuls,
+    hiding the PE -> eviction -> PE latency)."""
+    pmax = nl.tile_size.pmax
+    c0, n = step
+    _, blk_slots, kt_slots = plan
+    kt_blocks = tuple((b0 + k0, kn) for b0, bn in spans(n, blk_slots) for k0, kn in spans(bn, kt_slots))
+
+    def transposed(i):
+        k0, kn = kt_blocks[i]
+        return _block_keys_transposed(k_chunk, (c0 + k0, kn), d_spans, m, kv_dtype,
+                                      rota.next() if rota is not None else nisa.engine.vector)
+
+    pending = [transposed(i) for i in range(min(KT_LOOKAHEAD, len(kt_blocks)))]
+    s_psum = None
+    for i, (k0, kn) in enumerate(kt_blocks):
+        k_t = pending.pop(0)
+        if i + KT_LOOKAHEAD < len(kt_blocks):
+            pending.append(transposed(i + KT_LOOKAHEAD))
+        b0 = k0 - k0 % blk_slots
+        bn = min(blk_slots, n - b0)
+        if k0 == b0:
+            s_psum = [nl.ndarray((pmax, bn, q[0].shape[1]), dtype=nl.float32, buffer=nl.psum) for q in q_t]
+        for t in range(len(s_sb)):
+            for j in range(kn):
+                for h in range(len(q_t[t])):
+                    nisa.nc_matmul(dst=s_psum[t][:, k0 - b0 + j, :], stationary=k_t[h][:, j * pmax:(j + 1) * pmax],
+                                   moving=q_t[t][h], accumulate=(h > 0))
+        if k0 + kn == b0 + bn and not fused:
+            for t in range(len(s_sb)):
+                _evict_scores(*_score_views(s_sb[t], s_psum[t], b0, bn), scale, softcap)
+    return [p.permute((0, 2, 1)) for p in s_psum] if fused else s_sb
+
+
+def _score_views(s_sb, s_psum, b0, bn):
+    """(SBUF destination, PSUM source) views of one score block's eviction, element for element:
+    the block is (128, bn, rn) slot-major; S^T is rows outermost (128, rn, n), or for grouped rows
+    (128, Sq, n, G) (row r = g*Sq + t at [t, c, g])."""
+    if len(s_sb.shape) == 3:
+        return s_sb[:, :, b0:b0 + bn].permute((0, 2, 1)), s_psum
+    pmax, sq, _, group = s_sb.shape
+    return s_sb[:, :, b0:b0 + bn, :].permute((0, 2, 3, 1)), s_psum.reshape((pmax, bn, group, sq))
+
+
+def _mask_grouped(state, s_sb, c0, part_max):
+    """Mask and per-partition row max of grouped short-row scores S^T (128, Sq, n, G): rows of one
+    t share their bounds, so one range_select per t covers its G rows (free index c*G + g, visible
+    iff lo*G <= c*G + g < (hi + 1)*G), then one max over the slots of every row."""
+    pmax, sq, n, group = s_sb.shape
+    g_bounds = nl.ndarray((pmax, sq, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=g_bounds[:, :, 0], data=state.bounds[:, 0:sq, 0], op0=nl.multiply, operand0=float(group))
+    nisa.tensor_scalar(dst=g_bounds[:, :, 1], data=state.bounds[:, 0:sq, 1], op0=nl.add, operand0=1.0,
+                       op1=nl.multiply, operand1=float(group))
+    for t in range(sq):
+        nisa.range_select(dst=s_sb[:, t], on_true_tile=s_sb[:, t], comp_op0=nl.greater_equal, comp_op1=nl.less,
+                          bound0=g_bounds[:, t, 0:1], bound1=g_bounds[:, t, 1:2], range_start=c0 * group)
+    nisa.tensor_reduce(dst=part_max.reshape((pmax, group, sq)).permute((0, 2, 1)), op=nl.maximum,
+                       data=s_sb.permute((0, 1, 3, 2)), axis=3)
+
+
+def lockstep(phases):
+    """Run phase generators round-robin, one phase of each in turn, so that the instructions of
+    independent chains interleave in program order (each hop's latency is waited for once per
+    round, not once per chain); returns their return values."""
+    results = [None] * len(phases)
+    live = list(range(len(phases)))
+    while live:
+        still = []
+        for i in live:
+            try:
+                next(phases[i])
+                still.append(i)
+            except StopIteration as done:
+                results[i] = done.value
+        live = still
+    return results
+
+
+def lockstep_batched(phases, width):
+    """``lockstep`` over consecutive batches of at most ``width`` chains (their PSUM tiles are live
+    together)."""
+    return [r for i in range(0, len(phases), width) for r in lockstep(phases[i:i + width])]
+
+
+def step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scale=1.0, fresh=False):
+    """P^T (128, rn, n) = exp(S^T - m_new) of the scores S^T (128, rn, n) of slots c0 .. c0 + n, and
+    -m_new (rn, 1), with ``m_new = max(m_prev, rowmax)``: ``neg_m_prev`` is -m after the previous
+    step, whose state update may not be issued yet (its P @ V is deferred).
+
+    mask + per-partition row max: one range_select per row r over its n slots (slot c of
+      partition p is key p*M + c: visible iff lo_r - p*M <= c <= hi_r - p*M)
+    row max across partitions: PE transpose (128, rn) -> (rn, 128), VectorE max
+    -m broadcast to the partitions: PE transpose of a stride-0 (rn, 128) view -> (128, rn)
+    P^T = exp(S^T - m) in the input dtype: one ScalarE exp per row r with the per-partition bias
+      -m_r (column r of the broadcast) when a row has >= MIN_II_ELEMS slots, else one VectorE add of
+      the broadcast and a single exp
+
+    ``s_src``: the unscaled scores in PSUM (fused step, long rows only): the range_select evicts
+    them into ``s_sb``, and ``score_scale`` goes into -m and the exp (one ScalarE eviction and its
+    PE -> ScalarE -> VectorE hop less per step)"""
+    pmax = nl.tile_size.pmax
+    s_src = s_sb if s_src is None else s_src
+    rn, d = state.acc.shape
+    grouped = len(s_sb.shape) == 4
+    n = s_sb.shape[2]
+    part_max = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
+    if grouped:
+        _mask_grouped(state, s_sb, c0, part_max)
+    for r in range(0 if grouped else rn):
+        nisa.range_select(dst=s_sb[:, r, :], on_true_tile=s_src[:, r, :], comp_op0=nl.greater_equal,
+                          comp_op1=nl.less_equal, bound0=state.bounds[:, r, 0:1], bound1=state.bounds[:, r, 1:2],
+                          reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=part_max[:, r:r + 1],
+                          reduce_op=nl.maximum, range_start=c0)
+    yield
+    part_max_t = nl.ndarray((rn, pmax), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=part_max_t, data=part_max)
+    yield
+    neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if fresh and score_scale == 1.0:            # a fresh state's -STAT_INIT is above every -rowmax of
+        nisa.tensor_reduce(dst=neg_m_new, op=nl.maximum, data=part_max_t, axis=1, negate=True)  # a visible key
+    else:
+        rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
+        nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
+                           op1=nl.minimum, operand1=neg_m_prev)
+    yield
+    neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
+    yield
+    p_t = nl.ndarray((pmax, rn, n), dtype=dtype, buffer=nl.sbuf)
+    if n >= MIN_II_ELEMS:                       # one exp per row, bias -m_r = column r of the broadcast
+        neg_m_bias = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=neg_m_bias, src=neg_m_cols, engine=nisa.engine.scalar)
+        for r in range(rn):
+            nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1],
+                            scale=score_scale)
+    elif grouped:                               # grouped short rows: shift and exp in S^T's layout
+        sq, group = s_sb.shape[1], s_sb.shape[3]
+        neg_m_tg = neg_m_cols.reshape((pmax, group, sq)).permute((0, 2, 1)).expand_dim(2).broadcast(2, n)
+        nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_tg, op=nl.add)
+        nisa.activation(dst=p_t.reshape((pmax, group, sq, n)).permute((0, 2, 3, 1)), op=nl.exp, data=s_sb)
+    else:                                       # short rows: one VectorE shift, one exp for all rows
+        nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(2).broadcast(2, n), op=nl.add)
+        nisa.activation(dst=p_t, op=nl.exp, data=s_sb)
+    return p_t, neg_m_new
+
+
+def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, fresh=False):
+    """O^T (dc, rn) = sum_j matmul(V slot j (128, dc), P^T slot j (128, rn)) per head-dim chunk (the
+    wide V slot is the stationary operand, so each matmul streams only rn columns), transposed
+    back to O (rn, D); the row sums (rn, 1) likewise with a ones column as the moving operand
+    (TensorE has room, VectorE does not); then the online-softmax update of ``state``."""
+    rn, d = state.acc.shape
+    n = p_t.shape[2]
+    rowsum = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.psum)
+    o_t = [nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.psum) for _, dn in d_spans]
+    for j in range(n):
+        c = c0 + j
+        for h, (d0, dn) in enumerate(d_spans):
+            nisa.nc_matmul(dst=o_t[h], stationary=v_chunk[:, c * d + d0:c * d + d0 + dn], moving=p_t[:, :, j],
+                           accumulate=(j > 0))
+        nisa.nc_matmul(dst=rowsum, stationary=p_t[:, :, j], moving=ones_col, accumulate=(j > 0))
+    yield
+    o_t_sb = []
+    for h, (d0, dn) in enumerate(d_spans):
+        o_t_sb.append(nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.sbuf))
+        nisa.tensor_copy(dst=o_t_sb[h], src=o_t[h])
+    yield
+    o_psum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.psum)
+    for h, (d0, dn) in enumerate(d_spans):
+        nisa.nc_transpose(dst=o_psum[:, d0:d0 + dn], data=o_t_sb[h])
+    yield
+    if fresh:                                   # alpha = exp(-STAT_INIT - m_new) = 0: plain copies
+        nisa.tensor_copy(dst=state.l, src=rowsum)
+        nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
+        nisa.tensor_copy(dst=state.acc, src=o_psum)
+        return
+    alpha = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, bias=neg_m_new, scale=-1.0)
+    nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=alpha,
+                              op1=nl.add, operand1=rowsum)
+    nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
+    nisa.scalar_tensor_tensor(dst=state.acc, data=state.acc, op0=nl.multiply, operand0=alpha,
+                              op1=nl.add, operand1=o_psum)
+
+
+def merge_phases(states, sink_sb, neg_big, total, dtype):
+    """Merge the split states of one row tile (and the sink): out (rn, D) in ``dtype``; ``neg_big``
+    (-M) and ``total`` (L) are written into the (rn, 1) views given (columns of the batch's lse
+    tiles, whose log runs once for all units: one ScalarE table switch, not one per unit)."""
+    rn, d = states[0].acc.shape
+    if len(states) == 1:
+        return (yield from _merge_one(states[0], sink_sb, neg_big, total, dtype))
+    nisa.tensor_copy(dst=neg_big, src=states[0].neg_m)
+    for st in states[1:]:
+        nisa.tensor_tensor(dst=neg_big, data1=neg_big, data2=st.neg_m, op=nl.minimum)
+    if sink_sb is not None:
+        nisa.tensor_scalar(dst=neg_big, data=sink_sb, op0=nl.multiply, operand0=-1.0,
+                           op1=nl.minimum, operand1=neg_big)
+    yield
+    o_sum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.sbuf)
+    weights = []
+    for st in states:
+        weights.append(nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf))  # exp(m_s - M)
+        nisa.activation(dst=weights[-1], op=nl.exp, data=st.neg_m, bias=neg_big, scale=-1.0)
+    sink_term = None
+    if sink_sb is not None:
+        sink_term = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sink_term, op=nl.exp, data=sink_sb, bias=neg_big)
+    yield
+    for i, (st, weight) in enumerate(zip(states, weights)):
+        if i == 0:
+            nisa.tensor_scalar(dst=total, data=st.l, op0=nl.multiply, operand0=weight)
+            nisa.tensor_scalar(dst=o_sum, data=st.acc, op0=nl.multiply, operand0=weight)
+        else:
+            nisa.scalar_tensor_tensor(dst=total, data=st.l, op0=nl.multiply, operand0=weight,
+                                      op1=nl.add, operand1=total)
+            nisa.scalar_tensor_tensor(dst=o_sum, data=st.acc, op0=nl.multiply, operand0=weight,
+                                      op1=nl.add, operand1=o_sum)
+    if sink_term is not None:
+        nisa.tensor_tensor(dst=total, data1=total, data2=sink_term, op=nl.add)
+    yield
+    inv_total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=inv_total, data=total)
+    yield
+    out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out_sb, data=o_sum, op0=nl.multiply, operand0=inv_total)
+    return out_sb
+
+
+def _merge_one(st, sink_sb, neg_big, total, dtype):
+    """``merge_phases`` for one split: -M = min(-m, -sink), w = exp(m - M), L = w*l + exp(sink - M),
+    out = acc * (1/L) * w (one pass over the (rn, D) rows)."""
+    rn, d = st.acc.shape
+    if sink_sb is not None:
+        nisa.tensor_scalar(dst=neg_big, data=sink_sb, op0=nl.multiply, operand0=-1.0,
+                           op1=nl.minimum, operand1=st.neg_m)
+    else:
+        nisa.tensor_copy(dst=neg_big, src=st.neg_m)
+    yield
+    weight = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=weight, op=nl.exp, data=st.neg_m, bias=neg_big, scale=-1.0)
+    sink_term = None
+    if sink_sb is not None:
+        sink_term = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sink_term, op=nl.exp, data=sink_sb, bias=neg_big)
+    yield
+    if sink_term is not None:
+        nisa.scalar_tensor_tensor(dst=total, data=st.l, op0=nl.multiply, operand0=weight,
+                                  op1=nl.add, operand1=sink_term)
+    else:
+        nisa.tensor_scalar(dst=total, data=st.l, op0=nl.multiply, operand0=weight)
+    yield
+    inv_total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=inv_total, data=total)
+    yield
+    out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out_sb, data=st.acc, op0=nl.multiply, operand0=inv_total,
+                       op1=nl.multiply, operand1=weight)
+    return out_sb
+
+
+class LseTile(nl.NKIObject):
+    """-M and L of one row tile (rows r0 .. r0 + rn) of every unit this core stores: column k is
+    unit ``first + k * stride`` (flattened (b, hk)), whose rows start at ``unit * R`` of lse."""
+    neg_big: object    # (rn, U) float32
+    total: object      # (rn, U) float32
+    r0: int
+    first: int
+    stride: int
+
+
+def store_lse(tile, lse, rows):
+    """lse = -neg_big + log(total) (+inf where the max is +inf) for every unit of the tile at once,
+    transposed on TensorE to (U, rn) so each unit's rows are one contiguous run of the store."""
+    pmax = nl.tile_size.pmax
+    rn, n_units = tile.total.shape
+    lse_sb = nl.ndarray((rn, n_units), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=lse_sb, op=nl.log, data=tile.total)
+    nisa.tensor_tensor(dst=lse_sb, data1=lse_sb, data2=tile.neg_big, op=nl.subtract)
+    inf_max_rows(lse_sb, tile.neg_big)
+    for k0, kn in spans(n_units, pmax):
+        lse_t_psum = nl.ndarray((kn, rn), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=lse_t_psum, data=lse_sb[:, k0:k0 + kn])
+        lse_t_sb = nl.ndarray((kn, rn), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=lse_t_sb, src=lse_t_psum)
+        unit0 = tile.first + k0 * tile.stride
+        nisa.dma_copy(dst=lse.ap([[tile.stride * rows, kn], [1, rn]], offset=unit0 * rows + tile.r0), src=lse_t_sb)
