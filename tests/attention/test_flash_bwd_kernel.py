@@ -99,6 +99,18 @@ def _bits(t):
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
+def _backward_at_lnc1_and_lnc2(monkeypatch, sample):
+    """The backward of ``sample`` at LNC1, then at LNC2: ([grads1, grads2], args, the LNC2 run's
+    (launch, trace) records)."""
+    results = []
+    for lnc in ("1", "2"):
+        monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", lnc)
+        with collect_runs() as runs:
+            grads, args = _backward(sample)
+        results.append(grads)
+    return results, args, runs
+
+
 def test_bitwise_deterministic():
     sample = make_sample(1, 4, 2, 150, 700, 32, torch.bfloat16, causal=True, window=(300, -1), sinks=True)
     first, _ = _backward(sample)
@@ -236,12 +248,7 @@ def test_lnc2_splits_the_batch(monkeypatch):
     bitwise those of LNC1, and dsinks (one row of partial sums per core, added by the launcher)
     passes parity against the fp64 oracle."""
     sample = make_sample(2, 2, 1, 150, 300, 32, torch.bfloat16, causal=True, sinks=True)
-    results = []
-    for lnc in ("1", "2"):
-        monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", lnc)
-        with collect_runs() as runs:
-            grads, args = _backward(sample)
-        results.append(grads)
+    results, args, runs = _backward_at_lnc1_and_lnc2(monkeypatch, sample)
     matmul_programs = {e.program_id for e in runs[-1][1].trace if e.opcode == "nc_matmul"}
     assert matmul_programs == {0, 1}
     for a, b in zip(results[0][:3], results[1][:3]):
@@ -258,12 +265,7 @@ def test_lnc2_splits_the_query_heads(monkeypatch):
     idles); dq and dsinks are bitwise those of LNC1, the partial dK/dV (fp32, added by the
     launcher) pass parity against the fp64 oracle."""
     sample = make_sample(1, 4, 1, 150, 300, 32, torch.bfloat16, causal=True, sinks=True)
-    results = []
-    for lnc in ("1", "2"):
-        monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", lnc)
-        with collect_runs() as runs:
-            grads, args = _backward(sample)
-        results.append(grads)
+    results, args, runs = _backward_at_lnc1_and_lnc2(monkeypatch, sample)
     assert {e.program_id for e in runs[-1][1].trace if e.opcode == "nc_matmul"} == {0, 1}
     for i in (0, 3):
         assert torch.equal(_bits(results[0][i]), _bits(results[1][i]))
