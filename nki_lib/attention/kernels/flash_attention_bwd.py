@@ -75,8 +75,10 @@ each per group, Q/dO/O rows 3 KiB per group, K^T, V^T, K rows and dK/dV 1 KiB pe
 Q^T, dO^T, K^T and V^T are DMA transposes of the natural (B, H, S, D) inputs for 2-byte dtypes
 with D <= 128 (``flash_attention_transposed_loads``; no host transposes), else rows of host transposes.
 
-Working set (per partition; D <= 128, 16-bit inputs): SBUF about 38 KiB (eight pairs, three
-query groups and two key tiles in flight, phase-0 rows of the next group) plus 24 B per query
+Working set (per partition; D <= 128, 16-bit inputs): SBUF: thirteen pairs with their
+couples' dS and dS^T tiles, three query groups and up to four key tiles' K^T/V^T in flight,
+phase-0 rows of the next group (84 KiB peak in all, the cached groups and resident dQ included,
+at Sq = Sk = 4096 causal, G = 1, bf16; simulator report) plus 24 B per query
 tile and query head of the GQA group (statistics, lse/dlse columns), plus, when resident,
 4 * D B of fp32 dQ accumulator per query tile and query head of the GQA group, plus, when
 ``q_cached``, a group's Q^T, dO^T and Q, dO, O rows (5 KiB at D = 128, bf16) per query group and
