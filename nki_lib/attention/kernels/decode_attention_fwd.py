@@ -200,12 +200,14 @@ class _SplitState(nl.NKIObject):
                      # relative to the chunk start: the visible slots of partition p
     group_sq: object  # Sq when the tile holds every row of its unit (rows r = g*Sq + t with equal t
                       # share their bounds: short-row steps mask a whole t at once), else None
+    g_bounds: object  # short-row steps of a whole unit: (128, Sq, 2) per position t the bounds of its
+                      # G rows in the grouped score layout, (lo_t * G, (hi_t + 1) * G); else None
 
 
-def _state_views(packed, bounds=None, group_sq=None):
+def _state_views(packed, bounds=None, group_sq=None, g_bounds=None):
     d = packed.shape[1] - 2
     return _SplitState(packed=packed, acc_l=packed[:, 0:d + 1], acc=packed[:, 0:d], l=packed[:, d:d + 1],
-                       neg_m=packed[:, d + 1:d + 2], bounds=bounds, group_sq=group_sq)
+                       neg_m=packed[:, d + 1:d + 2], bounds=bounds, group_sq=group_sq, g_bounds=g_bounds)
 
 
 def _q_rows_per_partition(rn, d, itemsize):
@@ -275,23 +277,36 @@ def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left):
                       row_pos=row_pos.reshape((pmax, rows)), reach=reach, sq=sq)
 
 
-def _init_state(meta, ws, r0, rn, d):
+def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None):
     """Fresh state of rows r0 .. r0 + rn of the split whose key window is column pair ``ws`` of
     ``meta.window``; its row bounds on every partition p, relative to the split's first key and
     shifted by -p*M, come from that window (no HBM read): row r sits at ``L_b - Sq + t_r``, so
     ``hi = L_rel - Sq + t_r - p*M`` and ``lo = max(hi - window_left, first_rel - p*M)``
-    (``first`` already folds in the window and cache_start)."""
+    (``first`` already folds in the window and cache_start). Steps of ``step_slots`` < MIN_II_ELEMS
+    slots over a whole unit mask by position: their grouped bounds are computed here, once.
+    ``fresh``: the first step overwrites acc, l and -m without reading them (single-chunk path), so
+    they are not initialised. ``engine``: of the bound arithmetic (SBUF only; GpSimd where it idles)."""
     pmax = nl.tile_size.pmax
+    engine = engine or nisa.engine.vector
     whole = r0 == 0 and rn == meta.row_pos.shape[1]
+    grouped = whole and step_slots < MIN_II_ELEMS
     state = _state_views(nl.ndarray((rn, d + 2), dtype=nl.float32, buffer=nl.sbuf),
-                         nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf), meta.sq if whole else None)
-    nisa.memset(dst=state.packed, value=0.0)
-    nisa.memset(dst=state.neg_m, value=-STAT_INIT)
+                         nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf), meta.sq if whole else None,
+                         nl.ndarray((pmax, meta.sq, 2), dtype=nl.float32, buffer=nl.sbuf) if grouped else None)
+    if not fresh:
+        nisa.memset(dst=state.packed, value=0.0)
+        nisa.memset(dst=state.neg_m, value=-STAT_INIT)
     c = 2 * ws
     nisa.tensor_scalar(dst=state.bounds[:, :, 1], data=meta.row_pos[:, r0:r0 + rn], op0=nl.add,
-                       operand0=meta.window_pm[:, c + 1:c + 2])
+                       operand0=meta.window_pm[:, c + 1:c + 2], engine=engine)
     nisa.tensor_scalar(dst=state.bounds[:, :, 0], data=state.bounds[:, :, 1], op0=nl.add,
-                       operand0=-meta.reach, op1=nl.maximum, operand1=meta.window_pm[:, c:c + 1])
+                       operand0=-meta.reach, op1=nl.maximum, operand1=meta.window_pm[:, c:c + 1], engine=engine)
+    if grouped:
+        group = rn // meta.sq
+        nisa.tensor_scalar(dst=state.g_bounds[:, :, 0], data=state.bounds[:, 0:meta.sq, 0], op0=nl.multiply,
+                           operand0=float(group), engine=engine)
+        nisa.tensor_scalar(dst=state.g_bounds[:, :, 1], data=state.bounds[:, 0:meta.sq, 1], op0=nl.add,
+                           operand0=1.0, op1=nl.multiply, operand1=float(group), engine=engine)
     return state
 
 
@@ -318,15 +333,18 @@ class _StreamSetup(nl.NKIObject):
     key_regs: object   # single-chunk path: registers of first and L_b (from ``window``), or None
 
 
-def _stream_setup(meta, ws):
+def _stream_setup(meta, ws, static=False):
     """Registers of the split's chunk ranges (split ``ws`` of the flattened (b, s)) and a copy of
-    its key window (moved chunk by chunk)."""
+    its key window (moved chunk by chunk; ``static``: the single-chunk path, whose window never
+    moves, takes a view of the batch's)."""
     n_bounds = RANGE_BOUNDS
     regs = []
     for i in range(n_bounds):
         reg = nisa.register_alloc()
         nisa.register_load(reg, meta.bounds[0:1, ws * n_bounds + i:ws * n_bounds + i + 1])
         regs.append(reg)
+    if static:
+        return _StreamSetup(regs=regs, window=meta.window[:, 2 * ws:2 * ws + 2], key_regs=None)
     window_sb = nl.ndarray((nl.tile_size.pmax, 2), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=window_sb, src=meta.window[:, 2 * ws:2 * ws + 2])
     return _StreamSetup(regs=regs, window=window_sb, key_regs=None)
@@ -469,8 +487,12 @@ def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_d
     """Scores, mask, softmax and P @ V of one loaded chunk for every row tile (``_chunks`` with one
     job); then the row bounds move to the next chunk (-128*M keys)."""
     _chunks([(split_states, q_t, k_chunk, v_chunk)], plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype)
+    chunk_keys = m * nl.tile_size.pmax
     for st in split_states:
-        nisa.tensor_scalar(dst=st.bounds, data=st.bounds, op0=nl.add, operand0=-float(m * nl.tile_size.pmax))
+        nisa.tensor_scalar(dst=st.bounds, data=st.bounds, op0=nl.add, operand0=-float(chunk_keys))
+        if st.g_bounds is not None:
+            group = st.acc.shape[0] // st.group_sq
+            nisa.tensor_scalar(dst=st.g_bounds, data=st.g_bounds, op0=nl.add, operand0=-float(chunk_keys * group))
 
 
 def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, fresh=False):
@@ -640,10 +662,11 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
             for t in my_tiles:
                 if (hk, t) not in sinks:
                     sinks[(hk, t)] = _load_sink(sink_rows, hk, *row_spans[t])
+        engine = nisa.engine.gpsimd if single and seq_units is not None else None   # no swdge gathers
         return _UnitWork(q_t=unit_q_t(u),
-                         states=[[_init_state(meta, b * n_split + s, r0, rn, d) for r0, rn in row_spans]
-                                 for s in my_splits],
-                         setups=[_stream_setup(meta, b * n_split + s) for s in my_splits])
+                         states=[[_init_state(meta, b * n_split + s, r0, rn, d, plan[0], single, engine)
+                                  for r0, rn in row_spans] for s in my_splits],
+                         setups=[_stream_setup(meta, b * n_split + s, single) for s in my_splits])
 
     pending_out = []                                # (out rows, first row) awaiting their store
 

@@ -28,7 +28,7 @@ Limits: those of ``decode_attention_fwd`` (D <= 256, bf16/fp16/fp32, positions <
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
-from nki_lib.attention.kernels.tiles import inf_max_rows
+from nki_lib.attention.kernels.tiles import STAT_INIT, inf_max_rows
 from nki_lib.sizes import spans
 
 MIN_II_ELEMS = 64                 # an instruction costs at least ~64 engine cycles (MIN_II): per-row
@@ -147,10 +147,7 @@ def _mask_grouped(state, s_sb, c0, part_max):
     t share their bounds, so one range_select per t covers its G rows (free index c*G + g, visible
     iff lo*G <= c*G + g < (hi + 1)*G), then one max over the slots of every row."""
     pmax, sq, n, group = s_sb.shape
-    g_bounds = nl.ndarray((pmax, sq, 2), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=g_bounds[:, :, 0], data=state.bounds[:, 0:sq, 0], op0=nl.multiply, operand0=float(group))
-    nisa.tensor_scalar(dst=g_bounds[:, :, 1], data=state.bounds[:, 0:sq, 1], op0=nl.add, operand0=1.0,
-                       op1=nl.multiply, operand1=float(group))
+    g_bounds = state.g_bounds
     for t in range(sq):
         nisa.range_select(dst=s_sb[:, t], on_true_tile=s_sb[:, t], comp_op0=nl.greater_equal, comp_op1=nl.less,
                           bound0=g_bounds[:, t, 0:1], bound1=g_bounds[:, t, 1:2], range_start=c0 * group)
@@ -222,7 +219,7 @@ def step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scal
         rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
         nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
-                           op1=nl.minimum, operand1=neg_m_prev)
+                           op1=nl.minimum, operand1=-STAT_INIT if fresh else neg_m_prev)
     yield
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
