@@ -9,10 +9,16 @@ For a :class:`~nki_lib.bench.shapes.Case` the harness
    * attention (flash and decode): the (batch x kv-head) groups are independent; one group
      (``Hq / Hkv`` query heads sharing one kv head, real sequence lengths and head dim) is
      simulated and ``time = launch + groups x simulated makespan``;
-   * ``moe_experts``: experts are independent blocks of work; ``E' = 2`` experts are
-     simulated with the real tokens per expert (``k' = min(k, E')``, ``T' = T k E' / (E k')``,
-     balanced routing) and
-     ``time = launch + (blocks(T, E) / blocks(T', E')) x simulated makespan``;
+   * ``moe_experts`` (E > 4): experts are independent blocks of work, but the kernel's prologue
+     (the first group's row gathers) and its tail (the last scatters and the k-sum) are not
+     per expert, so the case is measured at steady state: two calls are simulated, with
+     ``n = 2`` and ``2n = 4`` experts, both at the real tokens per expert (``k' = min(k, n)``,
+     ``T' = T k E' / (E k')``, balanced routing), and every figure (makespans, busy times, bounds,
+     host bytes) is extrapolated linearly by the measured marginal cost of the extra experts:
+     ``f(E) = f(n) + s (f(2n) - f(n))`` with ``s = (blocks(E) - blocks(n)) / (blocks(2n) - blocks(n))``
+     (``(E - n) / n`` for balanced routing). The prologue is charged once; the parts that grow
+     with the assignments (the k-sum reads N x H) grow as they do on the real shape
+     (docs/perf-log.md §12.2 checks this against full simulations);
    * everything else, and every case with ``extrapolate=False`` (the ``targets`` and ``aws``
      sweeps' attention and decode cases), is simulated at the real shape. The group rule
      leaves out the overlap of consecutive groups, so it overstates the time of batched decode
@@ -53,7 +59,7 @@ from nki_lib.bench.whole_op import host_cost, record_host_ops
 
 __all__ = ["SimPlan", "plan", "run_case", "CaseResult", "core_balance", "lnc_degree"]
 
-MOE_SIM_EXPERTS = 2  # experts simulated for a moe_experts case (the rest is extrapolated)
+MOE_SIM_EXPERTS = 2  # n: a moe_experts case is simulated at n and 2n experts (the rest is extrapolated)
 HOTSPOTS = 5         # critical-path lines reported per case
 
 
@@ -62,6 +68,8 @@ class SimPlan:
     dims: dict                 # dimensions actually simulated
     scale: float               # simulated makespan multiplier to the real shape
     extrapolation: str | None  # how the real-shape figure is obtained (None: simulated as is)
+    marginal_dims: dict | None = None   # a second, larger simulation (two-point rule), or None
+    marginal_scale: float = 0.0         # s: f = f(dims) + s (f(marginal_dims) - f(dims))
 
 
 def plan(case: Case) -> SimPlan:
@@ -77,19 +85,25 @@ def plan(case: Case) -> SimPlan:
                                            f"({sim['Hq']} query heads, real sequence lengths); "
                                            f"time = launch + {groups} x simulated makespan (an upper bound in practice: "
                                            f"the overlap of consecutive groups is left out)")
-    if case.op == "moe_experts" and d["E"] > MOE_SIM_EXPERTS:
-        e_sim = MOE_SIM_EXPERTS
-        k_sim = min(d["k"], e_sim)
-        t_sim = max(1, round(d["T"] * d["k"] * e_sim / (d["E"] * k_sim)))  # same tokens per expert
-        sim = {**d, "T": t_sim, "E": e_sim, "k": k_sim}
-        real_blocks = flops._expert_blocks(d["T"], d["E"], d["k"], d["block_size"])
-        sim_blocks = flops._expert_blocks(t_sim, e_sim, k_sim, d["block_size"])
-        scale = real_blocks / sim_blocks
-        return SimPlan(sim, scale, f"simulated {e_sim} of {d['E']} experts with the real tokens per expert "
-                                   f"(T'={t_sim}, k'={k_sim}, balanced routing, {sim_blocks} blocks); time = launch + "
-                                   f"{scale:.4g} x simulated makespan ({real_blocks} blocks; an upper bound in practice: "
-                                   f"the overlap of consecutive blocks is left out)")
+    if case.op == "moe_experts" and d["E"] > 2 * MOE_SIM_EXPERTS:
+        return _moe_two_point(d)
     return SimPlan(d, 1.0, None)
+
+
+def _moe_two_point(d: dict) -> SimPlan:
+    """The steady-state plan of a ``moe_experts`` case (see the module docstring)."""
+    n = MOE_SIM_EXPERTS
+    k_sim = min(d["k"], n)
+    points = [{**d, "T": max(1, round(d["T"] * d["k"] * e / (d["E"] * k_sim))), "E": e, "k": k_sim}
+              for e in (n, 2 * n)]
+    blocks = [flops._expert_blocks(p["T"], p["E"], p["k"], d["block_size"]) for p in points]
+    real_blocks = flops._expert_blocks(d["T"], d["E"], d["k"], d["block_size"])
+    s = (real_blocks - blocks[0]) / (blocks[1] - blocks[0])
+    text = (f"simulated {n} and {2 * n} of {d['E']} experts with the real tokens per expert "
+            f"(T'={points[0]['T']} and {points[1]['T']}, k'={k_sim}, balanced routing, {blocks[0]} and {blocks[1]} "
+            f"blocks); every figure f = f({n}) + {s:.4g} x (f({2 * n}) - f({n})) ({real_blocks} blocks: the "
+            f"marginal cost of an expert at steady state; fixed prologue charged once)")
+    return SimPlan(points[0], 1.0, text, points[1], s)
 
 
 def op_cost(case: Case) -> flops.OpCost:
@@ -282,11 +296,49 @@ def _simulate(case: Case, args, kwargs, target: str):
     return wall, list(runs), nki_lib.coverage(), list(host_ops)
 
 
-def _figures(case: Case, runs: list, scale: float, cost: flops.OpCost, hw) -> dict:
-    """The figures of one op call's launches on the target table ``hw`` (per op in ``parts``)."""
+def _linear(a: float, b: float, s: float) -> float:
+    return a + s * (b - a)
+
+
+def extrapolate_estimate(small, large, s: float):
+    """The :class:`~nki_lib.simulator.profile.Estimate` of one launch at ``f = f(small) + s (f(large)
+    - f(small))`` for every time figure (makespans, per-core makespans, bounds, busy times; the
+    launch overhead, the same in both, stays once); the rest (critical path, instruction counts)
+    is the larger simulation's, its critical-path times scaled so that each line keeps its share
+    of the makespan."""
+    from dataclasses import replace
+
+    times = ("time_ns", "makespan_ns", "launch_ns", "dependency_bound_ns", "dependency_makespan_ns",
+             "lower_bound_ns", "upper_bound_ns", "throttle_ns")
+    span = _linear(small.makespan_ns, large.makespan_ns, s)
+    ratio = span / large.makespan_ns if large.makespan_ns else 1.0
+    return replace(large, **{k: _linear(getattr(small, k), getattr(large, k), s) for k in times},
+                   critical_path=[(entry, eng, ns * ratio, why) for entry, eng, ns, why in large.critical_path],
+                   busy_ns={e: _linear(small.busy_ns[e], large.busy_ns[e], s) for e in large.busy_ns},
+                   core_makespans_ns=tuple(_linear(a, b, s) for a, b in zip(small.core_makespans_ns,
+                                                                            large.core_makespans_ns)),
+                   core_dependency_makespans_ns=tuple(_linear(a, b, s) for a, b in zip(
+                       small.core_dependency_makespans_ns, large.core_dependency_makespans_ns)))
+
+
+def _estimates(runs: list, hw, marginal=None) -> list:
+    """(op name, Estimate) per launch; with ``marginal`` = (the larger simulation's runs, s), each
+    launch extrapolated by :func:`extrapolate_estimate` (the two calls launch the same kernels)."""
     from nki_lib.simulator.profile import estimate
 
     ests = [(op_name, estimate(r, hw)) for op_name, r in runs if r is not None]
+    if marginal is None:
+        return ests
+    large_runs, s = marginal
+    large = _estimates(large_runs, hw)
+    if [op for op, _ in large] != [op for op, _ in ests]:
+        raise RuntimeError("two-point extrapolation: the two simulations launched different kernels")
+    return [(op, extrapolate_estimate(e, big, s)) for (op, e), (_, big) in zip(ests, large)]
+
+
+def _figures(case: Case, runs: list, scale: float, cost: flops.OpCost, hw, marginal=None) -> dict:
+    """The figures of one op call's launches on the target table ``hw`` (per op in ``parts``)."""
+    ests = _estimates(runs, hw, marginal)
     out = _summarise([e for _, e in ests], scale, cost, hw)
     ops = sorted({op_name for op_name, _ in ests})
     if len(ops) > 1:
@@ -295,15 +347,28 @@ def _figures(case: Case, runs: list, scale: float, cost: flops.OpCost, hw) -> di
     return out
 
 
-def _add_host(figures: dict, host_ops: list, scale: float, hw) -> None:
+def _host(host_ops: list, hw, scale: float, marginal=None) -> dict:
+    """host_cost of the call; with ``marginal`` = (the larger simulation's host ops, s) its bytes
+    and time extrapolated like the kernels (the op counts are the larger call's)."""
+    small = host_cost(host_ops, hw, scale)
+    if marginal is None:
+        return small
+    large_ops, s = marginal
+    large = host_cost(large_ops, hw, scale)
+    return {**large, "hbm_bytes": _linear(small["hbm_bytes"], large["hbm_bytes"], s),
+            "time_us": _linear(small["time_us"], large["time_us"], s)}
+
+
+def _add_host(figures: dict, host_ops: list, scale: float, hw, marginal=None) -> None:
     """The host-side torch ops of the call (whole-op estimate, nki_lib.bench.whole_op) beside the
     kernels: ``host`` figures, ``whole_op_us`` and ``whole_op_dependency_bound_us`` (per op too)."""
-    host = host_cost(host_ops, hw, scale)
+    host = _host(host_ops, hw, scale, marginal)
     figures["host"] = host
     figures["whole_op_us"] = figures["time_us"] + host["time_us"]
     figures["whole_op_dependency_bound_us"] = figures["dependency_bound_us"] + host["time_us"]
     for op, part in figures.get("parts", {}).items():
-        _add_host(part, [o for o in host_ops if o.op == op], scale, hw)
+        part_marginal = None if marginal is None else ([o for o in marginal[0] if o.op == op], marginal[1])
+        _add_host(part, [o for o in host_ops if o.op == op], scale, hw, part_marginal)
 
 
 _COMPACT = ("time_us", "dependency_bound_us", "lower_bound_us", "core_balance", "tflops", "mfu", "roofline_fraction", "engine_roofline_fraction",
@@ -348,9 +413,15 @@ def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_p
     train = case.mode == "train"
     try:
         args, kwargs = make_call(case.op, sim.dims, dtype, requires_grad=train)
+        large_call = None if sim.marginal_dims is None else \
+            make_call(case.op, sim.marginal_dims, dtype, requires_grad=train)
         for i, target in enumerate(targets):
             try:
                 wall, runs, cov, host_ops = _simulate(case, args, kwargs, target)
+                marginal = host_marginal = None
+                if large_call is not None:   # the two-point rule's second simulation
+                    _, large_runs, _, large_host = _simulate(case, *large_call, target)
+                    marginal, host_marginal = (large_runs, sim.marginal_scale), (large_host, sim.marginal_scale)
             except NKIFallbackError as exc:
                 res.status = f"fallback: {exc}"
                 break
@@ -368,11 +439,11 @@ def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_p
                 res.status = "no trace recorded"
                 break
             target_hw = hw.get(target) or params(target)
-            res.estimates[target] = _figures(case, runs, sim.scale, cost, target_hw)
-            _add_host(res.estimates[target], host_ops, sim.scale, target_hw)
+            res.estimates[target] = _figures(case, runs, sim.scale, cost, target_hw, marginal)
+            _add_host(res.estimates[target], host_ops, sim.scale, target_hw, host_marginal)
             if sensitivity and i == 0:
                 res.estimates[target]["sensitivity"] = {
-                    corner.label: _compact(_figures(case, runs, sim.scale, cost, corner.hw))
+                    corner.label: _compact(_figures(case, runs, sim.scale, cost, corner.hw, marginal))
                     for corner in corners(target_hw)}
         if cpu_paths:
             with nki_lib.use_backend("reference"):

@@ -80,10 +80,15 @@ def test_extrapolation_plans_are_explicit():
         is None
     moe = Case("moe_experts", "prefill", "m", dict(T=1024, H=256, I=128, E=64, k=4, block_size=128))
     p = plan(moe)
-    assert p.dims["E"] == 2 and p.dims["k"] == 2 and p.dims["T"] == 64
-    # tokens per expert are kept: 1024*4/64 == 64*2/2
-    assert p.dims["T"] * p.dims["k"] / p.dims["E"] == 1024 * 4 / 64
-    assert p.scale == pytest.approx(64 / 2)
+    # two points, 2 and 4 experts, at the real tokens per expert (1024*4/64 == 64*2/2 == 128*2/4)
+    assert (p.dims["E"], p.dims["k"], p.dims["T"]) == (2, 2, 64)
+    assert (p.marginal_dims["E"], p.marginal_dims["k"], p.marginal_dims["T"]) == (4, 2, 128)
+    for d in (p.dims, p.marginal_dims):
+        assert d["T"] * d["k"] / d["E"] == 1024 * 4 / 64
+    # f = f(2) + s (f(4) - f(2)) with s = (64 - 2) / 2 for balanced routing
+    assert p.scale == 1.0 and p.marginal_scale == pytest.approx((64 - 2) / 2) and "f(4) - f(2)" in p.extrapolation
+    few = plan(Case("moe_experts", "prefill", "m", dict(T=256, H=256, I=128, E=4, k=2, block_size=128)))
+    assert few.extrapolation is None and few.marginal_dims is None  # 4 experts: simulated in full
     train = Case("flash_attention", "train", "m", dict(B=1, Hq=2, Hkv=1, Sq=64, Sk=64, D=64, causal=True))
     assert op_cost(train).flops == pytest.approx(3.5 * flops.flash_attention_fwd(1, 2, 1, 64, 64, 64,
                                                                                  causal=True).flops)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from nki_lib.bench.harness import CaseResult, core_balance, lnc_degree, plan
+from nki_lib.bench.harness import CaseResult, core_balance, extrapolate_estimate, lnc_degree, plan
 from nki_lib.bench.output import targets_report
 from nki_lib.bench.shapes import Case, sweep
 from nki_lib.bench.targets import TUNING_TARGETS, TuningTarget, judge, target_cases
@@ -74,7 +74,7 @@ def test_two_core_targets_launch_with_lnc2_and_the_sweep_runs_each_case_once():
     labels = [c.label for c in sweep("targets")]
     assert len(labels) == len(set(labels)) == len(target_cases())
     assert {t.case.label for t in TUNING_TARGETS} == set(labels)
-    # only the 128-expert MFU case is extrapolated (documented as an upper bound on time)
+    # only the 128-expert MFU case is extrapolated (two simulations, the marginal cost of an expert)
     assert [c.op for c in sweep("targets") if c.extrapolate] == ["moe_experts"]
     assert all(not c.extrapolate for c in sweep("aws"))
 
@@ -163,3 +163,50 @@ def test_full_shape_cases_are_not_extrapolated_and_lnc_is_scoped(monkeypatch):
     assert "NEURON_LOGICAL_NC_CONFIG" not in os.environ
     with lnc_degree(None):
         assert "NEURON_LOGICAL_NC_CONFIG" not in os.environ
+
+
+def _estimate(span: float, busy: float, cores: tuple, path_ns: float):
+    from nki_lib.simulator.profile import Estimate
+
+    launch = 10.0
+    return Estimate("k", "trn2", len(cores), launch + span, span, launch, launch + 0.8 * span, 0.8 * span,
+                    launch + busy, launch + 2 * span, {"tensor": busy, "dma": busy / 2}, {"tensor": 3}, 0, 0.0,
+                    core_makespans_ns=cores, core_dependency_makespans_ns=cores,
+                    critical_path=[(None, "tensor", path_ns, "data")])
+
+
+def test_two_point_extrapolation_is_linear_in_every_time_figure_and_keeps_the_launch_once():
+    small, large = _estimate(100.0, 60.0, (100.0, 90.0), 50.0), _estimate(160.0, 110.0, (160.0, 150.0), 80.0)
+    e = extrapolate_estimate(small, large, 3.0)   # f = f(small) + 3 (f(large) - f(small))
+    assert e.makespan_ns == 100.0 + 3 * 60.0 and e.dependency_makespan_ns == 0.8 * 280.0
+    assert e.launch_ns == 10.0 and e.time_ns == 10.0 + 280.0   # the launch is not multiplied
+    assert e.busy_ns == {"tensor": 60.0 + 3 * 50.0, "dma": 30.0 + 3 * 25.0}
+    assert e.lower_bound_ns == 10.0 + 210.0 and e.core_makespans_ns == (280.0, 270.0)
+    # the critical path keeps the larger simulation's share of the makespan (80 / 160)
+    assert e.hotspots(1)[0][4] == 0.5 and e.instructions == {"tensor": 3}
+    # a constant prologue is charged once: two points that differ by a per-expert cost c extrapolate
+    # to prologue + (n + s n) c, not (1 + s) x (prologue + n c)
+    prologue, c, n = 40.0, 30.0, 2
+    pair = [_estimate(prologue + e_sim * c, 0.0, (prologue + e_sim * c,), 0.0) for e_sim in (n, 2 * n)]
+    assert extrapolate_estimate(*pair, (128 - n) / n).makespan_ns == prologue + 128 * c
+
+
+def test_two_point_case_is_the_linear_combination_of_its_two_simulations():
+    """run_case of an extrapolated moe_experts case equals f(n) + s (f(2n) - f(n)) of the two
+    shapes simulated on their own (a relation between estimates; no time is asserted)."""
+    from dataclasses import replace
+
+    from nki_lib.bench.harness import run_case
+
+    case = Case("moe_experts", "prefill", "tiny", dict(T=128, H=256, I=128, E=8, k=2, block_size=128), lnc=1)
+    p = plan(case)
+    kw = dict(targets=("trn2",), steady=False, cpu_paths=False)
+    got = run_case(case, **kw)
+    assert got.status == "ok" and got.extrapolation == p.extrapolation
+    small, large = (run_case(replace(case, dims=d, extrapolate=False), **kw).estimates["trn2"]
+                    for d in (p.dims, p.marginal_dims))
+    est = got.estimates["trn2"]
+    for key in ("time_us", "dependency_bound_us", "lower_bound_us"):
+        assert est[key] == pytest.approx(small[key] + p.marginal_scale * (large[key] - small[key]))
+    assert est["host"]["hbm_bytes"] == pytest.approx(
+        small["host"]["hbm_bytes"] + p.marginal_scale * (large["host"]["hbm_bytes"] - small["host"]["hbm_bytes"]))

@@ -33,7 +33,8 @@ One chunk (``u`` keys per gathered unit, ``M`` keys per partition)::
                                  on partition k // M, slot k % M: one contiguous run per partition
     per softmax step of n slots (``chunk_plan``: n*rn <= 4096 fp32, n <= 128):
       K^T (dc, 128*nk) PSUM   <- nk TensorE transposes of slots c (keys {p*M + c}) per K^T block
-                                 (one PSUM bank), evicted by VectorE, issued 3 blocks ahead
+                                 (one PSUM bank), evicted by VectorE, issued 3 blocks ahead (across
+                                 the units of a wave)
       S^T[:, :, c] (128, rn)  =  sum over head-dim chunks of matmul(K^T slot c (dc, 128), q^T (dc, rn))
                                  into a score block (one PSUM bank), evicted by ScalarE with the
                                  scale (and tanh for softcap) into S^T (128, rn, n) (rows outermost)
@@ -120,6 +121,7 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.attention.kernels.decode_attention_fwd_steps import (
     MIN_II_ELEMS,
+    KtPipeline,
     LseTile,
     lockstep,
     lockstep_batched,
@@ -464,22 +466,28 @@ def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, f
     waves = [[(job, step) for job in jobs[j0:j0 + width]] for j0 in range(0, len(jobs), width)
              for step in spans(m, plan[0])]   # step-major within each wave of jobs
 
-    def scores(item):
-        (split_states, q_t, k_chunk, _), step = item
-        n = step[1]
-        s_sb = [nl.ndarray((pmax, st.group_sq, n, st.acc.shape[0] // st.group_sq), dtype=nl.float32, buffer=nl.sbuf)
-                if st.group_sq and n < MIN_II_ELEMS else
-                nl.ndarray((pmax, st.acc.shape[0], n), dtype=nl.float32, buffer=nl.sbuf) for st in split_states]
-        fused = softcap == 0 and MIN_II_ELEMS <= n <= plan[1]   # one score block, per-row exps
-        src = step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused, rota)
-        return s_sb, (src if fused else s_sb), (scale if fused else 1.0)
+    def scores(wave):
+        """S^T of every item of a wave, their K^T blocks pipelined across the items."""
+        kt = KtPipeline()
+        for (_, _, k_chunk, _), step in wave:
+            kt.add(k_chunk, step, plan, d_spans, m, kv_dtype, rota)
+        out = []
+        for (split_states, q_t, _, _), step in wave:
+            n = step[1]
+            s_sb = [nl.ndarray((pmax, st.group_sq, n, st.acc.shape[0] // st.group_sq), dtype=nl.float32,
+                               buffer=nl.sbuf) if st.group_sq and n < MIN_II_ELEMS else
+                    nl.ndarray((pmax, st.acc.shape[0], n), dtype=nl.float32, buffer=nl.sbuf) for st in split_states]
+            fused = softcap == 0 and MIN_II_ELEMS <= n <= plan[1]   # one score block, per-row exps
+            src = step_scores(s_sb, q_t, step, plan, kt, scale, softcap, fused)
+            out.append((s_sb, (src if fused else s_sb), (scale if fused else 1.0)))
+        return out
 
     pending = None                  # (wave, per item: P^T and -m_new per row tile) awaiting P @ V
-    s_next = [scores(item) for item in waves[0]]
+    s_next = scores(waves[0])
     for w, wave in enumerate(waves):
         s_cur = s_next
         if w + 1 < len(waves):
-            s_next = [scores(item) for item in waves[w + 1]]
+            s_next = scores(waves[w + 1])
         phases = []
         for i, (job, step) in enumerate(wave):
             s_sb, s_src, score_scale = s_cur[i]

@@ -5,7 +5,8 @@ store. ``decode_attention_fwd`` (the kernel, its streams and its single-chunk pa
 Algorithm per softmax step of ``n`` key slots (keys on partitions, rows on the free axis; see
 ``decode_attention_fwd`` for the whole kernel)::
 
-    K^T blocks   PE transposes of nk slots, KT_LOOKAHEAD blocks ahead of their score matmuls
+    K^T blocks   PE transposes of nk slots, KT_LOOKAHEAD blocks ahead of their score matmuls, across
+                 the steps of every unit of a wave (KtPipeline)
     s            = scale * q @ k^T (softcap: softcap * tanh(s / softcap)), evicted from PSUM
     mask, rowmax one range_select per position of a row group (rows sharing a position)
     m_new, p     = max(m, rowmax), exp(s - m_new)      (per-row exps when a row has >= MIN_II_ELEMS slots)
@@ -63,31 +64,57 @@ def _evict_scores(s_view, s_psum, scale, softcap):
         nisa.activation(dst=s_view, op=nl.copy, data=s_psum, scale=scale)
 
 
-def step_scores(s_sb, q_t, k_chunk, step, plan, d_spans, m, kv_dtype, scale, softcap, fused=False, rota=None):
+def _kt_spans(n, plan):
+    """(first slot, slots) of the K^T blocks of a softmax step of ``n`` slots, in matmul order
+    (score blocks of ``plan[1]`` slots, each cut into K^T blocks of ``plan[2]``)."""
+    _, blk_slots, kt_slots = plan
+    return tuple((b0 + k0, kn) for b0, bn in spans(n, blk_slots) for k0, kn in spans(bn, kt_slots))
+
+
+class KtPipeline:
+    """The K^T blocks of several softmax steps (all items of a wave, in the order their score
+    matmuls are issued), transposed ``KT_LOOKAHEAD`` blocks ahead of their matmuls *across* the
+    steps: TensorE transposes the next unit's keys while the current unit's K^T evictions are
+    still in flight, instead of waiting for each unit's eviction in turn."""
+
+    def __init__(self):
+        self.thunks = []
+        self.issued = []
+        self.taken = 0
+
+    def add(self, k_chunk, step, plan, d_spans, m, kv_dtype, rota=None):
+        """Queue the K^T blocks of one step (slots ``step`` of ``k_chunk``)."""
+        c0, n = step
+        for k0, kn in _kt_spans(n, plan):
+            engine = None if rota is not None else nisa.engine.vector
+            self.thunks.append(lambda blk=(c0 + k0, kn), eng=engine:
+                               _block_keys_transposed(k_chunk, blk, d_spans, m, kv_dtype,
+                                                              eng if eng is not None else rota.next()))
+
+    def take(self):
+        """The next K^T block, after issuing the transposes up to ``KT_LOOKAHEAD`` blocks beyond it."""
+        while len(self.issued) < len(self.thunks) and len(self.issued) <= self.taken + KT_LOOKAHEAD:
+            self.issued.append(self.thunks[len(self.issued)]())
+        k_t = self.issued[self.taken]
+        self.taken += 1
+        return k_t
+
+
+def step_scores(s_sb, q_t, step, plan, kt, scale, softcap, fused=False):
     """S^T (128, rn, n) of every row tile for the slots of one softmax step: element [p, r, j] is
     the score of row r with key p*M + c0 + j (rows outermost, so each row's slots are one
     contiguous run for its range_select). One matmul per slot and head-dim chunk
     (stationary K^T slot (dc, 128), moving q^T (dc, rn)) into a score block's PSUM tile, evicted
     with the scale when the block is complete -- or, ``fused`` (one block, no softcap), left in PSUM
-    for the mask to read (returned: per row tile the (128, rn, n) view). K^T blocks are software-pipelined
-    ``KT_LOOKAHEAD`` blocks deep (their transposes are issued that far ahead of their matmuls,
-    hiding the PE -> eviction -> PE latency)."""
+    for the mask to read (returned: per row tile the (128, rn, n) view). The K^T blocks come from
+    ``kt`` (a :class:`KtPipeline` holding this step's blocks, software-pipelined ``KT_LOOKAHEAD``
+    blocks deep, hiding the PE -> eviction -> PE latency)."""
     pmax = nl.tile_size.pmax
-    c0, n = step
-    _, blk_slots, kt_slots = plan
-    kt_blocks = tuple((b0 + k0, kn) for b0, bn in spans(n, blk_slots) for k0, kn in spans(bn, kt_slots))
-
-    def transposed(i):
-        k0, kn = kt_blocks[i]
-        return _block_keys_transposed(k_chunk, (c0 + k0, kn), d_spans, m, kv_dtype,
-                                      rota.next() if rota is not None else nisa.engine.vector)
-
-    pending = [transposed(i) for i in range(min(KT_LOOKAHEAD, len(kt_blocks)))]
+    _, n = step
+    blk_slots = plan[1]
     s_psum = None
-    for i, (k0, kn) in enumerate(kt_blocks):
-        k_t = pending.pop(0)
-        if i + KT_LOOKAHEAD < len(kt_blocks):
-            pending.append(transposed(i + KT_LOOKAHEAD))
+    for k0, kn in _kt_spans(n, plan):
+        k_t = kt.take()
         b0 = k0 - k0 % blk_slots
         bn = min(blk_slots, n - b0)
         if k0 == b0:
