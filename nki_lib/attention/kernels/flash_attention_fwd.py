@@ -25,6 +25,9 @@ Work decomposition (compile time, all loops unrolled)::
               bf16/fp16, 1024 in fp32)
     step    = (group, section, query head of the pass)
 
+The exp table is loaded by a dummy exp at the start (``warm_exp_table``), under the first
+loads, instead of delaying the first softmax.
+
 Key tiles no query of the tile can see are skipped (``tiles.plan_row``) and the visible ones are
 cut to the 128-key blocks some query sees (``flash_attention_fwd_plan.trim_plan``: the causal diagonal tile
 keeps 128 j keys); masks (one VectorE ``range_select`` against per-row key bounds) are applied
@@ -121,7 +124,7 @@ from nki_lib.attention.kernels.flash_attention_fwd_plan import (
     program_share,
 )
 from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, new_lse_batch
-from nki_lib.attention.kernels.flash_attention_fwd_step import PT_DVE_SHARE, PT_DVE_SHARE_SOFTCAP
+from nki_lib.attention.kernels.flash_attention_fwd_step import PT_DVE_SHARE, PT_DVE_SHARE_SOFTCAP, warm_exp_table
 from nki_lib.attention.kernels.flash_attention_fwd_values import ValueCache, cache_bytes
 from nki_lib.attention.kernels.flash_attention_transposed_loads import as_kernel_layout, on_chip
 from nki_lib.attention.kernels.tiles import (
@@ -219,6 +222,8 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
     # switches between the tanh and exp tables twice per batch instead of twice per step
     score_batch = SOFTCAP_BATCH if softcap > 0 else 1
     pt_dve_share = PT_DVE_SHARE_SOFTCAP if softcap > 0 else PT_DVE_SHARE
+    if softcap == 0:    # with softcap the first function is tanh
+        warm_exp_table()
     load_k(ctx, groups, steps, 0)
     closing = []
     for it in nl.sequential_range(-SCORE_LEAD, n_steps + ACC_LAG + 1):   # + 1: the last closes
