@@ -180,7 +180,8 @@ def test_sbuf_estimates_bound_the_measured_peak(shape):
     itemsize = s.args[0].element_size()
     group = block * moe_experts_fwd.group_blocks(h, inter, block, itemsize, **counts)   # the forward's slots per group
     assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd.sbuf_bytes(h, inter, group, itemsize, **counts)
-    assert 0 < bwd.peak_sbuf_bytes <= moe_experts_bwd.sbuf_bytes(h, inter, block, itemsize, **counts)
+    bwd_group = block * moe_experts_bwd.group_blocks(h, inter, block, itemsize, **counts)   # the backward's
+    assert 0 < bwd.peak_sbuf_bytes <= moe_experts_bwd.sbuf_bytes(h, inter, bwd_group, itemsize, **counts)
 
 
 # --------------------------------------------------------------------------- plan data checks
