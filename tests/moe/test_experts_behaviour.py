@@ -187,7 +187,8 @@ def test_sbuf_estimates_bound_the_measured_peak(shape, weight_layout):
     in_out = dict(in_out=weight_layout == "in_out")
     group = block * moe_experts_fwd.group_blocks(h, inter, block, itemsize, **counts, **in_out)   # slots per group
     assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd.sbuf_bytes(h, inter, group, itemsize, **counts, **in_out)
-    assert 0 < bwd.peak_sbuf_bytes <= moe_experts_bwd.sbuf_bytes(h, inter, block, itemsize, **counts)
+    bwd_group = block * moe_experts_bwd.group_blocks(h, inter, block, itemsize, **counts)   # the backward's
+    assert 0 < bwd.peak_sbuf_bytes <= moe_experts_bwd.sbuf_bytes(h, inter, bwd_group, itemsize, **counts)
 
 
 # --------------------------------------------------------------------------- plan data checks

@@ -110,8 +110,13 @@ def test_narrow_tilings(monkeypatch, overlap, weight_layout):
     check(sample(6, 300, 2 * 128 + 44, 3, 2, 8, torch.bfloat16, "gelu_tanh", weight_layout=weight_layout))
 
 
-def test_expert_spanning_many_blocks():
-    """First, middle and last blocks of one expert: fp32 weight-gradient accumulation across blocks."""
+@pytest.mark.parametrize("grouped", [True, False])
+def test_expert_spanning_many_blocks(monkeypatch, grouped):
+    """First, middle and last blocks of one expert: fp32 weight-gradient accumulation across
+    blocks, with the backward's groups one block each (every mode) and as chosen (one group)."""
+    from nki_lib.moe.kernels import moe_experts_bwd
+    if not grouped:
+        monkeypatch.setattr(moe_experts_bwd, "group_blocks", lambda *a, **k: 1)
     ids = torch.tensor([[1, 0]] * 13)                                 # expert 1: 13 slots -> 4 blocks
     check(sample(13, 24, 16, 3, 2, 4, torch.bfloat16, topk_ids=ids))
 

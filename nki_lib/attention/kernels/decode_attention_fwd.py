@@ -43,9 +43,11 @@ One chunk (``u`` keys per gathered unit, ``M`` keys per partition)::
       row max                 :  partial max (128, rn) -> PE transpose -> VectorE max -> (rn, 1);
                                  -m_new broadcast to (128, rn) by a PE transpose of a stride-0 view
       P^T (128, rn, n)        =  exp(S^T + (-m_r)): one ScalarE exp per row (per-partition bias)
-      O^T (dc, rn) PSUM       += matmul(V slot c (128, dc), P^T slot c (128, rn)); row sums (rn, 1)
-                                 += matmul(P^T slot c, ones (128, 1)); O^T -> O (rn, D) by a PE
-                                 transpose; issued after the next step's scores
+      [O | rowsum] (rn, D+1)  += matmul(P^T slot c (128, rn), V slot c (128, D)) when that costs
+                                 TensorE no more than the transposed form (``pv_direct``), else
+                                 O^T (dc, rn) += matmul(V slot c (128, dc), P^T slot c) evicted and
+                                 PE-transposed back; row sums += matmul(P^T slot c, ones (128, 1));
+                                 acc | l updated in one instruction; issued after the next step's scores
 
 Each split visits three chunk ranges in key order (``split_bounds`` (B, S, 4)): edge chunks,
 interior chunks (every key inside ``[first, L_b)``), edge chunks. For a contiguous cache an
@@ -64,7 +66,8 @@ is issued before the stores and setup of later units that would otherwise hold t
 
     split bounds (1, B*S*4), key windows (128, B*S*2): one DMA each for the whole batch
     for unit (b, hk) (static):
-      prepare the next unit:                     q^T (one DMA and transpose for the units whose
+      prepare the next unit:                     q^T (one DMA of up to 8 rows per partition and
+                                                 PE transposes, for the units whose
                                                  rows fit 128 partitions), sinks (once per kv head),
                                                  per split: state, row bounds (from its key window,
                                                  on chip), 4 registers <- split bounds
@@ -126,6 +129,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_steps import (
     lockstep,
     lockstep_batched,
     merge_phases,
+    pv_direct,
     step_probs_phases,
     step_pv_phases,
     step_scores,
@@ -144,6 +148,9 @@ STEP_SLOTS = 64                   # slots per softmax step: >= 64 keeps the per-
 DIRECT_PIECE_SLOTS = 32           # contiguous interior chunks load K and V in pieces of 32 slots (8 KiB
                                   # rows at D=128 bf16, >= 2 KiB per descriptor; 600 ns hwdge issue
                                   # each): the first scores and P @ V start while the rest lands
+Q_LOAD_ROWS = 8                   # q loads with up to 8 consecutive rows per partition (8 PE transposes)
+Q_LOAD_ROW_BYTES = 4096           # ... and at most 4 KiB per partition row (long enough to move at DMA
+                                  # bandwidth at every documented per-descriptor floor)
 OUT_STORE_LAG = 2                 # units whose out stores wait behind later units' loads (the DMA
                                   # engines serve in program order: an early store would hold them)
 SINGLE_CHUNK_KEYS = 8192          # capacities up to this (one chunk, one split) load their chunk
@@ -182,34 +189,53 @@ def chunk_plan(m, rows_max, rows_total, itemsize):
 
 class _SplitState(nl.NKIObject):
     """Online-softmax state of one split over one row tile (fp32 SBUF). ``packed`` (rn, D + 2)
-    holds acc | neg_m | l, so one ``sendrecv`` moves a split's state to the other core (LNC2)."""
+    holds acc | l | neg_m, so one ``sendrecv`` moves a split's state to the other core (LNC2) and
+    one instruction updates acc | l from the P @ V result [O | rowsum] (rn, D + 1)."""
     packed: object   # (rn, D + 2)
+    acc_l: object    # (rn, D + 1) acc | l                      = packed[:, :D + 1]
     acc: object      # (rn, D) unnormalised output            = packed[:, :D]
-    neg_m: object    # (rn, 1) negated running max            = packed[:, D]
-    l: object        # (rn, 1) running sum                    = packed[:, D + 1]  # noqa: E741
+    l: object        # (rn, 1) running sum                    = packed[:, D]  # noqa: E741
+    neg_m: object    # (rn, 1) negated running max            = packed[:, D + 1]
     bounds: object   # (128, rn, 2) per partition p and row r: (lo_r - p*M, hi_r - p*M), lo/hi
                      # relative to the chunk start: the visible slots of partition p
     group_sq: object  # Sq when the tile holds every row of its unit (rows r = g*Sq + t with equal t
                       # share their bounds: short-row steps mask a whole t at once), else None
+    g_bounds: object  # short-row steps of a whole unit: (128, Sq, 2) per position t the bounds of its
+                      # G rows in the grouped score layout, (lo_t * G, (hi_t + 1) * G); else None
 
 
-def _state_views(packed, bounds=None, group_sq=None):
+def _state_views(packed, bounds=None, group_sq=None, g_bounds=None):
     d = packed.shape[1] - 2
-    return _SplitState(packed=packed, acc=packed[:, 0:d], neg_m=packed[:, d:d + 1],
-                       l=packed[:, d + 1:d + 2], bounds=bounds, group_sq=group_sq)
+    return _SplitState(packed=packed, acc_l=packed[:, 0:d + 1], acc=packed[:, 0:d], l=packed[:, d:d + 1],
+                       neg_m=packed[:, d + 1:d + 2], bounds=bounds, group_sq=group_sq, g_bounds=g_bounds)
+
+
+def _q_rows_per_partition(rn, d, itemsize):
+    """Rows of q per SBUF partition of its load: the largest power of two dividing ``rn``, at most
+    ``Q_LOAD_ROWS`` and ``Q_LOAD_ROW_BYTES`` per partition row (each partition row of a DMA pays the
+    per-descriptor floor: few long rows instead of ``rn`` short ones)."""
+    k = 1
+    while rn % (2 * k) == 0 and 2 * k <= Q_LOAD_ROWS and 2 * k * d * itemsize <= Q_LOAD_ROW_BYTES:
+        k *= 2
+    return k
 
 
 def _load_q_t(q, row0, rn, d_spans, dtype):
-    """q^T chunks (dc, rn) of rows ``row0 .. row0 + rn`` of the flattened (B*Hq*Sq, D) queries."""
+    """q^T chunks (dc, rn) of rows ``row0 .. row0 + rn`` of the flattened (B*Hq*Sq, D) queries:
+    one DMA of k consecutive rows per partition (rn/k partitions), k PE transposes (row p*k + j of
+    block j lands in column j*rn/k + p) and one copy that puts the columns back in row order."""
     d = q.shape[3]
-    q_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=q_sb, src=q.ap([[d, rn], [1, d]], offset=row0 * d))
+    k = _q_rows_per_partition(rn, d, q.itemsize)
+    parts = rn // k
+    q_sb = nl.ndarray((parts, k * d), dtype=dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=q_sb, src=q.ap([[k * d, parts], [1, k * d]], offset=row0 * d))
     q_t = []
     for d0, dn in d_spans:
         q_t_psum = nl.ndarray((dn, rn), dtype=dtype, buffer=nl.psum)
-        nisa.nc_transpose(dst=q_t_psum, data=q_sb[:, d0:d0 + dn])
+        for j in range(k):
+            nisa.nc_transpose(dst=q_t_psum[:, j * parts:(j + 1) * parts], data=q_sb[:, j * d + d0:j * d + d0 + dn])
         q_t_sb = nl.ndarray((dn, rn), dtype=dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=q_t_sb, src=q_t_psum)
+        nisa.tensor_copy(dst=q_t_sb.reshape((dn, parts, k)), src=q_t_psum.reshape((dn, k, parts)).permute((0, 2, 1)))
         q_t.append(q_t_sb)
     return q_t
 
@@ -251,23 +277,36 @@ def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left):
                       row_pos=row_pos.reshape((pmax, rows)), reach=reach, sq=sq)
 
 
-def _init_state(meta, ws, r0, rn, d):
+def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None):
     """Fresh state of rows r0 .. r0 + rn of the split whose key window is column pair ``ws`` of
     ``meta.window``; its row bounds on every partition p, relative to the split's first key and
     shifted by -p*M, come from that window (no HBM read): row r sits at ``L_b - Sq + t_r``, so
     ``hi = L_rel - Sq + t_r - p*M`` and ``lo = max(hi - window_left, first_rel - p*M)``
-    (``first`` already folds in the window and cache_start)."""
+    (``first`` already folds in the window and cache_start). Steps of ``step_slots`` < MIN_II_ELEMS
+    slots over a whole unit mask by position: their grouped bounds are computed here, once.
+    ``fresh``: the first step overwrites acc, l and -m without reading them (single-chunk path), so
+    they are not initialised. ``engine``: of the bound arithmetic (SBUF only; GpSimd where it idles)."""
     pmax = nl.tile_size.pmax
+    engine = engine or nisa.engine.vector
     whole = r0 == 0 and rn == meta.row_pos.shape[1]
+    grouped = whole and step_slots < MIN_II_ELEMS
     state = _state_views(nl.ndarray((rn, d + 2), dtype=nl.float32, buffer=nl.sbuf),
-                         nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf), meta.sq if whole else None)
-    nisa.memset(dst=state.packed, value=0.0)
-    nisa.memset(dst=state.neg_m, value=-STAT_INIT)
+                         nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf), meta.sq if whole else None,
+                         nl.ndarray((pmax, meta.sq, 2), dtype=nl.float32, buffer=nl.sbuf) if grouped else None)
+    if not fresh:
+        nisa.memset(dst=state.packed, value=0.0)
+        nisa.memset(dst=state.neg_m, value=-STAT_INIT)
     c = 2 * ws
     nisa.tensor_scalar(dst=state.bounds[:, :, 1], data=meta.row_pos[:, r0:r0 + rn], op0=nl.add,
-                       operand0=meta.window_pm[:, c + 1:c + 2])
+                       operand0=meta.window_pm[:, c + 1:c + 2], engine=engine)
     nisa.tensor_scalar(dst=state.bounds[:, :, 0], data=state.bounds[:, :, 1], op0=nl.add,
-                       operand0=-meta.reach, op1=nl.maximum, operand1=meta.window_pm[:, c:c + 1])
+                       operand0=-meta.reach, op1=nl.maximum, operand1=meta.window_pm[:, c:c + 1], engine=engine)
+    if grouped:
+        group = rn // meta.sq
+        nisa.tensor_scalar(dst=state.g_bounds[:, :, 0], data=state.bounds[:, 0:meta.sq, 0], op0=nl.multiply,
+                           operand0=float(group), engine=engine)
+        nisa.tensor_scalar(dst=state.g_bounds[:, :, 1], data=state.bounds[:, 0:meta.sq, 1], op0=nl.add,
+                           operand0=1.0, op1=nl.multiply, operand1=float(group), engine=engine)
     return state
 
 
@@ -294,15 +333,18 @@ class _StreamSetup(nl.NKIObject):
     key_regs: object   # single-chunk path: registers of first and L_b (from ``window``), or None
 
 
-def _stream_setup(meta, ws):
+def _stream_setup(meta, ws, static=False):
     """Registers of the split's chunk ranges (split ``ws`` of the flattened (b, s)) and a copy of
-    its key window (moved chunk by chunk)."""
+    its key window (moved chunk by chunk; ``static``: the single-chunk path, whose window never
+    moves, takes a view of the batch's)."""
     n_bounds = RANGE_BOUNDS
     regs = []
     for i in range(n_bounds):
         reg = nisa.register_alloc()
         nisa.register_load(reg, meta.bounds[0:1, ws * n_bounds + i:ws * n_bounds + i + 1])
         regs.append(reg)
+    if static:
+        return _StreamSetup(regs=regs, window=meta.window[:, 2 * ws:2 * ws + 2], key_regs=None)
     window_sb = nl.ndarray((nl.tile_size.pmax, 2), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=window_sb, src=meta.window[:, 2 * ws:2 * ws + 2])
     return _StreamSetup(regs=regs, window=window_sb, key_regs=None)
@@ -445,8 +487,12 @@ def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_d
     """Scores, mask, softmax and P @ V of one loaded chunk for every row tile (``_chunks`` with one
     job); then the row bounds move to the next chunk (-128*M keys)."""
     _chunks([(split_states, q_t, k_chunk, v_chunk)], plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype)
+    chunk_keys = m * nl.tile_size.pmax
     for st in split_states:
-        nisa.tensor_scalar(dst=st.bounds, data=st.bounds, op0=nl.add, operand0=-float(m * nl.tile_size.pmax))
+        nisa.tensor_scalar(dst=st.bounds, data=st.bounds, op0=nl.add, operand0=-float(chunk_keys))
+        if st.g_bounds is not None:
+            group = st.acc.shape[0] // st.group_sq
+            nisa.tensor_scalar(dst=st.g_bounds, data=st.g_bounds, op0=nl.add, operand0=-float(chunk_keys * group))
 
 
 def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, fresh=False):
@@ -509,7 +555,8 @@ def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, f
 def _flush_pv(pending, ones_col, d_spans, fresh):
     """P @ V and the state updates of one wave, in lockstep over its items and row tiles."""
     wave, probs = pending
-    lockstep_batched([step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans,
+    direct = pv_direct(*wave[0][0][0][0].acc.shape)
+    lockstep_batched([step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans, direct,
                                        fresh and step[0] == 0)
                        for ((split_states, _, _, v_chunk), step), item_probs in zip(wave, probs)
                        for st, (p_t, neg_m_new) in zip(split_states, item_probs)],
@@ -615,10 +662,11 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
             for t in my_tiles:
                 if (hk, t) not in sinks:
                     sinks[(hk, t)] = _load_sink(sink_rows, hk, *row_spans[t])
+        engine = nisa.engine.gpsimd if single and seq_units is not None else None   # no swdge gathers
         return _UnitWork(q_t=unit_q_t(u),
-                         states=[[_init_state(meta, b * n_split + s, r0, rn, d) for r0, rn in row_spans]
-                                 for s in my_splits],
-                         setups=[_stream_setup(meta, b * n_split + s) for s in my_splits])
+                         states=[[_init_state(meta, b * n_split + s, r0, rn, d, plan[0], single, engine)
+                                  for r0, rn in row_spans] for s in my_splits],
+                         setups=[_stream_setup(meta, b * n_split + s, single) for s in my_splits])
 
     pending_out = []                                # (out rows, first row) awaiting their store
 

@@ -28,11 +28,13 @@ Limits: those of ``decode_attention_fwd`` (D <= 256, bf16/fp16/fp32, positions <
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
-from nki_lib.attention.kernels.tiles import inf_max_rows
+from nki_lib.attention.kernels.tiles import STAT_INIT, inf_max_rows
 from nki_lib.sizes import spans
 
 MIN_II_ELEMS = 64                 # an instruction costs at least ~64 engine cycles (MIN_II): per-row
                                   # instructions pay off only when a row has this many slots
+PE_MIN_COLUMNS = 64               # a matmul streams at least min(64, M) columns: r x max(min(64, M), N)
+                                  # cycles (docs/cost-model.md, TensorE row)
 KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
 
 
@@ -145,10 +147,7 @@ def _mask_grouped(state, s_sb, c0, part_max):
     t share their bounds, so one range_select per t covers its G rows (free index c*G + g, visible
     iff lo*G <= c*G + g < (hi + 1)*G), then one max over the slots of every row."""
     pmax, sq, n, group = s_sb.shape
-    g_bounds = nl.ndarray((pmax, sq, 2), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=g_bounds[:, :, 0], data=state.bounds[:, 0:sq, 0], op0=nl.multiply, operand0=float(group))
-    nisa.tensor_scalar(dst=g_bounds[:, :, 1], data=state.bounds[:, 0:sq, 1], op0=nl.add, operand0=1.0,
-                       op1=nl.multiply, operand1=float(group))
+    g_bounds = state.g_bounds
     for t in range(sq):
         nisa.range_select(dst=s_sb[:, t], on_true_tile=s_sb[:, t], comp_op0=nl.greater_equal, comp_op1=nl.less,
                           bound0=g_bounds[:, t, 0:1], bound1=g_bounds[:, t, 1:2], range_start=c0 * group)
@@ -220,7 +219,7 @@ def step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scal
         rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
         nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
-                           op1=nl.minimum, operand1=neg_m_prev)
+                           op1=nl.minimum, operand1=-STAT_INIT if fresh else neg_m_prev)
     yield
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
@@ -243,43 +242,57 @@ def step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scal
     return p_t, neg_m_new
 
 
-def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, fresh=False):
-    """O^T (dc, rn) = sum_j matmul(V slot j (128, dc), P^T slot j (128, rn)) per head-dim chunk (the
-    wide V slot is the stationary operand, so each matmul streams only rn columns), transposed
-    back to O (rn, D); the row sums (rn, 1) likewise with a ones column as the moving operand
-    (TensorE has room, VectorE does not); then the online-softmax update of ``state``."""
+def pv_direct(rn, d):
+    """Whether P @ V of a row tile of ``rn`` rows takes the direct form (``step_pv_phases``): when
+    its matmul (M = rn, N = D) costs TensorE no more cycles than the transposed one (M = dc, N = rn);
+    else the transposed form, whose eviction and transpose hops are cheaper than the extra TensorE
+    time (B=4 Sq=1 D=128: rn = 8 would stream 128 columns a slot instead of 64)."""
+    dc = min(d, nl.tile_size.pmax)
+    return max(min(PE_MIN_COLUMNS, rn), d) <= max(min(PE_MIN_COLUMNS, dc), rn)
+
+
+def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, direct, fresh=False):
+    """[O | rowsum] (rn, D + 1) of the slots c0 .. c0 + n into one PSUM tile, then the
+    online-softmax update of ``state`` (acc | l in one instruction). The row sums are
+    matmul(P^T slot j (128, rn), ones (128, 1)) (TensorE has room, VectorE does not). O:
+
+    * ``direct``: matmul(stationary P^T slot j (128, rn), moving V slot j (128, D)) -- O comes out
+      with the rows on partitions, as the state holds it (TensorE: max(min(64, rn), D) cycles a slot);
+    * else per head-dim chunk matmul(stationary V slot j (128, dc), moving P^T slot j (128, rn)) =
+      O^T (dc, rn) (max(min(64, dc), rn) cycles a slot), evicted and PE-transposed back into the tile
+      (two more hops and one VectorE copy a step)."""
     rn, d = state.acc.shape
     n = p_t.shape[2]
-    rowsum = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.psum)
-    o_t = [nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.psum) for _, dn in d_spans]
+    o_l = nl.ndarray((rn, d + 1), dtype=nl.float32, buffer=nl.psum)
+    o_t = [] if direct else [nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.psum) for _, dn in d_spans]
     for j in range(n):
         c = c0 + j
-        for h, (d0, dn) in enumerate(d_spans):
+        if direct:
+            nisa.nc_matmul(dst=o_l[:, 0:d], stationary=p_t[:, :, j], moving=v_chunk[:, c * d:(c + 1) * d],
+                           accumulate=(j > 0))
+        for h, (d0, dn) in enumerate(d_spans if not direct else ()):
             nisa.nc_matmul(dst=o_t[h], stationary=v_chunk[:, c * d + d0:c * d + d0 + dn], moving=p_t[:, :, j],
                            accumulate=(j > 0))
-        nisa.nc_matmul(dst=rowsum, stationary=p_t[:, :, j], moving=ones_col, accumulate=(j > 0))
+        nisa.nc_matmul(dst=o_l[:, d:d + 1], stationary=p_t[:, :, j], moving=ones_col, accumulate=(j > 0))
     yield
-    o_t_sb = []
-    for h, (d0, dn) in enumerate(d_spans):
-        o_t_sb.append(nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.sbuf))
-        nisa.tensor_copy(dst=o_t_sb[h], src=o_t[h])
-    yield
-    o_psum = nl.ndarray((rn, d), dtype=nl.float32, buffer=nl.psum)
-    for h, (d0, dn) in enumerate(d_spans):
-        nisa.nc_transpose(dst=o_psum[:, d0:d0 + dn], data=o_t_sb[h])
-    yield
+    if not direct:
+        o_t_sb = []
+        for h, (d0, dn) in enumerate(d_spans):
+            o_t_sb.append(nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.sbuf))
+            nisa.tensor_copy(dst=o_t_sb[h], src=o_t[h])
+        yield
+        for h, (d0, dn) in enumerate(d_spans):
+            nisa.nc_transpose(dst=o_l[:, d0:d0 + dn], data=o_t_sb[h])
+        yield
     if fresh:                                   # alpha = exp(-STAT_INIT - m_new) = 0: plain copies
-        nisa.tensor_copy(dst=state.l, src=rowsum)
+        nisa.tensor_copy(dst=state.acc_l, src=o_l)
         nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
-        nisa.tensor_copy(dst=state.acc, src=o_psum)
         return
     alpha = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, bias=neg_m_new, scale=-1.0)
-    nisa.scalar_tensor_tensor(dst=state.l, data=state.l, op0=nl.multiply, operand0=alpha,
-                              op1=nl.add, operand1=rowsum)
+    nisa.scalar_tensor_tensor(dst=state.acc_l, data=state.acc_l, op0=nl.multiply, operand0=alpha,
+                              op1=nl.add, operand1=o_l)
     nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
-    nisa.scalar_tensor_tensor(dst=state.acc, data=state.acc, op0=nl.multiply, operand0=alpha,
-                              op1=nl.add, operand1=o_psum)
 
 
 def merge_phases(states, sink_sb, neg_big, total, dtype):

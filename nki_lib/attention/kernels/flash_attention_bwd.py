@@ -27,7 +27,7 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
                                                      GpSimd affine_select on P (causal/window),
                                                      key bounds: VectorE range_select before exp;
                      dP - delta                      ScalarE eviction (the bias of a copy), fp32
-            dscores  dS = (dP - delta) * P           VectorE, one product
+            dscores  dS = (dP - delta) * P           GpSimd, one product
             dv       dV += P^T dO                    TensorE, per visible 128-key block (queries
                                                      are the contraction dim: no transpose)
             dk       dK += dS^T Q, dS^T              TensorE, per visible block
@@ -61,10 +61,10 @@ second program idles.
 
 Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile TensorE does S, dP,
 4 x (dV, dK, dS^T, dQ) (3072 cycles, 2560 of them useful: the dS^T transposes bound TensorE at
-83% of its roofline); ScalarE the exp and the dP - delta eviction (854 ns); VectorE dS, the dS^T
-evictions and the dQ accumulation (933 ns); GpSimd the causal/window masks of diagonal tiles.
-Busy times at Sq = Sk = 4096 causal: TensorE 170 us, VectorE 134, ScalarE 124, DMA 63; estimated
-194 us (70% of the engine-aware roofline; docs/perf-log.md §10.3).
+83% of its roofline); ScalarE the exp and the dP - delta eviction (854 ns); VectorE the dS^T
+evictions and the dQ accumulation (400 ns); GpSimd dS (427 ns) and the causal/window masks of
+diagonal tiles. Busy times at Sq = Sk = 4096 causal: TensorE 170 us, ScalarE 124, GpSimd 69,
+VectorE 64, DMA 63; estimated 193 us (71% of the engine-aware roofline; docs/perf-log.md §12.5).
 Every streamed DMA moves one contiguous run of >= 1 KiB per partition (Q^T and dO^T 1 KiB
 each per group, Q/dO/O rows 3 KiB per group, K^T, V^T, K rows and dK/dV 1 KiB per key tile).
 Q^T, dO^T, K^T and V^T are DMA transposes of the natural (B, H, S, D) inputs for 2-byte dtypes
@@ -384,7 +384,7 @@ STAGES = (  # (lag, stage)
     (7, "acc"),       # VectorE/ScalarE: dQ_part into the group accumulator (then a group may finish)
     (4, "evict"),     # VectorE: dS^T PSUM -> SBUF
     (1, "probs"),     # ScalarE: P = exp(...), dP - delta; GpSimd masks
-    (2, "dscores"),   # VectorE: dS
+    (2, "dscores"),   # GpSimd: dS
     (0, "scores"),    # TensorE: S, dP
     (3, "dv"),        # TensorE: dV += P^T dO
     (6, "dq"),        # TensorE: dQ_part = dS K

@@ -14,7 +14,8 @@ a :class:`Pair` carries the tiles from one stage to the next:
                                                 the per-row bounds; otherwise GpSimd affine_select
                                                 of 0 into P (causal / sliding window)
                    dP - delta                   ScalarE PSUM eviction (copy with bias -delta), fp32
-    dscores_stage: dS = (dP - delta) * P        VectorE, [* (1 - t^2) under softcap]
+    dscores_stage: dS = (dP - delta) * P        GpSimd (both inputs in SBUF), [* (1 - t^2) under
+                                                softcap: VectorE]
     dv_stage:      dV += P^T dO                 TensorE, per visible 128-key block
     dk_stage:      dK += dS^T Q, dS^T           TensorE, per visible block (transpose to PSUM)
     evict_stage:   dS^T PSUM -> SBUF            VectorE
@@ -165,8 +166,9 @@ def probs_stage(pair, stats_sb, k0, kn, cfg):
 
 
 def dscores_stage(pair, kn):
-    """VectorE: dS = (dP - delta) * P [* (1 - tanh^2) under softcap], in the matmul dtype (one
-    plain product: half the cost of a fused ``scalar_tensor_tensor`` on the PSUM scores)."""
+    """GpSimd: dS = (dP - delta) * P [* (1 - tanh^2) under softcap, on VectorE], in the matmul dtype
+    (one plain product of two SBUF tiles: GpSimd streams it at its rate whatever the dtype, where
+    VectorE's fp32 rate is a low-confidence constant; docs/perf-log.md §12.5)."""
     pmax = nl.tile_size.pmax
     kw = tiles.key_tile_width()
     qn = pair.qn
@@ -178,7 +180,8 @@ def dscores_stage(pair, kn):
                                   reverse0=True, op1=nl.multiply, operand1=factor)
         factor = g_sb[:qn, :kn]
     ds_sb = nl.ndarray((pmax, kw), dtype=p_sb.dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=ds_sb[:qn, :kn], data1=dpm_sb[:qn, :kn], data2=factor, op=nl.multiply)
+    nisa.tensor_tensor(dst=ds_sb[:qn, :kn], data1=dpm_sb[:qn, :kn], data2=factor, op=nl.multiply,
+                       engine=nisa.engine.gpsimd)
     pair.tiles["ds"] = ds_sb
 
 

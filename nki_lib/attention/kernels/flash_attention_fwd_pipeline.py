@@ -173,8 +173,9 @@ def stage_acc(groups, steps, work, s, closing):
         else:
             nisa.tensor_scalar(dst=state.l, data=state.l, op0=nl.multiply, operand0=w.alpha,
                                op1=nl.add, operand1=w.rowsum, engine=nisa.engine.gpsimd)
-        if si == 0:     # first section: acc is uninitialised, alpha * 0 + O = O
-            nisa.tensor_copy(dst=state.acc, src=w.o_psum)
+        if si == 0:     # first section: acc is uninitialised, alpha * 0 + O = O (ScalarE:
+            # VectorE carries the score evictions)
+            nisa.activation(dst=state.acc, op=nl.copy, data=w.o_psum)
         else:           # alpha * acc on GpSimd (SBUF only), + O on VectorE (one PSUM pass)
             nisa.tensor_scalar(dst=state.acc, data=state.acc, op0=nl.multiply, operand0=w.alpha,
                                engine=nisa.engine.gpsimd)

@@ -174,7 +174,7 @@ def _diagonal_column(rows: int, first: int):
 
 def _constant_column(rows: int, value: float):
     col_sb = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=col_sb, value=float(value))
+    nisa.memset(dst=col_sb, value=float(value), engine=nisa.engine.gpsimd)   # DVE carries the scores
     return col_sb
 
 

@@ -9,11 +9,18 @@ w_a = topk_weights[t, j] and dy_t the output gradient (moe_experts_reference.moe
 h is recomputed from x (the op saves only its inputs): one extra gate/up projection per block,
 no activation memory.
 
-Algorithm (one launch): zero the weight gradients of experts that own no block (per expert, a
+Algorithm (one launch): on the host (index metadata, :mod:`.moe_experts_groups`), up to G
+consecutive blocks of one expert are merged into a group of S = G*B <= 512 slots (the largest
+whose SBUF estimate fits), as in the forward: every weight tile is loaded once per group and the
+weight gradients are contracted over all S slots in PSUM, so an expert with <= 512 assignments
+writes its gradients once, without the fp32 scratch. Below, "block" means such a group. In the
+kernel: zero the weight gradients of experts that own no block (per expert, a
 dynamic loop whose 0/1 trip count comes from a VectorE count of the plan); load the plan's slot
-ids and block flags as in the forward, and each block's accumulation mode (its expert's only,
-first, middle or last block: the plan keeps an expert's blocks consecutive); for each block b
-(static loop, guarded by a dynamic loop of 0/1 trips as in the forward):
+ids, block flags and each slot tile's live flag as in the forward, and each block's accumulation
+mode (its expert's only, first, middle or last block: the plan keeps an expert's blocks
+consecutive); for each block b (static loop, guarded by a dynamic loop of 0/1 trips as in the
+forward; every slot tile but the first under its own 0/1 live guard, so padding tiles cost no
+gather, matmul or write -- the first tile is always computed, its padding rows are zero):
   1. per slot tile (<= 128): gather x and dy rows (indirect DMA, padding slots skipped -> zero),
      routing weights — issued during block b - 1, before its scatters of step 3 (GpSimd issues
      DMAs in program order), into rows allocated after block b - 1's I chunks; do = w_a * dy
@@ -36,13 +43,14 @@ first, middle or last block: the plan keeps an expert's blocks consecutive); for
 finally dx[t] = sum_j dx_slots[t * k + j] (fp32, fixed order).
 
 Loop structure: idle experts (static > dynamic guard); ids; blocks (static) > guard (dynamic) >
-{slot tiles; I chunks > (slot tiles > H tiles) + weight-grad tiles > mode guards (dynamic);
-staging groups > H chunks > I tiles > slot tiles}; then the k-reduction of dx.
+{slot tiles (guarded); I chunks > (slot tiles (guarded) > H tiles) + weight-grad tiles > (slot
+tiles (guarded)) + mode guards (dynamic); staging groups > H chunks > I tiles > slot tiles
+(guarded)}; then the k-reduction of dx.
 
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k, NB
-blocks, B block size. Kernel inputs (HBM): dy, x (T, H); topk_w (N, 1) fp32; block_expert (NB,),
-slot_token, slot_assignment (NB*B,) int32; w_gate_up (E, 2I, H); w_down (E, H, I) (nn.Linear
-layouts as given); compile-time activation, top_k, i_chunk, dx_cols, prefetch_weights. Outputs: dx (T, H),
+blocks (groups), B block (group) size S. Kernel inputs (HBM): dy, x (T, H); topk_w (N, 1) fp32;
+block_expert (NB,), slot_token, slot_assignment (NB*B,) int32 (the groups' experts and slots);
+w_gate_up (E, 2I, H); w_down (E, H, I) (nn.Linear layouts as given); compile-time activation, top_k, i_chunk, dx_cols, prefetch_weights. Outputs: dx (T, H),
 dtopk (N, 1) fp32, dw_gate_up (E, 2I, H), dw_down (E, H, I).
 
 Limits: as the forward (bf16/fp16/fp32, B <= 512, LNC1) with the SBUF estimate :func:`sbuf_bytes`
@@ -57,12 +65,15 @@ blocks).
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.activations import GELU_TANH_A, GELU_TANH_C
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu_terms, ones_row
+from nki_lib.moe.kernels.moe_experts_groups import merge_blocks
 from nki_lib.moe.kernels.moe_experts_host import (
+    MAX_PSUM_SLOT_TILES,
     check_supported,
     choose_overlap_tiling,
     flags_sbuf_bytes,
@@ -262,24 +273,52 @@ def zero_idle_experts(block_expert, outs):
 
 # --------------------------------------------------------------------------- block phases
 
-def _block_rows(x, dy, tok_ids, asg_ids, b, block):
-    """Block b's slot tiles (s0, ps, token ids, assignment ids, routing weight (ps, 1) fp32, x rows)
-    and dy rows, allocated here and filled by ``_gather_block``."""
+class SlotTile(NamedTuple):
+    """One slot tile (<= 128 slots) of a group: first slot, slots, token and assignment ids
+    (ps, 1), routing weights (ps, 1) fp32, x rows (ps, H), and its 0/1 live register (None for
+    the group's first tile, which is always computed: padding rows are zero, so a padding tile
+    computed adds zeros, and the contractions over slots start their PSUM accumulation there)."""
+
+    s0: int
+    ps: int
+    tok: object
+    asg: object
+    w_col: object
+    x_rows: object
+    live: object
+
+
+def if_live(tile):
+    """The tile's guard: one trip, or a dynamic loop of 0/1 trips (padding tiles skipped)."""
+    return range(1) if tile.live is None else nl.dynamic_range(0, tile.live)
+
+
+def _block_rows(x, dy, ids, b, block):
+    """Group b's slot tiles (:class:`SlotTile`, ``ids`` = (token ids, assignment ids, live
+    flags)) and dy rows, allocated here and filled by ``_gather_block``."""
+    pmax = nl.tile_size.pmax
+    tok_ids, asg_ids, live_sb = ids
     slot_tiles, dy_rows = [], []
-    for st, (s0, ps) in enumerate(spans(block, nl.tile_size.pmax)):
-        slot_tiles.append((s0, ps, tok_ids[:ps, st, b:b + 1], asg_ids[:ps, st, b:b + 1],
-                           nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf),
-                           nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)))
+    for st, (s0, ps) in enumerate(spans(block, pmax)):
+        live_reg = None
+        if st > 0:
+            live_reg = nisa.register_alloc()
+            nisa.register_load(live_reg, live_sb[b % pmax:b % pmax + 1, b // pmax, st:st + 1])
+        slot_tiles.append(SlotTile(s0, ps, tok_ids[:ps, st, b:b + 1], asg_ids[:ps, st, b:b + 1],
+                                   nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf),
+                                   nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf), live_reg))
         dy_rows.append(nl.ndarray((ps, dy.shape[1]), dtype=dy.dtype, buffer=nl.sbuf))
     return slot_tiles, dy_rows
 
 
 def _gather_block(x, dy, topk_w, slot_tiles, dy_rows):
-    """Indirect gathers of the block's x rows, routing weights and dy rows (padding stays zero)."""
-    for (_, _, tok_sb, asg_sb, w_col, x_rows), dy_sb in zip(slot_tiles, dy_rows):
-        gather_rows_into(x_rows, x, tok_sb)
-        gather_rows_into(w_col, topk_w, asg_sb)
-        gather_rows_into(dy_sb, dy, tok_sb)
+    """Indirect gathers of the group's x rows, routing weights and dy rows per live slot tile
+    (padding slots stay zero)."""
+    for tile, dy_sb in zip(slot_tiles, dy_rows):
+        for _ in if_live(tile):
+            gather_rows_into(tile.x_rows, x, tile.tok)
+            gather_rows_into(tile.w_col, topk_w, tile.asg)
+            gather_rows_into(dy_sb, dy, tile.tok)
 
 
 def _load_grad_rows(dy_rows, slot_tiles, block):
@@ -288,10 +327,11 @@ def _load_grad_rows(dy_rows, slot_tiles, block):
     hidden = dy_rows[0].shape[1]
     dy_t = nl.ndarray((pmax, len(spans(hidden, pmax)), block), dtype=dy_rows[0].dtype, buffer=nl.sbuf)
     do_rows = []
-    for (s0, ps, _, _, w_col, _), dy_sb in zip(slot_tiles, dy_rows):
-        transpose_rows(dy_t, dy_sb, s0)
-        do_sb = nl.ndarray((ps, hidden), dtype=dy_sb.dtype, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=do_sb, data=dy_sb, op0=nl.multiply, operand0=w_col)
+    for tile, dy_sb in zip(slot_tiles, dy_rows):
+        do_sb = nl.ndarray((tile.ps, hidden), dtype=dy_sb.dtype, buffer=nl.sbuf)
+        for _ in if_live(tile):
+            transpose_rows(dy_t, dy_sb, tile.s0)
+            nisa.tensor_scalar(dst=do_sb, data=dy_sb, op0=nl.multiply, operand0=tile.w_col)
         do_rows.append(do_sb)
     dy_rows.clear()                     # last use of the dy rows
     return do_rows, dy_t
@@ -307,16 +347,18 @@ def _bias_grads(slot_tiles, do_rows, chunk, bias, mode_regs, expert_reg, c0, int
     if c0 == 0:
         for h0, hs in spans(hidden, pmax):
             part_psum = nl.ndarray((hs, 1), dtype=nl.float32, buffer=nl.psum)
-            for st, ((_, ps, *_), do_sb) in enumerate(zip(slot_tiles, do_rows)):
-                nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=ones_col[:ps, :],
-                               accumulate=st > 0)
+            for st, (tile, do_sb) in enumerate(zip(slot_tiles, do_rows)):
+                for _ in if_live(tile):
+                    nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=ones_col[:tile.ps, :],
+                                   accumulate=st > 0)
             accumulate_rows(acc_bd, db_down, mode_regs, expert_reg, h0, 0, part_psum)
     for which, row0 in ((1, c0), (2, inter + c0)):
         for i0, isz in spans(cn, pmax):
             part_psum = nl.ndarray((isz, 1), dtype=nl.float32, buffer=nl.psum)
-            for st, ((_, ps, *_), grads) in enumerate(zip(slot_tiles, chunk)):
-                nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz], moving=ones_col[:ps, :],
-                               accumulate=st > 0)
+            for st, (tile, grads) in enumerate(zip(slot_tiles, chunk)):
+                for _ in if_live(tile):
+                    nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
+                                   moving=ones_col[:tile.ps, :], accumulate=st > 0)
             accumulate_rows(acc_bgu, db_gate_up, mode_regs, expert_reg, row0 + i0, 0, part_psum)
 
 
@@ -331,12 +373,14 @@ def _dtopk_bias(dy_t, slot_tiles, dw_accs, bias, expert_reg):
     for ht, (h0, hs) in enumerate(h_tiles):
         nisa.dma_copy(dst=col_sb[:hs, ht, :], src=b_down.ap([[1, hs], [1, 1]], offset=h0, scalar_offset=expert_reg,
                                                             indirect_dim=0))
-    for (s0, ps, *_), dw_acc in zip(slot_tiles, dw_accs):
-        part_psum = nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.psum)
-        for ht, (h0, hs) in enumerate(h_tiles):
-            nisa.nc_matmul(dst=part_psum, stationary=dy_t[:hs, ht, s0:s0 + ps], moving=col_sb[:hs, ht, :],
-                           accumulate=ht > 0)
-        nisa.tensor_tensor(dst=dw_acc, data1=dw_acc, data2=part_psum, op=nl.add)
+    for tile, dw_acc in zip(slot_tiles, dw_accs):
+        s0, ps = tile.s0, tile.ps
+        for _ in if_live(tile):
+            part_psum = nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.psum)
+            for ht, (h0, hs) in enumerate(h_tiles):
+                nisa.nc_matmul(dst=part_psum, stationary=dy_t[:hs, ht, s0:s0 + ps], moving=col_sb[:hs, ht, :],
+                               accumulate=ht > 0)
+            nisa.tensor_tensor(dst=dw_acc, data1=dw_acc, data2=part_psum, op=nl.add)
 
 
 def _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter):
@@ -349,16 +393,18 @@ def _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert
     cn = chunk[0][0].shape[1]
     for h0, hs in spans(hidden, pmax):
         part_psum = nl.ndarray((hs, cn), dtype=nl.float32, buffer=nl.psum)
-        for st, (do_sb, (hx_sb, _, _)) in enumerate(zip(do_rows, chunk)):
-            nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=hx_sb, accumulate=st > 0)
+        for st, (tile, do_sb, (hx_sb, _, _)) in enumerate(zip(slot_tiles, do_rows, chunk)):
+            for _ in if_live(tile):
+                nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=hx_sb, accumulate=st > 0)
         accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, h0, c0, part_psum)
     for which, row0 in ((1, c0), (2, inter + c0)):
         for i0, isz in spans(cn, pmax):
             for h0, hn in spans(hidden, fmax):
                 part_psum = nl.ndarray((isz, hn), dtype=nl.float32, buffer=nl.psum)
-                for st, ((*_, x_rows), grads) in enumerate(zip(slot_tiles, chunk)):
-                    nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
-                                   moving=x_rows[:, h0:h0 + hn], accumulate=st > 0)
+                for st, (tile, grads) in enumerate(zip(slot_tiles, chunk)):
+                    for _ in if_live(tile):
+                        nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
+                                       moving=tile.x_rows[:, h0:h0 + hn], accumulate=st > 0)
                 accumulate_rows(acc_gu, dw_gate_up, mode_regs, expert_reg, row0 + i0, h0, part_psum)
 
 
@@ -369,19 +415,22 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols):
     hidden = w_gate_up.shape[2]
     i_tiles = spans(inter, nl.tile_size.pmax)
     for g0, gn in spans(hidden, dx_cols):
-        dx_rows = [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
+        dx_rows = [nl.ndarray((tile.ps, gn), dtype=nl.float32, buffer=nl.sbuf) for tile in slot_tiles]
         for h0, hn in spans(gn, nl.tile_size.gemm_moving_fmax):
-            dx_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
+            dx_psums = [nl.ndarray((tile.ps, hn), dtype=nl.float32, buffer=nl.psum) for tile in slot_tiles]
             for it, (i0, isz) in enumerate(i_tiles):
                 for grad_t, row0 in ((dg_t, i0), (du_t, inter + i0)):
                     w_sb = load_expert_cols(w_gate_up, expert_reg, [(row0, isz)], g0 + h0, hn)
-                    for (s0, ps, *_), dx_psum in zip(slot_tiles, dx_psums):
-                        nisa.nc_matmul(dst=dx_psum, stationary=grad_t[:isz, it, s0:s0 + ps],
-                                       moving=w_sb[:isz, 0, :], accumulate=it > 0 or row0 != i0)
-            for dx_psum, dx_sb in zip(dx_psums, dx_rows):
-                nisa.tensor_copy(dst=dx_sb[:, h0:h0 + hn], src=dx_psum)
-        for (_, _, _, asg_sb, _, _), dx_sb in zip(slot_tiles, dx_rows):
-            scatter_rows(dx_slots, asg_sb, dx_sb, g0)
+                    for tile, dx_psum in zip(slot_tiles, dx_psums):
+                        for _ in if_live(tile):
+                            nisa.nc_matmul(dst=dx_psum, stationary=grad_t[:isz, it, tile.s0:tile.s0 + tile.ps],
+                                           moving=w_sb[:isz, 0, :], accumulate=it > 0 or row0 != i0)
+            for tile, dx_psum, dx_sb in zip(slot_tiles, dx_psums, dx_rows):
+                for _ in if_live(tile):
+                    nisa.tensor_copy(dst=dx_sb[:, h0:h0 + hn], src=dx_psum)
+        for tile, dx_sb in zip(slot_tiles, dx_rows):
+            for _ in if_live(tile):
+                scatter_rows(dx_slots, tile.asg, dx_sb, g0)
 
 
 def chunk_weights(w_gate_up, w_down, expert_reg, c0, cn):
@@ -391,6 +440,28 @@ def chunk_weights(w_gate_up, w_down, expert_reg, c0, cn):
     return [load_expert_t(w_gate_up, expert_reg, h_tiles, c0, cn),
             load_expert_t(w_gate_up, expert_reg, h_tiles, inter + c0, cn),
             load_expert_cols(w_down, expert_reg, h_tiles, c0, cn)]
+
+
+def _slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, chunk, grads_t):
+    """One slot tile of an I chunk: g, u, dhy (slots on partitions, contraction over H tiles in
+    PSUM), the elementwise gradients (returned: h, dg, du), dg/du transposed into dgT/duT."""
+    pmax = nl.tile_size.pmax
+    s0, ps = tile.s0, tile.ps
+    c0, cn, h_tiles = chunk
+    psums = [nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum) for _ in weights]
+    for dst, row_sb in zip(psums, rows):
+        if row_sb is not None:
+            add_outer(dst, bias[2][:, :ps], row_sb)
+    for ht, (h0, hs) in enumerate(h_tiles):
+        for dst, src_t, w_sb, row_sb in zip(psums, (x_t, x_t, dy_t), weights, rows):
+            nisa.nc_matmul(dst=dst, stationary=src_t[:hs, ht, s0:s0 + ps], moving=w_sb[:hs, ht, :],
+                           accumulate=ht > 0 or row_sb is not None)
+    grads = _mlp_grads(*psums, tile.w_col, gate, x_t.dtype, dw_acc, c0 == 0)
+    it0 = c0 // pmax
+    n_sub = len(spans(cn, pmax))
+    for grad_t, grad_sb in zip(grads_t, grads[1:]):
+        transpose_rows(grad_t[:, it0:it0 + n_sub, :], grad_sb, s0)
+    return grads
 
 
 def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_reg, c0, cn, gate,
@@ -408,28 +479,17 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_
     if bias is not None:
         rows = (bias_row(bias[0], expert_reg, c0, cn), bias_row(bias[0], expert_reg, inter + c0, cn), None)
     chunk = []
-    for (s0, ps, _, _, w_col, _), dw_acc in zip(slot_tiles, dw_accs):
-        psums = [nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum) for _ in weights]
-        for dst, row_sb in zip(psums, rows):
-            if row_sb is not None:
-                add_outer(dst, bias[2][:, :ps], row_sb)
-        for ht, (h0, hs) in enumerate(h_tiles):
-            for dst, src_t, w_sb, row_sb in zip(psums, (x_t, x_t, dy_t), weights, rows):
-                nisa.nc_matmul(dst=dst, stationary=src_t[:hs, ht, s0:s0 + ps], moving=w_sb[:hs, ht, :],
-                               accumulate=ht > 0 or row_sb is not None)
-        grads = _mlp_grads(*psums, w_col, gate, x_t.dtype, dw_acc, c0 == 0)
-        it0 = c0 // pmax
-        n_sub = len(spans(cn, pmax))
-        transpose_rows(dg_t[:, it0:it0 + n_sub, :], grads[1], s0)
-        transpose_rows(du_t[:, it0:it0 + n_sub, :], grads[2], s0)
-        chunk.append(grads)
+    for tile, dw_acc in zip(slot_tiles, dw_accs):
+        for _ in if_live(tile):
+            chunk.append(_slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, (c0, cn, h_tiles),
+                                          (dg_t, du_t)))
     weights.clear()                     # last use of this chunk's weights (released)
     next_weights = prefetch()
     _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter)
     return next_weights
 
 
-def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
+def _block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
                gate, i_chunk, dx_cols, grad_bufs, dx_slots, dtopk, prefetch):
     """Block b in guarded phases: transposes, I chunks and weight gradients; then the gathers of
     block b + 1 into rows allocated here (``next_regs`` = its registers, or None; the rows are
@@ -443,19 +503,20 @@ def _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_re
     n_it = len(spans(inter, pmax))
     dg_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     du_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
-    dw_accs = [nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
+    dw_accs = [nl.ndarray((tile.ps, 1), dtype=nl.float32, buffer=nl.sbuf) for tile in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
         _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg, mode_regs, block,
                      gate, (i_chunk, prefetch), dg_t, du_t, grad_bufs)
     next_rows = None
     if next_regs is not None:
-        next_rows = _block_rows(x, dy, tok_ids, asg_ids, b + 1, block)
+        next_rows = _block_rows(x, dy, ids, b + 1, block)
         for _ in nl.dynamic_range(0, next_regs[1]):
             _gather_block(x, dy, topk_w, *next_rows)
     for _ in nl.dynamic_range(0, trips_reg):
         _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols)
-        for (_, _, _, asg_sb, _, _), dw_acc in zip(slot_tiles, dw_accs):
-            scatter_rows(dtopk, asg_sb, dw_acc, 0)
+        for tile, dw_acc in zip(slot_tiles, dw_accs):
+            for _ in if_live(tile):
+                scatter_rows(dtopk, tile.asg, dw_acc, 0)
     return next_rows
 
 
@@ -467,8 +528,9 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
     i_chunk, prefetch = chunking
     pmax = nl.tile_size.pmax
     x_t = nl.ndarray((pmax, len(spans(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
-    for s0, _, _, _, _, x_rows in slot_tiles:
-        transpose_rows(x_t, x_rows, s0)
+    for tile in slot_tiles:
+        for _ in if_live(tile):
+            transpose_rows(x_t, tile.x_rows, tile.s0)
     do_rows, dy_t = _load_grad_rows(dy_rows, slot_tiles, block)
     chunks = spans(w_down.shape[2], i_chunk)
     weights = chunk_weights(w_gate_up, w_down, expert_reg, *chunks[0])
@@ -506,10 +568,10 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
     zero_idle_experts(block_expert, (dw_gate_up, dw_down) + (() if bias is None else (bias[4][1], bias[5][1])))
     expert_sb, valid_sb = block_flags(block_expert)
     modes_sb = accumulation_modes(expert_sb)
-    tok_ids = load_all_ids(slot_token, n_blocks, block)
-    asg_ids = load_all_ids(slot_assignment, n_blocks, block)
+    asg_ids, live_sb = load_all_ids(slot_assignment, n_blocks, block, live=True)
+    ids = (load_all_ids(slot_token, n_blocks, block), asg_ids, live_sb)
     regs = block_registers(expert_sb, valid_sb, 0)
-    rows = _block_rows(x, dy, tok_ids, asg_ids, 0, block)
+    rows = _block_rows(x, dy, ids, 0, block)
     for _ in nl.dynamic_range(0, regs[1]):
         _gather_block(x, dy, topk_w, *rows)
     # Blocks in order (weight-gradient accumulation), statically unrolled: block b's body also
@@ -517,7 +579,7 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
     for b in range(n_blocks):
         mode_regs = mode_registers(modes_sb, b)
         next_regs = block_registers(expert_sb, valid_sb, b + 1) if b + 1 < n_blocks else None
-        rows = _block_bwd(dy, x, topk_w, tok_ids, asg_ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
+        rows = _block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
                           block, (activation, swiglu_alpha, swiglu_limit), i_chunk, dx_cols, grad_bufs, dx_slots,
                           dtopk, prefetch_weights)
         regs = next_regs
@@ -567,7 +629,7 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     dx = 2 * fmax * itemsize + staged_bytes(dx_cols, hidden, st)   # phase 3: W rows, dx rows
     dx += st * (2 * hidden * itemsize + 4)                      # and the next block's x, dy rows, weights
     body = slot_tiles + resident + max(load, chunks, dx)
-    modes = len(ACC_MODES) * n_blocks * 4                       # block accumulation modes
+    modes = len(ACC_MODES) * n_blocks * 4 + n_blocks * st * 4   # block accumulation modes, live flags
     setup = max(4 * n_blocks * 4, 2 * n_blocks * 4 + fmax * itemsize)   # edges; idle-expert count, zeros
     return flags_sbuf_bytes(n_blocks, block) + modes + max(body, setup, tail_sbuf_bytes(hidden, top_k, itemsize))
 
@@ -583,6 +645,16 @@ def sbuf_bytes(hidden, inter, block, itemsize, **counts):
     return sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, overlap=overlap, **counts)
 
 
+def group_blocks(hidden, inter, block, itemsize, **counts):
+    """Blocks per group (:mod:`.moe_experts_groups`): the most, up to MAX_PSUM_SLOT_TILES * 128
+    slots, whose SBUF estimate fits (1 when no larger group does)."""
+    fit = nl.tile_size.total_available_sbuf_size
+    blocks = max(1, MAX_PSUM_SLOT_TILES * nl.tile_size.pmax // block)
+    while blocks > 1 and sbuf_bytes(hidden, inter, blocks * block, itemsize, **counts) > fit:
+        blocks //= 2
+    return blocks
+
+
 def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
                            b_down=None, *, activation, swiglu_alpha, swiglu_limit):
     """Launch the backward kernel (host side: index metadata, views, the exact widening of the
@@ -593,12 +665,16 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
                                  sbuf_fn=sbuf_bytes, **flags)
     top_k = topk_weights.shape[1]
-    i_chunk, dx_cols, prefetch = tiling(x.shape[1], w_down.shape[2], block_size, x.element_size(), top_k=top_k,
-                              n_blocks=block_expert.shape[0], **flags)
+    hidden, inter, itemsize = x.shape[1], w_down.shape[2], x.element_size()
+    blocks = group_blocks(hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=block_expert.shape[0],
+                          **flags)
+    group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
+    i_chunk, dx_cols, prefetch = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
+                                        n_blocks=group_expert.shape[0], **flags)
     return KernelLaunch(
         moe_experts_bwd_kernel,
-        (dy.contiguous(), x.contiguous(), routing_weights(topk_weights), block_expert.contiguous(),
-         slot_tokens(slot_assignment, top_k), slot_assignment.contiguous(), w_gate_up.contiguous(),
+        (dy.contiguous(), x.contiguous(), routing_weights(topk_weights), group_expert,
+         slot_tokens(group_slots, top_k), group_slots, w_gate_up.contiguous(),
          w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha), float(swiglu_limit), top_k,
          i_chunk, dx_cols, prefetch),
         unpack=partial(_unpack_grads, x, topk_weights, b_gate_up, b_down))
