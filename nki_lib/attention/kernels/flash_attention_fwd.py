@@ -25,7 +25,7 @@ Work decomposition (compile time, all loops unrolled)::
               bf16/fp16, 1024 in fp32)
     step    = (group, section, query head of the pass)
 
-The exp table is loaded by a dummy exp at the start (``warm_exp_table``), under the first
+The exp table is loaded by a dummy exp at the start (``warm_table``), under the first
 loads, instead of delaying the first softmax.
 
 Key tiles no query of the tile can see are skipped (``tiles.plan_row``) and the visible ones are
@@ -58,8 +58,8 @@ iteration ``it`` loads the K^T of step ``it + SCORE_LEAD + 1`` and the V of ``it
 the P^T of ``it - 1``, issues the softmax of ``it + 1``, QK^T and scores of ``it + SCORE_LEAD``
 (with softcap: of SOFTCAP_BATCH steps every SOFTCAP_BATCH iterations, so the tanh/exp table
 switches happen once per batch), the transposes of ``it``, P @ V of ``it - PV_LAG`` and the
-acc update of ``it - ACC_LAG``; a group's output is stored one iteration after its last acc
-update. Every tile is a fresh allocation, so loads of later steps overlap compute
+acc update of ``it - ACC_LAG``; a group's output is stored ``CLOSE_LAG`` iterations after its
+last acc update. The last ``DRAIN_STEPS`` steps evict all their P^T blocks on VectorE. Every tile is a fresh allocation, so loads of later steps overlap compute
 (multi-buffering). lse is gathered column by column as groups close and finished in batches of
 ``LSE_BATCH`` (one ScalarE log per batch, a TensorE transpose so each row is stored
 contiguously).
@@ -124,7 +124,7 @@ from nki_lib.attention.kernels.flash_attention_fwd_plan import (
     program_share,
 )
 from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, new_lse_batch
-from nki_lib.attention.kernels.flash_attention_fwd_step import PT_DVE_SHARE, PT_DVE_SHARE_SOFTCAP, warm_exp_table
+from nki_lib.attention.kernels.flash_attention_fwd_step import PT_DVE_SHARE, PT_DVE_SHARE_SOFTCAP, warm_table
 from nki_lib.attention.kernels.flash_attention_fwd_values import ValueCache, cache_bytes
 from nki_lib.attention.kernels.flash_attention_transposed_loads import as_kernel_layout, on_chip
 from nki_lib.attention.kernels.tiles import (
@@ -153,6 +153,11 @@ PV_LAG = 2             # P @ V of a step is issued this many iterations after it
 ACC_LAG = 3            # the acc update of a step is issued this many iterations after its P^T
 SOFTCAP_BATCH = 4      # softcap: steps whose tanh scores are issued together (2 table switches
                        # per batch, 1.3 us each on trn2); costs 3 more S sections in SBUF
+DRAIN_STEPS = 4        # the last steps' P^T blocks are all evicted by VectorE: its score work is
+                       # done by then, while ScalarE still has their exps (the drain)
+CLOSE_LAG = 2          # a group's outputs are scaled and stored this many iterations after its
+                       # last acc update: the in-order GpSimd and DMA streams would otherwise hold
+                       # the next steps' neg_m and K/V loads behind the output, which waits for it
 LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
                        # ScalarE table switch to log and back per batch, 8 B/partition each
 K_CACHE_SBUF_SHARE = 4  # K^T of a whole kv head stays resident (loaded once, reused by every
@@ -217,19 +222,21 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
     #   load K^T(it + SCORE_LEAD + 1), V(it + 1)   evict P^T(it - 1) [ACT, DVE]
     #   softmax(it + 1) [POOL, ACT]   QK^T + scores(it + SCORE_LEAD) [PE, DVE (+ ACT tanh)]
     #   P^T(it) [PE]   P @ V(it - PV_LAG) [PE]   l, acc(it - ACC_LAG) [POOL, DVE]
-    #   outputs of the groups whose last acc update was in the previous iteration [POOL, DMA]
+    #   outputs of the groups whose last acc update was CLOSE_LAG iterations ago [POOL, DMA]
     # with softcap, the scores (tanh) of SOFTCAP_BATCH steps are issued together, so ScalarE
     # switches between the tanh and exp tables twice per batch instead of twice per step
     score_batch = SOFTCAP_BATCH if softcap > 0 else 1
     pt_dve_share = PT_DVE_SHARE_SOFTCAP if softcap > 0 else PT_DVE_SHARE
+    seed_sb = None
     if softcap == 0:    # with softcap the first function is tanh
-        warm_exp_table()
+        seed_sb = warm_table(nl.exp)
     load_k(ctx, groups, steps, 0)
     closing = []
     for it in nl.sequential_range(-SCORE_LEAD, n_steps + ACC_LAG + 1):   # + 1: the last closes
         load_k(ctx, groups, steps, it + SCORE_LEAD + score_batch)
         load_v_of(ctx, groups, steps, it + 1)
-        stage_evict_pt(groups, steps, work, it - 1, pt_dve_share)
+        stage_evict_pt(groups, steps, work, it - 1,
+                       1.0 if it - 1 >= n_steps - DRAIN_STEPS else pt_dve_share)
         stage_softmax(groups, steps, work, it + 1, v.dtype, exp_scale)
         if (it + SCORE_LEAD) % score_batch == 0:
             for s in range(it + SCORE_LEAD, it + SCORE_LEAD + score_batch):
@@ -237,9 +244,14 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
                 stage_scores(groups, steps, work, s, scale / exp_scale, softcap)
         stage_transpose(groups, steps, work, it)
         stage_pv(groups, steps, work, it - PV_LAG)
-        closing, closed = [], closing
-        stage_acc(groups, steps, work, it - ACC_LAG, closing)
-        for grp in closed:
+        closing.append([])
+        stage_acc(groups, steps, work, it - ACC_LAG, closing[-1])
+        if len(closing) > CLOSE_LAG:
+            for grp in closing.pop(0):
+                close_group(grp, out, lse_batch)
+    warm_table(nl.log, seed_sb)  # ScalarE's last exp is issued: switch to log for the last lse batch
+    for pending in closing:
+        for grp in pending:
             close_group(grp, out, lse_batch)
     flush_lse(lse_batch)
     return out, lse

@@ -17,26 +17,33 @@ from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.tiles import key_blocks, mask_scores
 from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 
-__all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "warm_exp_table", "section_scores", "softmax_step", "transpose_p", "evict_pt",
+__all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "warm_table", "section_scores", "softmax_step", "transpose_p", "evict_pt",
            "p_times_v"]
 
-PT_DVE_SHARE = 0.45   # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
+PT_DVE_SHARE = 0.4   # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
                       # Per 2048-key bf16 section (trn2 rates) ScalarE has ~1.9 us fixed work
                       # (exp, the first section's acc copy) and VectorE ~2.4 us (score evicts +
                       # max, acc), and a P^T block costs ScalarE 0.107 us, VectorE 0.067 us
-                      # (16-bit PSUM at 2x): 0.45 balances them at 4096 causal (docs/perf-log.md
-                      # §12.4; masked tiles add a ScalarE evict, so causal runs favour more)
+                      # (16-bit PSUM at 2x): 0.4 balances them at 4096 causal with the last
+                      # steps' blocks all on VectorE (flash_attention_fwd.DRAIN_STEPS;
+                      # docs/perf-log.md §12.4)
 PT_DVE_SHARE_SOFTCAP = 1.0  # softcap adds a tanh pass (1.7 us per section) on ScalarE, which then
                             # stays the busier engine with every P^T block on VectorE
 
 
-def warm_exp_table():
-    """One tiny exp on ScalarE at the kernel start, so that its activation-table load overlaps the
-    first loads instead of delaying the first step's softmax (the table is loaded on first use)."""
-    seed_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=seed_sb, value=0.0, engine=nisa.engine.gpsimd)
+def warm_table(func, seed_sb=None):
+    """One tiny ``func`` activation on ScalarE, on a constant: the activation table of ``func``
+    is loaded on first use, so issued while ScalarE would otherwise wait (the kernel start under
+    the first loads; the exp -> log switch of the last lse batch, under the last P @ V and acc
+    chain), its load is off the path to the first softmax / the last lse. Returns the (1, 1)
+    constant it read (``seed_sb``, made on the first call), to be passed to later calls so that
+    they wait for nothing."""
+    if seed_sb is None:
+        seed_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=seed_sb, value=1.0, engine=nisa.engine.gpsimd)
     warm_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=warm_sb, op=nl.exp, data=seed_sb)
+    nisa.activation(dst=warm_sb, op=func, data=seed_sb)
+    return seed_sb
 
 
 def qk(q_tiles, k_tiles, qn, kn):
