@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import nki_lib
+from nki_lib._nki import nl
 from nki_lib.attention import decode_attention_op
 from nki_lib.attention.decode_attention_op import make_sample
 from nki_lib.attention.kernels import decode_attention_fwd_plan
@@ -289,3 +290,39 @@ def test_single_chunk_contiguous_reads_follow_the_window(length, window_left):
     _judge(poisoned, outs)
     kv_bytes = sum(e.bytes for e in report.trace if e.opcode == "dma_copy" and e.bytes >= 1024)
     assert kv_bytes < 2 * cap * 32 * k.element_size()
+
+
+@pytest.mark.parametrize("b, hq, hkv, sq, d, lengths, window_left, dtype", [
+    (8, 4, 1, 4, 64, [128, 5, 77, 4, 100, 128, 64, 65], -1, torch.bfloat16),   # the AWS shape: 4 units a chunk
+    (8, 4, 1, 4, 64, [128, 5, 77, 4, 100, 128, 64, 65], 10, torch.float32),
+    (4, 8, 2, 2, 64, [128, 3, 90, 127], 20, torch.bfloat16),                   # kv heads inside a pack
+    (4, 4, 4, 1, 32, [100, 128, 1, 50], -1, torch.float16),
+    (2, 2, 1, 2, 16, [128, 60], 7, torch.float32),                             # 2 units a chunk
+])
+def test_packed_units_share_one_chunk(b, hq, hkv, sq, d, lengths, window_left, dtype):
+    """Short contiguous caches pack several units into one chunk (one K and one V load per pack):
+    NaN outside every unit's [first, L_b) and a legitimate inf in one unit's visible V stay out of
+    the other units' rows (each unit's P @ V contracts over its own partitions only)."""
+    sample = make_sample(b, hq, hkv, sq, d, lengths, dtype, capacity_=128, sinks=True, window_left=window_left)
+    outs, report = _launch(sample, num_splits=1)
+    _judge(sample, outs)
+    units, m = b * hkv, 1
+    pack = 2 if b * hkv == 2 else 4
+    chunk_bytes = nl.tile_size.pmax * pack * m * d * sample.args[1].element_size()
+    loads = [e for e in report.trace if e.opcode == "dma_copy" and e.bytes == chunk_bytes]
+    assert len(loads) == 2 * units // pack
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    pos = torch.arange(k.shape[2])
+    keep = torch.zeros(k.shape[0], hkv, k.shape[2], 1, dtype=torch.bool)
+    for i, length in enumerate(lengths):
+        first = max(0, length - sq - window_left) if window_left >= 0 else 0
+        keep[i, :, :, 0] = (pos >= first) & (pos < length)
+    v = _poison(v, keep).clone()
+    v[0, 0, lengths[0] - 1, 0] = float("inf")
+    poisoned = Sample((q, _poison(k, keep), v, seqlens, table, sinks), sample.kwargs, sample.label + " poisoned")
+    with nki_lib.use_backend("reference"), nki_lib.strict():
+        ref = torch.ops.nki.decode_attention(*poisoned.args, **poisoned.kwargs)
+    got, _ = _launch(poisoned, num_splits=1)
+    assert not torch.isfinite(ref[0][0]).all() and torch.isfinite(ref[0][1:]).all()
+    assert torch.equal(torch.isfinite(ref[0]), torch.isfinite(got[0]))
+    assert torch.equal(torch.isfinite(ref[1]), torch.isfinite(got[1]))

@@ -90,6 +90,21 @@ every unit, then V of every unit, then their compute in waves of up to ``LOCKSTE
 the instructions of the units' softmax, P @ V and merge chains interleaved phase by phase
 (``lockstep``), so the in-order engines pay each hop's latency once per wave, not once per unit.
 
+When a single-chunk unit has one softmax step, its sink is folded into that step (-m = min(-rowmax,
+-sink): the sink is a 129th column of the transposed per-partition maxima, and exp(sink - m) is
+taken beside the exps), so its merge is L = l + exp(sink - m), out = acc / L: no exp after the
+softmax, and the log table for the lse loads behind P @ V and the merges.
+
+Packed single-chunk path (contiguous caches whose chunk rows M*D are short, LNC1; ``_pack_size``):
+U consecutive units (2 or 4, U*M*R <= MIN_II_ELEMS) share one chunk -- unit u on partitions
+[u*128/U, (u+1)*128/U), U*M slots each, so K and V of the pack are one contiguous run per
+partition (U-fold longer DMA rows, U-fold fewer descriptors) -- and one score tile of U*R rows:
+the scores, the grouped mask (bounds shifted to each unit's columns, so a partition only sees its
+own unit's rows), the row max and the exp run once per pack; P @ V runs per unit, contracting over
+its own partitions (a PE row tile), into its own state, and each unit merges as in the
+single-chunk path. The pack loads its whole capacity (one chunk per unit; each unit's V rows
+outside [first, L_b) are zeroed in device loops over its edge ranges).
+
 K/V chunk buffers: pairs rotate over the (b, hk, split) streams (as many pairs as fit
 ``CHUNK_BUFFER_BUDGET``), so one stream's gathers overlap another stream's compute.
 
@@ -160,6 +175,8 @@ LOCKSTEP_CHAINS = 4               # softmax / P @ V chains (row tile x head-dim 
 KT_ACT_EVERY = 4                  # single-chunk path: every 4th K^T eviction on ScalarE
 LOAD_GROUP_PARTITIONS = 16        # single-chunk contiguous loads skip groups of this many partitions
                                   # that hold no key of [first, L_b) (2 DMA engines each: 16 groups in flight)
+PACK_MAX = 4                      # units per packed chunk: unit u's P @ V contracts over its 128/U
+                                  # partitions, a row tile of the PE array (32 at least, docs/nki-semantics.md §8.8)
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers (divided by the
                                   # number of row tiles, whose working sets grow); streams (one per
                                   # (b, hk, split)) rotate over the pairs that fit, so consecutive
@@ -202,12 +219,25 @@ class _SplitState(nl.NKIObject):
                       # share their bounds: short-row steps mask a whole t at once), else None
     g_bounds: object  # short-row steps of a whole unit: (128, Sq, 2) per position t the bounds of its
                       # G rows in the grouped score layout, (lo_t * G, (hi_t + 1) * G); else None
+    pack: int         # units whose rows share the tile (packed single-chunk path: unit u's keys on
+                      # partitions [u*128/U, (u+1)*128/U), its rows u*R .. (u+1)*R); 1 otherwise
+    units: object     # packed: per unit its own state (R rows on partitions 0 .. R: P @ V, merge), else None
+    folded: bool      # single-chunk path, one softmax step: the sink is folded into that step (its -m
+                      # includes -sink, ``sink_term`` = exp(sink - m)), so the merge needs no exp
+    sink: object      # folded: the sink logits (rn, 1) of the rows, or None (no sinks)
+    neg_sink: object  # folded: -sink (rn, 1), or None
+    sink_term: object  # folded with sinks: exp(sink - m) (rn, 1), written by the step
 
 
-def _state_views(packed, bounds=None, group_sq=None, g_bounds=None):
+def _state_views(packed, bounds=None, group_sq=None, g_bounds=None, pack=1, units=None, sinks=(None, None),
+                 folded=False):
     d = packed.shape[1] - 2
+    sink, neg_sink = sinks
+    sink_term = nl.ndarray((packed.shape[0], 1), dtype=nl.float32, buffer=nl.sbuf) if sink is not None else None
     return _SplitState(packed=packed, acc_l=packed[:, 0:d + 1], acc=packed[:, 0:d], l=packed[:, d:d + 1],
-                       neg_m=packed[:, d + 1:d + 2], bounds=bounds, group_sq=group_sq, g_bounds=g_bounds)
+                       neg_m=packed[:, d + 1:d + 2], bounds=bounds, group_sq=group_sq, g_bounds=g_bounds,
+                       pack=pack, units=units, folded=folded, sink=sink, neg_sink=neg_sink,
+                       sink_term=sink_term)
 
 
 def _q_rows_per_partition(rn, d, itemsize):
@@ -277,7 +307,7 @@ def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left):
                       row_pos=row_pos.reshape((pmax, rows)), reach=reach, sq=sq)
 
 
-def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None):
+def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None, fold=None):
     """Fresh state of rows r0 .. r0 + rn of the split whose key window is column pair ``ws`` of
     ``meta.window``; its row bounds on every partition p, relative to the split's first key and
     shifted by -p*M, come from that window (no HBM read): row r sits at ``L_b - Sq + t_r``, so
@@ -285,14 +315,16 @@ def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None):
     (``first`` already folds in the window and cache_start). Steps of ``step_slots`` < MIN_II_ELEMS
     slots over a whole unit mask by position: their grouped bounds are computed here, once.
     ``fresh``: the first step overwrites acc, l and -m without reading them (single-chunk path), so
-    they are not initialised. ``engine``: of the bound arithmetic (SBUF only; GpSimd where it idles)."""
+    they are not initialised. ``engine``: of the bound arithmetic (SBUF only; GpSimd where it idles).
+    ``fold``: (sink, -sink) (rn, 1) each, or (None, None), when the sink folds into the state's only step."""
     pmax = nl.tile_size.pmax
     engine = engine or nisa.engine.vector
     whole = r0 == 0 and rn == meta.row_pos.shape[1]
     grouped = whole and step_slots < MIN_II_ELEMS
     state = _state_views(nl.ndarray((rn, d + 2), dtype=nl.float32, buffer=nl.sbuf),
                          nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf), meta.sq if whole else None,
-                         nl.ndarray((pmax, meta.sq, 2), dtype=nl.float32, buffer=nl.sbuf) if grouped else None)
+                         nl.ndarray((pmax, meta.sq, 2), dtype=nl.float32, buffer=nl.sbuf) if grouped else None,
+                         sinks=fold or (None, None), folded=fold is not None)
     if not fresh:
         nisa.memset(dst=state.packed, value=0.0)
         nisa.memset(dst=state.neg_m, value=-STAT_INIT)
@@ -520,8 +552,8 @@ def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, f
         out = []
         for (split_states, q_t, _, _), step in wave:
             n = step[1]
-            s_sb = [nl.ndarray((pmax, st.group_sq, n, st.acc.shape[0] // st.group_sq), dtype=nl.float32,
-                               buffer=nl.sbuf) if st.group_sq and n < MIN_II_ELEMS else
+            s_sb = [nl.ndarray((pmax, st.group_sq, st.pack, n, st.acc.shape[0] // (st.group_sq * st.pack)),
+                               dtype=nl.float32, buffer=nl.sbuf) if st.group_sq and n < MIN_II_ELEMS else
                     nl.ndarray((pmax, st.acc.shape[0], n), dtype=nl.float32, buffer=nl.sbuf) for st in split_states]
             fused = softcap == 0 and MIN_II_ELEMS <= n <= plan[1]   # one score block, per-row exps
             src = step_scores(s_sb, q_t, step, plan, kt, scale, softcap, fused)
@@ -553,14 +585,22 @@ def _chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, f
 
 
 def _flush_pv(pending, ones_col, d_spans, fresh):
-    """P @ V and the state updates of one wave, in lockstep over its items and row tiles."""
+    """P @ V and the state updates of one wave, in lockstep over its items and row tiles (a packed
+    tile: over its units, each contracting over its own partitions into its own state)."""
     wave, probs = pending
-    direct = pv_direct(*wave[0][0][0][0].acc.shape)
-    lockstep_batched([step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans, direct,
-                                       fresh and step[0] == 0)
-                       for ((split_states, _, _, v_chunk), step), item_probs in zip(wave, probs)
-                       for st, (p_t, neg_m_new) in zip(split_states, item_probs)],
-                      max(1, LOCKSTEP_CHAINS // len(d_spans)))
+    phases = []
+    for ((split_states, _, _, v_chunk), step), item_probs in zip(wave, probs):
+        first = fresh and step[0] == 0
+        for st, (p_t, neg_m_new) in zip(split_states, item_probs):
+            if st.pack == 1:
+                phases.append(step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans,
+                                             pv_direct(*st.acc.shape), first))
+                continue
+            rows, part = st.units[0].acc.shape[0], nl.tile_size.pmax // st.pack
+            phases += [step_pv_phases(ust, p_t[:, u * rows:(u + 1) * rows, :], neg_m_new[u], v_chunk, step[0],
+                                      ones_col, d_spans, pv_direct(*ust.acc.shape), first, (u * part, part))
+                       for u, ust in enumerate(st.units)]
+    lockstep_batched(phases, max(1, LOCKSTEP_CHAINS // len(d_spans)))
 
 
 def _exchange(states, pid, first_pipe):
@@ -595,6 +635,144 @@ def _load_sink(sink_rows, hk, r0, rn):
 def _store_out(out, out_sb, row0):
     rn, d = out_sb.shape
     nisa.dma_copy(dst=out.ap([[d, rn], [1, d]], offset=row0 * d), src=out_sb)
+
+
+def _pack_size(n_units, rows, m, d, itemsize, lnc):
+    """Units per packed chunk (single-chunk path, contiguous cache; 1: no packing). A unit's chunk
+    rows are M*D elements per partition; below ``Q_LOAD_ROW_BYTES`` each pays the per-descriptor
+    floor more than its bytes, so U consecutive units share one chunk of 128 partitions (unit u on
+    partitions [u*128/U, (u+1)*128/U), U*M slots each: one contiguous HBM run per partition) and
+    one row tile of U*R rows. A packed step computes every unit's scores on every partition (U x
+    the elements, (U-1)/U of them masked), so it pays only while they still fit one instruction's
+    minimum cost, U*M*R <= MIN_II_ELEMS: VectorE's work per step stays at its per-instruction
+    floor while its instructions and hops, the DMA descriptors and the merges drop U-fold. U: a
+    power of two dividing the units, U*R <= 128, rows of at most ``Q_LOAD_ROW_BYTES``, short-row
+    softmax steps (U*M < MIN_II_ELEMS slots), at most ``PACK_MAX``; LNC1 only."""
+    pack = 1
+    while (lnc == 1 and 2 * pack <= PACK_MAX and n_units % (2 * pack) == 0 and 2 * pack * rows <= nl.tile_size.pmax
+           and pack * m * d * itemsize < Q_LOAD_ROW_BYTES and 2 * pack * m < MIN_II_ELEMS
+           and 2 * pack * m * rows <= MIN_II_ELEMS):
+        pack *= 2
+    return pack
+
+
+def _packed_state(meta, unit_ws, pack_keys, rows, d, slots, engine):
+    """The state of a packed chunk: the scores' tile of U*R rows (rows u*R .. (u+1)*R of unit u,
+    window column pair ``unit_ws[u]``), one state per unit (``units``) and the grouped bounds on
+    unit u's partitions ps (``slots`` = U*M per partition): slot c of
+    partition p holds key (p - u*P)*U*M + c of unit u (P = 128/U), so relative to p*U*M its window
+    moves by +u*cap; the grouped index of unit u's columns starts at u*n*G (one step of n = U*M
+    slots). Per unit, on ``engine`` (SBUF only): the shifted window (also the V cleaning's), hi, lo,
+    both clamped to the partition's slots and shifted to the unit's columns; then one multiply by G
+    for all. ``pack_keys`` (128, 1): p*U*M."""
+    pmax = nl.tile_size.pmax
+    pack, sq = len(unit_ws), meta.sq
+    part = pmax // pack
+    cap = part * slots
+    group = rows // sq
+    units = [_state_views(nl.ndarray((rows, d + 2), dtype=nl.float32, buffer=nl.sbuf)) for _ in range(pack)]
+    state = _state_views(nl.ndarray((pack * rows, d + 2), dtype=nl.float32, buffer=nl.sbuf),   # shapes only
+                         nl.ndarray((pmax, sq, 2), dtype=nl.float32, buffer=nl.sbuf), sq,
+                         nl.ndarray((pmax, sq, 2), dtype=nl.float32, buffer=nl.sbuf), pack, units)
+    window_pm = nl.ndarray((pmax, 2), dtype=nl.float32, buffer=nl.sbuf)   # [first, L_b) - p*U*M + u*cap
+    for u, ws in enumerate(unit_ws):
+        ps = slice(u * part, (u + 1) * part)
+        nisa.tensor_scalar(dst=window_pm[ps], data=meta.window[ps, 2 * ws:2 * ws + 2], op0=nl.subtract,
+                           operand0=pack_keys[ps], op1=nl.add, operand1=float(u * cap), engine=engine)
+        hi, lo = state.bounds[ps, :, 1], state.bounds[ps, :, 0]
+        nisa.tensor_scalar(dst=hi, data=meta.row_pos[ps, 0:sq], op0=nl.add, operand0=window_pm[ps, 1:2],
+                           engine=engine)
+        nisa.tensor_scalar(dst=lo, data=hi, op0=nl.add, operand0=-meta.reach, op1=nl.maximum,
+                           operand1=window_pm[ps, 0:1], engine=engine)
+        # clamped to the partition's slots (else a range would reach a neighbour unit's columns), then
+        # shifted to unit u's columns: [lo + u*n, hi + 1 + u*n) in slots
+        nisa.tensor_scalar(dst=hi, data=hi, op0=nl.minimum, operand0=float(slots - 1), op1=nl.add,
+                           operand1=float(u * slots + 1), engine=engine)
+        nisa.tensor_scalar(dst=lo, data=lo, op0=nl.maximum, operand0=0.0, op1=nl.add, operand1=float(u * slots),
+                           engine=engine)
+    nisa.tensor_scalar(dst=state.g_bounds, data=state.bounds, op0=nl.multiply, operand0=float(group), engine=engine)
+    return state, window_pm
+
+
+def _load_packed_chunk(cache_units, chunk_sb, base, slots):
+    """A packed chunk: one contiguous HBM run of ``slots`` keys per partition, ``DIRECT_PIECE_SLOTS``
+    at a time (precomputed descriptors; keys past each unit's L_b give masked scores, their V rows
+    are zeroed)."""
+    d = chunk_sb.shape[1] // slots
+    for c0, n in spans(slots, DIRECT_PIECE_SLOTS):
+        nisa.dma_copy(dst=chunk_sb[:, c0 * d:(c0 + n) * d],
+                      src=cache_units.ap([[slots * d, nl.tile_size.pmax], [1, n * d]], offset=base + c0 * d))
+
+
+def _packed_path(q, k_units, v_units, sink_rows, out, lse, meta, pack, cfg):
+    """The single-chunk path with ``pack`` consecutive units per chunk (``_pack_size``): per group of
+    packs (as many as buffer pairs fit): q^T and states of each pack, K of every pack, V of every
+    pack (each unit's V rows outside its [first, L_b) zeroed in device loops of 0 or 1 trips over
+    its edge ranges), the packs' compute in waves (``_chunks``: scores, mask and exp per pack, P @ V
+    per unit over its own partitions), one merge per unit."""
+    n_kv_heads, m, unit_keys, d_spans, ones_col, scale, softcap = cfg
+    pmax = nl.tile_size.pmax
+    _, _, _, d = q.shape
+    dtype = q.dtype
+    rows = meta.row_pos.shape[1]
+    prow, slots = pack * rows, pack * m
+    n_units = q.shape[0] * n_kv_heads
+    unit_stride = m * pmax * d                      # a unit's capacity is one chunk: units back to back
+    part = pmax // pack
+    plan = chunk_plan(slots, prow, prow, k_units.itemsize)
+    pack_keys = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.iota(dst=pack_keys, pattern=[[0, 1]], offset=0, channel_multiplier=slots)
+    slot_index = nl.ndarray((pmax, slots), dtype=nl.float32, buffer=nl.sbuf)   # [p, c] = c
+    nisa.iota(dst=slot_index, pattern=[[1, slots]], offset=0, channel_multiplier=0)
+    pair_bytes = slots * d * (k_units.itemsize + v_units.itemsize)
+    n_pairs = max(1, min(n_units // pack, CHUNK_BUFFER_BUDGET // pair_bytes))
+    bufs = [(nl.ndarray((pmax, slots * d), dtype=k_units.dtype, buffer=nl.sbuf),
+             nl.ndarray((pmax, slots * d), dtype=v_units.dtype, buffer=nl.sbuf)) for _ in range(n_pairs)]
+    tile = LseTile(neg_big=nl.ndarray((rows, n_units), dtype=nl.float32, buffer=nl.sbuf),
+                   total=nl.ndarray((rows, n_units), dtype=nl.float32, buffer=nl.sbuf), r0=0, first=0, stride=1)
+    sinks = {}
+    width = _unit_table_width(m, unit_keys)
+    pending_out = []
+    for g0 in range(0, n_units // pack, n_pairs):
+        group = list(range(g0, min(n_units // pack, g0 + n_pairs)))
+        works = []
+        for k in group:
+            ws = [(k * pack + u) // n_kv_heads for u in range(pack)]
+            state, window_pm = _packed_state(meta, ws, pack_keys, rows, d, slots, nisa.engine.gpsimd)
+            works.append((_load_q_t(q, k * prow, prow, d_spans, dtype), state, window_pm,
+                          [_stream_setup(meta, w, static=True).regs for w in ws]))
+            for u in range(pack):
+                hk = (k * pack + u) % n_kv_heads
+                if sink_rows is not None and hk not in sinks:
+                    sinks[hk] = _load_sink(sink_rows, hk, 0, rows)
+        for i, k in enumerate(group):
+            _load_packed_chunk(k_units, bufs[i][0], k * pack * unit_stride, slots)
+        for i, k in enumerate(group):
+            v_chunk = bufs[i][1]
+            _load_packed_chunk(v_units, v_chunk, k * pack * unit_stride, slots)
+            window_pm, regs = works[i][2], works[i][3]
+            for u in range(pack):
+                ps = slice(u * part, (u + 1) * part)
+                for r in range(0, RANGE_BOUNDS - 1, 2):     # the unit's edge ranges
+                    for _ in nl.dynamic_range(regs[u][r], regs[u][r + 1], width):
+                        _zero_invisible_rows(v_chunk[ps], slot_index[ps], window_pm[ps])
+        _chunks([([work[1]], [work[0]]) + bufs[i] for i, work in enumerate(works)], plan, d_spans, slots,
+                ones_col, k_units.dtype, scale, softcap, dtype, fresh=True)
+        merges, rows0 = [], []
+        for k, work in zip(group, works):
+            for u, ust in enumerate(work[1].units):
+                unit = k * pack + u
+                merges.append(merge_phases([ust], sinks.get(unit % n_kv_heads), tile.neg_big[:, unit:unit + 1],
+                                           tile.total[:, unit:unit + 1], dtype))
+                rows0.append(unit * rows)
+        pending_out.extend(zip(lockstep(merges), rows0))
+        while len(pending_out) > OUT_STORE_LAG:         # stores trail the loads they would block
+            _store_out(out, *pending_out.pop(0))
+    warm = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=warm, op=nl.log, data=ones_col)   # the log table loads behind the last merges
+    for out_sb, row0 in pending_out:
+        _store_out(out, out_sb, row0)
+    store_lse(tile, lse, rows)
 
 
 @nki.jit
@@ -644,6 +822,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                  for t in my_tiles}
     q_groups = {}                                   # one q load for the units whose rows fit 128 partitions
     sinks = {}                                      # sink logits per (kv head, row tile)
+    neg_sinks = {}                                  # single-chunk path, one step: their negation
     units_per_q = pmax // rows if len(row_spans) == 1 else 1
 
     def unit_q_t(u):
@@ -663,9 +842,17 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                 if (hk, t) not in sinks:
                     sinks[(hk, t)] = _load_sink(sink_rows, hk, *row_spans[t])
         engine = nisa.engine.gpsimd if single and seq_units is not None else None   # no swdge gathers
+        fold = single and plan[0] == m              # one softmax step: the sink folds into it
+        if fold and sink_rows is not None:
+            for t in my_tiles:
+                if (hk, t) not in neg_sinks:
+                    neg_sinks[(hk, t)] = nl.ndarray((row_spans[t][1], 1), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=neg_sinks[(hk, t)], data=sinks[(hk, t)], op0=nl.multiply, operand0=-1.0,
+                                       engine=nisa.engine.gpsimd)
         return _UnitWork(q_t=unit_q_t(u),
-                         states=[[_init_state(meta, b * n_split + s, r0, rn, d, plan[0], single, engine)
-                                  for r0, rn in row_spans] for s in my_splits],
+                         states=[[_init_state(meta, b * n_split + s, r0, rn, d, plan[0], single, engine,
+                                              (sinks.get((hk, t)), neg_sinks.get((hk, t))) if fold else None)
+                                  for t, (r0, rn) in enumerate(row_spans)] for s in my_splits],
                          setups=[_stream_setup(meta, b * n_split + s, single) for s in my_splits])
 
     pending_out = []                                # (out rows, first row) awaiting their store
@@ -692,6 +879,12 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     whole_chunks = seq_units is None or head_offset >= m * pmax * d   # a contiguous capacity of >= 1 chunk
     single = (n_split == 1 and shard_units and unit_table.shape[1] * unit_keys <= m * pmax
               and m * pmax <= SINGLE_CHUNK_KEYS and whole_chunks)
+    pack = (_pack_size(len(units), rows, m, d, k_units.itemsize, n_prog)
+            if single and seq_units is not None and len(row_spans) == 1 and head_offset == m * pmax * d else 1)
+    if pack > 1:                                    # several units per static chunk
+        _packed_path(q, k_units, v_units, sink_rows, out, lse, meta, pack,
+                     (n_kv_heads, m, unit_keys, d_spans, ones_col, scale, softcap))
+        return out, lse
     if single:                                      # static chunk per unit, pipelined across units
         for g0 in range(0, len(mine), n_pairs):
             group = list(enumerate(mine))[g0:g0 + n_pairs]
@@ -703,6 +896,9 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                 _single_chunk_v(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][1], idx[i], work.setups[0])
             _chunks([(work.states[0], work.q_t) + chunk_bufs[i] for i, work in enumerate(works)], plan, d_spans, m,
                     ones_col, k_units.dtype, scale, softcap, dtype, fresh=True)
+            if plan[0] == m and g0 + n_pairs >= len(mine):   # folded merges need no exp: the log table
+                nisa.activation(dst=warm, op=nl.log, data=ones_col)   # loads behind P @ V and the merges
+                warm = None
             finish([(k, u, work.states) for (k, u), work in zip(group, works)])
     else:
         stream = 0                                  # this core's streams rotate over the buffer pairs
@@ -718,7 +914,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                         ones_col, d_spans, scale, softcap, dtype)
                 stream += 1
             finish([(k, u, work.states)])
-    nisa.activation(dst=warm, op=nl.log, data=ones_col)   # the log table loads behind the last merge's
+    if warm is not None:
+        nisa.activation(dst=warm, op=nl.log, data=ones_col)   # the log table loads behind the last merge's
     for out_sb, row0 in pending_out:                         # exps, while VectorE finishes L and out
         _store_out(out, out_sb, row0)
     for t in my_tiles:

@@ -16,7 +16,7 @@ Algorithm per softmax step of ``n`` key slots (keys on partitions, rows on the f
 Each ``*_phases`` function is a generator whose yields separate dependent instruction groups, so
 ``lockstep`` can interleave several chains (row tiles x head-dim chunks) in program order.
 
-Shapes (SBUF): scores (128, R, n) fp32 or (128, Sq, n, G) grouped; q^T (dc, rn); K chunk (128, M, D);
+Shapes (SBUF): scores (128, R, n) fp32 or (128, Sq, U, n, G) grouped (U units packed, usually 1); q^T (dc, rn); K chunk (128, M, D);
 V chunk (128, M, D); state neg_m / l (rn, 1) fp32, acc (rn, D) fp32.
 Dimension legend: R = G * Sq rows, rn rows of a row tile (<= 128), G query heads per kv head,
 Sq new tokens, D head dim, dc head-dim chunk (<= 128), M keys per partition of a chunk, n slots of a
@@ -135,24 +135,27 @@ def step_scores(s_sb, q_t, step, plan, kt, scale, softcap, fused=False):
 def _score_views(s_sb, s_psum, b0, bn):
     """(SBUF destination, PSUM source) views of one score block's eviction, element for element:
     the block is (128, bn, rn) slot-major; S^T is rows outermost (128, rn, n), or for grouped rows
-    (128, Sq, n, G) (row r = g*Sq + t at [t, c, g])."""
+    (128, Sq, U, n, G) (row r = (u*G + g)*Sq + t at [t, u, c, g]; U units packed on the partitions)."""
     if len(s_sb.shape) == 3:
         return s_sb[:, :, b0:b0 + bn].permute((0, 2, 1)), s_psum
-    pmax, sq, _, group = s_sb.shape
-    return s_sb[:, :, b0:b0 + bn, :].permute((0, 2, 3, 1)), s_psum.reshape((pmax, bn, group, sq))
+    pmax, sq, pack, _, group = s_sb.shape
+    return (s_sb[:, :, :, b0:b0 + bn, :].permute((0, 3, 2, 4, 1)),
+            s_psum.reshape((pmax, bn, pack, group, sq)))
 
 
 def _mask_grouped(state, s_sb, c0, part_max):
-    """Mask and per-partition row max of grouped short-row scores S^T (128, Sq, n, G): rows of one
+    """Mask and per-partition row max of grouped short-row scores S^T (128, Sq, U, n, G): rows of one
     t share their bounds, so one range_select per t covers its G rows (free index c*G + g, visible
-    iff lo*G <= c*G + g < (hi + 1)*G), then one max over the slots of every row."""
-    pmax, sq, n, group = s_sb.shape
+    iff lo*G <= c*G + g < (hi + 1)*G) -- of all U packed units: partition p holds keys of one unit u
+    only, and its bounds are shifted by u*n*G, so the other units' columns fall outside its range --
+    then one max over the slots of every row."""
+    pmax, sq, pack, n, group = s_sb.shape
     g_bounds = state.g_bounds
     for t in range(sq):
         nisa.range_select(dst=s_sb[:, t], on_true_tile=s_sb[:, t], comp_op0=nl.greater_equal, comp_op1=nl.less,
                           bound0=g_bounds[:, t, 0:1], bound1=g_bounds[:, t, 1:2], range_start=c0 * group)
-    nisa.tensor_reduce(dst=part_max.reshape((pmax, group, sq)).permute((0, 2, 1)), op=nl.maximum,
-                       data=s_sb.permute((0, 1, 3, 2)), axis=3)
+    nisa.tensor_reduce(dst=part_max.reshape((pmax, pack, group, sq)).permute((0, 3, 1, 2)), op=nl.maximum,
+                       data=s_sb.permute((0, 1, 2, 4, 3)), axis=4)
 
 
 def lockstep(phases):
@@ -198,8 +201,7 @@ def step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scal
     pmax = nl.tile_size.pmax
     s_src = s_sb if s_src is None else s_src
     rn, d = state.acc.shape
-    grouped = len(s_sb.shape) == 4
-    n = s_sb.shape[2]
+    grouped = len(s_sb.shape) == 5
     part_max = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
     if grouped:
         _mask_grouped(state, s_sb, c0, part_max)
@@ -209,11 +211,27 @@ def step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scal
                           reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=part_max[:, r:r + 1],
                           reduce_op=nl.maximum, range_start=c0)
     yield
-    part_max_t = nl.ndarray((rn, pmax), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_transpose(dst=part_max_t, data=part_max)
+    if state.pack > 1:                          # packed units: each unit's rows on partitions 0 .. R
+        neg_m_cols, neg_m_new = yield from _packed_row_max(part_max, state.pack)
+        return (yield from _exp_phase(s_sb, neg_m_cols, score_scale, dtype)), neg_m_new
+    folded = fresh and state.folded and state.neg_sink is not None   # the sink is a key of this step:
+    column = folded and score_scale == 1.0      # m = max(rowmax, sink); the sink as a 129th column
+    part_max_t = nl.ndarray((rn, pmax + 1 if column else pmax), dtype=nl.float32, buffer=nl.psum)
+    if column:
+        nisa.tensor_copy(dst=part_max_t[:, pmax:pmax + 1], src=state.sink, engine=nisa.engine.scalar)
+    nisa.nc_transpose(dst=part_max_t[:, 0:pmax], data=part_max)
     yield
     neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if fresh and score_scale == 1.0:            # a fresh state's -STAT_INIT is above every -rowmax of
+    if folded:
+        if column:
+            nisa.tensor_reduce(dst=neg_m_new, op=nl.maximum, data=part_max_t, axis=1, negate=True)
+        else:
+            rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
+            nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
+                               op1=nl.minimum, operand1=state.neg_sink)
+        nisa.activation(dst=state.sink_term, op=nl.exp, data=state.sink, bias=neg_m_new)
+    elif fresh and score_scale == 1.0:            # a fresh state's -STAT_INIT is above every -rowmax of
         nisa.tensor_reduce(dst=neg_m_new, op=nl.maximum, data=part_max_t, axis=1, negate=True)  # a visible key
     else:
         rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -224,6 +242,39 @@ def step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scal
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=neg_m_cols, data=neg_m_new.broadcast(1, pmax))
     yield
+    return (yield from _exp_phase(s_sb, neg_m_cols, score_scale, dtype)), neg_m_new
+
+
+def _packed_row_max(part_max, pack):
+    """-rowmax of U packed units' rows from their per-partition maxima (128, U*R) (fresh states):
+    per unit a PE transpose into one PSUM bank (R, U*128), one max over it for all units -> (R, U),
+    column u is unit u's -m_new with its rows on partitions 0 .. R (as its state holds them); the
+    broadcast back to the partitions per unit (a PE transpose of a stride-0 view)."""
+    pmax = nl.tile_size.pmax
+    rn = part_max.shape[1]
+    rows = rn // pack
+    part_max_t = nl.ndarray((rows, pack * pmax), dtype=nl.float32, buffer=nl.psum)
+    for u in range(pack):
+        nisa.nc_transpose(dst=part_max_t[:, u * pmax:(u + 1) * pmax], data=part_max[:, u * rows:(u + 1) * rows])
+    yield
+    neg_m_units = nl.ndarray((rows, pack), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=neg_m_units, op=nl.maximum, data=part_max_t.reshape((rows, pack, pmax)), axis=2,
+                       negate=True)
+    yield
+    neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
+    for u in range(pack):
+        nisa.nc_transpose(dst=neg_m_cols[:, u * rows:(u + 1) * rows], data=neg_m_units[:, u:u + 1].broadcast(1, pmax))
+    yield
+    return neg_m_cols, [neg_m_units[:, u:u + 1] for u in range(pack)]
+
+
+def _exp_phase(s_sb, neg_m_cols, score_scale, dtype):
+    """P^T (128, rn, n) = exp(S^T - m) in the input dtype from the -m broadcast (128, rn) (see
+    ``step_probs_phases``)."""
+    pmax = nl.tile_size.pmax
+    grouped = len(s_sb.shape) == 5
+    n = s_sb.shape[3] if grouped else s_sb.shape[2]
+    rn = neg_m_cols.shape[1]
     p_t = nl.ndarray((pmax, rn, n), dtype=dtype, buffer=nl.sbuf)
     if n >= MIN_II_ELEMS:                       # one exp per row, bias -m_r = column r of the broadcast
         neg_m_bias = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
@@ -232,14 +283,15 @@ def step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scal
             nisa.activation(dst=p_t[:, r, :], op=nl.exp, data=s_sb[:, r, :], bias=neg_m_bias[:, r:r + 1],
                             scale=score_scale)
     elif grouped:                               # grouped short rows: shift and exp in S^T's layout
-        sq, group = s_sb.shape[1], s_sb.shape[3]
-        neg_m_tg = neg_m_cols.reshape((pmax, group, sq)).permute((0, 2, 1)).expand_dim(2).broadcast(2, n)
+        _, sq, pack, _, group = s_sb.shape
+        neg_m_tg = neg_m_cols.reshape((pmax, pack, group, sq)).permute((0, 3, 1, 2)).expand_dim(3).broadcast(3, n)
         nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_tg, op=nl.add)
-        nisa.activation(dst=p_t.reshape((pmax, group, sq, n)).permute((0, 2, 3, 1)), op=nl.exp, data=s_sb)
+        nisa.activation(dst=p_t.reshape((pmax, pack, group, sq, n)).permute((0, 3, 1, 4, 2)), op=nl.exp, data=s_sb)
     else:                                       # short rows: one VectorE shift, one exp for all rows
         nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(2).broadcast(2, n), op=nl.add)
         nisa.activation(dst=p_t, op=nl.exp, data=s_sb)
-    return p_t, neg_m_new
+    return p_t
+    yield  # unreachable: makes this a generator (``yield from``) like the other phases
 
 
 def pv_direct(rn, d):
@@ -251,7 +303,7 @@ def pv_direct(rn, d):
     return max(min(PE_MIN_COLUMNS, rn), d) <= max(min(PE_MIN_COLUMNS, dc), rn)
 
 
-def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, direct, fresh=False):
+def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, direct, fresh=False, parts=None):
     """[O | rowsum] (rn, D + 1) of the slots c0 .. c0 + n into one PSUM tile, then the
     online-softmax update of ``state`` (acc | l in one instruction). The row sums are
     matmul(P^T slot j (128, rn), ones (128, 1)) (TensorE has room, VectorE does not). O:
@@ -260,20 +312,29 @@ def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, direct
       with the rows on partitions, as the state holds it (TensorE: max(min(64, rn), D) cycles a slot);
     * else per head-dim chunk matmul(stationary V slot j (128, dc), moving P^T slot j (128, rn)) =
       O^T (dc, rn) (max(min(64, dc), rn) cycles a slot), evicted and PE-transposed back into the tile
-      (two more hops and one VectorE copy a step)."""
+      (two more hops and one VectorE copy a step).
+
+    ``parts`` (start, size): one packed unit, whose keys are on those partitions only: its P^T
+    columns and V slots contract over them (a row-tiled matmul), so another unit's keys never meet
+    its zero probabilities (0 * inf would be NaN)."""
     rn, d = state.acc.shape
     n = p_t.shape[2]
+    tiling = {}
+    if parts is not None:
+        p0, pn = parts
+        p_t, v_chunk, ones_col = p_t[p0:p0 + pn], v_chunk[p0:p0 + pn], ones_col[p0:p0 + pn]
+        tiling = dict(tile_position=(p0, 0), tile_size=(pn, nl.tile_size.pmax))
     o_l = nl.ndarray((rn, d + 1), dtype=nl.float32, buffer=nl.psum)
     o_t = [] if direct else [nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.psum) for _, dn in d_spans]
     for j in range(n):
         c = c0 + j
         if direct:
             nisa.nc_matmul(dst=o_l[:, 0:d], stationary=p_t[:, :, j], moving=v_chunk[:, c * d:(c + 1) * d],
-                           accumulate=(j > 0))
+                           accumulate=(j > 0), **tiling)
         for h, (d0, dn) in enumerate(d_spans if not direct else ()):
             nisa.nc_matmul(dst=o_t[h], stationary=v_chunk[:, c * d + d0:c * d + d0 + dn], moving=p_t[:, :, j],
-                           accumulate=(j > 0))
-        nisa.nc_matmul(dst=o_l[:, d:d + 1], stationary=p_t[:, :, j], moving=ones_col, accumulate=(j > 0))
+                           accumulate=(j > 0), **tiling)
+        nisa.nc_matmul(dst=o_l[:, d:d + 1], stationary=p_t[:, :, j], moving=ones_col, accumulate=(j > 0), **tiling)
     yield
     if not direct:
         o_t_sb = []
@@ -343,6 +404,8 @@ def _merge_one(st, sink_sb, neg_big, total, dtype):
     """``merge_phases`` for one split: -M = min(-m, -sink), w = exp(m - M), L = w*l + exp(sink - M),
     out = acc * (1/L) * w (one pass over the (rn, D) rows)."""
     rn, d = st.acc.shape
+    if st.folded:                               # -m already includes the sink: M = m, w = 1
+        return (yield from _merge_folded(st, neg_big, total, dtype))
     if sink_sb is not None:
         nisa.tensor_scalar(dst=neg_big, data=sink_sb, op0=nl.multiply, operand0=-1.0,
                            op1=nl.minimum, operand1=st.neg_m)
@@ -368,6 +431,25 @@ def _merge_one(st, sink_sb, neg_big, total, dtype):
     out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=out_sb, data=st.acc, op0=nl.multiply, operand0=inv_total,
                        op1=nl.multiply, operand1=weight)
+    return out_sb
+
+
+def _merge_folded(st, neg_big, total, dtype):
+    """``_merge_one`` for a state whose only step folded the sink in (its -m is -M, its sink term
+    exp(sink - M) is in ``st.sink_term``): -M copied (GpSimd), L = l + sink term, out = acc / L --
+    no exp, so the log of the lse needs no table switch after the merges."""
+    rn, d = st.acc.shape
+    nisa.tensor_copy(dst=neg_big, src=st.neg_m, engine=nisa.engine.gpsimd)
+    if st.sink_term is not None:
+        nisa.tensor_tensor(dst=total, data1=st.l, data2=st.sink_term, op=nl.add)
+    else:
+        nisa.tensor_copy(dst=total, src=st.l, engine=nisa.engine.gpsimd)
+    yield
+    inv_total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=inv_total, data=total)
+    yield
+    out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out_sb, data=st.acc, op0=nl.multiply, operand0=inv_total)
     return out_sb
 
 

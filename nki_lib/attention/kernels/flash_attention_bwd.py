@@ -30,12 +30,16 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
             dscores  dS = (dP - delta) * P           GpSimd, one product
             dv       dV += P^T dO                    TensorE, per visible 128-key block (queries
                                                      are the contraction dim: no transpose)
-            dk       dK += dS^T Q, dS^T              TensorE, per visible block
-            evict    dS^T PSUM -> SBUF               VectorE
+            dk       dK += dS^T Q, dS^T              TensorE, per visible block; interior pairs
+                                                     (every row sees the whole key tile) go in
+                                                     couples of neighbours whose dS^T is ONE
+                                                     SBUF -> SBUF DMA transpose (``DsCouple``)
+            evict    dS^T PSUM -> SBUF               VectorE (pairs outside couples)
             dq       dQ_part = dS K                  TensorE -> PSUM fp32
             acc      acc (+)= dQ_part                ScalarE (first visit) / VectorE
-        loads run one unit ahead: a key tile's K^T, V^T (then its K rows) when the previous key
-        tile starts; a query group's Q^T, dO^T (one DMA each) and its Q, dO, O rows (one DMA,
+        loads run one unit ahead: a key tile's K^T, V^T (with the next key tile's: one DMA each
+        for two) (then its K rows) when the previous key tile starts; a query group's Q^T, dO^T
+        (one DMA each, with the next group's when cached) and its Q, dO, O rows (one DMA,
         shared with phase 0) when the previous group starts, kept for the kv head's later key
         tiles when they fit (``q_cached``, else reloaded per visit); after a group's last pair:
         dq = scale * acc in the output dtype for the tiles whose last key tile this is; after a
@@ -60,18 +64,21 @@ write fp32 partial dK/dV, added by the launcher; otherwise (one unit and one que
 second program idles.
 
 Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile TensorE does S, dP,
-4 x (dV, dK, dS^T, dQ) (3072 cycles, 2560 of them useful: the dS^T transposes bound TensorE at
-83% of its roofline); ScalarE the exp and the dP - delta eviction (854 ns); VectorE the dS^T
-evictions and the dQ accumulation (400 ns); GpSimd dS (427 ns) and the causal/window masks of
-diagonal tiles. Busy times at Sq = Sk = 4096 causal: TensorE 170 us, ScalarE 124, GpSimd 69,
-VectorE 64, DMA 63; estimated 193 us (71% of the engine-aware roofline; docs/perf-log.md §12.5).
+4 x (dV, dK, dQ) (2560 cycles, all useful) plus, outside couples, 4 dS^T transposes (512 more);
+ScalarE the exp and the dP - delta eviction (854 ns); VectorE the dQ accumulation and, outside
+couples, the dS^T evictions (133 + 267 ns); GpSimd dS (427 ns) and the causal/window masks of
+diagonal tiles; DMA one 2 KiB-per-partition dS^T transpose per couple (1.42 us per two tiles).
+Busy times at Sq = Sk = 4096 causal: TensorE 146 us, DMA 129, ScalarE 124, GpSimd 69, VectorE
+34; estimated 170 us (80% of the engine-aware roofline; docs/perf-log.md §12.5).
 Every streamed DMA moves one contiguous run of >= 1 KiB per partition (Q^T and dO^T 1 KiB
 each per group, Q/dO/O rows 3 KiB per group, K^T, V^T, K rows and dK/dV 1 KiB per key tile).
 Q^T, dO^T, K^T and V^T are DMA transposes of the natural (B, H, S, D) inputs for 2-byte dtypes
 with D <= 128 (``flash_attention_transposed_loads``; no host transposes), else rows of host transposes.
 
-Working set (per partition; D <= 128, 16-bit inputs): SBUF about 38 KiB (eight pairs, three
-query groups and two key tiles in flight, phase-0 rows of the next group) plus 24 B per query
+Working set (per partition; D <= 128, 16-bit inputs): SBUF: thirteen pairs with their
+couples' dS and dS^T tiles, three query groups and up to four key tiles' K^T/V^T in flight,
+phase-0 rows of the next group (84 KiB peak in all, the cached groups and resident dQ included,
+at Sq = Sk = 4096 causal, G = 1, bf16; simulator report) plus 24 B per query
 tile and query head of the GQA group (statistics, lse/dlse columns), plus, when resident,
 4 * D B of fp32 dQ accumulator per query tile and query head of the GQA group, plus, when
 ``q_cached``, a group's Q^T, dO^T and Q, dO, O rows (5 KiB at D = 128, bf16) per query group and
@@ -109,6 +116,7 @@ from nki_lib.attention.attention_args import MAX_HEAD_DIM
 from nki_lib.attention.kernels import flash_attention_bwd_prep, tiles
 from nki_lib.attention.kernels.flash_attention_bwd_tile import (
     Config,
+    DsCouple,
     Pair,
     acc_stage,
     dk_stage,
@@ -171,17 +179,33 @@ class KeyTile(nl.NKIObject):
         self.dv_started = [False] * len(self.blocks)
 
 
-def _load_kv(kv, k_src, v_src, natural, b, hk, head_dim):
-    """K^T and V^T (one DMA each per head-dim chunk: DMA transposes of natural K/V rows, or rows
-    of the launcher's transposes, ``flash_attention_transposed_loads``); the K rows follow (:func:`_load_k_rows`)."""
+def _load_kv(kvs, k_src, v_src, natural, b, hk, head_dim):
+    """K^T and V^T of adjacent key tiles ``kvs`` (one or two, :func:`_kv_batch`) in one DMA each
+    per head-dim chunk (DMA transposes of natural K/V rows, or rows of the launcher's transposes,
+    ``flash_attention_transposed_loads``): each partition moves one run of up to 2 KiB, so two
+    key tiles pay the per-chunk DMA floor once (docs/cost-model.md §2.6); each key tile gets its
+    view. The K rows follow (:func:`_load_k_rows`)."""
     pmax = nl.tile_size.pmax
     chunks = tiles.head_dim_chunks(head_dim)
-    k0, kn = kv.k0, kv.kn
-    kv.kT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=k_src.dtype, buffer=nl.sbuf)
-    kv.vT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=v_src.dtype, buffer=nl.sbuf)
+    k0, kn = kvs[0].k0, sum(kv.kn for kv in kvs)
+    kT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=k_src.dtype, buffer=nl.sbuf)
+    vT_sb = nl.ndarray((pmax, len(chunks), kn), dtype=v_src.dtype, buffer=nl.sbuf)
     for ch, (d0, dc) in enumerate(chunks):
-        load_transposed_into(kv.kT_sb[:dc, ch, :], k_src, natural, b, hk, k0, kn, d0, dc)
-        load_transposed_into(kv.vT_sb[:dc, ch, :], v_src, natural, b, hk, k0, kn, d0, dc)
+        load_transposed_into(kT_sb[:dc, ch, :], k_src, natural, b, hk, k0, kn, d0, dc)
+        load_transposed_into(vT_sb[:dc, ch, :], v_src, natural, b, hk, k0, kn, d0, dc)
+    for kv in kvs:
+        kv.kT_sb, kv.vT_sb = kT_sb[:, :, kv.k0 - k0:kv.k0 - k0 + kv.kn], vT_sb[:, :, kv.k0 - k0:kv.k0 - k0 + kv.kn]
+
+
+def _kv_batch(ktiles, m):
+    """Key tiles whose K^T/V^T load with ``ktiles[m]``'s: it and the next one when that is adjacent
+    (a full key tile followed by the next keys) and not loaded yet."""
+    kv = ktiles[m]
+    if m + 1 < len(ktiles):
+        nxt = ktiles[m + 1]
+        if nxt.kT_sb is None and kv.kn == tiles.key_tile_width() and nxt.k0 == kv.k0 + kv.kn:
+            return [kv, nxt]
+    return [kv]
 
 
 def _load_k_rows(kv, k_rows, b, hk, head_dim):
@@ -246,7 +270,9 @@ class Streams(nl.NKIObject):
     """The query-side HBM tensors of one launch: ``qdo_rows`` (Q and dO rows, row-group layout),
     ``q_src``, ``do_src`` (Q and dO, natural or transposed: ``flash_attention_transposed_loads``), ``q_cache``
     (``{(query head, group): (Q^T/dO^T, Q/dO rows)}`` of the current kv head, kept for its later
-    key tiles when :func:`q_cached` allows, else None), ``dq``
+    key tiles when :func:`q_cached` allows, else None), ``q_visits`` (the (query head, group)
+    pairs the current pass visits), ``qT_ahead`` (Q^T/dO^T views of groups loaded with the
+    previous group, :func:`_load_qdoT`), ``dq``
     (output, row-group layout), ``dq_acc`` (fp32 scratch between key tiles; None when the
     accumulators stay in SBUF), ``dq_res`` (the SBUF accumulators of the current kv head's query
     heads, or None)."""
@@ -257,6 +283,8 @@ class Streams(nl.NKIObject):
         self.do_src = do_src
         self.natural = natural
         self.q_cache = None
+        self.q_visits = set()
+        self.qT_ahead = {}
         self.dq = dq
         self.dq_acc = dq_acc
         self.dq_res = None
@@ -270,22 +298,38 @@ def _load_q_group(ins, b, h, gid, head_dim, phase0_rows):
     (2 KiB contiguous per partition)."""
     pmax = nl.tile_size.pmax
     per = _group_tiles()
-    width = per * pmax
-    chunks = tiles.head_dim_chunks(head_dim)
-    q0 = gid * width
-    rows = min(width, ins.seqlen_q - q0)
-    qdoT_sb = nl.ndarray((pmax, len(chunks), 2, width), dtype=ins.q_src.dtype, buffer=nl.sbuf)
-    if rows < width:
-        nisa.memset(dst=qdoT_sb[:, :, :, rows:], value=0.0)
-    for ch, (d0, dc) in enumerate(chunks):
-        for i, src in enumerate((ins.q_src, ins.do_src)):
-            load_transposed_into(qdoT_sb[:dc, ch, i, :rows], src, ins.natural, b, h, q0, rows, d0, dc)
+    qdoT_sb = ins.qT_ahead.pop((h, gid), None)
+    if qdoT_sb is None:
+        ahead = ins.q_cache is not None and (h, gid + 1) in ins.q_visits and (h, gid + 1) not in ins.q_cache
+        views = _load_qdoT(ins, b, h, gid, 2 if ahead else 1, head_dim)
+        qdoT_sb = views[0]
+        if ahead:
+            ins.qT_ahead[(h, gid + 1)] = views[1]
     rows_sb = phase0_rows()
     if rows_sb is not None:
         return qdoT_sb, rows_sb[:, 0:2, :, :]
     qdo_sb = nl.ndarray((pmax, 2, per, head_dim), dtype=ins.qdo_rows.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=qdo_sb, src=ins.qdo_rows[b, h, gid])
     return qdoT_sb, qdo_sb
+
+
+def _load_qdoT(ins, b, h, gid, n, head_dim):
+    """Q^T and dO^T of ``n`` (1 or 2) consecutive query groups from ``gid``, one DMA each per
+    head-dim chunk (each partition moves one run of up to 2 KiB: the per-chunk DMA floor is paid
+    once for both groups, docs/cost-model.md §2.6; columns past Sq zeroed): one
+    ``(pmax, nchunks, 2, group rows)`` view per group."""
+    pmax = nl.tile_size.pmax
+    width = _group_tiles() * pmax
+    chunks = tiles.head_dim_chunks(head_dim)
+    q0 = gid * width
+    rows = min(n * width, ins.seqlen_q - q0)
+    qdoT_sb = nl.ndarray((pmax, len(chunks), 2, n * width), dtype=ins.q_src.dtype, buffer=nl.sbuf)
+    if rows < n * width:
+        nisa.memset(dst=qdoT_sb[:, :, :, rows:], value=0.0)
+    for ch, (d0, dc) in enumerate(chunks):
+        for i, src in enumerate((ins.q_src, ins.do_src)):
+            load_transposed_into(qdoT_sb[:dc, ch, i, :rows], src, ins.natural, b, h, q0, rows, d0, dc)
+    return [qdoT_sb[:, :, :, i * width:(i + 1) * width] for i in range(n)]
 
 
 def _move_dq(dq_grp, hbm_grp, runs, q_tiles, gid, to_sbuf):
@@ -379,16 +423,18 @@ def q_cached(group, seqlen_q, head_dim, itemsize):
 # puts each engine's work whose inputs were produced in earlier steps first, so no in-order engine
 # queue waits behind a result of the same step. Each PSUM tile is consumed one step after it is made
 # and consumers come first in a step: at most dK, dV, S, dP, dS^T and dQ tiles are live (6 banks at
-# D <= 128, 8 at D = 256). Lags measured on trn2 at Sq = Sk = 4096 causal (cost model).
+# D <= 128, 8 at D = 256). Lags measured on trn2 at Sq = Sk = 4096 causal (cost model), also at the
+# documented bounds of the low-confidence constants (``--sensitivity``).
 STAGES = (  # (lag, stage)
-    (7, "acc"),       # VectorE/ScalarE: dQ_part into the group accumulator (then a group may finish)
+    (12, "acc"),      # VectorE/ScalarE: dQ_part into the group accumulator (then a group may finish)
     (4, "evict"),     # VectorE: dS^T PSUM -> SBUF
     (1, "probs"),     # ScalarE: P = exp(...), dP - delta; GpSimd masks
     (2, "dscores"),   # GpSimd: dS
     (0, "scores"),    # TensorE: S, dP
     (3, "dv"),        # TensorE: dV += P^T dO
-    (6, "dq"),        # TensorE: dQ_part = dS K
-    (3, "dk"),        # TensorE: dK += dS^T Q, dS^T
+    (11, "dq"),       # TensorE: dQ_part = dS K (late: a couple's dS^T DMA transpose lands in time
+                      # even at the slow end of the DMA chunk floor, docs/perf-log.md §12.5)
+    (3, "dk"),        # TensorE: dK += dS^T Q, dS^T (a couple's last pair: its DMA transpose)
 )
 PIPELINE_LAG = max(lag for lag, _ in STAGES)
 STATS_AHEAD = 1   # query groups whose phase-0 rows (O, dO) are in flight before their statistics are due
@@ -420,6 +466,8 @@ def _kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
                 flags = _group_flags(grp, gid, k0, plans, len(q_tiles), q_tiles[-1][1])
                 units.append((kv, g, gid, grp, flags))
                 order.extend((len(units) - 1, i) for i in range(len(grp)))
+    ins.q_visits = {(hk * group + g, gid) for _, g, gid, _, _ in units}
+    ins.qT_ahead = {}
     last_pair = [max(j for j, (n, _) in enumerate(order) if units[n][0] is kv) for kv in ktiles]
     loaded = [None] * len(units)
     pairs = [None] * len(order)
@@ -435,11 +483,17 @@ def _kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
 
     def ensure_kv(m):
         if m < len(ktiles) and ktiles[m].kT_sb is None:
-            _load_kv(ktiles[m], k_src, v_src, ins.natural, b, hk, cfg.head_dim)
+            _load_kv(_kv_batch(ktiles, m), k_src, v_src, ins.natural, b, hk, cfg.head_dim)
 
     def ensure_rows(m):
         if m < len(ktiles) and ktiles[m].k_sb is None:
             _load_k_rows(ktiles[m], k_rows, b, hk, cfg.head_dim)
+
+    def new_pair(j):
+        n, i = order[j]
+        _, _, _, grp, flags = units[n]
+        t, tile_masked = grp[i]
+        return Pair(loaded[n], flags[0][i], t, q_tiles[t][1], tile_masked, flags[1][i])
 
     ensure_kv(0)
     hstats = {g: flash_attention_bwd_prep.head_start(prep, b, hk * group + g) for g in gs}
@@ -459,8 +513,12 @@ def _kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
                 ensure(n + 1)
                 ensure_kv(m + 1)
                 ensure_rows(m + 1)
-                t, tile_masked = grp[i]
-                pairs[j] = Pair(loaded[n], flags[0][i], t, q_tiles[t][1], tile_masked, flags[1][i])
+                if pairs[j] is None:
+                    pairs[j] = new_pair(j)
+                if i % 2 == 0 and i + 1 < len(grp):   # interior neighbours: one dS^T DMA transpose
+                    pairs[j + 1] = new_pair(j + 1)
+                    if all(_interior(p, kv, cfg) for p in pairs[j:j + 2]):
+                        DsCouple(pairs[j:j + 2], loaded[n][0].dtype)
                 scores_stage(pairs[j], kv, k0, _seen_width(pairs[j], kv, cfg), cfg)
             elif stage == "probs":
                 probs_stage(pairs[j], hstats[g].stats_sb, k0, _seen_width(pairs[j], kv, cfg), cfg)
@@ -489,6 +547,14 @@ def _kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
                     loaded[n] = None
     for hs in hstats.values():
         flash_attention_bwd_prep.head_finish(prep, hs)
+
+
+def _interior(pair, kv, cfg):
+    """Whether every row of the pair sees every key of a full key tile, in a 2-byte dtype (a
+    :class:`DsCouple` member: its dS^T comes from a DMA transpose)."""
+    full = pair.qn == nl.tile_size.pmax and kv.kn == tiles.key_tile_width()
+    return full and pair.loaded[0].dtype != nl.float32 and \
+        len(seen_blocks(cfg, pair.t, pair.qn, kv.k0, kv.kn)) == len(kv.blocks)
 
 
 def _seen_width(pair, kv, cfg):

@@ -17,8 +17,10 @@ a :class:`Pair` carries the tiles from one stage to the next:
     dscores_stage: dS = (dP - delta) * P        GpSimd (both inputs in SBUF), [* (1 - t^2) under
                                                 softcap: VectorE]
     dv_stage:      dV += P^T dO                 TensorE, per visible 128-key block
-    dk_stage:      dK += dS^T Q, dS^T           TensorE, per visible block (transpose to PSUM)
-    evict_stage:   dS^T PSUM -> SBUF            VectorE
+    dk_stage:      dK += dS^T Q, dS^T           TensorE, per visible block (transpose to PSUM);
+                                                a :class:`DsCouple`'s pairs skip the transposes:
+                                                its last pair issues one DMA transpose of both dS
+    evict_stage:   dS^T PSUM -> SBUF            VectorE (not for a couple's pairs)
     dq_stage:      dQ_part = dS K               TensorE -> PSUM fp32
     acc_stage:     acc (+)= dQ_part             the fp32 group accumulator (ScalarE copy on the
                                                 tile's first key tile, else VectorE add); the
@@ -38,7 +40,7 @@ from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels import tiles
 from nki_lib.attention.kernels.flash_attention_bwd_prep import HI, LO, NEG_DELTA, NEG_LSE
 
-__all__ = ["Config", "Pair", "seen_blocks", "scores_stage", "probs_stage", "dscores_stage", "dv_stage",
+__all__ = ["Config", "Pair", "DsCouple", "seen_blocks", "scores_stage", "probs_stage", "dscores_stage", "dv_stage",
            "dk_stage", "evict_stage", "dq_stage", "acc_stage"]
 
 
@@ -129,7 +131,33 @@ class Pair(nl.NKIObject):
         self.qn = qn
         self.tile_masked = tile_masked
         self.first = first
+        self.couple = None
+        self.couple_slot = 0
         self.tiles = {}
+
+
+class DsCouple(nl.NKIObject):
+    """Interior pairs of one (key tile, query group) unit (every query row sees every key of the
+    full key tile) whose dS tiles share one SBUF tile ``(pmax, n, kw)``, transposed by ONE DMA
+    transpose into ``dsT_sb`` ``(pmax, n, nblocks, pmax)`` (keys on partitions) instead of
+    TensorE transposes and VectorE evictions: each partition of the DMA moves one run of
+    ``n * kw`` 2-byte elements (2 KiB for a couple), so the per-chunk DMA floor is paid once per
+    run (docs/cost-model.md §2.6). The last member's dscores stage issues it."""
+
+    def __init__(self, pairs, dtype):
+        pmax, kw = nl.tile_size.pmax, tiles.key_tile_width()
+        self.pairs = pairs
+        self.ds_sb = nl.ndarray((pmax, len(pairs), kw), dtype=dtype, buffer=nl.sbuf)
+        self.dsT_sb = nl.ndarray((pmax, len(pairs), kw // pmax, pmax), dtype=dtype, buffer=nl.sbuf)
+        for slot, member in enumerate(pairs):
+            member.couple, member.couple_slot = self, slot
+
+    def transpose(self):
+        pmax, n = nl.tile_size.pmax, len(self.pairs)
+        nb = self.dsT_sb.shape[2]
+        nisa.dma_transpose(dst=self.dsT_sb, src=self.ds_sb.reshape((pmax, n, nb, pmax)))
+        for slot, member in enumerate(self.pairs):
+            member.tiles["dsT"] = self.dsT_sb[:, slot, :, :]
 
 
 def scores_stage(pair, kv, k0, kn, cfg):
@@ -179,7 +207,11 @@ def dscores_stage(pair, kn):
         nisa.scalar_tensor_tensor(dst=g_sb[:qn, :kn], data=tsq_sb[:qn, :kn], op0=nl.subtract, operand0=1.0,
                                   reverse0=True, op1=nl.multiply, operand1=factor)
         factor = g_sb[:qn, :kn]
-    ds_sb = nl.ndarray((pmax, kw), dtype=p_sb.dtype, buffer=nl.sbuf)
+    couple = pair.couple
+    if couple is None:
+        ds_sb = nl.ndarray((pmax, kw), dtype=p_sb.dtype, buffer=nl.sbuf)
+    else:
+        ds_sb = couple.ds_sb[:, pair.couple_slot, :]
     nisa.tensor_tensor(dst=ds_sb[:qn, :kn], data1=dpm_sb[:qn, :kn], data2=factor, op=nl.multiply,
                        engine=nisa.engine.gpsimd)
     pair.tiles["ds"] = ds_sb
@@ -200,25 +232,33 @@ def dv_stage(pair, kv, k0, kn, cfg):
 
 
 def dk_stage(pair, kv, k0, kn, cfg):
-    """TensorE: dK += dS^T Q per seen block, and the dS^T transposes into one PSUM tile."""
+    """TensorE: dK += dS^T Q per seen block, and the dS^T transposes into one PSUM tile (a
+    couple's pairs: none; the couple's last pair issues its DMA transpose)."""
     ds_sb = pair.tiles.pop("ds")
     qdo_sb = pair.loaded[1]
     dk_psum, dk_started = kv.dk_psum, kv.dk_started
     pmax = nl.tile_size.pmax
     qn, d = pair.qn, cfg.head_dim
     blocks = tiles.key_blocks(kn)
-    dsT_psum = nl.ndarray((pmax, len(blocks), pmax), dtype=ds_sb.dtype, buffer=nl.psum)
+    on_pe = pair.couple is None   # else the couple's DMA transpose makes dS^T
+    dsT_psum = nl.ndarray((pmax, len(blocks), pmax), dtype=ds_sb.dtype, buffer=nl.psum) if on_pe else None
     for c in seen_blocks(cfg, pair.t, qn, k0, kn):
         s0, sn = blocks[c]
         nisa.nc_matmul(dst=dk_psum[:sn, c, :d], stationary=ds_sb[:qn, s0:s0 + sn],
                        moving=qdo_sb[:qn, 0, pair.slot, :], accumulate=dk_started[c])
         dk_started[c] = True
-        nisa.nc_transpose(dst=dsT_psum[:sn, c, :qn], data=ds_sb[:qn, s0:s0 + sn], engine=nisa.engine.tensor)
-    pair.tiles["dsT_psum"] = dsT_psum
+        if on_pe:
+            nisa.nc_transpose(dst=dsT_psum[:sn, c, :qn], data=ds_sb[:qn, s0:s0 + sn], engine=nisa.engine.tensor)
+    if on_pe:
+        pair.tiles["dsT_psum"] = dsT_psum
+    elif pair.couple_slot == len(pair.couple.pairs) - 1:
+        pair.couple.transpose()
 
 
 def evict_stage(pair, k0, kn, cfg):
-    """VectorE: dS^T PSUM -> SBUF (16-bit, one copy per seen block)."""
+    """VectorE: dS^T PSUM -> SBUF (16-bit, one copy per seen block); nothing for a couple's pair."""
+    if pair.couple is not None:
+        return
     pmax = nl.tile_size.pmax
     qn = pair.qn
     blocks = tiles.key_blocks(kn)
