@@ -99,6 +99,7 @@ from nki_lib.sizes import ceil_div, spans
 
 ACT_GRAD_FN = {"silu": "silu_dx", "gelu": "gelu_dx"}   # ScalarE derivative functions
 ACC_MODES = ("only", "first", "middle", "last")          # a block's place among its expert's blocks
+ROW_BANKS = 4       # PSUM banks (fmax fp32 columns each) of one weight-gradient row piece, stored with one DMA
 _FP32_TEMPS = 10    # fp32 (slots x I chunk) temporaries of _mlp_grads / _gelu_tanh_grad, upper bound
 _FP32_TEMPS_CLAMPED = 12   # the same with clamped_swiglu_terms (gc, s, a, v, da, masks, h, dh, ...)
 
@@ -206,26 +207,37 @@ def mode_registers(modes_sb, b):
     return regs
 
 
-def _store(dst_view, part_psum, dtype):
-    out_sb = nl.ndarray(part_psum.shape, dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=out_sb, src=part_psum)
+def _store(dst_view, parts, dtype):
+    """dst = the parts side by side (PSUM pieces evicted into one SBUF row tile, one DMA)."""
+    out_sb = nl.ndarray((parts[0].shape[0], sum(p.shape[1] for p in parts)), dtype=dtype, buffer=nl.sbuf)
+    c0 = 0
+    for part_psum in parts:
+        nisa.tensor_copy(dst=out_sb[:, c0:c0 + part_psum.shape[1]], src=part_psum)
+        c0 += part_psum.shape[1]
     nisa.dma_copy(dst=dst_view, src=out_sb)
 
 
-def _add_store(dst_view, acc_view, part_psum, dtype):
-    old_sb = nl.ndarray(part_psum.shape, dtype=nl.float32, buffer=nl.sbuf)
+def _add_store(dst_view, acc_view, parts, dtype):
+    """dst = acc + the parts side by side (one load of acc, one store)."""
+    shape = (parts[0].shape[0], sum(p.shape[1] for p in parts))
+    old_sb = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=old_sb, src=acc_view)
-    out_sb = nl.ndarray(part_psum.shape, dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=out_sb, data1=old_sb, data2=part_psum, op=nl.add)
+    out_sb = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
+    c0 = 0
+    for part_psum in parts:
+        cn = part_psum.shape[1]
+        nisa.tensor_tensor(dst=out_sb[:, c0:c0 + cn], data1=old_sb[:, c0:c0 + cn], data2=part_psum, op=nl.add)
+        c0 += cn
     nisa.dma_copy(dst=dst_view, src=out_sb)
 
 
-def accumulate_rows(acc, out, mode_regs, expert_reg, r0, c0, part_psum):
-    """Add part (rs, cn) into the expert's gradient rows [r0 : r0 + rs, c0 : c0 + cn], by the
-    block's mode (dynamic loops of 0/1 trips): only -> out = part; first -> acc = part;
-    middle -> acc += part; last -> out = acc + part (acc fp32 in HBM, out in the weights' dtype).
-    An expert with one block never touches the fp32 accumulator."""
-    rs, cn = part_psum.shape
+def accumulate_rows(acc, out, mode_regs, expert_reg, r0, c0, parts):
+    """Add the parts (PSUM tiles (rs, cn_j), side by side: (rs, cn) in all) into the expert's
+    gradient rows [r0 : r0 + rs, c0 : c0 + cn], by the block's mode (dynamic loops of 0/1
+    trips): only -> out = part; first -> acc = part; middle -> acc += part; last -> out = acc +
+    part (acc fp32 in HBM, out in the weights' dtype). One DMA per direction for the whole row
+    piece (long contiguous runs). An expert with one block never touches the fp32 accumulator."""
+    rs, cn = parts[0].shape[0], sum(p.shape[1] for p in parts)
     cols = acc.shape[2]
 
     def rows(t):
@@ -233,13 +245,13 @@ def accumulate_rows(acc, out, mode_regs, expert_reg, r0, c0, part_psum):
 
     only_reg, first_reg, middle_reg, last_reg = mode_regs
     for _ in nl.dynamic_range(0, only_reg):
-        _store(rows(out), part_psum, out.dtype)
+        _store(rows(out), parts, out.dtype)
     for _ in nl.dynamic_range(0, first_reg):
-        _store(rows(acc), part_psum, nl.float32)
+        _store(rows(acc), parts, nl.float32)
     for _ in nl.dynamic_range(0, middle_reg):
-        _add_store(rows(acc), rows(acc), part_psum, nl.float32)
+        _add_store(rows(acc), rows(acc), parts, nl.float32)
     for _ in nl.dynamic_range(0, last_reg):
-        _add_store(rows(out), rows(acc), part_psum, out.dtype)
+        _add_store(rows(out), rows(acc), parts, out.dtype)
 
 
 def zero_idle_experts(block_expert, outs):
@@ -351,7 +363,7 @@ def _bias_grads(slot_tiles, do_rows, chunk, bias, mode_regs, expert_reg, c0, int
                 for _ in if_live(tile):
                     nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=ones_col[:tile.ps, :],
                                    accumulate=st > 0)
-            accumulate_rows(acc_bd, db_down, mode_regs, expert_reg, h0, 0, part_psum)
+            accumulate_rows(acc_bd, db_down, mode_regs, expert_reg, h0, 0, [part_psum])
     for which, row0 in ((1, c0), (2, inter + c0)):
         for i0, isz in spans(cn, pmax):
             part_psum = nl.ndarray((isz, 1), dtype=nl.float32, buffer=nl.psum)
@@ -359,7 +371,7 @@ def _bias_grads(slot_tiles, do_rows, chunk, bias, mode_regs, expert_reg, c0, int
                 for _ in if_live(tile):
                     nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
                                    moving=ones_col[:tile.ps, :], accumulate=st > 0)
-            accumulate_rows(acc_bgu, db_gate_up, mode_regs, expert_reg, row0 + i0, 0, part_psum)
+            accumulate_rows(acc_bgu, db_gate_up, mode_regs, expert_reg, row0 + i0, 0, [part_psum])
 
 
 def _dtopk_bias(dy_t, slot_tiles, dw_accs, bias, expert_reg):
@@ -391,43 +403,53 @@ def _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert
         _bias_grads(slot_tiles, do_rows, chunk, bias, mode_regs, expert_reg, c0, inter)
     hidden = acc_d.shape[1]
     cn = chunk[0][0].shape[1]
+    row_cols = ROW_BANKS * fmax
     for h0, hs in spans(hidden, pmax):
         part_psum = nl.ndarray((hs, cn), dtype=nl.float32, buffer=nl.psum)
         for st, (tile, do_sb, (hx_sb, _, _)) in enumerate(zip(slot_tiles, do_rows, chunk)):
             for _ in if_live(tile):
                 nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=hx_sb, accumulate=st > 0)
-        accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, h0, c0, part_psum)
+        accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, h0, c0, [part_psum])
     for which, row0 in ((1, c0), (2, inter + c0)):
         for i0, isz in spans(cn, pmax):
-            for h0, hn in spans(hidden, fmax):
-                part_psum = nl.ndarray((isz, hn), dtype=nl.float32, buffer=nl.psum)
-                for st, (tile, grads) in enumerate(zip(slot_tiles, chunk)):
-                    for _ in if_live(tile):
-                        nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
-                                       moving=tile.x_rows[:, h0:h0 + hn], accumulate=st > 0)
-                accumulate_rows(acc_gu, dw_gate_up, mode_regs, expert_reg, row0 + i0, h0, part_psum)
+            for g0, gn in spans(hidden, row_cols):          # whole rows (at most ROW_BANKS PSUM banks)
+                parts = []
+                for h0, hn in spans(gn, fmax):
+                    part_psum = nl.ndarray((isz, hn), dtype=nl.float32, buffer=nl.psum)
+                    for st, (tile, grads) in enumerate(zip(slot_tiles, chunk)):
+                        for _ in if_live(tile):
+                            nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
+                                           moving=tile.x_rows[:, g0 + h0:g0 + h0 + hn], accumulate=st > 0)
+                    parts.append(part_psum)
+                accumulate_rows(acc_gu, dw_gate_up, mode_regs, expert_reg, row0 + i0, g0, parts)
 
 
-def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols):
+def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_tiling):
     """dx_slots[a] = dg @ W_gate + du @ W_up: per H chunk, contraction over I tiles in PSUM; rows
-    staged ``dx_cols`` wide in SBUF and scattered once per slot tile and group."""
+    staged ``dx_cols`` wide in SBUF and scattered once per slot tile and group. The natural
+    W_gate/W_up rows of all I tiles are loaded once per ``dx_span`` columns (one DMA per 128 rows,
+    runs of dx_span elements), and the H chunks inside the span read them from SBUF."""
+    dx_cols, dx_span = dx_tiling
     inter = w_gate_up.shape[1] // 2
     hidden = w_gate_up.shape[2]
     i_tiles = spans(inter, nl.tile_size.pmax)
+    row_tiles = [*i_tiles, *((inter + i0, isz) for i0, isz in i_tiles)]     # W_gate rows, then W_up rows
+    grads = [(dg_t, it, isz) for it, (_, isz) in enumerate(i_tiles)] + \
+            [(du_t, it, isz) for it, (_, isz) in enumerate(i_tiles)]
     for g0, gn in spans(hidden, dx_cols):
         dx_rows = [nl.ndarray((tile.ps, gn), dtype=nl.float32, buffer=nl.sbuf) for tile in slot_tiles]
-        for h0, hn in spans(gn, nl.tile_size.gemm_moving_fmax):
-            dx_psums = [nl.ndarray((tile.ps, hn), dtype=nl.float32, buffer=nl.psum) for tile in slot_tiles]
-            for it, (i0, isz) in enumerate(i_tiles):
-                for grad_t, row0 in ((dg_t, i0), (du_t, inter + i0)):
-                    w_sb = load_expert_cols(w_gate_up, expert_reg, [(row0, isz)], g0 + h0, hn)
+        for w0, wn in spans(gn, dx_span):
+            w_sb = load_expert_cols(w_gate_up, expert_reg, row_tiles, g0 + w0, wn)
+            for h0, hn in spans(wn, nl.tile_size.gemm_moving_fmax):
+                dx_psums = [nl.ndarray((tile.ps, hn), dtype=nl.float32, buffer=nl.psum) for tile in slot_tiles]
+                for rt, (grad_t, it, isz) in enumerate(grads):
                     for tile, dx_psum in zip(slot_tiles, dx_psums):
                         for _ in if_live(tile):
                             nisa.nc_matmul(dst=dx_psum, stationary=grad_t[:isz, it, tile.s0:tile.s0 + tile.ps],
-                                           moving=w_sb[:isz, 0, :], accumulate=it > 0 or row0 != i0)
-            for tile, dx_psum, dx_sb in zip(slot_tiles, dx_psums, dx_rows):
-                for _ in if_live(tile):
-                    nisa.tensor_copy(dst=dx_sb[:, h0:h0 + hn], src=dx_psum)
+                                           moving=w_sb[:isz, rt, h0:h0 + hn], accumulate=rt > 0)
+                for tile, dx_psum, dx_sb in zip(slot_tiles, dx_psums, dx_rows):
+                    for _ in if_live(tile):
+                        nisa.tensor_copy(dst=dx_sb[:, w0 + h0:w0 + h0 + hn], src=dx_psum)
         for tile, dx_sb in zip(slot_tiles, dx_rows):
             for _ in if_live(tile):
                 scatter_rows(dx_slots, tile.asg, dx_sb, g0)
@@ -490,7 +512,7 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_
 
 
 def _block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
-               gate, i_chunk, dx_cols, grad_bufs, dx_slots, dtopk, prefetch):
+               gate, i_chunk, dx_tiling, grad_bufs, dx_slots, dtopk, prefetch):
     """Block b in guarded phases: transposes, I chunks and weight gradients; then the gathers of
     block b + 1 into rows allocated here (``next_regs`` = its registers, or None; the rows are
     returned); then dx and d topk_weights. GpSimd issues DMAs in program order, so the next
@@ -513,7 +535,7 @@ def _block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, nex
         for _ in nl.dynamic_range(0, next_regs[1]):
             _gather_block(x, dy, topk_w, *next_rows)
     for _ in nl.dynamic_range(0, trips_reg):
-        _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_cols)
+        _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_tiling)
         for tile, dw_acc in zip(slot_tiles, dw_accs):
             for _ in if_live(tile):
                 scatter_rows(dtopk, tile.asg, dw_acc, 0)
@@ -553,7 +575,7 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
 @nki.jit
 def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
                            b_down, activation, swiglu_alpha, swiglu_limit, top_k, i_chunk, dx_cols,
-                           prefetch_weights):
+                           prefetch_weights, dx_span):
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
     dx = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
@@ -580,7 +602,8 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
         mode_regs = mode_registers(modes_sb, b)
         next_regs = block_registers(expert_sb, valid_sb, b + 1) if b + 1 < n_blocks else None
         rows = _block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
-                          block, (activation, swiglu_alpha, swiglu_limit), i_chunk, dx_cols, grad_bufs, dx_slots,
+                          block, (activation, swiglu_alpha, swiglu_limit), i_chunk, (dx_cols, dx_span), grad_bufs,
+                          dx_slots,
                           dtopk, prefetch_weights)
         regs = next_regs
     reduce_assignments(dx_slots, dx, top_k)
@@ -608,12 +631,13 @@ def _bias_context(b_gate_up, b_down, dtype):
 # --------------------------------------------------------------------------- launcher
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_blocks, clamped=False,
-                  biases=False, overlap=True):
+                  biases=False, overlap=True, dx_span=None):
     """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` and dx staging
     width ``dx_cols`` (upper bound): the block's resident tiles plus the largest of its three
     phases (loading rows, I chunks, dx), whose tiles are freed before the next phase; the clamped
     swiglu's temporaries and the bias rows, ones and bias column when asked; with ``overlap``, the
-    next I chunk's weight columns (prefetched)."""
+    next I chunk's weight columns (prefetched); the dx phase's W rows ``dx_span`` wide (default
+    gemm_moving_fmax)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     slot_tiles = st * (2 * hidden * itemsize + 4 * 4)            # x, do rows; ids, weight, d weight
@@ -625,8 +649,8 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * temps * i_chunk * 4   # h, dg, du; fp32 temps
     if biases:                                                  # g/u bias rows, ones row/column, b_down column
         chunk += 2 * (2 * i_chunk + pmax) * itemsize + (ht + 1) * itemsize
-    chunks = streamed + chunk + 2 * fmax * (4 + itemsize)       # phase 2, with the accumulate tiles
-    dx = 2 * fmax * itemsize + staged_bytes(dx_cols, hidden, st)   # phase 3: W rows, dx rows
+    chunks = streamed + chunk + 2 * ROW_BANKS * fmax * (4 + itemsize)   # phase 2, with the accumulate rows
+    dx = 2 * it * (dx_span or fmax) * itemsize + staged_bytes(dx_cols, hidden, st)   # phase 3: W rows, dx rows
     dx += st * (2 * hidden * itemsize + 4)                      # and the next block's x, dy rows, weights
     body = slot_tiles + resident + max(load, chunks, dx)
     modes = len(ACC_MODES) * n_blocks * 4 + n_blocks * st * 4   # block accumulation modes, live flags
@@ -639,10 +663,23 @@ def tiling(hidden, inter, block, itemsize, **counts):
     return choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, **counts)
 
 
+def dx_span(hidden, inter, block, itemsize, i_chunk, dx_cols, overlap, **counts):
+    """Columns of the dx phase's W_gate/W_up row loads at the chosen tiling: the widest of dx_cols
+    halved down to gemm_moving_fmax whose SBUF estimate fits (longer DMA runs, each W row read
+    once per span instead of once per H chunk)."""
+    fmax, fit = nl.tile_size.gemm_moving_fmax, nl.tile_size.total_available_sbuf_size
+    span = min(dx_cols, hidden)
+    while span > fmax and sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, overlap=overlap,
+                                        dx_span=span, **counts) > fit:
+        span //= 2
+    return max(span, min(fmax, dx_cols))
+
+
 def sbuf_bytes(hidden, inter, block, itemsize, **counts):
-    """Peak SBUF bytes per partition at the chosen tiling."""
+    """Peak SBUF bytes per partition at the chosen tiling and dx span."""
     i_chunk, dx_cols, overlap = tiling(hidden, inter, block, itemsize, **counts)
-    return sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, overlap=overlap, **counts)
+    span = dx_span(hidden, inter, block, itemsize, i_chunk, dx_cols, overlap, **counts)
+    return sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, overlap=overlap, dx_span=span, **counts)
 
 
 def group_blocks(hidden, inter, block, itemsize, **counts):
@@ -669,14 +706,15 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
     blocks = group_blocks(hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=block_expert.shape[0],
                           **flags)
     group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
-    i_chunk, dx_cols, prefetch = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
-                                        n_blocks=group_expert.shape[0], **flags)
+    counts = dict(top_k=top_k, n_blocks=group_expert.shape[0], **flags)
+    i_chunk, dx_cols, prefetch = tiling(hidden, inter, blocks * block_size, itemsize, **counts)
+    span = dx_span(hidden, inter, blocks * block_size, itemsize, i_chunk, dx_cols, prefetch, **counts)
     return KernelLaunch(
         moe_experts_bwd_kernel,
         (dy.contiguous(), x.contiguous(), routing_weights(topk_weights), group_expert,
          slot_tokens(group_slots, top_k), group_slots, w_gate_up.contiguous(),
          w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha), float(swiglu_limit), top_k,
-         i_chunk, dx_cols, prefetch),
+         i_chunk, dx_cols, prefetch, span),
         unpack=partial(_unpack_grads, x, topk_weights, b_gate_up, b_down))
 
 
