@@ -153,7 +153,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_steps import (
 from nki_lib.attention.kernels.tiles import MAX_INDEX, STAT_INIT
 from nki_lib.sizes import spans
 
-__all__ = ["decode_attention_fwd_kernel", "block_slots", "chunk_plan"]
+__all__ = ["decode_attention_fwd_kernel", "block_slots", "chunk_plan", "single_chunk_path"]
 
 INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
 RANGE_BOUNDS = 4                  # split_bounds per split: start, lo, hi, stop (3 ranges)
@@ -637,6 +637,17 @@ def _store_out(out, out_sb, row0):
     nisa.dma_copy(dst=out.ap([[d, rn], [1, d]], offset=row0 * d), src=out_sb)
 
 
+def single_chunk_path(n_split, n_units, n_prog, capacity, chunk_keys, head_keys):
+    """Whether the kernel takes the single-chunk path: one split, whole units per core, a capacity
+    of at most one chunk of at most ``SINGLE_CHUNK_KEYS`` keys, and for a contiguous cache
+    (``head_keys``: keys per kv head, None for paged) at least one whole chunk per head. On that
+    path a contiguous cache is loaded directly: the unit table is never read (the launcher then
+    builds none)."""
+    whole = head_keys is None or head_keys >= chunk_keys
+    return (n_split == 1 and n_units % n_prog == 0 and capacity <= chunk_keys
+            and chunk_keys <= SINGLE_CHUNK_KEYS and whole)
+
+
 def _pack_size(n_units, rows, m, d, itemsize, lnc):
     """Units per packed chunk (single-chunk path, contiguous cache; 1: no packing). A unit's chunk
     rows are M*D elements per partition; below ``Q_LOAD_ROW_BYTES`` each pays the per-descriptor
@@ -876,9 +887,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     def seq_offset(b):
         return None if seq_units is None else b * seq_units * k_units.shape[1]
 
-    whole_chunks = seq_units is None or head_offset >= m * pmax * d   # a contiguous capacity of >= 1 chunk
-    single = (n_split == 1 and shard_units and unit_table.shape[1] * unit_keys <= m * pmax
-              and m * pmax <= SINGLE_CHUNK_KEYS and whole_chunks)
+    single = single_chunk_path(n_split, len(units), n_prog, unit_table.shape[1] * unit_keys, m * pmax,
+                               None if seq_units is None else head_offset // d)
     pack = (_pack_size(len(units), rows, m, d, k_units.itemsize, n_prog)
             if single and seq_units is not None and len(row_spans) == 1 and head_offset == m * pmax * d else 1)
     if pack > 1:                                    # several units per static chunk
