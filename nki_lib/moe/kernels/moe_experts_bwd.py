@@ -637,16 +637,18 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` and dx staging
     width ``dx_cols`` (upper bound): the block's resident tiles plus the largest of its three
     phases (loading rows, I chunks, dx), whose tiles are freed before the next phase; the clamped
-    swiglu's temporaries and the bias rows, ones and bias column when asked; with ``overlap``, the
-    next I chunk's weight columns (prefetched); the dx phase's W rows ``dx_span`` wide (default
-    gemm_moving_fmax)."""
+    swiglu's temporaries and the bias rows, ones and bias column when asked (``overlap``, the
+    next I chunk's prefetched weight columns, takes the place of this chunk's); the dx phase's W
+    rows ``dx_span`` wide (default gemm_moving_fmax)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     slot_tiles = st * (2 * hidden * itemsize + 4 * 4)            # x, do rows; ids, weight, d weight
     resident = (2 * ht + 2 * it) * block * itemsize             # xT, dyT, dgT, duT
     load = st * hidden * itemsize                               # phase 1: dy rows (until scaled/transposed)
     staging = 2 * min(hidden, WEIGHT_SPAN) * itemsize           # natural W rows before transposes
-    streamed = (2 if overlap else 1) * 3 * ht * i_chunk * itemsize + staging   # W_gate^T, W_up^T, W_down (+ next)
+    # W_gate^T, W_up^T, W_down of one chunk: the next chunk's (prefetched with ``overlap``) are
+    # allocated after this chunk's are released (``_i_chunk``), so one generation either way
+    streamed = 3 * ht * i_chunk * itemsize + staging
     temps = _FP32_TEMPS_CLAMPED if clamped else _FP32_TEMPS
     chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * temps * i_chunk * 4   # h, dg, du; fp32 temps
     if biases:                                                  # g/u bias rows, ones row/column, b_down column
@@ -660,9 +662,23 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     return flags_sbuf_bytes(n_blocks, block) + modes + max(body, setup, tail_sbuf_bytes(hidden, top_k, itemsize))
 
 
+def chunk_widths(inter):
+    """I chunk widths to try, widest first: for each chunk count n from ceil(I / gemm_moving_fmax)
+    up, I / n rounded up to whole 128-row tiles (I = 768: 384, 256, 128), so that a narrower chunk
+    is taken only when it means fewer, not just narrower, weight-column DMAs per chunk count."""
+    pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    widths = []
+    for n in range(ceil_div(inter, fmax), ceil_div(inter, pmax) + 1):
+        width = min(fmax, ceil_div(ceil_div(inter, n), pmax) * pmax)
+        if width not in widths:
+            widths.append(width)
+    return widths
+
+
 def tiling(hidden, inter, block, itemsize, **counts):
     """(i_chunk, dx_cols, prefetch_weights) of the backward kernel for this shape."""
-    return choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, **counts)
+    return choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, widths=chunk_widths(inter),
+                                 **counts)
 
 
 def dx_span(hidden, inter, block, itemsize, i_chunk, dx_cols, overlap, **counts):
