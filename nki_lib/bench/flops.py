@@ -202,9 +202,10 @@ def _router_from_sample(sample) -> OpCost:
 
 
 def _experts_from_sample(sample) -> OpCost:
-    x, weights, block_expert, slots, w_gate_up = sample.args[:5]
+    x, weights, block_expert, slots, w_gate_up, w_down = sample.args[:6]
     block_size = slots.shape[0] // block_expert.shape[0]
-    return moe_experts_fwd(x.shape[0], x.shape[1], w_gate_up.shape[1] // 2, w_gate_up.shape[0], weights.shape[1],
+    inter = w_down.shape[1] if sample.kwargs.get("weight_layout") == "in_out" else w_down.shape[2]
+    return moe_experts_fwd(x.shape[0], x.shape[1], inter, w_gate_up.shape[0], weights.shape[1],
                            block_size=block_size, dtype=x.dtype)
 
 

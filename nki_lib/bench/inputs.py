@@ -65,7 +65,12 @@ def make_call(op: str, dims: dict, dtype: torch.dtype, requires_grad: bool = Fal
         block_expert, slots, _ = _plan(topk_ids, e, bs)
         w_gate_up = _rand(gen, e, 2 * i, h, dtype=dtype, requires_grad=rg, scale=h ** -0.5)
         w_down = _rand(gen, e, h, i, dtype=dtype, requires_grad=rg, scale=i ** -0.5)
-        return (x, weights, block_expert, slots, w_gate_up, w_down), {"activation": "silu"}
+        layout = dims.get("weight_layout", "out_in")
+        if layout == "out_in":
+            return (x, weights, block_expert, slots, w_gate_up, w_down), {"activation": "silu"}
+        # the layout a deployment chooses once at load: the same weights stored transposed
+        w_gate_up, w_down = (w.detach().transpose(1, 2).contiguous().requires_grad_(rg) for w in (w_gate_up, w_down))
+        return (x, weights, block_expert, slots, w_gate_up, w_down), {"activation": "silu", "weight_layout": layout}
     raise ValueError(f"op: no benchmark inputs for {op!r}")
 
 
@@ -103,6 +108,8 @@ def baseline(op: str, args: tuple, kwargs: dict):
         return logits, weights / weights.sum(-1, keepdim=True), ids
     if op == "moe_experts":
         x, weights, block_expert, slots, w_gate_up, w_down = args
+        if kwargs.get("weight_layout", "out_in") == "in_out":   # x @ W with W (H, 2I) / (I, H) is x @ W^T.T
+            w_gate_up, w_down = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)
         t, k = weights.shape
         inter = w_gate_up.shape[1] // 2
         slots_2d = slots.reshape(block_expert.shape[0], -1)

@@ -23,7 +23,9 @@ two simulations with 2 and 4 experts at the real tokens per expert, every figure
 linearly by the marginal cost of an expert (``f(128) = f(2) + 63 (f(4) - f(2))``, see
 :func:`nki_lib.bench.harness.plan`), so the kernel's prologue is charged once, not 64 times.
 Against full simulations of 8 and 16 experts the rule is within 0.2 % in order and 1.5 %
-dependency bound (docs/perf-log.md §12.2).
+dependency bound (docs/perf-log.md §12.2). The case takes the weights in the in_out layout
+(``weight_layout="in_out"``: the contraction dim first, chosen once at load), which the forward
+kernel multiplies without transposing weight blocks.
 """
 
 from __future__ import annotations
@@ -78,9 +80,12 @@ _ATT_LNC2 = _case("flash_attention", "train", "aws", 2, B=2, Hq=1, Hkv=1, Sq=204
 _ROUTER = _case("moe_router", "prefill", "aws", 1, T=1024, H=4096, E=128, k=8)
 _EXPERTS_AWS = _case("moe_experts", "prefill", "aws", 2, T=1024, H=2048, I=768, E=8, k=2, block_size=256)
 # 512 tokens per expert at qwen3-30b-a3b sizes; forward and backward from one train call
-# (steady state from simulations of 2 and 4 of the 128 experts: see the module docstring)
-_EXPERTS_MFU = Case("moe_experts", "train", "qwen3-30b-a3b", dict(T=8192, H=2048, I=768, E=128, k=8, block_size=128),
-                    lnc=1)
+# (steady state from simulations of 2 and 4 of the 128 experts: see the module docstring). The
+# weights are in the in_out layout (contraction dim first), the one a deployment chooses once at
+# load (MoE(weight_layout="in_out"); gpt-oss's native HF layout): the forward kernel multiplies
+# them with no weight transposes; the backward's launch transposes them on the host (+host).
+_EXPERTS_MFU = Case("moe_experts", "train", "qwen3-30b-a3b",
+                    dict(T=8192, H=2048, I=768, E=128, k=8, block_size=128, weight_layout="in_out"), lnc=1)
 _DECODE = [_case("decode_attention", "decode", "aws", 1, B=4, Hq=8, Hkv=1, Sq=1, L=2048, D=128, sinks=True),
            _case("decode_attention", "decode", "aws", 1, B=8, Hq=4, Hkv=1, Sq=4, L=128, D=64, sinks=True),
            _case("decode_attention", "decode", "aws", 1, B=8, Hq=8, Hkv=1, Sq=4, L=1024, D=128, sinks=True)]

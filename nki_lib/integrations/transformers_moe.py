@@ -25,7 +25,7 @@ import nki_lib.moe  # noqa: F401  (registers the MoE ops)
 from nki_lib import backend
 from nki_lib.coverage import LEDGER
 from nki_lib.dispatch import NKIFallbackError, Unsupported
-from nki_lib.moe.hf import expert_activation, expert_weights
+from nki_lib.moe.hf import expert_activation, expert_weights, native_layout
 
 IMPLEMENTATION = "nki"
 FALLBACK_PATH = "hf_experts"      # the coverage-ledger path of calls this integration hands back
@@ -54,12 +54,13 @@ def nki_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
     except Unsupported as exc:
         record_fallback(exc.reason)
         return _eager_forward(self)(self, hidden_states, top_k_index, top_k_weights)
-    weights = expert_weights(self)
+    layout = native_layout(self)      # the parameters' own layout: transposed experts need no transpose
+    weights = expert_weights(self, layout)
     block_expert, slot_assignment, _ = torch.ops.nki.moe_plan(
         top_k_index, num_experts=weights["w_gate_up"].shape[0], block_size=BLOCK_SIZE)
     return torch.ops.nki.moe_experts(hidden_states, top_k_weights, block_expert, slot_assignment,
                                      weights["w_gate_up"], weights["w_down"], weights["b_gate_up"],
-                                     weights["b_down"], activation=activation, **flags)
+                                     weights["b_down"], activation=activation, weight_layout=layout, **flags)
 
 
 def register(name: str = IMPLEMENTATION) -> None:

@@ -10,8 +10,11 @@ gpt-oss ``GptOssExperts``). The decorator records the layout on the instance:
   (gate 2i, up 2i + 1; gpt-oss).
 * ``has_bias``: ``gate_up_proj_bias`` (E, 2I) and ``down_proj_bias`` (E, H) (gpt-oss).
 
-:func:`expert_weights` returns differentiable views/copies in the op's layout (gradients flow
-back to the HF parameters); :func:`hf_expert_tensors` maps op-layout tensors back.
+:func:`expert_weights` returns differentiable views/copies in one of the op's weight layouts
+(gradients flow back to the HF parameters); :func:`native_layout` names the op layout that
+matches the module's own (``in_out`` for transposed weights: gpt-oss's experts then reach the op
+with no transpose, only the de-interleave of the gate/up columns); :func:`hf_expert_tensors`
+maps op-layout tensors back.
 :func:`expert_activation` names the op activation of the module's gate, or raises
 ``Unsupported`` with the reason (the caller records the fallback).
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from nki_lib.dispatch import Unsupported
+from nki_lib.moe.moe_experts_reference import as_out_in
 
 # transformers activation classes (ACT2FN values) -> the op's gate activation
 _ACT_CLASSES = {
@@ -58,9 +62,10 @@ def expert_activation(experts) -> tuple[str, dict]:
     return _ACT_CLASSES[act], {}
 
 
-def _to_concatenated(t: torch.Tensor) -> torch.Tensor:
-    """Interleaved gate/up along dim 1 (g0 u0 g1 u1 ...) -> concatenated (g..., u...)."""
-    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+def _to_concatenated(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Interleaved gate/up along ``dim`` (g0 u0 g1 u1 ...) -> concatenated (g..., u...)."""
+    pairs = t.unflatten(dim, (-1, 2))              # (..., I, 2, ...): gate at 0, up at 1
+    return torch.cat([pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)], dim=dim)
 
 
 def _to_interleaved(t: torch.Tensor) -> torch.Tensor:
@@ -69,25 +74,33 @@ def _to_interleaved(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], dim=2).flatten(1, 2)
 
 
-def expert_weights(experts) -> dict[str, torch.Tensor | None]:
-    """{w_gate_up (E, 2I, H), w_down (E, H, I), b_gate_up (E, 2I) or None, b_down (E, H) or None}
-    in the op's layout (gate rows first), differentiable in the HF parameters."""
-    transposed = bool(getattr(experts, "is_transposed", False))
+def native_layout(experts) -> str:
+    """The op's ``weight_layout`` of the module's own weights: "in_out" when they are stored
+    transposed ((E, H, 2I) and (E, I, H), gpt-oss), else "out_in"."""
+    return "in_out" if getattr(experts, "is_transposed", False) else "out_in"
+
+
+def expert_weights(experts, weight_layout: str = "out_in") -> dict[str, torch.Tensor | None]:
+    """{w_gate_up, w_down, b_gate_up (E, 2I) or None, b_down (E, H) or None} in the op's
+    ``weight_layout`` (out_in: (E, 2I, H), (E, H, I); in_out: (E, H, 2I), (E, I, H); gate first
+    along 2I), differentiable in the HF parameters; a weight already in that layout is not copied."""
     concatenated = bool(getattr(experts, "is_concatenated", True))
     w_gate_up, w_down = experts.gate_up_proj, experts.down_proj
-    if transposed:
-        w_gate_up, w_down = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)
+    if native_layout(experts) != weight_layout:   # the transpose maps either layout to the other
+        w_gate_up, w_down = as_out_in(w_gate_up, "in_out"), as_out_in(w_down, "in_out")
     b_gate_up = experts.gate_up_proj_bias if getattr(experts, "has_bias", False) else None
     b_down = experts.down_proj_bias if getattr(experts, "has_bias", False) else None
     if not concatenated:
-        w_gate_up = _to_concatenated(w_gate_up)
+        w_gate_up = _to_concatenated(w_gate_up, dim=2 if weight_layout == "in_out" else 1)
         b_gate_up = None if b_gate_up is None else _to_concatenated(b_gate_up)
     return dict(w_gate_up=w_gate_up.contiguous(), w_down=w_down.contiguous(), b_gate_up=b_gate_up,
                 b_down=b_down)
 
 
-def hf_expert_tensors(experts, w_gate_up, w_down, b_gate_up=None, b_down=None) -> dict[str, torch.Tensor]:
-    """Op-layout tensors -> {parameter name: tensor} in ``experts``' own layout."""
+def hf_expert_tensors(experts, w_gate_up, w_down, b_gate_up=None, b_down=None, *,
+                      weight_layout: str = "out_in") -> dict[str, torch.Tensor]:
+    """Op-layout tensors (in ``weight_layout``) -> {parameter name: tensor} in ``experts``' own layout."""
+    w_gate_up, w_down = as_out_in(w_gate_up, weight_layout), as_out_in(w_down, weight_layout)
     transposed = bool(getattr(experts, "is_transposed", False))
     concatenated = bool(getattr(experts, "is_concatenated", True))
     if not concatenated:
@@ -139,17 +152,19 @@ def _check_block(block):
     return experts, activation, flags
 
 
-def from_hf_block(block) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(MoE constructor arguments, {MoE parameter name: tensor}) of a transformers MoE block."""
+def from_hf_block(block, weight_layout: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(MoE constructor arguments, {MoE parameter name: tensor}) of a transformers MoE block, the
+    expert weights in ``weight_layout`` (None: the block's own, :func:`native_layout`)."""
     router = _router(block)
     experts, activation, flags = _check_block(block)
-    weights = expert_weights(experts)
-    num_experts, two_inter, hidden = weights["w_gate_up"].shape
+    weight_layout = native_layout(experts) if weight_layout is None else weight_layout
+    weights = expert_weights(experts, weight_layout)
+    num_experts, two_inter, hidden = as_out_in(weights["w_gate_up"], weight_layout).shape
     router_bias = getattr(router, "bias", None)
     config = dict(hidden_size=hidden, intermediate_size=two_inter // 2, num_experts=num_experts,
                   top_k=int(router.top_k), score_func="softmax", renormalize=_ROUTERS[type(router).__name__](router),
                   activation=activation, router_bias=router_bias is not None,
-                  expert_biases=weights["b_gate_up"] is not None, **flags)
+                  expert_biases=weights["b_gate_up"] is not None, weight_layout=weight_layout, **flags)
     tensors = dict(router_weight=router.weight, w_gate_up=weights["w_gate_up"], w_down=weights["w_down"])
     if router_bias is not None:
         tensors["router_bias"] = router_bias
@@ -169,7 +184,8 @@ def to_hf_block(moe, block) -> None:
                          f"{'has one' if moe.router_bias is not None else 'has none'}")
     if moe.shared_down is not None:
         raise ValueError("the MoE has shared experts, the block has none")
-    tensors = hf_expert_tensors(experts, moe.w_gate_up, moe.w_down, moe.gate_up_bias, moe.down_bias)
+    tensors = hf_expert_tensors(experts, moe.w_gate_up, moe.w_down, moe.gate_up_bias, moe.down_bias,
+                                weight_layout=moe.weight_layout)
     targets = [(getattr(experts, name), t, f"experts.{name}") for name, t in tensors.items()]
     targets.append((router.weight, moe.router_weight, "router weight"))
     if moe.router_bias is not None:

@@ -16,6 +16,10 @@ path the backend selects (simulator/device kernels, or the PyTorch reference). S
   plain gates (``moe_experts_reference``).
 * ``MoE.from_hf(block)`` / ``moe.to_hf(block)``: weights from / into a transformers MoE block
   (Mixtral, Qwen3-MoE, gpt-oss; :mod:`nki_lib.moe.hf`).
+* ``weight_layout``: how ``w_gate_up`` / ``w_down`` are stored, chosen once at construction (or
+  load): "out_in" (default, nn.Linear: (E, 2I, H), (E, H, I)) or "in_out" (the contraction dim
+  first: (E, H, 2I), (E, I, H)), which the forward kernel multiplies with no weight transposes;
+  ``from_hf`` keeps the block's own layout (gpt-oss: in_out) unless told otherwise.
 * ``load_balancing_loss`` (Switch/GShard ``E * sum_e f_e * P_e``, or transformers' scale with
   ``convention="hf"``) and ``router_z_loss`` (``mean_t logsumexp(logits_t)^2``), both
   differentiable in the logits (:mod:`nki_lib.moe.losses`).
@@ -30,7 +34,7 @@ from nki_lib.moe import hf, moe_experts_op, moe_plan_op, moe_router_op  # noqa: 
 from nki_lib.moe.expert_parallel import DEFAULT_CAPACITY_FACTOR, ExpertParallel
 from nki_lib.moe.losses import check_positive_int as _positive_int
 from nki_lib.moe.losses import load_balancing_loss, router_z_loss  # noqa: F401  (public here too)
-from nki_lib.moe.moe_experts_reference import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, gate
+from nki_lib.moe.moe_experts_reference import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, WEIGHT_LAYOUTS, gate
 from nki_lib.moe.moe_router_op import validate as validate_router
 
 
@@ -52,7 +56,7 @@ class MoE(nn.Module):
                  aux_loss_free: bool = False, num_shared_experts: int = 0, router_bias: bool = False,
                  expert_biases: bool = False, swiglu_alpha: float = SWIGLU_ALPHA,
                  swiglu_limit: float = SWIGLU_LIMIT, ep_group=None,
-                 ep_capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR):
+                 ep_capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR, weight_layout: str = "out_in"):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                             ("num_experts", num_experts), ("block_size", block_size)):
@@ -61,6 +65,9 @@ class MoE(nn.Module):
             raise ValueError(f"num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+        self.weight_layout = weight_layout
         self.router_flags = dict(top_k=top_k, score_func=score_func, renormalize=renormalize,
                                  num_groups=num_groups, topk_groups=topk_groups)
         # the router op's own checks, on a meta probe (no data)
@@ -78,8 +85,11 @@ class MoE(nn.Module):
         local_experts = num_experts if ep_group is None else self.expert_parallel.num_local
 
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.w_gate_up = nn.Parameter(torch.empty(local_experts, 2 * intermediate_size, hidden_size))
-        self.w_down = nn.Parameter(torch.empty(local_experts, hidden_size, intermediate_size))
+        gate_up, down = (2 * intermediate_size, hidden_size), (hidden_size, intermediate_size)
+        if weight_layout == "in_out":
+            gate_up, down = gate_up[::-1], down[::-1]
+        self.w_gate_up = nn.Parameter(torch.empty(local_experts, *gate_up))
+        self.w_down = nn.Parameter(torch.empty(local_experts, *down))
         self.router_bias = nn.Parameter(torch.empty(num_experts)) if router_bias else None
         self.gate_up_bias = nn.Parameter(torch.empty(local_experts, 2 * intermediate_size)) if expert_biases else None
         self.down_bias = nn.Parameter(torch.empty(local_experts, hidden_size)) if expert_biases else None
@@ -109,7 +119,7 @@ class MoE(nn.Module):
             topk_ids, num_experts=self.w_gate_up.shape[0], block_size=self.block_size)
         y = torch.ops.nki.moe_experts(x2, topk_weights, block_expert, slot_assignment, self.w_gate_up,
                                       self.w_down, self.gate_up_bias, self.down_bias, activation=self.activation,
-                                      **self.gate_flags)
+                                      weight_layout=self.weight_layout, **self.gate_flags)
         return y, tokens_per_expert
 
     def ep_stats(self) -> dict | None:
@@ -155,11 +165,12 @@ class MoE(nn.Module):
         return y.reshape(x.shape)
 
     @classmethod
-    def from_hf(cls, block, **kwargs) -> "MoE":
+    def from_hf(cls, block, weight_layout: str | None = None, **kwargs) -> "MoE":
         """An MoE with the router, experts and weights of a transformers MoE block (Mixtral,
-        Qwen3-MoE, gpt-oss), in the block's dtype and device; ``kwargs`` (e.g. ``block_size``)
-        go to the constructor. ValueError names what does not map."""
-        config, tensors = hf.from_hf_block(block)
+        Qwen3-MoE, gpt-oss), in the block's dtype and device; ``weight_layout`` None keeps the
+        block's own (gpt-oss's transposed experts: "in_out", no transpose); ``kwargs`` (e.g.
+        ``block_size``) go to the constructor. ValueError names what does not map."""
+        config, tensors = hf.from_hf_block(block, weight_layout)
         moe = cls(**config, **kwargs).to(device=tensors["w_gate_up"].device, dtype=tensors["w_gate_up"].dtype)
         params = dict(moe.named_parameters())
         if set(params) != set(tensors):
@@ -198,6 +209,7 @@ class MoE(nn.Module):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"score_func={self.router_flags['score_func']!r}, activation={self.activation!r}, "
+                f"weight_layout={self.weight_layout!r}, "
                 f"aux_loss_free={self.aux_loss_free}, router_bias={self.router_bias is not None}, "
                 f"expert_biases={self.down_bias is not None}, "
                 f"num_shared_experts={0 if self.shared_down is None else self.shared_down.in_features // self.intermediate_size}")

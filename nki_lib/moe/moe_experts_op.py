@@ -2,7 +2,7 @@
 
 Forward:  moe_experts(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down,
                       b_gate_up=None, b_down=None, *, activation="silu", swiglu_alpha=1.702,
-                      swiglu_limit=7.0) -> y
+                      swiglu_limit=7.0, weight_layout="out_in") -> y
 Backward: moe_experts_backward(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up,
                                w_down, b_gate_up, b_down, *, <flags>)
               -> (dx, dtopk_weights, dw_gate_up, dw_down, db_gate_up, db_down)
@@ -11,7 +11,12 @@ topk_weights (T, k) any float dtype (math in float32, or float64 for float64 x; 
 own dtype), block_expert (NB,) and slot_assignment (NB * B,) int32 or int64, w_gate_up (E, 2I, H),
 w_down (E, H, I), b_gate_up (E, 2I), b_down (E, H) (x's dtype); y (T, H) in x's dtype. The
 bias gradients are empty (0,) tensors when the bias is absent. ``swiglu_alpha`` and
-``swiglu_limit`` apply to ``activation="clamped_swiglu"`` (gpt-oss) only.
+``swiglu_limit`` apply to ``activation="clamped_swiglu"`` (gpt-oss) only. ``weight_layout``:
+``"out_in"`` (default, nn.Linear: the shapes above) or ``"in_out"`` (the contraction dim first:
+w_gate_up (E, H, 2I), w_down (E, I, H), gpt-oss's Hugging Face layout, which the forward kernel
+multiplies with no weight transposes; the backward kernel takes out_in, so its launch transposes
+the two weights on the host and the weight gradients back, charged as host ops); the weight
+gradients come back in the weights' layout.
 
 Autocast (SDPA's policy, :mod:`nki_lib.autograd.autocast`): under an enabled autocast region x, the
 weights and the biases are cast to the autocast dtype (y comes out in it); the routing weights
@@ -39,12 +44,13 @@ from nki_lib.validation import check_tensor as _check_tensor
 INDEX_DTYPE = torch.int32          # what the kernels take (the plan's own dtype)
 INDEX_DTYPES = (torch.int32, torch.int64)
 ALPHA, LIMIT = reference.SWIGLU_ALPHA, reference.SWIGLU_LIMIT
+LAYOUT = reference.WEIGHT_LAYOUTS[0]   # "out_in", nn.Linear's
 
 
 # --------------------------------------------------------------------------- validation
 
 def validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None,
-             *, activation, swiglu_alpha=ALPHA, swiglu_limit=LIMIT):
+             *, activation, swiglu_alpha=ALPHA, swiglu_limit=LIMIT, weight_layout=LAYOUT):
     """Shape/dtype/argument checks (no data access: safe under fake tensors)."""
     _check_tensor("x", x, rank=2, dtypes=FLOAT_DTYPES)
     _check_tensor("topk_weights", topk_weights, rank=2, dtypes=FLOAT_DTYPES)
@@ -57,19 +63,13 @@ def validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, 
     check_same_device("x", x, topk_weights=topk_weights, block_expert=block_expert,
                       slot_assignment=slot_assignment, w_gate_up=w_gate_up, w_down=w_down,
                       b_gate_up=b_gate_up, b_down=b_down)
-    _validate_biases(b_gate_up, b_down, w_gate_up, w_down, x)
-    _validate_flags(activation, swiglu_alpha, swiglu_limit)
-    t_len, hidden = x.shape
+    _validate_flags(activation, swiglu_alpha, swiglu_limit, weight_layout)
+    _validate_weights(w_gate_up, w_down, x.shape[1], weight_layout)
+    _validate_biases(b_gate_up, b_down, w_gate_up, w_down, x, weight_layout)
+    t_len = x.shape[0]
     if topk_weights.shape[0] != t_len:
         raise ValueError(f"topk_weights must have shape (T={t_len}, k), got {tuple(topk_weights.shape)}")
-    experts, two_inter, w_hidden = w_gate_up.shape
-    if w_hidden != hidden:
-        raise ValueError(f"w_gate_up must have shape (E, 2I, H={hidden}), got {tuple(w_gate_up.shape)}")
-    if two_inter % 2:
-        raise ValueError(f"w_gate_up must have an even number of rows 2I, got shape {tuple(w_gate_up.shape)}")
-    if tuple(w_down.shape) != (experts, hidden, two_inter // 2):
-        raise ValueError(f"w_down must have shape (E={experts}, H={hidden}, I={two_inter // 2}), "
-                         f"got {tuple(w_down.shape)}")
+    experts = w_gate_up.shape[0]
     if experts < 1:
         raise ValueError("w_gate_up must hold at least one expert (E >= 1)")
     nb, slots = block_expert.shape[0], slot_assignment.shape[0]
@@ -77,17 +77,39 @@ def validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, 
         raise ValueError(f"slot_assignment must have NB * block_size entries (NB={nb} blocks), got {slots}")
 
 
-def _validate_biases(b_gate_up, b_down, w_gate_up, w_down, x):
+def _validate_weights(w_gate_up, w_down, hidden, weight_layout):
+    """The weights' shapes in ``weight_layout`` (out_in: (E, 2I, H), (E, H, I); in_out: (E, H, 2I),
+    (E, I, H))."""
+    in_out = weight_layout == "in_out"
+    gu_name = "(E, H, 2I)" if in_out else "(E, 2I, H)"
+    experts, two_inter, w_hidden = reference.as_out_in(w_gate_up, weight_layout).shape
+    if w_hidden != hidden:
+        raise ValueError(f"w_gate_up must have shape {gu_name.replace('H', f'H={hidden}')} "
+                         f"(weight_layout={weight_layout!r}), got {tuple(w_gate_up.shape)}")
+    if two_inter % 2:
+        raise ValueError(f"w_gate_up must have an even 2I in {gu_name} (weight_layout={weight_layout!r}), "
+                         f"got shape {tuple(w_gate_up.shape)}")
+    inter = two_inter // 2
+    down = (experts, inter, hidden) if in_out else (experts, hidden, inter)
+    if tuple(w_down.shape) != down:
+        names = "(E={}, I={}, H={})" if in_out else "(E={}, H={}, I={})"
+        values = (experts, inter, hidden) if in_out else (experts, hidden, inter)
+        raise ValueError(f"w_down must have shape {names.format(*values)} (weight_layout={weight_layout!r}), "
+                         f"got {tuple(w_down.shape)}")
+
+
+def _validate_biases(b_gate_up, b_down, w_gate_up, w_down, x, weight_layout):
     for name, bias, weight in (("b_gate_up", b_gate_up, w_gate_up), ("b_down", b_down, w_down)):
         if bias is None:
             continue
         _check_tensor(name, bias, rank=2, dtypes=FLOAT_DTYPES)
         check_same_dtype(name, bias, "x", x)
-        if tuple(bias.shape) != tuple(weight.shape[:2]):
-            raise ValueError(f"{name} must have shape {tuple(weight.shape[:2])}, got {tuple(bias.shape)}")
+        shape = tuple(reference.as_out_in(weight, weight_layout).shape[:2])
+        if tuple(bias.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(bias.shape)}")
 
 
-def _validate_flags(activation, swiglu_alpha, swiglu_limit):
+def _validate_flags(activation, swiglu_alpha, swiglu_limit, weight_layout=LAYOUT):
     if not isinstance(activation, str):
         raise TypeError(f"activation must be a str, got {type(activation).__name__}")
     if activation not in reference.ACTIVATIONS:
@@ -97,6 +119,10 @@ def _validate_flags(activation, swiglu_alpha, swiglu_limit):
             raise TypeError(f"{name} must be a float, got {type(value).__name__}")
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value}")
+    if not isinstance(weight_layout, str):
+        raise TypeError(f"weight_layout must be a str, got {type(weight_layout).__name__}")
+    if weight_layout not in reference.WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {reference.WEIGHT_LAYOUTS}, got {weight_layout!r}")
 
 
 def _kernel_args(tensors):
@@ -143,9 +169,9 @@ def validate_plan_values(block_expert, slot_assignment, *, num_assignments, num_
             raise ValueError("slot_assignment must be -1 in every block whose block_expert is -1")
 
 
-def _empty(x, topk_weights, w_down):
+def _empty(x, topk_weights, w_gate_up):
     """True when y is identically zero without running anything (T, H, k or I is 0)."""
-    return x.numel() == 0 or topk_weights.numel() == 0 or w_down.shape[2] == 0
+    return x.numel() == 0 or topk_weights.numel() == 0 or w_gate_up.numel() == 0
 
 
 # --------------------------------------------------------------------------- forward op
@@ -154,14 +180,15 @@ def _empty(x, topk_weights, w_down):
 def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: torch.Tensor,
                    slot_assignment: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                    b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, *,
-                   activation: str = "silu", swiglu_alpha: float = ALPHA, swiglu_limit: float = LIMIT
-                   ) -> torch.Tensor:
-    flags = dict(activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+                   activation: str = "silu", swiglu_alpha: float = ALPHA, swiglu_limit: float = LIMIT,
+                   weight_layout: str = LAYOUT) -> torch.Tensor:
+    flags = dict(activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                 weight_layout=weight_layout)
     validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, **flags)
     if has_values(block_expert, slot_assignment):
         validate_plan_values(block_expert, slot_assignment, num_assignments=topk_weights.numel(),
                              num_experts=w_gate_up.shape[0])
-    if _empty(x, topk_weights, w_down):
+    if _empty(x, topk_weights, w_gate_up):
         return torch.zeros_like(x)
     args = _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down))
 
@@ -176,9 +203,10 @@ def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: to
 
 @moe_experts_op.register_fake
 def _(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None, *,
-      activation="silu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT):
+      activation="silu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT, weight_layout=LAYOUT):
     validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down,
-             activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+             activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+             weight_layout=weight_layout)
     return x.new_empty(x.shape)
 
 
@@ -189,24 +217,26 @@ def moe_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: tor
                             block_expert: torch.Tensor, slot_assignment: torch.Tensor,
                             w_gate_up: torch.Tensor, w_down: torch.Tensor, b_gate_up: torch.Tensor | None = None,
                             b_down: torch.Tensor | None = None, *, activation: str = "silu",
-                            swiglu_alpha: float = ALPHA, swiglu_limit: float = LIMIT
+                            swiglu_alpha: float = ALPHA, swiglu_limit: float = LIMIT, weight_layout: str = LAYOUT
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                        torch.Tensor]:
     flags = dict(activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
-    validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, **flags)
+    validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down,
+             weight_layout=weight_layout, **flags)
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"dy must match y: shape {tuple(x.shape)} {x.dtype}, got {tuple(dy.shape)} {dy.dtype}")
-    if _empty(x, topk_weights, w_down):
+    if _empty(x, topk_weights, w_gate_up):
         return _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down)
     args = (dy.contiguous(),) + _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up,
                                               w_down, b_gate_up, b_down))
 
     def launch():
         from nki_lib.moe.kernels import moe_experts_bwd
-        return moe_experts_bwd.launch_moe_experts_bwd(*args, **flags)
+        from nki_lib.moe.kernels.moe_experts_host import in_layout_backward
+        return in_layout_backward(moe_experts_bwd.launch_moe_experts_bwd, args, weight_layout, **flags)
 
     grads = dispatch("moe_experts_backward", args[:3] + args[5:], launch=launch,
-                     reference=lambda: reference.moe_experts_backward(*args, **flags))
+                     reference=lambda: reference.moe_experts_backward(*args, weight_layout=weight_layout, **flags))
     return tuple(g.contiguous() for g in grads)
 
 
@@ -218,7 +248,7 @@ def _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down):
 
 @moe_experts_backward_op.register_fake
 def _(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None, *,
-      activation="silu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT):
+      activation="silu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT, weight_layout=LAYOUT):
     return tuple(torch.empty_like(g) for g in _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down))
 
 
@@ -247,10 +277,11 @@ follow_sdpa_autocast("moe_experts", cast_args=("x", "w_gate_up", "w_down", "b_ga
 # --------------------------------------------------------------------------- registry entry
 
 def make_sample(t, h, inter, e, k, block_size, dtype, requires_grad, *, activation="silu", seed=0,
-                topk_ids=None, biases=False, **gate_flags) -> Sample:
+                topk_ids=None, biases=False, weight_layout=LAYOUT, **gate_flags) -> Sample:
     """Random x, weights (and expert biases) and normalised routing weights; the plan from
     ``nki::moe_plan``. Distinct random experts per token unless ``topk_ids`` (T, k) is given;
-    ``gate_flags``: swiglu_alpha / swiglu_limit."""
+    ``gate_flags``: swiglu_alpha / swiglu_limit. ``weight_layout`` "in_out": the same random
+    weights, transposed (contiguous)."""
     from nki_lib.moe import moe_plan_op  # noqa: F401  (registers torch.ops.nki.moe_plan)
 
     gen = torch.Generator().manual_seed(seed)
@@ -266,12 +297,15 @@ def make_sample(t, h, inter, e, k, block_size, dtype, requires_grad, *, activati
                mk((e, 2 * inter, h), h ** -0.5), mk((e, h, inter), inter ** -0.5)]
     if biases:
         tensors += [mk((e, 2 * inter), 1.0), mk((e, h), 1.0)]
+    tensors[4:6] = [reference.as_out_in(w, weight_layout).contiguous() for w in tensors[4:6]]
     for i in [0, 1, 4, 5] + ([6, 7] if biases else []):
         tensors[i].requires_grad_(requires_grad)
     label = (f"T={t} H={h} I={inter} E={e} k={k} B={block_size} {str(dtype).replace('torch.', '')} "
              f"{activation}" + (" biases" if biases else "")
-             + "".join(f" {n}={v}" for n, v in sorted(gate_flags.items())))
-    return Sample(tuple(tensors), dict(activation=activation, **gate_flags), label)
+             + "".join(f" {n}={v}" for n, v in sorted(gate_flags.items()))
+             + ("" if weight_layout == LAYOUT else f" weight_layout={weight_layout}"))
+    layout = {} if weight_layout == LAYOUT else dict(weight_layout=weight_layout)
+    return Sample(tuple(tensors), dict(activation=activation, **gate_flags, **layout), label)
 
 
 def _samples(dtype, requires_grad):
@@ -282,6 +316,10 @@ def _samples(dtype, requires_grad):
         # gpt-oss: clamped swiglu (a limit low enough that both clamps engage) with expert biases
         make_sample(11, 48, 24, 4, 2, 8, dtype, requires_grad, activation="clamped_swiglu", seed=3,
                     biases=True, swiglu_limit=0.5),
+        # the contraction dim first (gpt-oss's HF layout): the forward multiplies W^T tiles as loaded
+        make_sample(14, 40, 24, 3, 2, 8, dtype, requires_grad, seed=4, weight_layout="in_out"),
+        make_sample(11, 48, 24, 4, 2, 8, dtype, requires_grad, activation="clamped_swiglu", seed=5,
+                    biases=True, swiglu_limit=0.5, weight_layout="in_out"),
     ]
 
 

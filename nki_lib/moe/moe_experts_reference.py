@@ -12,6 +12,12 @@ slot_assignment int32 (NB * B,), w_gate_up (E, 2I, H) (rows [0, I) gate, [I, 2I)
 w_down (E, H, I), optional biases b_gate_up (E, 2I) and b_down (E, H) (then
 ``mlp_e(x) = W_down[e] gate(W_gate_up[e] x + b_gate_up[e]) + b_down[e]``).
 
+``weight_layout``: ``"out_in"`` (default) is the nn.Linear layout above (output features first);
+``"in_out"`` puts the contraction dim first, w_gate_up (E, H, 2I) (columns [0, I) gate, [I, 2I) up)
+and w_down (E, I, H), the transposes of the same matrices (gpt-oss's native Hugging Face layout,
+and the one the forward kernel multiplies without transposing weight blocks). The weight
+gradients come back in the weights' layout.
+
 Gates (``h`` from the gate projection g and the up projection u):
 
 * ``silu`` / ``gelu`` / ``gelu_tanh``: ``h = act(g) * u`` (PyTorch's definitions);
@@ -38,7 +44,21 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 # gpt-oss's swiglu constants (transformers GptOssConfig defaults swiglu_alpha / swiglu_limit)
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
+WEIGHT_LAYOUTS = ("out_in", "in_out")   # nn.Linear (E, 2I, H) / (E, H, I), or (E, H, 2I) / (E, I, H)
 
+
+def as_out_in(w: torch.Tensor, weight_layout: str) -> torch.Tensor:
+    """An expert weight (E, a, b) given in ``weight_layout`` as a view in the out_in layout (also
+    maps an out_in gradient back to in_out: the transpose is its own inverse)."""
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    return w if weight_layout == "out_in" else w.transpose(1, 2)
+
+
+def _out_in(w_gate_up, w_down, weight_layout):
+    """Both weights as contiguous out_in tensors (a copy for in_out), so that the reference's
+    matmuls, and so its rounding, are the same in either layout."""
+    return tuple(as_out_in(w, weight_layout).contiguous() for w in (w_gate_up, w_down))
 
 
 def act(g: torch.Tensor, activation: str) -> torch.Tensor:
@@ -131,25 +151,40 @@ def _flags(activation, swiglu_alpha, swiglu_limit):
 
 
 def moe_experts(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
-                b_down=None, *, activation="silu", swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT):
+                b_down=None, *, activation="silu", swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT,
+                weight_layout="out_in"):
     """y (T, H) in x's dtype; float32 accumulation for bf16/fp16."""
+    w_gate_up, w_down = _out_in(w_gate_up, w_down, weight_layout)
     y = _forward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down,
                  _flags(activation, swiglu_alpha, swiglu_limit), _compute_dtype(x.dtype))
     return y.to(x.dtype)
 
 
 def naive(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None, *,
-          activation="silu", swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT):
+          activation="silu", swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT, weight_layout="out_in"):
     """The same loop in the inputs' dtype (fp64 oracle / low-precision baseline)."""
+    w_gate_up, w_down = _out_in(w_gate_up, w_down, weight_layout)
     return _forward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down,
                     _flags(activation, swiglu_alpha, swiglu_limit), x.dtype)
 
 
 def moe_experts_backward(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
                          b_down=None, *, activation="silu", swiglu_alpha=SWIGLU_ALPHA,
-                         swiglu_limit=SWIGLU_LIMIT):
+                         swiglu_limit=SWIGLU_LIMIT, weight_layout="out_in"):
+    """(dx, d topk_weights, d w_gate_up, d w_down, d b_gate_up, d b_down) with the weight
+    gradients in ``weight_layout``: :func:`out_in_backward` on out_in copies of the weights."""
+    grads = out_in_backward(dy, x, topk_weights, block_expert, slot_assignment,
+                            *_out_in(w_gate_up, w_down, weight_layout), b_gate_up, b_down, activation=activation,
+                            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+    dw_gate_up, dw_down = (as_out_in(g, weight_layout).contiguous() for g in grads[2:4])
+    return grads[:2] + (dw_gate_up, dw_down) + grads[4:]
+
+
+def out_in_backward(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
+                    b_down=None, *, activation="silu", swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT):
     """(dx, d topk_weights, d w_gate_up, d w_down, d b_gate_up, d b_down), explicit formulas,
-    float32 accumulation; the bias gradients are empty (0,) tensors when there is no bias.
+    float32 accumulation, weights in the out_in layout; the bias gradients are empty (0,) tensors
+    when there is no bias.
 
     Per assignment a = (t, j) on expert e with g/u the gate/up projections of x_t (+ bias),
     h = a(g) v(u) (:func:`gate_terms`), o = h @ W_down[e].T + b_down[e] and dy_t the output gradient:

@@ -151,6 +151,11 @@ BAD = [
     ("expert blocks not consecutive", dict(index=2, value=lambda t: _set(t, 0, int(t[t >= 0][-1]))), ValueError,
      "block_expert: the blocks of each expert must be consecutive"),
     ("activation unknown", dict(activation="relu"), ValueError, "activation"),
+    ("weight_layout unknown", dict(weight_layout="io"), ValueError, "weight_layout"),
+    # nn.Linear-shaped weights (H=24 != I=16) declared in_out: both shapes name the layout
+    ("w_gate_up in the other layout", dict(weight_layout="in_out"), ValueError, "w_gate_up.*in_out"),
+    ("w_down in the other layout", dict(index=4, value=lambda t: t.transpose(1, 2), weight_layout="in_out"),
+     ValueError, "w_down.*in_out"),
 ]
 
 
@@ -165,21 +170,23 @@ def test_bad_inputs_name_the_argument(change, error, name):
 
 # --------------------------------------------------------------------------- SBUF budget
 
+@pytest.mark.parametrize("weight_layout", moe_experts_reference.WEIGHT_LAYOUTS)
 @pytest.mark.parametrize("shape", [(20, 200, 136, 4, 2, 130, torch.bfloat16),
                                    (16, 260, 100, 2, 2, 64, torch.float32),
                                    (40, 64, 64, 4, 3, 512, torch.float16)], ids=["bf16", "fp32", "fp16-B512"])
-def test_sbuf_estimates_bound_the_measured_peak(shape):
+def test_sbuf_estimates_bound_the_measured_peak(shape, weight_layout):
     """The launchers' SBUF budgets (used to refuse oversize calls) are upper bounds of the simulator's peak."""
     from nki_lib.moe.kernels import moe_experts_bwd, moe_experts_fwd
     t, h, inter, e, k, block, dtype = shape
-    s = moe_experts_op.make_sample(t, h, inter, e, k, block, dtype, True)
+    s = moe_experts_op.make_sample(t, h, inter, e, k, block, dtype, True, weight_layout=weight_layout)
     with collect_runs() as runs:
         run_with_grads(s)
     (_, fwd), (_, bwd) = runs
     counts = dict(top_k=k, n_blocks=s.args[2].numel())
     itemsize = s.args[0].element_size()
-    group = block * moe_experts_fwd.group_blocks(h, inter, block, itemsize, **counts)   # the forward's slots per group
-    assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd.sbuf_bytes(h, inter, group, itemsize, **counts)
+    in_out = dict(in_out=weight_layout == "in_out")
+    group = block * moe_experts_fwd.group_blocks(h, inter, block, itemsize, **counts, **in_out)   # slots per group
+    assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd.sbuf_bytes(h, inter, group, itemsize, **counts, **in_out)
     bwd_group = block * moe_experts_bwd.group_blocks(h, inter, block, itemsize, **counts)   # the backward's
     assert 0 < bwd.peak_sbuf_bytes <= moe_experts_bwd.sbuf_bytes(h, inter, bwd_group, itemsize, **counts)
 
@@ -222,3 +229,35 @@ def test_plan_value_checks_match_the_contract(n_blocks, block, e, n, dtype, data
     else:
         with pytest.raises(ValueError):
             moe_experts_op.validate_plan_values(*args, num_assignments=n, num_experts=e)
+
+
+# --------------------------------------------------------------------------- weight layouts
+
+@pytest.mark.parametrize("shape", [dict(), dict(t=40, h=200, inter=136, e=3, block=64, activation="clamped_swiglu",
+                                                biases=True, swiglu_limit=0.5)], ids=["small", "tiled-biases"])
+def test_in_out_layout_is_bitwise_the_out_in_layout(shape):
+    """The same weights given transposed (``weight_layout="in_out"``): the forward kernel loads W^T
+    tiles instead of transposing weight rows on TensorE (a bit-exact transpose), so y is bitwise
+    equal; every gradient is bitwise equal too, the weight gradients transposed (the backward
+    launch transposes the weights on the host)."""
+    out_in = sample(**shape)
+    in_out = sample(**shape, weight_layout="in_out")
+    for i in (4, 5):
+        assert torch.equal(in_out.args[i], out_in.args[i].transpose(1, 2))
+    a, b = run_with_grads(out_in), run_with_grads(in_out)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+    assert torch.equal(a[3], b[3].transpose(1, 2)) and torch.equal(a[4], b[4].transpose(1, 2))
+
+
+def test_in_out_forward_transposes_no_weights():
+    """The in_out forward's TensorE transposes are the x rows' and the slot ids' only: fewer than
+    out_in's by the weight blocks (2 gate/up blocks per (H tile, I tile) plus one W_down block)."""
+    counts = {}
+    for layout in moe_experts_reference.WEIGHT_LAYOUTS:
+        s = sample(t=16, h=256, inter=128, e=2, k=1, block=16, weight_layout=layout)
+        with collect_runs() as runs, nki_lib.use_backend("simulator"), nki_lib.strict(True):
+            torch.ops.nki.moe_experts(*s.args, **s.kwargs)
+        (_, report), = runs
+        counts[layout] = sum(1 for e in report.trace if e.opcode == "nc_transpose")
+    h_tiles, i_tiles, experts = 2, 1, 2
+    assert counts["out_in"] - counts["in_out"] == experts * 3 * h_tiles * i_tiles

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import nki_lib.moe  # noqa: F401  (registers the ops)
 from nki_lib.moe import moe_experts_op
-from nki_lib.moe.moe_experts_reference import ACTIVATIONS
+from nki_lib.moe.moe_experts_reference import ACTIVATIONS, WEIGHT_LAYOUTS
 from nki_lib.numerics.oppar import op_parity
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,7 +38,7 @@ def cases(draw):
     return sample(draw(st.integers(1, 24)), draw(st.integers(1, 160)), draw(st.integers(1, 96)), e,
                   draw(st.integers(1, min(e, 3))), draw(st.integers(1, 40)), draw(st.sampled_from(_DTYPES)),
                   draw(st.sampled_from(ACTIVATIONS)), seed=draw(st.integers(0, 99)), biases=draw(st.booleans()),
-                  swiglu_limit=draw(st.sampled_from([0.5, 7.0])))
+                  swiglu_limit=draw(st.sampled_from([0.5, 7.0])), weight_layout=draw(st.sampled_from(WEIGHT_LAYOUTS)))
 
 
 @given(cases())
@@ -47,6 +47,8 @@ def cases(draw):
 @example(sample(12, 40, 24, 3, 3, 300, torch.float16, "gelu_tanh"))              # 3 slot tiles, T*k < B
 @example(sample(30, 200, 136, 4, 2, 130, torch.bfloat16, "clamped_swiglu", biases=True,
                 swiglu_limit=0.5))                                               # gpt-oss gate, tiled H, I
+@example(sample(30, 200, 136, 4, 2, 130, torch.bfloat16, "clamped_swiglu", biases=True, swiglu_limit=0.5,
+                weight_layout="in_out"))                                         # gpt-oss's own layout
 def test_parity(s):
     check(s)
 
@@ -92,16 +94,31 @@ def test_several_intermediate_chunks():
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_narrow_tilings(monkeypatch, overlap):
+@pytest.mark.parametrize("weight_layout", WEIGHT_LAYOUTS)
+def test_narrow_tilings(monkeypatch, overlap, weight_layout):
     """Chunks narrow to pmax and outputs are scattered per chunk when SBUF is short (large H, I,
     B), with and without the overlap (forward: deferred last y scatters; backward: next-chunk
-    weight prefetch): the same results through those code paths."""
+    weight prefetch), and (in_out) gate/up weight spans of one I tile: the same results through
+    those code paths."""
     from nki_lib._nki import nl
     from nki_lib.moe.kernels import moe_experts_bwd, moe_experts_fwd
-    narrow = (nl.tile_size.pmax, nl.tile_size.pmax, overlap)
-    monkeypatch.setattr(moe_experts_fwd, "tiling", lambda *a, **k: narrow)
+    pmax = nl.tile_size.pmax
+    narrow = (pmax, pmax, overlap)
+    gu_cols = pmax if weight_layout == "in_out" else 0
+    monkeypatch.setattr(moe_experts_fwd, "tiling", lambda *a, **k: (*narrow, gu_cols, 0))
     monkeypatch.setattr(moe_experts_bwd, "tiling", lambda *a, **k: narrow)
-    check(sample(6, 300, 2 * 128 + 44, 3, 2, 8, torch.bfloat16, "gelu_tanh"))
+    check(sample(6, 300, 2 * 128 + 44, 3, 2, 8, torch.bfloat16, "gelu_tanh", weight_layout=weight_layout))
+
+
+def test_in_out_wide_down_rows_with_narrow_chunks(monkeypatch):
+    """in_out, W_down rows loaded 2 pmax columns wide for all I tiles and shared by H chunks of
+    pmax columns (a partial last block and chunk at H = 300), staged in groups of 2 pmax columns."""
+    from nki_lib._nki import nl
+    from nki_lib.moe.kernels import moe_experts_fwd
+    pmax = nl.tile_size.pmax
+    monkeypatch.setattr(moe_experts_fwd, "tiling", lambda *a, **k: (pmax, 2 * pmax, True, pmax, 2 * pmax))
+    check(sample(6, 300, 2 * 128 + 44, 3, 2, 8, torch.bfloat16, "clamped_swiglu", biases=True, swiglu_limit=0.5,
+                 weight_layout="in_out"))
 
 
 @pytest.mark.parametrize("grouped", [True, False])

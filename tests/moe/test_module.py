@@ -38,6 +38,7 @@ def run(module, x, path, strict=False):
     dict(),
     dict(score_func="sigmoid", num_groups=2, topk_groups=1, num_shared_experts=1, activation="gelu"),
     dict(aux_loss_free=True, renormalize=False),
+    dict(weight_layout="in_out"),
 ])
 def test_simulator_matches_fp64_oracle(kwargs):
     """Simulator path (strict) vs a float64 copy on the reference path, judged with the float32
@@ -145,6 +146,8 @@ def test_bad_arguments():
         MoE(0, I, E, K)
     with pytest.raises(ValueError, match="num_shared_experts"):
         MoE(H, I, E, K, num_shared_experts=-1)
+    with pytest.raises(ValueError, match="weight_layout"):
+        MoE(H, I, E, K, weight_layout="transposed")
     with pytest.raises(ValueError, match="x must have shape"):
         make()(torch.randn(3, H + 1))
     with pytest.raises(ValueError, match="num_experts"):
@@ -175,3 +178,23 @@ def test_module_compiles_fullgraph():
     y.sum().backward()
     assert torch.equal(y.detach(), eager)
     assert module.router_weight.grad is not None and int(module._load.sum()) == 2 * 12 * K
+
+
+def test_in_out_layout_stores_the_transposed_weights_and_computes_the_same():
+    """MoE(weight_layout="in_out") holds (E, H, 2I) / (E, I, H) parameters; with the transposes of
+    an out_in module's weights it gives the same y (bitwise, simulator forward) and the same
+    gradients, the weight gradients transposed (bitwise; :func:`run`'s backward runs on the
+    default path, the reference, which computes on out_in copies in either layout)."""
+    out_in, in_out = make(), make(weight_layout="in_out")
+    assert in_out.w_gate_up.shape == (E, H, 2 * I) and in_out.w_down.shape == (E, I, H)
+    assert "weight_layout='in_out'" in repr(in_out)
+    with torch.no_grad():
+        in_out.load_state_dict({n: (p.transpose(1, 2) if n in ("w_gate_up", "w_down") else p)
+                                for n, p in out_in.state_dict().items()})
+    x = torch.randn(3, 8, H, generator=torch.Generator().manual_seed(2))
+    y_a, g_a, _ = run(out_in, x, "simulator", strict=True)
+    y_b, g_b, _ = run(in_out, x, "simulator", strict=True)
+    assert torch.equal(y_a, y_b)
+    for name, grad in g_a.items():
+        other = g_b[name].transpose(1, 2) if name in ("w_gate_up", "w_down") else g_b[name]
+        assert torch.equal(grad, other), name

@@ -82,6 +82,30 @@ def test_gpt_oss_block_maps_biases_and_gate():
     assert moe.gate_flags["swiglu_limit"] == block_of("gpt_oss").experts.limit
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_from_hf_keeps_the_blocks_layout_or_takes_the_one_asked(kind):
+    """gpt-oss stores its experts transposed: from_hf keeps that layout ("in_out"; its down_proj
+    is the MoE's w_down as it is), the others keep nn.Linear's; either can be asked for, and both
+    compute the same and round-trip every parameter."""
+    block = block_of(kind).float()
+    native = "in_out" if kind == "gpt_oss" else "out_in"
+    moe = MoE.from_hf(block, block_size=8)
+    assert moe.weight_layout == native
+    if kind == "gpt_oss":
+        assert torch.equal(moe.w_down, block.experts.down_proj)
+    other = MoE.from_hf(block, weight_layout="out_in" if native == "in_out" else "in_out", block_size=8)
+    assert torch.equal(other.w_down.transpose(1, 2), moe.w_down)
+    x = torch.randn(2, 5, moe.hidden_size, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(moe_forward(moe, x, "simulator")[0], moe_forward(other, x, "simulator")[0])
+    target = copy.deepcopy(block)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.zero_()
+    other.to_hf(target)
+    for (name, mine), theirs in zip(target.named_parameters(), block.parameters()):
+        assert torch.equal(mine, theirs), name
+
+
 def test_unmappable_blocks_name_the_reason():
     block = block_of("mixtral")
     block.jitter_noise = 0.1

@@ -90,6 +90,11 @@ every unit, then V of every unit, then their compute in waves of up to ``LOCKSTE
 the instructions of the units' softmax, P @ V and merge chains interleaved phase by phase
 (``lockstep``), so the in-order engines pay each hop's latency once per wave, not once per unit.
 
+When a single-chunk unit has one softmax step, its sink is folded into that step (-m = min(-rowmax,
+-sink): the sink is a 129th column of the transposed per-partition maxima, and exp(sink - m) is
+taken beside the exps), so its merge is L = l + exp(sink - m), out = acc / L: no exp after the
+softmax, and the log table for the lse loads behind P @ V and the merges.
+
 Packed single-chunk path (contiguous caches whose chunk rows M*D are short, LNC1; ``_pack_size``):
 U consecutive units (2 or 4, U*M*R <= MIN_II_ELEMS) share one chunk -- unit u on partitions
 [u*128/U, (u+1)*128/U), U*M slots each, so K and V of the pack are one contiguous run per
@@ -148,7 +153,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_steps import (
 from nki_lib.attention.kernels.tiles import MAX_INDEX, STAT_INIT
 from nki_lib.sizes import spans
 
-__all__ = ["decode_attention_fwd_kernel", "block_slots", "chunk_plan"]
+__all__ = ["decode_attention_fwd_kernel", "block_slots", "chunk_plan", "single_chunk_path"]
 
 INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
 RANGE_BOUNDS = 4                  # split_bounds per split: start, lo, hi, stop (3 ranges)
@@ -217,13 +222,22 @@ class _SplitState(nl.NKIObject):
     pack: int         # units whose rows share the tile (packed single-chunk path: unit u's keys on
                       # partitions [u*128/U, (u+1)*128/U), its rows u*R .. (u+1)*R); 1 otherwise
     units: object     # packed: per unit its own state (R rows on partitions 0 .. R: P @ V, merge), else None
+    folded: bool      # single-chunk path, one softmax step: the sink is folded into that step (its -m
+                      # includes -sink, ``sink_term`` = exp(sink - m)), so the merge needs no exp
+    sink: object      # folded: the sink logits (rn, 1) of the rows, or None (no sinks)
+    neg_sink: object  # folded: -sink (rn, 1), or None
+    sink_term: object  # folded with sinks: exp(sink - m) (rn, 1), written by the step
 
 
-def _state_views(packed, bounds=None, group_sq=None, g_bounds=None, pack=1, units=None):
+def _state_views(packed, bounds=None, group_sq=None, g_bounds=None, pack=1, units=None, sinks=(None, None),
+                 folded=False):
     d = packed.shape[1] - 2
+    sink, neg_sink = sinks
+    sink_term = nl.ndarray((packed.shape[0], 1), dtype=nl.float32, buffer=nl.sbuf) if sink is not None else None
     return _SplitState(packed=packed, acc_l=packed[:, 0:d + 1], acc=packed[:, 0:d], l=packed[:, d:d + 1],
                        neg_m=packed[:, d + 1:d + 2], bounds=bounds, group_sq=group_sq, g_bounds=g_bounds,
-                       pack=pack, units=units)
+                       pack=pack, units=units, folded=folded, sink=sink, neg_sink=neg_sink,
+                       sink_term=sink_term)
 
 
 def _q_rows_per_partition(rn, d, itemsize):
@@ -293,7 +307,7 @@ def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left):
                       row_pos=row_pos.reshape((pmax, rows)), reach=reach, sq=sq)
 
 
-def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None):
+def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None, fold=None):
     """Fresh state of rows r0 .. r0 + rn of the split whose key window is column pair ``ws`` of
     ``meta.window``; its row bounds on every partition p, relative to the split's first key and
     shifted by -p*M, come from that window (no HBM read): row r sits at ``L_b - Sq + t_r``, so
@@ -301,14 +315,16 @@ def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None):
     (``first`` already folds in the window and cache_start). Steps of ``step_slots`` < MIN_II_ELEMS
     slots over a whole unit mask by position: their grouped bounds are computed here, once.
     ``fresh``: the first step overwrites acc, l and -m without reading them (single-chunk path), so
-    they are not initialised. ``engine``: of the bound arithmetic (SBUF only; GpSimd where it idles)."""
+    they are not initialised. ``engine``: of the bound arithmetic (SBUF only; GpSimd where it idles).
+    ``fold``: (sink, -sink) (rn, 1) each, or (None, None), when the sink folds into the state's only step."""
     pmax = nl.tile_size.pmax
     engine = engine or nisa.engine.vector
     whole = r0 == 0 and rn == meta.row_pos.shape[1]
     grouped = whole and step_slots < MIN_II_ELEMS
     state = _state_views(nl.ndarray((rn, d + 2), dtype=nl.float32, buffer=nl.sbuf),
                          nl.ndarray((pmax, rn, 2), dtype=nl.float32, buffer=nl.sbuf), meta.sq if whole else None,
-                         nl.ndarray((pmax, meta.sq, 2), dtype=nl.float32, buffer=nl.sbuf) if grouped else None)
+                         nl.ndarray((pmax, meta.sq, 2), dtype=nl.float32, buffer=nl.sbuf) if grouped else None,
+                         sinks=fold or (None, None), folded=fold is not None)
     if not fresh:
         nisa.memset(dst=state.packed, value=0.0)
         nisa.memset(dst=state.neg_m, value=-STAT_INIT)
@@ -621,6 +637,17 @@ def _store_out(out, out_sb, row0):
     nisa.dma_copy(dst=out.ap([[d, rn], [1, d]], offset=row0 * d), src=out_sb)
 
 
+def single_chunk_path(n_split, n_units, n_prog, capacity, chunk_keys, head_keys):
+    """Whether the kernel takes the single-chunk path: one split, whole units per core, a capacity
+    of at most one chunk of at most ``SINGLE_CHUNK_KEYS`` keys, and for a contiguous cache
+    (``head_keys``: keys per kv head, None for paged) at least one whole chunk per head. On that
+    path a contiguous cache is loaded directly: the unit table is never read (the launcher then
+    builds none)."""
+    whole = head_keys is None or head_keys >= chunk_keys
+    return (n_split == 1 and n_units % n_prog == 0 and capacity <= chunk_keys
+            and chunk_keys <= SINGLE_CHUNK_KEYS and whole)
+
+
 def _pack_size(n_units, rows, m, d, itemsize, lnc):
     """Units per packed chunk (single-chunk path, contiguous cache; 1: no packing). A unit's chunk
     rows are M*D elements per partition; below ``Q_LOAD_ROW_BYTES`` each pays the per-descriptor
@@ -806,6 +833,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                  for t in my_tiles}
     q_groups = {}                                   # one q load for the units whose rows fit 128 partitions
     sinks = {}                                      # sink logits per (kv head, row tile)
+    neg_sinks = {}                                  # single-chunk path, one step: their negation
     units_per_q = pmax // rows if len(row_spans) == 1 else 1
 
     def unit_q_t(u):
@@ -825,9 +853,17 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                 if (hk, t) not in sinks:
                     sinks[(hk, t)] = _load_sink(sink_rows, hk, *row_spans[t])
         engine = nisa.engine.gpsimd if single and seq_units is not None else None   # no swdge gathers
+        fold = single and plan[0] == m              # one softmax step: the sink folds into it
+        if fold and sink_rows is not None:
+            for t in my_tiles:
+                if (hk, t) not in neg_sinks:
+                    neg_sinks[(hk, t)] = nl.ndarray((row_spans[t][1], 1), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=neg_sinks[(hk, t)], data=sinks[(hk, t)], op0=nl.multiply, operand0=-1.0,
+                                       engine=nisa.engine.gpsimd)
         return _UnitWork(q_t=unit_q_t(u),
-                         states=[[_init_state(meta, b * n_split + s, r0, rn, d, plan[0], single, engine)
-                                  for r0, rn in row_spans] for s in my_splits],
+                         states=[[_init_state(meta, b * n_split + s, r0, rn, d, plan[0], single, engine,
+                                              (sinks.get((hk, t)), neg_sinks.get((hk, t))) if fold else None)
+                                  for t, (r0, rn) in enumerate(row_spans)] for s in my_splits],
                          setups=[_stream_setup(meta, b * n_split + s, single) for s in my_splits])
 
     pending_out = []                                # (out rows, first row) awaiting their store
@@ -851,9 +887,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     def seq_offset(b):
         return None if seq_units is None else b * seq_units * k_units.shape[1]
 
-    whole_chunks = seq_units is None or head_offset >= m * pmax * d   # a contiguous capacity of >= 1 chunk
-    single = (n_split == 1 and shard_units and unit_table.shape[1] * unit_keys <= m * pmax
-              and m * pmax <= SINGLE_CHUNK_KEYS and whole_chunks)
+    single = single_chunk_path(n_split, len(units), n_prog, unit_table.shape[1] * unit_keys, m * pmax,
+                               None if seq_units is None else head_offset // d)
     pack = (_pack_size(len(units), rows, m, d, k_units.itemsize, n_prog)
             if single and seq_units is not None and len(row_spans) == 1 and head_offset == m * pmax * d else 1)
     if pack > 1:                                    # several units per static chunk
@@ -871,6 +906,9 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                 _single_chunk_v(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][1], idx[i], work.setups[0])
             _chunks([(work.states[0], work.q_t) + chunk_bufs[i] for i, work in enumerate(works)], plan, d_spans, m,
                     ones_col, k_units.dtype, scale, softcap, dtype, fresh=True)
+            if plan[0] == m and g0 + n_pairs >= len(mine):   # folded merges need no exp: the log table
+                nisa.activation(dst=warm, op=nl.log, data=ones_col)   # loads behind P @ V and the merges
+                warm = None
             finish([(k, u, work.states) for (k, u), work in zip(group, works)])
     else:
         stream = 0                                  # this core's streams rotate over the buffer pairs
@@ -886,7 +924,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                         ones_col, d_spans, scale, softcap, dtype)
                 stream += 1
             finish([(k, u, work.states)])
-    nisa.activation(dst=warm, op=nl.log, data=ones_col)   # the log table loads behind the last merge's
+    if warm is not None:
+        nisa.activation(dst=warm, op=nl.log, data=ones_col)   # the log table loads behind the last merge's
     for out_sb, row0 in pending_out:                         # exps, while VectorE finishes L and out
         _store_out(out, out_sb, row0)
     for t in my_tiles:

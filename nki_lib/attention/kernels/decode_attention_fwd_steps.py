@@ -214,11 +214,24 @@ def step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scal
     if state.pack > 1:                          # packed units: each unit's rows on partitions 0 .. R
         neg_m_cols, neg_m_new = yield from _packed_row_max(part_max, state.pack)
         return (yield from _exp_phase(s_sb, neg_m_cols, score_scale, dtype)), neg_m_new
-    part_max_t = nl.ndarray((rn, pmax), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_transpose(dst=part_max_t, data=part_max)
+    folded = fresh and state.folded and state.neg_sink is not None   # the sink is a key of this step:
+    column = folded and score_scale == 1.0      # m = max(rowmax, sink); the sink as a 129th column
+    part_max_t = nl.ndarray((rn, pmax + 1 if column else pmax), dtype=nl.float32, buffer=nl.psum)
+    if column:
+        nisa.tensor_copy(dst=part_max_t[:, pmax:pmax + 1], src=state.sink, engine=nisa.engine.scalar)
+    nisa.nc_transpose(dst=part_max_t[:, 0:pmax], data=part_max)
     yield
     neg_m_new = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if fresh and score_scale == 1.0:            # a fresh state's -STAT_INIT is above every -rowmax of
+    if folded:
+        if column:
+            nisa.tensor_reduce(dst=neg_m_new, op=nl.maximum, data=part_max_t, axis=1, negate=True)
+        else:
+            rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_reduce(dst=rowmax, op=nl.maximum, data=part_max_t, axis=1)
+            nisa.tensor_scalar(dst=neg_m_new, data=rowmax, op0=nl.multiply, operand0=-score_scale,
+                               op1=nl.minimum, operand1=state.neg_sink)
+        nisa.activation(dst=state.sink_term, op=nl.exp, data=state.sink, bias=neg_m_new)
+    elif fresh and score_scale == 1.0:            # a fresh state's -STAT_INIT is above every -rowmax of
         nisa.tensor_reduce(dst=neg_m_new, op=nl.maximum, data=part_max_t, axis=1, negate=True)  # a visible key
     else:
         rowmax = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -391,6 +404,8 @@ def _merge_one(st, sink_sb, neg_big, total, dtype):
     """``merge_phases`` for one split: -M = min(-m, -sink), w = exp(m - M), L = w*l + exp(sink - M),
     out = acc * (1/L) * w (one pass over the (rn, D) rows)."""
     rn, d = st.acc.shape
+    if st.folded:                               # -m already includes the sink: M = m, w = 1
+        return (yield from _merge_folded(st, neg_big, total, dtype))
     if sink_sb is not None:
         nisa.tensor_scalar(dst=neg_big, data=sink_sb, op0=nl.multiply, operand0=-1.0,
                            op1=nl.minimum, operand1=st.neg_m)
@@ -416,6 +431,25 @@ def _merge_one(st, sink_sb, neg_big, total, dtype):
     out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=out_sb, data=st.acc, op0=nl.multiply, operand0=inv_total,
                        op1=nl.multiply, operand1=weight)
+    return out_sb
+
+
+def _merge_folded(st, neg_big, total, dtype):
+    """``_merge_one`` for a state whose only step folded the sink in (its -m is -M, its sink term
+    exp(sink - M) is in ``st.sink_term``): -M copied (GpSimd), L = l + sink term, out = acc / L --
+    no exp, so the log of the lse needs no table switch after the merges."""
+    rn, d = st.acc.shape
+    nisa.tensor_copy(dst=neg_big, src=st.neg_m, engine=nisa.engine.gpsimd)
+    if st.sink_term is not None:
+        nisa.tensor_tensor(dst=total, data1=st.l, data2=st.sink_term, op=nl.add)
+    else:
+        nisa.tensor_copy(dst=total, src=st.l, engine=nisa.engine.gpsimd)
+    yield
+    inv_total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=inv_total, data=total)
+    yield
+    out_sb = nl.ndarray((rn, d), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out_sb, data=st.acc, op0=nl.multiply, operand0=inv_total)
     return out_sb
 
 

@@ -43,7 +43,7 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
         shared with phase 0) when the previous group starts, kept for the kv head's later key
         tiles when they fit (``q_cached``, else reloaded per visit); after a group's last pair:
         dq = scale * acc in the output dtype for the tiles whose last key tile this is; after a
-        key tile's last pair: dK = scale * acc (ScalarE), dV = acc (VectorE) -> HBM (one DMA each).
+        key tile's last pair: dK = scale * acc (ScalarE), dV = acc (VectorE) -> HBM (one DMA for both).
 
 dQ accumulates over key tiles in fp32, in key-tile order: in SBUF for the whole pass when the
 GQA group's accumulators take at most half a partition (``dq_resident``; Sq <= 16384 at G = 1,
@@ -68,10 +68,11 @@ Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile Tenso
 ScalarE the exp and the dP - delta eviction (854 ns); VectorE the dQ accumulation and, outside
 couples, the dS^T evictions (133 + 267 ns); GpSimd dS (427 ns) and the causal/window masks of
 diagonal tiles; DMA one 2 KiB-per-partition dS^T transpose per couple (1.42 us per two tiles).
-Busy times at Sq = Sk = 4096 causal: TensorE 146 us, DMA 129, ScalarE 124, GpSimd 69, VectorE
-34; estimated 170 us (80% of the engine-aware roofline; docs/perf-log.md §12.5).
+Busy times at Sq = Sk = 4096 causal: TensorE 146 us, DMA 122, ScalarE 124, GpSimd 69, VectorE
+34; estimated 169 us (81% of the engine-aware roofline; docs/perf-log.md §12.5).
 Every streamed DMA moves one contiguous run of >= 1 KiB per partition (Q^T and dO^T 1 KiB
-each per group, Q/dO/O rows 3 KiB per group, K^T, V^T, K rows and dK/dV 1 KiB per key tile).
+each per group, 2 KiB per two groups when cached; Q/dO/O rows 3 KiB per group; K^T and V^T
+2 KiB per two key tiles; K rows 1 KiB and dK + dV 2 KiB per key tile; dS^T 2 KiB per couple).
 Q^T, dO^T, K^T and V^T are DMA transposes of the natural (B, H, S, D) inputs for 2-byte dtypes
 with D <= 128 (``flash_attention_transposed_loads``; no host transposes), else rows of host transposes.
 
@@ -95,7 +96,8 @@ k_rows (B, Hkv, NKT, pmax, per, D) (``row_groups``); lse, dlse (B, Hq, Sq) fp32;
 doc (B, pmax, NT, 2) fp32 per-row key bounds [lo, hi] (``nki_lib.attention.key_bounds``:
 documents, key padding, the causal/window rules intersected; ``tiles.bounds_layout``) or None.
 Outputs dq (B, Hq, NG, pmax, per, D) and
-dk, dv (B, Hkv, NKT, pmax, per, D) in row-group layout (the launcher turns them back).
+dkv (B, Hkv, NKT, pmax, 2, per, D) (dK then dV rows of each partition, one 2 KiB store per key
+tile) in row-group layout (the launcher turns them back).
 Scratch (non-resident dQ): dq_acc like dq, fp32.
 Dimension legend: B batch, Hq/Hkv query/kv heads (G = Hq // Hkv), Sq/Sk lengths, D head dim,
 pmax partitions, per = 128-row tiles per group (= 128-key blocks per key tile, 4), NG query
@@ -215,14 +217,16 @@ def _load_k_rows(kv, k_rows, b, hk, head_dim):
     _move_rows(k_rows[b, hk, kv.kt], kv.k_sb, kv.blocks, True)
 
 
-def _store_kv_grads(dk, dv, b, hk, kv, cfg):
-    """dK = scale * acc (ScalarE), dV = acc (VectorE), one DMA each per key tile; blocks no query saw
-    get zeros."""
+def _store_kv_grads(dkv, b, hk, kv, cfg):
+    """dK = scale * acc (ScalarE), dV = acc (VectorE) side by side in one SBUF tile
+    ``(pmax, 2, nblocks, D)``, stored with one DMA per key tile into the row-group output ``dkv``
+    (``[.., p, 0, s, :]`` dK, ``[.., p, 1, s, :]`` dV: one 2 KiB run per partition at D = 128
+    bf16); blocks no query saw get zeros."""
     pmax = nl.tile_size.pmax
     d = cfg.head_dim
     blocks = kv.blocks
-    dk_sb = nl.ndarray((pmax, len(blocks), d), dtype=dk.dtype, buffer=nl.sbuf)
-    dv_sb = nl.ndarray((pmax, len(blocks), d), dtype=dv.dtype, buffer=nl.sbuf)
+    dkv_sb = nl.ndarray((pmax, 2, len(blocks), d), dtype=dkv.dtype, buffer=nl.sbuf)
+    dk_sb, dv_sb = dkv_sb[:, 0, :, :], dkv_sb[:, 1, :, :]
     for c, (s0, sn) in enumerate(blocks):
         if kv.dk_started[c]:
             nisa.activation(dst=dk_sb[:sn, c, :], op=nl.copy, data=kv.dk_psum[:sn, c, :d], scale=cfg.scale)
@@ -232,8 +236,13 @@ def _store_kv_grads(dk, dv, b, hk, kv, cfg):
             nisa.tensor_copy(dst=dv_sb[:sn, c, :], src=kv.dv_psum[:sn, c, :d], engine=nisa.engine.vector)
         else:
             nisa.memset(dst=dv_sb[:sn, c, :], value=0.0)
-    _move_rows(dk[b, hk, kv.kt], dk_sb, blocks, False)
-    _move_rows(dv[b, hk, kv.kt], dv_sb, blocks, False)
+    nfull = _full_blocks(blocks)
+    hbm = dkv[b, hk, kv.kt]
+    if nfull:
+        nisa.dma_copy(dst=hbm[:, :, :nfull, :], src=dkv_sb[:, :, :nfull, :])
+    if nfull < len(blocks):
+        sn = blocks[nfull][1]
+        nisa.dma_copy(dst=hbm[:sn, :, nfull, :], src=dkv_sb[:sn, :, nfull, :])
 
 
 # --------------------------------------------------------------------------- query groups
@@ -449,7 +458,7 @@ def _kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
     first pair is scored, the next query group's rows when a group's first pair is scored);
     a group finishes (dq out / accumulators back) after its last pair's accumulate stage, a key
     tile's dK/dV leave after its last pair's dK stage."""
-    k_rows, k_src, v_src, dk, dv = kvs
+    k_rows, k_src, v_src, dkv = kvs
     q_tiles = tiles.query_tiles(ins.seqlen_q)
     units = []   # (key tile, query head, group id, visits of the group, flags)
     order = []   # (unit, index in the unit)
@@ -458,7 +467,7 @@ def _kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
         kv = KeyTile(kt, k0, kn)
         visits = _visits(plans, k0)
         if not visits:
-            _store_kv_grads(dk, dv, b, hk, kv, cfg)
+            _store_kv_grads(dkv, b, hk, kv, cfg)
             continue
         ktiles.append(kv)
         for g in gs:
@@ -531,7 +540,7 @@ def _kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
             elif stage == "dk":
                 dk_stage(pairs[j], kv, k0, kn, cfg)
                 if last_pair[ktiles.index(kv)] == j:
-                    _store_kv_grads(dk, dv, b, hk, kv, cfg)
+                    _store_kv_grads(dkv, b, hk, kv, cfg)
                     kv.dk_psum = kv.dv_psum = None
             elif stage == "evict":
                 evict_stage(pairs[j], k0, kn, cfg)
@@ -609,7 +618,7 @@ def dsinks_writers(batch, num_kv_heads, group, num_progs):
 @nki.jit
 def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k_rows, k_src, v_src, lse, sinks, doc, causal, scale,
                                window_left, window_right, softcap, natural):
-    """Returns ``(dq, dk, dv, dsinks)`` (dq, dk, dv in row-group layout); see the module docstring."""
+    """Returns ``(dq, dkv, dsinks)`` (dq, dkv in row-group layout); see the module docstring."""
     batch, num_heads, seqlen_q = lse.shape
     num_kv_heads, head_dim = k_rows.shape[1], k_rows.shape[5]
     seqlen_k = k_src.shape[2] if natural else k_src.shape[3]
@@ -631,13 +640,12 @@ def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k_rows, k_src, v_src
     split = head_split(batch, num_kv_heads, group, num_progs)
 
     dq = nl.ndarray(q_rows.shape[:4] + (per, head_dim), dtype=q_rows.dtype, buffer=nl.shared_hbm)
+    dkv_shape = k_rows.shape[:4] + (2,) + k_rows.shape[4:]   # dK and dV rows side by side
     if split:   # one fp32 partial dK/dV per program, added by the launcher
-        dk = nl.ndarray((num_progs,) + k_rows.shape, dtype=nl.float32, buffer=nl.shared_hbm)
-        dv = nl.ndarray((num_progs,) + k_rows.shape, dtype=nl.float32, buffer=nl.shared_hbm)
-        dk_out, dv_out = dk[pid], dv[pid]
+        dkv = nl.ndarray((num_progs,) + dkv_shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        dkv_out = dkv[pid]
     else:
-        dk = dk_out = nl.ndarray(k_rows.shape, dtype=k_rows.dtype, buffer=nl.shared_hbm)
-        dv = dv_out = nl.ndarray(k_rows.shape, dtype=v_src.dtype, buffer=nl.shared_hbm)
+        dkv = dkv_out = nl.ndarray(dkv_shape, dtype=k_rows.dtype, buffer=nl.shared_hbm)
     dsinks = nl.ndarray((writers, num_heads), dtype=nl.float32, buffer=nl.shared_hbm)
     resident = dq_resident(group, seqlen_q, head_dim)
     keep_q = q_cached(group, seqlen_q, head_dim, 4 if q_rows.dtype == nl.float32 else 2)
@@ -657,7 +665,7 @@ def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k_rows, k_src, v_src
         if resident:
             ins.dq_res = nl.ndarray((pmax, group, num_groups * per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
         ins.q_cache = {} if keep_q else None
-        _kv_pass(ins, (k_rows, k_src, v_src, dk_out, dv_out), prep, b, hk, group, gs, plans, cfg)
+        _kv_pass(ins, (k_rows, k_src, v_src, dkv_out), prep, b, hk, group, gs, plans, cfg)
         ins.dq_res = ins.q_cache = None
         for h in (hk * group + g for g in gs):
             for t, (q0, qn) in enumerate(q_tiles):
@@ -666,7 +674,7 @@ def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k_rows, k_src, v_src
                     nisa.memset(dst=zeros_sb[:qn, :], value=0.0)
                     nisa.dma_copy(dst=dq[b, h, t // per, :qn, t % per, :], src=zeros_sb[:qn, :])
     flash_attention_bwd_prep.finish(prep, dsinks[row])
-    return dq, dk, dv, dsinks
+    return dq, dkv, dsinks
 
 
 # --------------------------------------------------------------------------- launcher
@@ -699,12 +707,15 @@ def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, key_bounds,
 
 
 def _unpack_grads(seqlen_q, seqlen_k, kv_dtype, grads):
-    """The kernel's ``(dq, dk, dv, dsinks)`` in row groups -> the op's ``(B, H, S, D)`` gradients;
-    per-program partial dK/dV (LNC2 head split, fp32) and dsinks rows are added here."""
-    dq, dk, dv, dsinks = grads
+    """The kernel's ``(dq, dkv, dsinks)`` in row groups -> the op's ``(B, H, S, D)`` gradients
+    (dK and dV are ``dkv[:, :, :, :, 0]`` and ``[.., 1]``); per-program partial dK/dV (LNC2 head
+    split, fp32) and dsinks rows are added here."""
+    dq, dkv, dsinks = grads
     dsinks = dsinks[0] if dsinks.shape[0] == 1 else dsinks.sum(dim=0)
-    kv = [from_row_groups(x.sum(dim=0), seqlen_k, kv_dtype) if x.dim() == dq.dim() + 1
-          else from_row_groups(x, seqlen_k) for x in (dk, dv)]
+    partial_sums = dkv.dim() == dq.dim() + 2
+    if partial_sums:
+        dkv = dkv.sum(dim=0)
+    kv = [from_row_groups(dkv[:, :, :, :, i], seqlen_k, kv_dtype if partial_sums else None) for i in (0, 1)]
     return from_row_groups(dq, seqlen_q), kv[0], kv[1], dsinks
 
 

@@ -39,7 +39,7 @@ def load_k(ctx, groups, steps, s):
         off = grp.q0 - sec.q0
         grp.q_tiles = [[q_sb[:, off:off + grp.qn] for q_sb in head_tiles]
                        for head_tiles in sec.tiles]
-        grp.states = [init_state(ctx.sinks, h, grp.qn, ctx.d, ctx.has_sinks,
+        grp.states = [init_state(ctx.sinks_sb, h, grp.qn, ctx.d, ctx.has_sinks,
                                  len(grp.sections) == 0, ctx.stat_init) for h in grp.heads]
         grp.k = [None] * len(grp.sections)
         grp.v = [None] * len(grp.sections)

@@ -11,8 +11,9 @@ from nki_lib.attention.kernels.tiles import key_blocks, plan_row, query_tiles
 __all__ = ["QUERY_SECTION_TILES", "Ctx", "Group", "plan_groups", "trim_plan", "program_share",
            "plan_steps", "section_span"]
 
-QUERY_SECTION_TILES = 4  # q^T of this many consecutive query tiles is loaded by one DMA per head
-                         # (1 KiB rows in bf16 instead of 256 B)
+QUERY_SECTION_TILES = 8  # q^T of this many consecutive query tiles is loaded by one DMA per head
+                         # (2 KiB rows in bf16 instead of 256 B: one DMA chunk floor per 1024
+                         # queries, docs/cost-model.md §2.6)
 
 
 class Ctx(nl.NKIObject):
@@ -23,6 +24,7 @@ class Ctx(nl.NKIObject):
     v: object              # (B, Hkv, Sk, D) HBM
     sinks: object          # (Hq,) fp32 HBM or None
     has_sinks: bool
+    sinks_sb: object       # (pmax, Hq) fp32 SBUF: every head's sink on every partition, or None
     d: int                 # head dim D
     chunks: tuple          # head-dim chunks ((start, size), ...) of at most 128
     mask: object           # tiles.MaskSpec

@@ -17,11 +17,15 @@ for each group g of this program (static loop, in order; LNC2: the two cores tak
      program order), then PE-transposed into xT (H on partitions, slots on the free axis).
   2. per I tile (128): the expert's gate and up weight rows (``scalar_offset`` = the expert
      register; nn.Linear layout, long contiguous runs) PE-transposed to W^T tiles (H on
-     partitions; evictions alternate VectorE/ScalarE); per live slot tile gT/uT = W^T-tile x xT
+     partitions; evictions alternate VectorE/ScalarE) -- or, with the in_out weight layout
+     (``gu_cols`` > 0), the W^T tiles loaded as they are, per span of ``gu_cols`` I columns (gate
+     and up columns in one run of 2I per H row when the span is all of I), no transposes; per
+     live slot tile gT/uT = W^T-tile x xT
      into fp32 PSUM (contraction over H tiles; an expert bias enters first as bias_row^T x ones,
      a contraction of size 1); hT = act(gT) * uT, or gpt-oss's clamped swiglu
      (:mod:`.moe_experts_gate`), -> SBUF (I on partitions).
-  3. per H chunk (<= 512): W_down^T tiles (rows loaded and PE-transposed per span of I tiles),
+  3. per H chunk (<= 512): W_down^T tiles (rows loaded and PE-transposed per span of I tiles;
+     in_out: w_down's own rows, I on partitions, loaded as they are),
      o = h x W_down^T (+ b_down: ones^T x bias_row first) into fp32 PSUM per live slot tile
      (contraction over I tiles), evicted on
      ScalarE into fp32 rows staged in SBUF and scattered (one indirect DMA per live slot tile and
@@ -40,9 +44,10 @@ Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-
 assignments, B plan block size, NG groups, S slots per group, ST slot tiles per group. Kernel
 inputs (HBM): x (T, H), topk_w (N, 1) fp32, group_expert (NG,) int32, slot_token and
 slot_assignment (NG*S,) int32 (a // k and a, or -1), w_gate_up
-(E, 2I, H), w_down (E, H, I) (nn.Linear layouts, as the op receives them), b_gate_up (E, 2I) and
+(E, 2I, H), w_down (E, H, I) (nn.Linear layouts, as the op receives them) or, in_out,
+(E, H, 2I) and (E, I, H), b_gate_up (E, 2I) and
 b_down (E, H) or None; compile-time activation, swiglu_alpha, swiglu_limit, top_k, h_chunk,
-y_cols, defer_scatters. Output y (T, H) in x's dtype; scratch y_slots (N, H) fp32 (shared HBM).
+y_cols, defer_scatters, gu_cols and wd_cols (0: the out_in layout). Output y (T, H) in x's dtype; scratch y_slots (N, H) fp32 (shared HBM).
 
 Limits: x and weights bf16/fp16/fp32 (one dtype); B <= 512 and S <= 512 (one PSUM bank per slot
 tile, at most 4 slot tiles in flight); the SBUF estimate :func:`sbuf_bytes` (dominated by xT, hT,
@@ -76,6 +81,7 @@ from nki_lib.moe.kernels.moe_experts_steps import (
     block_registers,
     gather_rows_into,
     load_all_ids,
+    load_expert_cols,
     load_expert_t,
     reduce_assignments,
     scatter_rows,
@@ -99,14 +105,38 @@ def gate_into(h_dst, g_psum, u_psum, gate):
     nisa.tensor_tensor(dst=h_dst, data1=act_sb, data2=u_psum, op=nl.multiply)
 
 
-def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h_t, ones_sb):
+def _gate_up_weights(w_gate_up, expert_reg, h_tiles, inter, gu_cols):
+    """Per I tile: (i0, isz, W_gate^T tile, its column, W_up^T tile, its column), the tiles
+    (P, HT, cols) with H on partitions. out_in (``gu_cols`` 0): the tile's weight rows loaded
+    and PE-transposed (:func:`load_expert_t`). in_out: the weights are already W^T, loaded as
+    they are (:func:`load_expert_cols`) per span of at most ``gu_cols`` I columns, gate and up
+    columns in one DMA per H tile when the span is all of I (runs of 2I elements)."""
+    i_tiles = spans(inter, nl.tile_size.pmax)
+    if not gu_cols:
+        for i0, isz in i_tiles:
+            yield (i0, isz, load_expert_t(w_gate_up, expert_reg, h_tiles, i0, isz), 0,
+                   load_expert_t(w_gate_up, expert_reg, h_tiles, inter + i0, isz), 0)
+        return
+    per_span = max(1, gu_cols // nl.tile_size.pmax)
+    for span in (i_tiles[n:n + per_span] for n in range(0, len(i_tiles), per_span)):
+        c0, ncols = span[0][0], span[-1][0] + span[-1][1] - span[0][0]
+        if ncols == inter:
+            wg_sb = wu_sb = load_expert_cols(w_gate_up, expert_reg, h_tiles, 0, 2 * inter)
+            g0, u0 = 0, inter
+        else:
+            wg_sb = load_expert_cols(w_gate_up, expert_reg, h_tiles, c0, ncols)
+            wu_sb = load_expert_cols(w_gate_up, expert_reg, h_tiles, inter + c0, ncols)
+            g0 = u0 = -c0
+        for i0, isz in span:
+            yield i0, isz, wg_sb, g0 + i0, wu_sb, u0 + i0
+
+
+def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h_t, ones_sb, inter, gu_cols):
     """hT[:, it, slots] = gate(W_gate x + b_gate, W_up x + b_up) per I tile (I on partitions, slots
     free); the W^T tiles are shared by all live slot tiles, each slot tile is computed under its
     guard. A bias enters the PSUM first, as bias_row^T x ones (a contraction of size 1)."""
-    inter = w_gate_up.shape[1] // 2
-    for it, (i0, isz) in enumerate(spans(inter, nl.tile_size.pmax)):
-        wg_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, i0, isz)
-        wu_sb = load_expert_t(w_gate_up, expert_reg, h_tiles, inter + i0, isz)
+    for it, (i0, isz, wg_sb, gc, wu_sb, uc) in enumerate(_gate_up_weights(w_gate_up, expert_reg, h_tiles, inter,
+                                                                           gu_cols)):
         rows = (None, None)
         if b_gate_up is not None:
             rows = (bias_row(b_gate_up, expert_reg, i0, isz), bias_row(b_gate_up, expert_reg, inter + i0, isz))
@@ -118,46 +148,80 @@ def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h
                     if row_sb is not None:
                         add_outer(acc_psum, row_sb, ones_sb[:, :ps])
                 for ht, (h0, hs) in enumerate(h_tiles):
-                    nisa.nc_matmul(dst=g_psum, stationary=wg_sb[:hs, ht, :], moving=x_t[:hs, ht, s0:s0 + ps],
-                                   accumulate=ht > 0 or rows[0] is not None)
-                    nisa.nc_matmul(dst=u_psum, stationary=wu_sb[:hs, ht, :], moving=x_t[:hs, ht, s0:s0 + ps],
-                                   accumulate=ht > 0 or rows[1] is not None)
+                    nisa.nc_matmul(dst=g_psum, stationary=wg_sb[:hs, ht, gc:gc + isz],
+                                   moving=x_t[:hs, ht, s0:s0 + ps], accumulate=ht > 0 or rows[0] is not None)
+                    nisa.nc_matmul(dst=u_psum, stationary=wu_sb[:hs, ht, uc:uc + isz],
+                                   moving=x_t[:hs, ht, s0:s0 + ps], accumulate=ht > 0 or rows[1] is not None)
                 gate_into(h_t[:isz, it, s0:s0 + ps], g_psum, u_psum, gate)
 
 
-def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols, ones_sb, last_rows):
+def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, tiles, ones_sb, last_rows, preloaded=None):
     """y_slots[a] = h @ W_down^T (+ b_down) for the assignment a of each slot: per H chunk,
     contraction over I tiles in PSUM (per live slot tile; the bias first, as ones^T x bias_row);
     the rows are staged ``y_cols`` wide in SBUF and scattered in assignment order (one indirect
     DMA per live slot tile and staging group; padding slots are not written), so that the final
     k-sum reads them in token order without a gather. The last staging group is staged in
-    ``last_rows`` and not scattered here (see :func:`scatter_deferred`)."""
-    hidden = w_down.shape[1]
+    ``last_rows`` and not scattered here (see :func:`scatter_deferred`). ``tiles`` = (h_chunk,
+    y_cols, gu_cols, wd_cols); with the in_out layout (gu_cols > 0) the W_down^T tiles are
+    w_down's own rows (I on partitions), loaded without transposes: with ``wd_cols`` > 0, every
+    I tile's rows ``wd_cols`` columns wide at once (long runs, shared by the H chunks of those
+    columns), else per H chunk and I span; ``preloaded``: those tiles of the one column block
+    when one block covers H (loaded earlier by :func:`_preload_down`)."""
+    h_chunk, y_cols, gu_cols, wd_cols = tiles
+    hidden = w_down.shape[2] if gu_cols else w_down.shape[1]
     groups = spans(hidden, y_cols)
     for g0, gn in groups:
         last = g0 == groups[-1][0]
         y_rows = last_rows if last else [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf)
                                          for _, ps, *_ in slot_tiles]
-        for h0, hn in spans(gn, h_chunk):
-            y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
-            if b_down is not None:
-                row_sb = bias_row(b_down, expert_reg, g0 + h0, hn)
-                for (_, ps, _, live_reg, _), y_psum in zip(slot_tiles, y_psums):
-                    for _ in nl.dynamic_range(0, live_reg):
-                        add_outer(y_psum, ones_sb[:, :ps], row_sb)
-            for span in weight_spans(i_tiles):
-                wd_t = load_expert_t(w_down, expert_reg, span, g0 + h0, hn)
-                for (s0, ps, _, live_reg, _), y_psum in zip(slot_tiles, y_psums):
-                    for _ in nl.dynamic_range(0, live_reg):
-                        for si, (i0, isz) in enumerate(span):
-                            it = i0 // nl.tile_size.pmax
-                            nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps],
-                                           moving=wd_t[:isz, si, :], accumulate=it > 0 or b_down is not None)
-            for (*_, live_reg, _), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
-                for _ in nl.dynamic_range(0, live_reg):
-                    nisa.activation(dst=y_sb[:, h0:h0 + hn], op=nl.copy, data=y_psum)
+        for b0, bn in spans(gn, wd_cols or gn):
+            wide = preloaded
+            if wd_cols and wide is None:
+                wide = [load_expert_cols(w_down, expert_reg, span, g0 + b0, bn) for span in weight_spans(i_tiles)]
+            for h0, hn in spans(bn, h_chunk):
+                chunk = (g0 + b0 + h0, hn, b0 + h0, h0)
+                _down_chunk(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_rows, chunk, gu_cols, wide,
+                            ones_sb)
         if not last:
             scatter_deferred(y_slots, [None, slot_tiles, y_rows, g0])
+
+
+def _preload_down(w_down, expert_reg, i_tiles, hidden, trips_reg):
+    """The in_out W_down^T tiles of every I span, H wide (the one column block of :func:`_down`),
+    loaded under the group's guard before the next group's gather and the deferred scatters:
+    DMAs start in program order, and those wait for GpSimd's descriptors (docs/perf-log.md
+    §12.2)."""
+    wide = [nl.ndarray((nl.tile_size.pmax, len(span), hidden), dtype=w_down.dtype, buffer=nl.sbuf)
+            for span in weight_spans(i_tiles)]
+    for _ in nl.dynamic_range(0, trips_reg):
+        for span, wd_sb in zip(weight_spans(i_tiles), wide):
+            load_expert_cols(w_down, expert_reg, span, 0, hidden, wd_sb)
+    return wide
+
+
+def _down_chunk(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_rows, chunk, gu_cols, wide, ones_sb):
+    """One H chunk of :func:`_down`: ``chunk`` = (first column of H, width, first column in the
+    staged rows, first column in the ``wide`` tiles); ``wide``: the W_down^T tiles of every I span
+    loaded already, or None (loaded here)."""
+    c0, hn, y0, w0 = chunk
+    y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
+    if b_down is not None:
+        row_sb = bias_row(b_down, expert_reg, c0, hn)
+        for (_, ps, _, live_reg, _), y_psum in zip(slot_tiles, y_psums):
+            for _ in nl.dynamic_range(0, live_reg):
+                add_outer(y_psum, ones_sb[:, :ps], row_sb)
+    load = load_expert_cols if gu_cols else load_expert_t
+    for n, span in enumerate(weight_spans(i_tiles)):
+        wd_t, col = (load(w_down, expert_reg, span, c0, hn), 0) if wide is None else (wide[n], w0)
+        for (s0, ps, _, live_reg, _), y_psum in zip(slot_tiles, y_psums):
+            for _ in nl.dynamic_range(0, live_reg):
+                for si, (i0, isz) in enumerate(span):
+                    it = i0 // nl.tile_size.pmax
+                    nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps],
+                                   moving=wd_t[:isz, si, col:col + hn], accumulate=it > 0 or b_down is not None)
+    for (*_, live_reg, _), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
+        for _ in nl.dynamic_range(0, live_reg):
+            nisa.activation(dst=y_sb[:, y0:y0 + hn], op=nl.copy, data=y_psum)
 
 
 def scatter_deferred(y_slots, deferred):
@@ -210,7 +274,7 @@ def _transpose_group(x_t, slot_tiles, x_rows, trips_reg):
                 transpose_rows(x_t, rows_sb, s0)
 
 
-def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_chunk, y_cols, y_slots, ones_sb,
+def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, tiles, y_slots, ones_sb,
                deferred, defer):
     """Group body in guarded phases: xT (then the x rows are released), h (gate/up; then xT is
     released), the gather of the next group's rows (``next_group`` = (registers, slot tiles) or
@@ -223,23 +287,28 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_
     pmax = nl.tile_size.pmax
     w_gate_up, w_down, b_gate_up, b_down = weights
     expert_reg, trips_reg = regs
-    h_tiles, i_tiles = spans(x.shape[1], pmax), spans(w_down.shape[2], pmax)
+    gu_cols = tiles[2]
+    inter = (w_gate_up.shape[2] if gu_cols else w_gate_up.shape[1]) // 2
+    h_tiles, i_tiles = spans(x.shape[1], pmax), spans(inter, pmax)
     x_t = nl.ndarray((pmax, len(h_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
     h_t = nl.ndarray((pmax, len(i_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
     _transpose_group(x_t, slot_tiles, x_rows, trips_reg)
     x_rows.clear()                      # last use of this group's x rows
     for _ in nl.dynamic_range(0, trips_reg):
-        _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h_t, ones_sb)
+        _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h_t, ones_sb, inter, gu_cols)
     del x_t                             # last use of xT
+    hidden = x.shape[1]
+    one_block = tiles[3] >= hidden and tiles[1] >= hidden     # in_out: W_down rows H wide, staged whole
+    preloaded = _preload_down(w_down, expert_reg, i_tiles, hidden, trips_reg) if one_block else None
     next_rows = None
     if next_group is not None:
         (_, next_trips), next_tiles = next_group
         next_rows = _gather_group(x, next_tiles, next_trips)
     scatter_deferred(y_slots, deferred)     # the previous group's last scatters (own guard)
-    last_cols = spans(x.shape[1], y_cols)[-1][1]
+    last_cols = spans(x.shape[1], tiles[1])[-1][1]
     last_rows = [nl.ndarray((ps, last_cols), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
-        _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, h_chunk, y_cols, ones_sb, last_rows)
+        _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, tiles, ones_sb, last_rows, preloaded)
     last = [trips_reg, slot_tiles, last_rows, x.shape[1] - last_cols]
     if not defer:
         scatter_deferred(y_slots, last)
@@ -249,7 +318,8 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, h_
 
 @nki.jit
 def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
-                           b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols, defer_scatters):
+                           b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols, defer_scatters,
+                           gu_cols, wd_cols):
     t_len, hidden = x.shape
     n_groups = group_expert.shape[0]
     group = slot_token.shape[0] // n_groups
@@ -275,8 +345,8 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
         if n + 1 < len(mine):
             following = (block_registers(expert_sb, valid_sb, mine[n + 1]),
                          _group_tiles(ids, live_sb, mine[n + 1], group))
-        x_rows, deferred = _group_fwd(x, current[1], x_rows, weights, current[0], following, group, gate, h_chunk,
-                                      y_cols, y_slots, ones_sb, deferred, defer_scatters)
+        x_rows, deferred = _group_fwd(x, current[1], x_rows, weights, current[0], following, group, gate,
+                                      (h_chunk, y_cols, gu_cols, wd_cols), y_slots, ones_sb, deferred, defer_scatters)
         current = following
     scatter_deferred(y_slots, deferred)
     if n_prog > 1:
@@ -289,21 +359,30 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
 
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_blocks, clamped=False,
-                  biases=False, overlap=True):
+                  biases=False, overlap=True, in_out=False, gu_cols=None, wd_cols=0):
     """Peak SBUF bytes per partition of the forward kernel at down-projection H chunk ``h_chunk``
     and y staging width ``y_cols`` (upper bound: two generations of every streamed tile; with the
     clamped swiglu's three more fp32 temporaries and the bias rows and ones when asked; with
-    ``overlap``, the previous group's last staged y rows, whose scatters are deferred)."""
+    ``overlap``, the previous group's last staged y rows, whose scatters are deferred). ``in_out``:
+    the weights come as W^T (no natural rows staged for transposes), the gate/up tiles ``gu_cols``
+    I columns wide (default all of I) for gate and up together, and with ``wd_cols`` the W_down^T
+    rows of every I tile ``wd_cols`` columns wide."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     rows = st * hidden * itemsize                                # x rows of one group
     x_t, h_t = ht * block * itemsize, it * block * itemsize
-    staging = 2 * min(max(hidden, inter), WEIGHT_SPAN) * itemsize   # natural weight rows before transposes
-    gate_up = 2 * (2 * ht * pmax * itemsize + fmax * 4)         # W_gate^T/W_up^T tiles, act
+    if in_out:
+        staging = 0
+        gu_width = min(inter, gu_cols or inter)
+        gate_up = 2 * (2 * ht * gu_width * itemsize + fmax * 4)  # W_gate^T/W_up^T column spans, act
+    else:
+        staging = 2 * min(max(hidden, inter), WEIGHT_SPAN) * itemsize   # natural weight rows before transposes
+        gate_up = 2 * (2 * ht * pmax * itemsize + fmax * 4)     # W_gate^T/W_up^T tiles, act
     gate_up += 2 * 3 * fmax * 4 if clamped else 0               # gc, s, v of the clamped swiglu
     bias = 2 * (3 * pmax + fmax) * itemsize if biases else 0    # gate/up/down bias rows, ones row
     span_tiles = min(it, WEIGHT_SPAN // pmax)
-    down = 2 * span_tiles * h_chunk * itemsize + staged_bytes(y_cols, hidden, st)   # W_down^T span, o rows
+    wd_bytes = it * wd_cols if in_out and wd_cols else span_tiles * h_chunk       # W_down^T: all I tiles, or a span
+    down = 2 * wd_bytes * itemsize + staged_bytes(y_cols, hidden, st)            # W_down^T, o rows
     phases = (rows + x_t + h_t,                                 # transposes: x rows -> xT
               x_t + h_t + staging + gate_up + bias,             # gate/up (x rows released)
               rows + h_t + staging + down + bias)               # down, next group's rows (xT released)
@@ -313,15 +392,42 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, tail_sbuf_bytes(hidden, top_k, itemsize))
 
 
-def tiling(hidden, inter, block, itemsize, **counts):
-    """(h_chunk, y_cols, defer_scatters) of the forward kernel for this shape."""
-    return choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, **counts)
+def gate_up_widths(inter):
+    """The in_out layout's gate/up column spans, widest first: all of I (gate and up in one run
+    per H row), then 1024 halved down to 128."""
+    pmax, widths, width = nl.tile_size.pmax, [inter], 8 * nl.tile_size.pmax
+    while width >= pmax:
+        if width < inter:
+            widths.append(width)
+        width //= 2
+    return widths
 
 
-def sbuf_bytes(hidden, inter, block, itemsize, **counts):
+def tiling(hidden, inter, block, itemsize, *, in_out=False, **counts):
+    """(h_chunk, y_cols, defer_scatters, gu_cols, wd_cols) of the forward kernel for this shape
+    (gu_cols, wd_cols 0: the out_in layout; in_out: the widest gate/up span, then W_down rows
+    loaded WEIGHT_SPAN columns wide for all I tiles at once if possible, whose tiling fits)."""
+    if not in_out:
+        return (*choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, **counts), 0, 0)
+    fit = nl.tile_size.total_available_sbuf_size
+    for cols in gate_up_widths(inter):
+        for wd_cols in (min(hidden, WEIGHT_SPAN), 0):
+            choice = choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, in_out=True,
+                                           gu_cols=cols, wd_cols=wd_cols, **counts)
+            h_chunk, y_cols, overlap = choice
+            if wd_cols % h_chunk:
+                continue
+            if sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, overlap=overlap, in_out=True,
+                             gu_cols=cols, wd_cols=wd_cols, **counts) <= fit:
+                return (*choice, cols, wd_cols)
+    return (*choice, cols, wd_cols)
+
+
+def sbuf_bytes(hidden, inter, block, itemsize, *, in_out=False, **counts):
     """Peak SBUF bytes per partition at the chosen tiling."""
-    h_chunk, y_cols, overlap = tiling(hidden, inter, block, itemsize, **counts)
-    return sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, overlap=overlap, **counts)
+    h_chunk, y_cols, overlap, gu_cols, wd_cols = tiling(hidden, inter, block, itemsize, in_out=in_out, **counts)
+    return sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, overlap=overlap, in_out=in_out,
+                         gu_cols=gu_cols or None, wd_cols=wd_cols, **counts)
 
 
 def group_blocks(hidden, inter, block, itemsize, **counts):
@@ -335,23 +441,25 @@ def group_blocks(hidden, inter, block, itemsize, **counts):
 
 
 def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
-                           b_down=None, *, activation, swiglu_alpha, swiglu_limit):
+                           b_down=None, *, activation, swiglu_alpha, swiglu_limit, weight_layout="out_in"):
     """The launch of the forward kernel, which returns y (T, H) (host side: index metadata, views and
-    the exact widening of the routing weights to fp32)."""
-    flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None or b_down is not None)
-    block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
-                                 sbuf_fn=sbuf_bytes, **flags)
+    the exact widening of the routing weights to fp32). ``weight_layout`` "in_out": w_gate_up
+    (E, H, 2I), w_down (E, I, H), multiplied as they are (no weight transposes on chip)."""
+    in_out = weight_layout == "in_out"
+    inter = w_down.shape[1] if in_out else w_down.shape[2]
+    flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None or b_down is not None,
+                 in_out=in_out)
+    block_size = check_supported(x, topk_weights, block_expert, slot_assignment, inter, sbuf_fn=sbuf_bytes, **flags)
     top_k = topk_weights.shape[1]
-    hidden, inter, itemsize = x.shape[1], w_down.shape[2], x.element_size()
+    hidden, itemsize = x.shape[1], x.element_size()
     counts = dict(top_k=top_k, n_blocks=block_expert.shape[0], **flags)
     blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
     group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
-    h_chunk, y_cols, defer = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
-                                    n_blocks=group_expert.shape[0], **flags)
+    h_chunk, y_cols, defer, gu_cols, wd_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
+                                                      n_blocks=group_expert.shape[0], **flags)
     return KernelLaunch(moe_experts_fwd_kernel,
                         (x.contiguous(), routing_weights(topk_weights), group_expert, slot_tokens(group_slots, top_k),
                          group_slots, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
-                         activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols, defer),
+                         activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols, defer, gu_cols,
+                         wd_cols),
                         grid=lnc_degree())
-
-

@@ -2,16 +2,19 @@
 
 The kernel dtypes and the PSUM slot-tile bound, the SBUF bytes of the block flags, the k-sum tail
 and staged rows, the tiling choice over an SBUF budget, the eligibility check that raises
-``Unsupported`` with a reason, and the host-side preparation of slot tokens and routing weights
-(plain torch ops, charged as host ops by the whole-op estimate).
+``Unsupported`` with a reason, the host-side preparation of slot tokens and routing weights
+(plain torch ops, charged as host ops by the whole-op estimate), and the backward's launch for
+in_out weights (host transposes to the layout its kernel takes).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from nki_lib._nki import nl
-from nki_lib.dispatch import Unsupported
+from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.kernels.moe_experts_steps import reduce_chunk
 from nki_lib.sizes import ceil_div
 
@@ -100,3 +103,25 @@ def slot_tokens(slot_assignment, top_k):
 def routing_weights(topk_weights):
     """(N, 1) fp32 routing weights for the kernels: bf16/fp16/fp32 widen exactly."""
     return topk_weights.reshape(-1, 1).to(torch.float32).contiguous()
+
+
+def in_layout_backward(launch_bwd, args, weight_layout, **flags):
+    """The backward kernel's launch (``launch_bwd(*args, **flags)``, args as the backward op's:
+    dy, x, topk_weights, plan, w_gate_up, w_down, biases) for weights in ``weight_layout``. The
+    kernel takes the out_in (nn.Linear) layout, so in_out weights are transposed on the host (one
+    copy each, charged as host ops by the whole-op estimate) and the two weight gradients are
+    transposed back to in_out after the kernel."""
+    if weight_layout == "out_in":
+        return launch_bwd(*args, **flags)
+    dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *biases = args
+    launch = launch_bwd(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up.transpose(1, 2).contiguous(),
+                        w_down.transpose(1, 2).contiguous(), *biases, **flags)
+    if not isinstance(launch, KernelLaunch):
+        raise TypeError(f"in_layout_backward: expected one KernelLaunch, got {type(launch).__name__}")
+    unpack = launch.unpack or (lambda outs: outs)
+
+    def to_in_out(outs):
+        grads = tuple(unpack(outs))
+        return grads[:2] + tuple(g.transpose(1, 2).contiguous() for g in grads[2:4]) + grads[4:]
+
+    return replace(launch, unpack=to_in_out)

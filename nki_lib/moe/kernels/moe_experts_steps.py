@@ -103,10 +103,12 @@ def block_registers(expert_sb, valid_sb, b):
     return expert_reg, trips_reg
 
 
-def load_expert_cols(w, expert_reg, row_tiles, col0, ncols):
-    """(P, RT, ncols) tile of w[e, rows, col0 : col0 + ncols] (w (E, R, C) in HBM, natural layout)."""
+def load_expert_cols(w, expert_reg, row_tiles, col0, ncols, w_sb=None):
+    """(P, RT, ncols) tile of w[e, rows, col0 : col0 + ncols] (w (E, R, C) in HBM, natural layout),
+    into ``w_sb`` when given (allocated by the caller, e.g. outside a guard)."""
     cols = w.shape[2]
-    w_sb = nl.ndarray((nl.tile_size.pmax, len(row_tiles), ncols), dtype=w.dtype, buffer=nl.sbuf)
+    if w_sb is None:
+        w_sb = nl.ndarray((nl.tile_size.pmax, len(row_tiles), ncols), dtype=w.dtype, buffer=nl.sbuf)
     for rt, (r0, rs) in enumerate(row_tiles):
         nisa.dma_copy(dst=w_sb[:rs, rt, :],
                       src=w.ap([[cols, rs], [1, ncols]], offset=r0 * cols + col0,
