@@ -246,7 +246,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
         stage_transpose(groups, steps, work, it)
         stage_pv(groups, steps, work, it - PV_LAG)
         closing.append([])
-        stage_acc(groups, steps, work, it - ACC_LAG, closing[-1])
+        stage_acc(groups, steps, work, it - ACC_LAG, closing[-1], softcap == 0)
         if len(closing) > CLOSE_LAG:
             for grp in closing.pop(0):
                 close_group(grp, out, lse_batch)
