@@ -349,14 +349,17 @@ def _figures(case: Case, runs: list, scale: float, cost: flops.OpCost, hw, margi
 
 def _host(host_ops: list, hw, scale: float, marginal=None) -> dict:
     """host_cost of the call; with ``marginal`` = (the larger simulation's host ops, s) its bytes
-    and time extrapolated like the kernels (the op counts are the larger call's)."""
+    extrapolated like the kernels, and its launches the larger call's: the op count does not grow
+    with the experts (a data-dependent branch, e.g. idle blocks in one call only, would otherwise be
+    multiplied by s)."""
     small = host_cost(host_ops, hw, scale)
     if marginal is None:
         return small
     large_ops, s = marginal
     large = host_cost(large_ops, hw, scale)
-    return {**large, "hbm_bytes": _linear(small["hbm_bytes"], large["hbm_bytes"], s),
-            "time_us": _linear(small["time_us"], large["time_us"], s)}
+    nbytes = _linear(small["hbm_bytes"], large["hbm_bytes"], s)
+    time_ns = large["launches"] * hw.kernel_launch_ns + nbytes / hw.dma_bandwidth()
+    return {**large, "hbm_bytes": nbytes, "time_us": time_ns * 1e-3}
 
 
 def _add_host(figures: dict, host_ops: list, scale: float, hw, marginal=None) -> None:

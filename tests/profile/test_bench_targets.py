@@ -210,3 +210,5 @@ def test_two_point_case_is_the_linear_combination_of_its_two_simulations():
         assert est[key] == pytest.approx(small[key] + p.marginal_scale * (large[key] - small[key]))
     assert est["host"]["hbm_bytes"] == pytest.approx(
         small["host"]["hbm_bytes"] + p.marginal_scale * (large["host"]["hbm_bytes"] - small["host"]["hbm_bytes"]))
+    # host launches are the larger call's, not extrapolated (the op count does not grow with E)
+    assert est["host"]["launches"] == large["host"]["launches"]

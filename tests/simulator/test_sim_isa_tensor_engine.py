@@ -240,6 +240,44 @@ def test_column_tiling_writes_the_tile_position_rows(rng):
     np.testing.assert_array_equal(out[64:], _product(stationary, moving))
 
 
+
+def _row_tile(s_sb, m_sb, parts, position):
+    """One nc_matmul on the row tile at ``position`` (64 rows) over partitions ``parts`` of both operands."""
+    acc_psum = nl.ndarray((s_sb.shape[1], m_sb.shape[1]), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=acc_psum, stationary=s_sb[parts], moving=m_sb[parts], tile_position=(position, 0),
+                   tile_size=(64, nl.tile_size.pmax))
+    return _evict(acc_psum)
+
+
+def test_row_tiling_contracts_over_the_row_tile_partitions(rng):
+    stationary, moving = _ints(rng, (128, 32), BF16), _ints(rng, (128, 96), BF16)
+    out = run_tiles(lambda s_sb, m_sb: _row_tile(s_sb, m_sb, slice(64, 128), 64), stationary, moving)
+    np.testing.assert_array_equal(out, _product(stationary[64:], moving[64:]))
+
+
+def test_row_tiling_leaves_the_operand_start_partition_free(rng):
+    """The docs constrain tile_position by the tile size and the array only, not where the operands
+    start (nki_lib/simulator/README.md): operands on partitions 0..63 with the bottom row tile run."""
+    stationary, moving = _ints(rng, (128, 32), BF16), _ints(rng, (128, 96), BF16)
+    out = run_tiles(lambda s_sb, m_sb: _row_tile(s_sb, m_sb, slice(0, 64), 64), stationary, moving)
+    np.testing.assert_array_equal(out, _product(stationary[:64], moving[:64]))
+
+
+def test_double_row_combines_with_row_tiling(rng):
+    """Only column tiling is excluded with double_row; a row tile of 64 partitions (K = 128) runs."""
+    stationary, moving = _ints(rng, (64, 2, 16), FP8_E4M3, -2, 2), _ints(rng, (64, 2, 24), FP8_E4M3, -2, 2)
+
+    def double_row_tile(s_sb, m_sb):
+        acc_psum = nl.ndarray((16, 24), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc_psum, stationary=s_sb, moving=m_sb, perf_mode=nisa.matmul_perf_mode.double_row,
+                       tile_position=(64, 0), tile_size=(64, nl.tile_size.pmax))
+        return _evict(acc_psum)
+
+    out = run_tiles(double_row_tile, stationary, moving)
+    expected = sum(_product(stationary[:, j, :], moving[:, j, :]) for j in range(2))
+    np.testing.assert_array_equal(out, expected)
+
+
 def _special_values(rng, shape, dtype):
     x = rng.standard_normal(shape).astype(np.float32)
     x.flat[[0, 5, 17]] = [np.nan, np.inf, -np.inf]

@@ -106,6 +106,36 @@ def tile_size_too_small():
     nisa.nc_matmul(dst=acc_psum, stationary=s_sb, moving=m_sb, tile_position=(0, 0), tile_size=(64, 64))  # VIOLATION
 
 
+
+def tile_position_without_tile_size():
+    s_sb = nl.zeros((64, 64), dtype=nl.bfloat16)
+    m_sb = nl.zeros((64, 64), dtype=nl.bfloat16)
+    acc_psum = nl.ndarray((64, 64), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=acc_psum, stationary=s_sb, moving=m_sb, tile_position=(64, 0))  # VIOLATION
+
+
+def row_position_not_a_multiple_of_the_row_size():
+    s_sb = nl.zeros((64, 64), dtype=nl.bfloat16)
+    m_sb = nl.zeros((64, 64), dtype=nl.bfloat16)
+    acc_psum = nl.ndarray((64, 64), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=acc_psum, stationary=s_sb, moving=m_sb, tile_position=(32, 0), tile_size=(64, 128))  # VIOLATION
+
+
+def stationary_wider_than_the_column_tile():
+    s_sb = nl.zeros((64, 96), dtype=nl.bfloat16)
+    m_sb = nl.zeros((64, 64), dtype=nl.bfloat16)
+    acc_psum = nl.ndarray((96, 64), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=acc_psum, stationary=s_sb, moving=m_sb, tile_position=(0, 0), tile_size=(64, 64))  # VIOLATION
+
+
+def double_row_with_column_tiling():
+    s_sb = nl.zeros((128, 2, 64), dtype=nl.float8_e4m3)
+    m_sb = nl.zeros((128, 2, 64), dtype=nl.float8_e4m3)
+    acc_psum = nl.ndarray((64, 64), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=acc_psum, stationary=s_sb, moving=m_sb, perf_mode=nisa.matmul_perf_mode.double_row,  # VIOLATION
+                   tile_position=(0, 0), tile_size=(128, 64))
+
+
 CASES = [
     (reduce_partition_axis, "tensor_reduce", "axis"),
     (reduce_non_trailing_axis, "tensor_reduce", "axis"),
@@ -122,6 +152,10 @@ CASES = [
     (dma_transpose_dtype_mismatch, "dma_transpose", None),
     (transpose_mode_without_identity, "nc_matmul", "moving"),
     (tile_size_too_small, "nc_matmul", None),
+    (tile_position_without_tile_size, "nc_matmul", "tile_size"),
+    (row_position_not_a_multiple_of_the_row_size, "nc_matmul", "tile_position"),
+    (stationary_wider_than_the_column_tile, "nc_matmul", "stationary"),
+    (double_row_with_column_tiling, "nc_matmul", "tile_size"),
 ]
 
 

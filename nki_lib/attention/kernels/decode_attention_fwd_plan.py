@@ -30,7 +30,7 @@ import torch
 
 from nki_lib._nki import nl
 from nki_lib.attention.attention_args import resolve_scale
-from nki_lib.attention.kernels.decode_attention_fwd import decode_attention_fwd_kernel
+from nki_lib.attention.kernels.decode_attention_fwd import decode_attention_fwd_kernel, single_chunk_path
 from nki_lib.attention.kernels.tiles import MAX_INDEX
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch, Unsupported
@@ -182,12 +182,14 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
     first = _first_keys(lengths, sq, window_left, cache_start)
     n_cols = block_table.shape[1] if paged else n_rows // (b * hkv)
     n_cols_pad = ceil_div(n_cols, units_per_chunk) * units_per_chunk
-    ids = _unit_ids(block_table, b, n_rows // b, n_cols_pad, q.device)
-    unit_table = _unit_table(ids.to(torch.int32), lengths, first, unit_keys, n_rows)
-
     grid = grid or lnc_degree()
     n_split = (_cores_share(num_splits, b * hkv, grid) if num_splits
                else plan_splits(b, hkv, ceil_div(cap, chunk), grid))
+    if not paged and single_chunk_path(n_split, b * hkv, grid, n_cols_pad * unit_keys, chunk, head_offset // d):
+        unit_table = torch.empty((b, n_cols_pad), dtype=torch.int32, device=q.device)   # never read
+    else:
+        ids = _unit_ids(block_table, b, n_rows // b, n_cols_pad, q.device)
+        unit_table = _unit_table(ids.to(torch.int32), lengths, first, unit_keys, n_rows)
     end = (lengths + (chunk - 1)) // chunk
     s_idx = torch.arange(n_split + 1, dtype=torch.int32, device=q.device)
     if isinstance(first, int):

@@ -123,7 +123,7 @@ from nki_lib.attention.kernels.flash_attention_fwd_plan import (
     plan_steps,
     program_share,
 )
-from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, new_lse_batch
+from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, load_sinks, new_lse_batch
 from nki_lib.attention.kernels.flash_attention_fwd_step import PT_DVE_SHARE, PT_DVE_SHARE_SOFTCAP, warm_table
 from nki_lib.attention.kernels.flash_attention_fwd_values import ValueCache, cache_bytes
 from nki_lib.attention.kernels.flash_attention_transposed_loads import as_kernel_layout, on_chip
@@ -190,6 +190,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
                             nl.tile_size.total_available_sbuf_size // STATE_SBUF_SHARE)
     ctx = Ctx(q=q, k=k, natural=natural, v=v, sinks=sinks, has_sinks=has_sinks, d=d, chunks=chunks,
               mask=mask, key_rows=KeyRows(doc) if has_docs else None)
+    ctx.sinks_sb = load_sinks(sinks, n_q_heads) if has_sinks else None
     section_keys = max(key_tile_width(), KEY_SECTION_BYTES // q_bytes)
     n_spans = ceil_div(sk, section_keys)
     k_fits = (len(chunks) * sk * q_bytes
@@ -245,7 +246,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
         stage_transpose(groups, steps, work, it)
         stage_pv(groups, steps, work, it - PV_LAG)
         closing.append([])
-        stage_acc(groups, steps, work, it - ACC_LAG, closing[-1])
+        stage_acc(groups, steps, work, it - ACC_LAG, closing[-1], softcap == 0)
         if len(closing) > CLOSE_LAG:
             for grp in closing.pop(0):
                 close_group(grp, out, lse_batch)

@@ -39,7 +39,7 @@ def load_k(ctx, groups, steps, s):
         off = grp.q0 - sec.q0
         grp.q_tiles = [[q_sb[:, off:off + grp.qn] for q_sb in head_tiles]
                        for head_tiles in sec.tiles]
-        grp.states = [init_state(ctx.sinks, h, grp.qn, ctx.d, ctx.has_sinks,
+        grp.states = [init_state(ctx.sinks_sb, h, grp.qn, ctx.d, ctx.has_sinks,
                                  len(grp.sections) == 0, ctx.stat_init) for h in grp.heads]
         grp.k = [None] * len(grp.sections)
         grp.v = [None] * len(grp.sections)
@@ -156,8 +156,9 @@ def stage_pv(groups, steps, work, s):
             grp.v[si] = None
 
 
-def stage_acc(groups, steps, work, s, closing):
+def stage_acc(groups, steps, work, s, closing, copy_on_scalar=True):
     """B3: l = alpha * l + rowsum [GpSimd] and acc = alpha * acc [GpSimd] + O [DVE] of step s;
+    ``copy_on_scalar``: the first section's ``acc = O`` copy runs on ScalarE (else VectorE);
     queues the group in ``closing`` after its last step (its outputs are stored one iteration
     later, :func:`close_group`, so that the in-order GpSimd stream does not hold the next steps'
     neg_m behind the output scaling, which waits for this acc update)."""
@@ -173,9 +174,10 @@ def stage_acc(groups, steps, work, s, closing):
         else:
             nisa.tensor_scalar(dst=state.l, data=state.l, op0=nl.multiply, operand0=w.alpha,
                                op1=nl.add, operand1=w.rowsum, engine=nisa.engine.gpsimd)
-        if si == 0:     # first section: acc is uninitialised, alpha * 0 + O = O (ScalarE:
-            # VectorE carries the score evictions)
+        if si == 0 and copy_on_scalar:  # first section: acc is unset, alpha * 0 + O = O
             nisa.activation(dst=state.acc, op=nl.copy, data=w.o_psum)
+        elif si == 0:   # (on VectorE when ScalarE is the busier engine: softcap's tanh)
+            nisa.tensor_copy(dst=state.acc, src=w.o_psum)
         else:           # alpha * acc on GpSimd (SBUF only), + O on VectorE (one PSUM pass)
             nisa.tensor_scalar(dst=state.acc, data=state.acc, op0=nl.multiply, operand0=w.alpha,
                                engine=nisa.engine.gpsimd)

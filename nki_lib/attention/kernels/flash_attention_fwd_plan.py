@@ -24,6 +24,7 @@ class Ctx(nl.NKIObject):
     v: object              # (B, Hkv, Sk, D) HBM
     sinks: object          # (Hq,) fp32 HBM or None
     has_sinks: bool
+    sinks_sb: object       # (pmax, Hq) fp32 SBUF: every head's sink on every partition, or None
     d: int                 # head dim D
     chunks: tuple          # head-dim chunks ((start, size), ...) of at most 128
     mask: object           # tiles.MaskSpec

@@ -13,7 +13,7 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.tiles import inf_max_rows
 
-__all__ = ["RowState", "init_state", "store_out", "new_lse_batch", "add_lse", "flush_lse"]
+__all__ = ["RowState", "load_sinks", "init_state", "store_out", "new_lse_batch", "add_lse", "flush_lse"]
 
 
 class RowState(nl.NKIObject):
@@ -24,8 +24,18 @@ class RowState(nl.NKIObject):
     fresh: bool     # no section seen yet and no sink: l = 0, acc unset
 
 
-def init_state(sinks, h, qn, d, has_sinks, zero_acc, stat_init):
-    """State before the first key section. acc (and l without sinks) is only zeroed
+def load_sinks(sinks, n_heads):
+    """Every query head's sink on every partition, (pmax, Hq) fp32 SBUF: one DMA for the
+    kernel (each partition reads one ``Hq * 4``-byte run) instead of a 4-byte read per partition
+    per (head, query tile), each at the DMA chunk floor."""
+    pmax = nl.tile_size.pmax
+    sinks_sb = nl.ndarray((pmax, n_heads), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=sinks_sb, src=sinks.ap(pattern=[[0, pmax], [1, n_heads]], offset=0))
+    return sinks_sb
+
+
+def init_state(sinks_sb, h, qn, d, has_sinks, zero_acc, stat_init):
+    """State before the first key section (``sinks_sb``: :func:`load_sinks`, or None). acc (and l without sinks) is only zeroed
     (``zero_acc``) for a group with no visible key: otherwise the first section's update sets it
     (``flash_attention_fwd_pipeline.stage_acc``). ``fresh``: l = 0 and acc unset (no sinks), so the first
     section needs no alpha. ``stat_init``: the initial running max (``tiles.STAT_INIT``, times
@@ -35,8 +45,7 @@ def init_state(sinks, h, qn, d, has_sinks, zero_acc, stat_init):
     neg_m = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     l_sb = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
     if has_sinks:
-        sink_sb = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=sink_sb, src=sinks.ap(pattern=[[0, qn], [1, 1]], offset=h))
+        sink_sb = sinks_sb[0:qn, h:h + 1]
         nisa.tensor_scalar(dst=neg_m, data=sink_sb, op0=nl.maximum, operand0=stat_init,
                            op1=nl.multiply, operand1=-1.0, engine=gpsimd)
         nisa.activation(dst=l_sb, op=nl.exp, data=sink_sb, bias=neg_m)

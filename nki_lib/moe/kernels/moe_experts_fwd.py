@@ -47,7 +47,7 @@ slot_assignment (NG*S,) int32 (a // k and a, or -1), w_gate_up
 (E, 2I, H), w_down (E, H, I) (nn.Linear layouts, as the op receives them) or, in_out,
 (E, H, 2I) and (E, I, H), b_gate_up (E, 2I) and
 b_down (E, H) or None; compile-time activation, swiglu_alpha, swiglu_limit, top_k, h_chunk,
-y_cols, defer_scatters, gu_cols (0: the out_in layout). Output y (T, H) in x's dtype; scratch y_slots (N, H) fp32 (shared HBM).
+y_cols, defer_scatters, gu_cols and wd_cols (0: the out_in layout). Output y (T, H) in x's dtype; scratch y_slots (N, H) fp32 (shared HBM).
 
 Limits: x and weights bf16/fp16/fp32 (one dtype); B <= 512 and S <= 512 (one PSUM bank per slot
 tile, at most 4 slot tiles in flight); the SBUF estimate :func:`sbuf_bytes` (dominated by xT, hT,
@@ -140,7 +140,7 @@ def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h
         rows = (None, None)
         if b_gate_up is not None:
             rows = (bias_row(b_gate_up, expert_reg, i0, isz), bias_row(b_gate_up, expert_reg, inter + i0, isz))
-        for s0, ps, _, live_reg, _ in slot_tiles:
+        for s0, ps, _, live_reg, _, _ in slot_tiles:
             for _ in nl.dynamic_range(0, live_reg):
                 g_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
                 u_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
@@ -155,43 +155,73 @@ def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h
                 gate_into(h_t[:isz, it, s0:s0 + ps], g_psum, u_psum, gate)
 
 
-def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, tiles, ones_sb, last_rows):
+def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, tiles, ones_sb, last_rows, preloaded=None):
     """y_slots[a] = h @ W_down^T (+ b_down) for the assignment a of each slot: per H chunk,
     contraction over I tiles in PSUM (per live slot tile; the bias first, as ones^T x bias_row);
     the rows are staged ``y_cols`` wide in SBUF and scattered in assignment order (one indirect
     DMA per live slot tile and staging group; padding slots are not written), so that the final
     k-sum reads them in token order without a gather. The last staging group is staged in
     ``last_rows`` and not scattered here (see :func:`scatter_deferred`). ``tiles`` = (h_chunk,
-    y_cols, gu_cols); with the in_out layout (gu_cols > 0) the W_down^T tiles are w_down's own
-    rows (I on partitions), loaded without transposes."""
-    h_chunk, y_cols, gu_cols = tiles
+    y_cols, gu_cols, wd_cols); with the in_out layout (gu_cols > 0) the W_down^T tiles are
+    w_down's own rows (I on partitions), loaded without transposes: with ``wd_cols`` > 0, every
+    I tile's rows ``wd_cols`` columns wide at once (long runs, shared by the H chunks of those
+    columns), else per H chunk and I span; ``preloaded``: those tiles of the one column block
+    when one block covers H (loaded earlier by :func:`_preload_down`)."""
+    h_chunk, y_cols, gu_cols, wd_cols = tiles
     hidden = w_down.shape[2] if gu_cols else w_down.shape[1]
-    load = load_expert_cols if gu_cols else load_expert_t
     groups = spans(hidden, y_cols)
     for g0, gn in groups:
         last = g0 == groups[-1][0]
         y_rows = last_rows if last else [nl.ndarray((ps, gn), dtype=nl.float32, buffer=nl.sbuf)
                                          for _, ps, *_ in slot_tiles]
-        for h0, hn in spans(gn, h_chunk):
-            y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
-            if b_down is not None:
-                row_sb = bias_row(b_down, expert_reg, g0 + h0, hn)
-                for (_, ps, _, live_reg, _), y_psum in zip(slot_tiles, y_psums):
-                    for _ in nl.dynamic_range(0, live_reg):
-                        add_outer(y_psum, ones_sb[:, :ps], row_sb)
-            for span in weight_spans(i_tiles):
-                wd_t = load(w_down, expert_reg, span, g0 + h0, hn)
-                for (s0, ps, _, live_reg, _), y_psum in zip(slot_tiles, y_psums):
-                    for _ in nl.dynamic_range(0, live_reg):
-                        for si, (i0, isz) in enumerate(span):
-                            it = i0 // nl.tile_size.pmax
-                            nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps],
-                                           moving=wd_t[:isz, si, :], accumulate=it > 0 or b_down is not None)
-            for (*_, live_reg, _), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
-                for _ in nl.dynamic_range(0, live_reg):
-                    nisa.activation(dst=y_sb[:, h0:h0 + hn], op=nl.copy, data=y_psum)
+        for b0, bn in spans(gn, wd_cols or gn):
+            wide = preloaded
+            if wd_cols and wide is None:
+                wide = [load_expert_cols(w_down, expert_reg, span, g0 + b0, bn) for span in weight_spans(i_tiles)]
+            for h0, hn in spans(bn, h_chunk):
+                chunk = (g0 + b0 + h0, hn, b0 + h0, h0)
+                _down_chunk(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_rows, chunk, gu_cols, wide,
+                            ones_sb)
         if not last:
             scatter_deferred(y_slots, [None, slot_tiles, y_rows, g0])
+
+
+def _preload_down(w_down, expert_reg, i_tiles, hidden, trips_reg):
+    """The in_out W_down^T tiles of every I span, H wide (the one column block of :func:`_down`),
+    loaded under the group's guard before the next group's gather and the deferred scatters:
+    DMAs start in program order, and those wait for GpSimd's descriptors (docs/perf-log.md
+    §12.2)."""
+    wide = [nl.ndarray((nl.tile_size.pmax, len(span), hidden), dtype=w_down.dtype, buffer=nl.sbuf)
+            for span in weight_spans(i_tiles)]
+    for _ in nl.dynamic_range(0, trips_reg):
+        for span, wd_sb in zip(weight_spans(i_tiles), wide):
+            load_expert_cols(w_down, expert_reg, span, 0, hidden, wd_sb)
+    return wide
+
+
+def _down_chunk(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_rows, chunk, gu_cols, wide, ones_sb):
+    """One H chunk of :func:`_down`: ``chunk`` = (first column of H, width, first column in the
+    staged rows, first column in the ``wide`` tiles); ``wide``: the W_down^T tiles of every I span
+    loaded already, or None (loaded here)."""
+    c0, hn, y0, w0 = chunk
+    y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
+    if b_down is not None:
+        row_sb = bias_row(b_down, expert_reg, c0, hn)
+        for (_, ps, _, live_reg, _, _), y_psum in zip(slot_tiles, y_psums):
+            for _ in nl.dynamic_range(0, live_reg):
+                add_outer(y_psum, ones_sb[:, :ps], row_sb)
+    load = load_expert_cols if gu_cols else load_expert_t
+    for n, span in enumerate(weight_spans(i_tiles)):
+        wd_t, col = (load(w_down, expert_reg, span, c0, hn), 0) if wide is None else (wide[n], w0)
+        for (s0, ps, _, live_reg, _, _), y_psum in zip(slot_tiles, y_psums):
+            for _ in nl.dynamic_range(0, live_reg):
+                for si, (i0, isz) in enumerate(span):
+                    it = i0 // nl.tile_size.pmax
+                    nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps],
+                                   moving=wd_t[:isz, si, col:col + hn], accumulate=it > 0 or b_down is not None)
+    for (*_, live_reg, _, _), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
+        for _ in nl.dynamic_range(0, live_reg):
+            nisa.activation(dst=y_sb[:, y0:y0 + hn], op=nl.copy, data=y_psum)
 
 
 def scatter_deferred(y_slots, deferred):
@@ -206,21 +236,23 @@ def scatter_deferred(y_slots, deferred):
         return
     trips_reg, slot_tiles, rows, g0 = deferred
     for _ in (range(1) if trips_reg is None else nl.dynamic_range(0, trips_reg)):
-        for (_, _, _, live_reg, asg_sb), y_sb in zip(slot_tiles, rows):
+        for (_, _, _, live_reg, asg_sb, _), y_sb in zip(slot_tiles, rows):
             for _ in nl.dynamic_range(0, live_reg):
                 scatter_rows(y_slots, asg_sb, y_sb, g0)
     rows.clear()
 
 
 def _group_tiles(ids, live_sb, g, group):
-    """Slot tiles (s0, ps, token ids (ps, 1), live register, assignment ids (ps, 1)) of group g
-    (``ids`` = the (token, assignment) id tiles); the register is the tile's 0/1 guard."""
+    """Slot tiles (s0, ps, token ids (ps, 1), live register, assignment ids (ps, 1), partial
+    register) of group g (``ids`` = the (token, assignment) id tiles and the partial flags); the
+    live register is the tile's 0/1 guard, the partial one guards the zero fill of its gather."""
     slot_tiles = []
     for st, (s0, ps) in enumerate(spans(group, nl.tile_size.pmax)):
-        live_reg = nisa.register_alloc()
+        live_reg, partial_reg = nisa.register_alloc(), nisa.register_alloc()
         p, gt = g % nl.tile_size.pmax, g // nl.tile_size.pmax
         nisa.register_load(live_reg, live_sb[p:p + 1, gt, st:st + 1])
-        slot_tiles.append((s0, ps, ids[0][:ps, st, g:g + 1], live_reg, ids[1][:ps, st, g:g + 1]))
+        nisa.register_load(partial_reg, ids[2][p:p + 1, gt, st:st + 1])
+        slot_tiles.append((s0, ps, ids[0][:ps, st, g:g + 1], live_reg, ids[1][:ps, st, g:g + 1], partial_reg))
     return slot_tiles
 
 
@@ -229,9 +261,9 @@ def _gather_group(x, slot_tiles, trips_reg):
     tile's guard)."""
     x_rows = [nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
-        for (_, _, tok_sb, live_reg, _), rows_sb in zip(slot_tiles, x_rows):
+        for (_, _, tok_sb, live_reg, _, partial_reg), rows_sb in zip(slot_tiles, x_rows):
             for _ in nl.dynamic_range(0, live_reg):
-                gather_rows_into(rows_sb, x, tok_sb)
+                gather_rows_into(rows_sb, x, tok_sb, fill_reg=partial_reg)
     return x_rows
 
 
@@ -239,7 +271,7 @@ def _transpose_group(x_t, slot_tiles, x_rows, trips_reg):
     """xT[:, :, slots] = x rows^T per live slot tile (a function, so that no loop variable keeps a
     row tile alive after the caller releases the rows)."""
     for _ in nl.dynamic_range(0, trips_reg):
-        for (s0, _, _, live_reg, _), rows_sb in zip(slot_tiles, x_rows):
+        for (s0, _, _, live_reg, _, _), rows_sb in zip(slot_tiles, x_rows):
             for _ in nl.dynamic_range(0, live_reg):
                 transpose_rows(x_t, rows_sb, s0)
 
@@ -267,6 +299,9 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, ti
     for _ in nl.dynamic_range(0, trips_reg):
         _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h_t, ones_sb, inter, gu_cols)
     del x_t                             # last use of xT
+    hidden = x.shape[1]
+    one_block = tiles[3] >= hidden and tiles[1] >= hidden     # in_out: W_down rows H wide, staged whole
+    preloaded = _preload_down(w_down, expert_reg, i_tiles, hidden, trips_reg) if one_block else None
     next_rows = None
     if next_group is not None:
         (_, next_trips), next_tiles = next_group
@@ -275,7 +310,7 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, ti
     last_cols = spans(x.shape[1], tiles[1])[-1][1]
     last_rows = [nl.ndarray((ps, last_cols), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
-        _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, tiles, ones_sb, last_rows)
+        _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, tiles, ones_sb, last_rows, preloaded)
     last = [trips_reg, slot_tiles, last_rows, x.shape[1] - last_cols]
     if not defer:
         scatter_deferred(y_slots, last)
@@ -286,7 +321,7 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, ti
 @nki.jit
 def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
                            b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols, defer_scatters,
-                           gu_cols):
+                           gu_cols, wd_cols):
     t_len, hidden = x.shape
     n_groups = group_expert.shape[0]
     group = slot_token.shape[0] // n_groups
@@ -294,8 +329,8 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
     y_slots = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.shared_hbm)
     expert_sb, valid_sb = block_flags(group_expert)
-    asg_ids, live_sb = load_all_ids(slot_assignment, n_groups, group, live=True)
-    ids = (load_all_ids(slot_token, n_groups, group), asg_ids)
+    asg_ids, live_sb, partial_sb = load_all_ids(slot_assignment, n_groups, group, live=True, partial=True)
+    ids = (load_all_ids(slot_token, n_groups, group), asg_ids, partial_sb)
     ones_sb = ones_row(nl.tile_size.pmax, x.dtype)
     weights = (w_gate_up, w_down, b_gate_up, b_down)
     gate = (activation, swiglu_alpha, swiglu_limit)
@@ -313,7 +348,7 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
             following = (block_registers(expert_sb, valid_sb, mine[n + 1]),
                          _group_tiles(ids, live_sb, mine[n + 1], group))
         x_rows, deferred = _group_fwd(x, current[1], x_rows, weights, current[0], following, group, gate,
-                                      (h_chunk, y_cols, gu_cols), y_slots, ones_sb, deferred, defer_scatters)
+                                      (h_chunk, y_cols, gu_cols, wd_cols), y_slots, ones_sb, deferred, defer_scatters)
         current = following
     scatter_deferred(y_slots, deferred)
     if n_prog > 1:
@@ -326,13 +361,14 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
 
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_blocks, clamped=False,
-                  biases=False, overlap=True, in_out=False, gu_cols=None):
+                  biases=False, overlap=True, in_out=False, gu_cols=None, wd_cols=0):
     """Peak SBUF bytes per partition of the forward kernel at down-projection H chunk ``h_chunk``
     and y staging width ``y_cols`` (upper bound: two generations of every streamed tile; with the
     clamped swiglu's three more fp32 temporaries and the bias rows and ones when asked; with
     ``overlap``, the previous group's last staged y rows, whose scatters are deferred). ``in_out``:
     the weights come as W^T (no natural rows staged for transposes), the gate/up tiles ``gu_cols``
-    I columns wide (default all of I) for gate and up together."""
+    I columns wide (default all of I) for gate and up together, and with ``wd_cols`` the W_down^T
+    rows of every I tile ``wd_cols`` columns wide."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     rows = st * hidden * itemsize                                # x rows of one group
@@ -347,13 +383,14 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     gate_up += 2 * 3 * fmax * 4 if clamped else 0               # gc, s, v of the clamped swiglu
     bias = 2 * (3 * pmax + fmax) * itemsize if biases else 0    # gate/up/down bias rows, ones row
     span_tiles = min(it, WEIGHT_SPAN // pmax)
-    down = 2 * span_tiles * h_chunk * itemsize + staged_bytes(y_cols, hidden, st)   # W_down^T span, o rows
+    wd_bytes = it * wd_cols if in_out and wd_cols else span_tiles * h_chunk       # W_down^T: all I tiles, or a span
+    down = 2 * wd_bytes * itemsize + staged_bytes(y_cols, hidden, st)            # W_down^T, o rows
     phases = (rows + x_t + h_t,                                 # transposes: x rows -> xT
               x_t + h_t + staging + gate_up + bias,             # gate/up (x rows released)
               rows + h_t + staging + down + bias)               # down, next group's rows (xT released)
     deferred = st * min(y_cols, hidden) * 4 if overlap else 0   # previous group's last staged y rows
     body = max(phases) + deferred
-    live_flags = n_blocks * st * 4
+    live_flags = 2 * n_blocks * st * 4                        # live and partial flags of the slot tiles
     return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, tail_sbuf_bytes(hidden, top_k, itemsize))
 
 
@@ -369,26 +406,30 @@ def gate_up_widths(inter):
 
 
 def tiling(hidden, inter, block, itemsize, *, in_out=False, **counts):
-    """(h_chunk, y_cols, defer_scatters, gu_cols) of the forward kernel for this shape (gu_cols 0:
-    the out_in layout; in_out: the widest gate/up span whose tiling fits)."""
+    """(h_chunk, y_cols, defer_scatters, gu_cols, wd_cols) of the forward kernel for this shape
+    (gu_cols, wd_cols 0: the out_in layout; in_out: the widest gate/up span, then W_down rows
+    loaded WEIGHT_SPAN columns wide for all I tiles at once if possible, whose tiling fits)."""
     if not in_out:
-        return (*choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, **counts), 0)
+        return (*choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, **counts), 0, 0)
     fit = nl.tile_size.total_available_sbuf_size
     for cols in gate_up_widths(inter):
-        choice = choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, in_out=True,
-                                       gu_cols=cols, **counts)
-        h_chunk, y_cols, overlap = choice
-        if sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, overlap=overlap, in_out=True, gu_cols=cols,
-                         **counts) <= fit:
-            break
-    return (*choice, cols)
+        for wd_cols in (min(hidden, WEIGHT_SPAN), 0):
+            choice = choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, in_out=True,
+                                           gu_cols=cols, wd_cols=wd_cols, **counts)
+            h_chunk, y_cols, overlap = choice
+            if wd_cols % h_chunk:
+                continue
+            if sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, overlap=overlap, in_out=True,
+                             gu_cols=cols, wd_cols=wd_cols, **counts) <= fit:
+                return (*choice, cols, wd_cols)
+    return (*choice, cols, wd_cols)
 
 
 def sbuf_bytes(hidden, inter, block, itemsize, *, in_out=False, **counts):
     """Peak SBUF bytes per partition at the chosen tiling."""
-    h_chunk, y_cols, overlap, gu_cols = tiling(hidden, inter, block, itemsize, in_out=in_out, **counts)
+    h_chunk, y_cols, overlap, gu_cols, wd_cols = tiling(hidden, inter, block, itemsize, in_out=in_out, **counts)
     return sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, overlap=overlap, in_out=in_out,
-                         gu_cols=gu_cols or None, **counts)
+                         gu_cols=gu_cols or None, wd_cols=wd_cols, **counts)
 
 
 def group_blocks(hidden, inter, block, itemsize, **counts):
@@ -416,10 +457,11 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
     counts = dict(top_k=top_k, n_blocks=block_expert.shape[0], **flags)
     blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
     group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
-    h_chunk, y_cols, defer, gu_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
-                                             n_blocks=group_expert.shape[0], **flags)
+    h_chunk, y_cols, defer, gu_cols, wd_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
+                                                      n_blocks=group_expert.shape[0], **flags)
     return KernelLaunch(moe_experts_fwd_kernel,
                         (x.contiguous(), routing_weights(topk_weights), group_expert, slot_tokens(group_slots, top_k),
                          group_slots, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
-                         activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols, defer, gu_cols),
+                         activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols, defer, gu_cols,
+                         wd_cols),
                         grid=lnc_degree())

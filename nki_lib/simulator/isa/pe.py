@@ -70,6 +70,10 @@ def _psum_write(c, dst, result, accumulate, dpf) -> bool:
 
 
 def _tiling(c, tile_position, tile_size, k, m, dst):
+    """The documented tiling-mode rules (nki_lib/simulator/README.md, "nc_matmul tiling mode"): both
+    tuples set, sizes from MATMUL_TILE_SIZES, positions multiples of their sizes inside the array, the
+    stationary (K, M) within the tile; a column tile's dst starts at its start column. Where the
+    operands start is not constrained by the docs, so it is not checked."""
     if not tile_position and not tile_size:
         return
     c.check(bool(tile_position) and bool(tile_size), "tile_size", "tile_position and tile_size must be set together")
@@ -101,7 +105,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         for t, nm in ((stationary, "stationary"), (moving, "moving")):
             c.check(t._dtype in _FP8, nm, "double_row mode needs fp8 operands")
             c.check(len(t._shape) == 3 and t._shape[1] == 2, nm, "double_row operands are (K, 2, free)")
-        c.check(not tile_size, "tile_size", "double_row cannot be combined with tiling")
+        c.check(not tile_size or len(tile_size) != 2 or tile_size[1] == c.spec.pmax, "tile_size",
+                "double_row cannot be combined with column tiling")
     k, m = spf
     km, n = mpf
     c.check(k == km, "moving", f"contraction (partition) sizes differ: stationary {k}, moving {km}")

@@ -1,0 +1,123 @@
+"""Decode-attention kernel: the loads and stores shared by its paths (q^T, sinks, the V cleaning,
+the out rows) and a stream's runtime registers.
+
+Algorithm: q of ``rn`` rows loads with up to ``Q_LOAD_ROWS`` consecutive rows per partition (one
+DMA, few long descriptors), is transposed by one PE transpose per row of a partition and put back
+in row order by its PSUM -> SBUF copy; V rows of keys outside ``[first, L_b)`` are zeroed by one
+predicated copy (0 * NaN would poison P @ V); a stream's four chunk-range bounds load into
+registers. No loops beyond the per-row transposes of q.
+
+Shapes: q (B, Hq, Sq, D) read as (B*Hq*Sq, D) rows; q^T chunks (dc, rn); sink_rows (Hkv, R)
+float32 -> (rn, 1); V chunks (128, M*D); key slots (128, M) float32; key windows (128, 2) float32
+``[first, L_b)`` relative to the chunk; out rows (rn, D). Dimension legend as in
+``decode_attention_fwd``.
+
+Limits: q rows of at most ``Q_LOAD_ROW_BYTES`` per partition row of the load; those of
+``decode_attention_fwd`` otherwise.
+"""
+
+from __future__ import annotations
+
+from nki_lib._nki import nisa, nl
+
+__all__ = ["StreamSetup", "load_q_t", "load_sink", "store_out", "stream_setup", "unit_table_width",
+           "zero_invisible_rows", "RANGE_BOUNDS", "DIRECT_PIECE_SLOTS", "Q_LOAD_ROW_BYTES", "OUT_STORE_LAG",
+           "CHUNK_BUFFER_BUDGET"]
+
+RANGE_BOUNDS = 4                  # split_bounds per split: start, lo, hi, stop (3 ranges)
+DIRECT_PIECE_SLOTS = 32           # contiguous interior chunks load K and V in pieces of 32 slots (8 KiB
+                                  # rows at D=128 bf16, >= 2 KiB per descriptor; 600 ns hwdge issue
+                                  # each): the first scores and P @ V start while the rest lands
+Q_LOAD_ROWS = 8                   # q loads with up to 8 consecutive rows per partition (8 PE transposes)
+Q_LOAD_ROW_BYTES = 4096           # ... and at most 4 KiB per partition row (long enough to move at DMA
+                                  # bandwidth at every documented per-descriptor floor)
+OUT_STORE_LAG = 2                 # units whose out stores wait behind later units' loads (the DMA
+                                  # engines serve in program order: an early store would hold them)
+CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers (divided by the
+                                  # number of row tiles, whose working sets grow); streams (one per
+                                  # (b, hk, split)) rotate over the pairs that fit, so consecutive
+                                  # streams load and compute concurrently
+
+
+
+def _q_rows_per_partition(rn, d, itemsize):
+    """Rows of q per SBUF partition of its load: the largest power of two dividing ``rn``, at most
+    ``Q_LOAD_ROWS`` and ``Q_LOAD_ROW_BYTES`` per partition row (each partition row of a DMA pays the
+    per-descriptor floor: few long rows instead of ``rn`` short ones)."""
+    k = 1
+    while rn % (2 * k) == 0 and 2 * k <= Q_LOAD_ROWS and 2 * k * d * itemsize <= Q_LOAD_ROW_BYTES:
+        k *= 2
+    return k
+
+
+def load_q_t(q, row0, rn, d_spans, dtype):
+    """q^T chunks (dc, rn) of rows ``row0 .. row0 + rn`` of the flattened (B*Hq*Sq, D) queries:
+    one DMA of k consecutive rows per partition (rn/k partitions), k PE transposes (row p*k + j of
+    block j lands in column j*rn/k + p) and one copy that puts the columns back in row order."""
+    d = q.shape[3]
+    k = _q_rows_per_partition(rn, d, q.itemsize)
+    parts = rn // k
+    q_sb = nl.ndarray((parts, k * d), dtype=dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=q_sb, src=q.ap([[k * d, parts], [1, k * d]], offset=row0 * d))
+    q_t = []
+    for d0, dn in d_spans:
+        q_t_psum = nl.ndarray((dn, rn), dtype=dtype, buffer=nl.psum)
+        for j in range(k):
+            nisa.nc_transpose(dst=q_t_psum[:, j * parts:(j + 1) * parts], data=q_sb[:, j * d + d0:j * d + d0 + dn])
+        q_t_sb = nl.ndarray((dn, rn), dtype=dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=q_t_sb.reshape((dn, parts, k)), src=q_t_psum.reshape((dn, k, parts)).permute((0, 2, 1)))
+        q_t.append(q_t_sb)
+    return q_t
+
+
+def load_sink(sink_rows, hk, r0, rn):
+    """Sink logits (rn, 1) of rows r0 .. r0 + rn of kv head ``hk``."""
+    sink_sb = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=sink_sb, src=sink_rows.ap([[1, rn], [1, 1]], offset=hk * sink_rows.shape[1] + r0))
+    return sink_sb
+
+
+def store_out(out, out_sb, row0):
+    rn, d = out_sb.shape
+    nisa.dma_copy(dst=out.ap([[d, rn], [1, d]], offset=row0 * d), src=out_sb)
+
+
+def zero_invisible_rows(v_chunk, key_slots, window_sb):
+    """V rows of keys outside [first, L) (relative to the chunk) -> 0: their probabilities are 0,
+    but 0 * NaN (garbage past L_b, or stale rows of skipped units) would poison P @ V."""
+    pmax, m = key_slots.shape
+    outside = nl.ndarray((pmax, m), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=outside, data=key_slots, op0=nl.greater_equal, operand0=window_sb[:, 1:2])
+    nisa.scalar_tensor_tensor(dst=outside, data=key_slots, op0=nl.less, operand0=window_sb[:, 0:1],
+                              op1=nl.maximum, operand1=outside)
+    d = v_chunk.shape[1] // m
+    nisa.tensor_copy_predicated(dst=v_chunk, src=0.0, predicate=outside.expand_dim(2).broadcast(2, d))
+
+
+def unit_table_width(m, unit_keys):
+    """Unit columns per chunk of 128*M keys."""
+    return m * nl.tile_size.pmax // unit_keys
+
+
+class StreamSetup(nl.NKIObject):
+    """Runtime metadata of one (b, hk, split) stream."""
+    regs: object       # 4 registers: unit columns start, lo, hi, stop of the edge, interior, edge ranges
+    window: object     # (128, 2) float32 [first, L_b) relative to the current chunk, every partition
+    key_regs: object   # single-chunk path: registers of first and L_b (from ``window``), or None
+
+
+def stream_setup(meta, ws, static=False):
+    """Registers of the split's chunk ranges (split ``ws`` of the flattened (b, s)) and a copy of
+    its key window (moved chunk by chunk; ``static``: the single-chunk path, whose window never
+    moves, takes a view of the batch's)."""
+    n_bounds = RANGE_BOUNDS
+    regs = []
+    for i in range(n_bounds):
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, meta.bounds[0:1, ws * n_bounds + i:ws * n_bounds + i + 1])
+        regs.append(reg)
+    if static:
+        return StreamSetup(regs=regs, window=meta.window[:, 2 * ws:2 * ws + 2], key_regs=None)
+    window_sb = nl.ndarray((nl.tile_size.pmax, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=window_sb, src=meta.window[:, 2 * ws:2 * ws + 2])
+    return StreamSetup(regs=regs, window=window_sb, key_regs=None)
