@@ -424,9 +424,11 @@ def _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert
                 accumulate_rows(acc_gu, dw_gate_up, mode_regs, expert_reg, row0 + i0, g0, parts)
 
 
-def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_tiling):
-    """dx_slots[a] = dg @ W_gate + du @ W_up: per H chunk, contraction over I tiles in PSUM; rows
-    staged ``dx_cols`` wide in SBUF and scattered once per slot tile and group. The natural
+def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, dx_tiling):
+    """dx_slots[a, :H] = dg @ W_gate + du @ W_up: per H chunk, contraction over I tiles in PSUM;
+    rows staged ``dx_cols`` wide in SBUF and scattered once per slot tile and group, the last
+    group's rows with one more column, dx_slots[a, H] = d topk_weights[a] (``dw_accs``), so that
+    no scatter of its own is needed (each indirect DMA costs GpSimd a descriptor per row). The natural
     W_gate/W_up rows of all I tiles are loaded once per ``dx_span`` columns (one DMA per 128 rows,
     runs of dx_span elements), and the H chunks inside the span read them from SBUF."""
     dx_cols, dx_span = dx_tiling
@@ -437,7 +439,8 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_tiling):
     grads = [(dg_t, it, isz) for it, (_, isz) in enumerate(i_tiles)] + \
             [(du_t, it, isz) for it, (_, isz) in enumerate(i_tiles)]
     for g0, gn in spans(hidden, dx_cols):
-        dx_rows = [nl.ndarray((tile.ps, gn), dtype=nl.float32, buffer=nl.sbuf) for tile in slot_tiles]
+        extra = int(g0 + gn == hidden)                                  # the d topk_weights column
+        dx_rows = [nl.ndarray((tile.ps, gn + extra), dtype=nl.float32, buffer=nl.sbuf) for tile in slot_tiles]
         for w0, wn in spans(gn, dx_span):
             w_sb = load_expert_cols(w_gate_up, expert_reg, row_tiles, g0 + w0, wn)
             for h0, hn in spans(wn, nl.tile_size.gemm_moving_fmax):
@@ -450,8 +453,10 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_tiling):
                 for tile, dx_psum, dx_sb in zip(slot_tiles, dx_psums, dx_rows):
                     for _ in if_live(tile):
                         nisa.tensor_copy(dst=dx_sb[:, w0 + h0:w0 + h0 + hn], src=dx_psum)
-        for tile, dx_sb in zip(slot_tiles, dx_rows):
+        for tile, dx_sb, dw_acc in zip(slot_tiles, dx_rows, dw_accs):
             for _ in if_live(tile):
+                if extra:
+                    nisa.tensor_copy(dst=dx_sb[:, gn:gn + 1], src=dw_acc)
                 scatter_rows(dx_slots, tile.asg, dx_sb, g0)
 
 
@@ -512,7 +517,7 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_
 
 
 def _block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
-               gate, i_chunk, dx_tiling, grad_bufs, dx_slots, dtopk, prefetch):
+               gate, i_chunk, dx_tiling, grad_bufs, dx_slots, prefetch):
     """Block b in guarded phases: transposes, I chunks and weight gradients; then the gathers of
     block b + 1 into rows allocated here (``next_regs`` = its registers, or None; the rows are
     returned); then dx and d topk_weights. GpSimd issues DMAs in program order, so the next
@@ -535,10 +540,7 @@ def _block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, nex
         for _ in nl.dynamic_range(0, next_regs[1]):
             _gather_block(x, dy, topk_w, *next_rows)
     for _ in nl.dynamic_range(0, trips_reg):
-        _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dx_slots, dx_tiling)
-        for tile, dw_acc in zip(slot_tiles, dw_accs):
-            for _ in if_live(tile):
-                scatter_rows(dtopk, tile.asg, dw_acc, 0)
+        _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, dx_tiling)
     return next_rows
 
 
@@ -579,10 +581,11 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
     dx = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
-    dtopk = nl.ndarray(topk_w.shape, dtype=nl.float32, buffer=nl.shared_hbm)
     dw_gate_up = nl.ndarray(w_gate_up.shape, dtype=w_gate_up.dtype, buffer=nl.shared_hbm)
     dw_down = nl.ndarray(w_down.shape, dtype=w_down.dtype, buffer=nl.shared_hbm)
-    dx_slots = nl.ndarray((topk_w.shape[0], x.shape[1]), dtype=nl.float32, buffer=nl.private_hbm)
+    # per assignment: its dx row (fp32) and, in column H, its d topk_weights (an output: the
+    # launcher takes the column as a view)
+    dx_slots = nl.ndarray((topk_w.shape[0], x.shape[1] + 1), dtype=nl.float32, buffer=nl.shared_hbm)
     acc_gu = nl.ndarray(w_gate_up.shape, dtype=nl.float32, buffer=nl.private_hbm)
     acc_d = nl.ndarray(w_down.shape, dtype=nl.float32, buffer=nl.private_hbm)
     bias = _bias_context(b_gate_up, b_down, x.dtype)
@@ -603,13 +606,12 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
         next_regs = block_registers(expert_sb, valid_sb, b + 1) if b + 1 < n_blocks else None
         rows = _block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
                           block, (activation, swiglu_alpha, swiglu_limit), i_chunk, (dx_cols, dx_span), grad_bufs,
-                          dx_slots,
-                          dtopk, prefetch_weights)
+                          dx_slots, prefetch_weights)
         regs = next_regs
     reduce_assignments(dx_slots, dx, top_k)
     if bias is None:
-        return dx, dtopk, dw_gate_up, dw_down
-    return dx, dtopk, dw_gate_up, dw_down, bias[4][1], bias[5][1]
+        return dx, dx_slots, dw_gate_up, dw_down
+    return dx, dx_slots, dw_gate_up, dw_down, bias[4][1], bias[5][1]
 
 
 def _bias_context(b_gate_up, b_down, dtype):
@@ -635,16 +637,18 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` and dx staging
     width ``dx_cols`` (upper bound): the block's resident tiles plus the largest of its three
     phases (loading rows, I chunks, dx), whose tiles are freed before the next phase; the clamped
-    swiglu's temporaries and the bias rows, ones and bias column when asked; with ``overlap``, the
-    next I chunk's weight columns (prefetched); the dx phase's W rows ``dx_span`` wide (default
-    gemm_moving_fmax)."""
+    swiglu's temporaries and the bias rows, ones and bias column when asked (``overlap``, the
+    next I chunk's prefetched weight columns, takes the place of this chunk's); the dx phase's W
+    rows ``dx_span`` wide (default gemm_moving_fmax)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     slot_tiles = st * (2 * hidden * itemsize + 4 * 4)            # x, do rows; ids, weight, d weight
     resident = (2 * ht + 2 * it) * block * itemsize             # xT, dyT, dgT, duT
     load = st * hidden * itemsize                               # phase 1: dy rows (until scaled/transposed)
     staging = 2 * min(hidden, WEIGHT_SPAN) * itemsize           # natural W rows before transposes
-    streamed = (2 if overlap else 1) * 3 * ht * i_chunk * itemsize + staging   # W_gate^T, W_up^T, W_down (+ next)
+    # W_gate^T, W_up^T, W_down of one chunk: the next chunk's (prefetched with ``overlap``) are
+    # allocated after this chunk's are released (``_i_chunk``), so one generation either way
+    streamed = 3 * ht * i_chunk * itemsize + staging
     temps = _FP32_TEMPS_CLAMPED if clamped else _FP32_TEMPS
     chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * temps * i_chunk * 4   # h, dg, du; fp32 temps
     if biases:                                                  # g/u bias rows, ones row/column, b_down column
@@ -658,9 +662,23 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     return flags_sbuf_bytes(n_blocks, block) + modes + max(body, setup, tail_sbuf_bytes(hidden, top_k, itemsize))
 
 
+def chunk_widths(inter):
+    """I chunk widths to try, widest first: for each chunk count n from ceil(I / gemm_moving_fmax)
+    up, I / n rounded up to whole 128-row tiles (I = 768: 384, 256, 128), so that a narrower chunk
+    is taken only when it means fewer, not just narrower, weight-column DMAs per chunk count."""
+    pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    widths = []
+    for n in range(ceil_div(inter, fmax), ceil_div(inter, pmax) + 1):
+        width = min(fmax, ceil_div(ceil_div(inter, n), pmax) * pmax)
+        if width not in widths:
+            widths.append(width)
+    return widths
+
+
 def tiling(hidden, inter, block, itemsize, **counts):
     """(i_chunk, dx_cols, prefetch_weights) of the backward kernel for this shape."""
-    return choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, **counts)
+    return choose_overlap_tiling(sbuf_bytes_at, hidden, hidden, inter, block, itemsize, widths=chunk_widths(inter),
+                                 **counts)
 
 
 def dx_span(hidden, inter, block, itemsize, i_chunk, dx_cols, overlap, **counts):
@@ -721,7 +739,8 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
 def _unpack_grads(x, topk_weights, b_gate_up, b_down, outs):
     """The kernel's gradients in the op's shapes and dtypes (d topk_weights back to (T, k) and the
     routing weights' dtype; empty bias gradients without biases)."""
-    dx, dtopk, dw_gate_up, dw_down = outs[:4]
+    dx, dx_slots, dw_gate_up, dw_down = outs[:4]
+    dtopk = dx_slots[:, -1]                            # column H: d topk_weights per assignment (a view)
     db = (x.new_zeros(0), x.new_zeros(0)) if b_gate_up is None else (outs[4].reshape(b_gate_up.shape),
                                                                      outs[5].reshape(b_down.shape))
-    return (dx, dtopk.reshape(topk_weights.shape).to(topk_weights.dtype), dw_gate_up, dw_down) + db
+    return (dx, dtopk.reshape(topk_weights.shape).to(topk_weights.dtype, copy=True), dw_gate_up, dw_down) + db

@@ -42,14 +42,16 @@ def staged_bytes(cols, hidden, slot_tiles):
     return (1 if cols >= hidden else 2) * slot_tiles * cols * 4
 
 
-def choose_tiling(sbuf_at, hidden, *args, **counts):
+def choose_tiling(sbuf_at, hidden, *args, widths=None, **counts):
     """(chunk, out_cols): the first choice whose SBUF estimate fits, preferring output rows staged
     whole (one indirect scatter per slot tile instead of one per chunk), then wide chunks
-    (gemm_moving_fmax halved down to pmax)."""
-    pmax, width, widths = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax, []
-    while width >= pmax:
-        widths.append(width)
-        width //= 2
+    (``widths``, default gemm_moving_fmax halved down to pmax)."""
+    pmax, width = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    if widths is None:
+        widths = []
+        while width >= pmax:
+            widths.append(width)
+            width //= 2
     choices = [(w, hidden) for w in widths] + [(w, min(w, hidden)) for w in widths]
     for chunk, cols in choices:
         if sbuf_at(*args, chunk, cols, **counts) <= nl.tile_size.total_available_sbuf_size:
@@ -57,15 +59,15 @@ def choose_tiling(sbuf_at, hidden, *args, **counts):
     return choices[-1]
 
 
-def choose_overlap_tiling(sbuf_at, hidden, *args, **counts):
+def choose_overlap_tiling(sbuf_at, hidden, *args, widths=None, **counts):
     """(chunk, out_cols, overlap): :func:`choose_tiling` with the buffers of the kernel's overlap
     (``sbuf_at(..., overlap=True)``: the forward's deferred y scatters, the backward's next-chunk
     weights) counted, unless leaving them out gets a preferred tiling (rows staged whole, or a
     wider chunk); then the kernel runs without the overlap. At deepseek-v3's H=7168 the overlap's
     buffers cost whole staging (forward) or half the I chunk (backward), which cost more than the
     overlap gains (docs/perf-log.md §10.6)."""
-    with_overlap = choose_tiling(sbuf_at, hidden, *args, overlap=True, **counts)
-    without = choose_tiling(sbuf_at, hidden, *args, overlap=False, **counts)
+    with_overlap = choose_tiling(sbuf_at, hidden, *args, widths=widths, overlap=True, **counts)
+    without = choose_tiling(sbuf_at, hidden, *args, widths=widths, overlap=False, **counts)
 
     def preference(choice):
         chunk, cols = choice
