@@ -162,7 +162,7 @@ CLOSE_LAG = 3          # a group's outputs are scaled and stored this many itera
                        # last acc update: the in-order GpSimd and DMA streams would otherwise hold
                        # the next steps' neg_m and K/V loads behind the output, which waits for it
                        # (3, not 2: at dma_chunk_floor_ns=178 the stores wait on the DMA queue
-                       # less, 125.7 -> 124.3 us at 4096 causal; docs/perf-log.md §12.4.5)
+                       # less, 125.7 -> 124.3 us at 4096 causal; docs/perf-log.md §12.4)
 LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
                        # ScalarE table switch to log and back per batch, 8 B/partition each
 K_CACHE_SBUF_SHARE = 4  # K^T of a whole kv head stays resident (loaded once, reused by every
