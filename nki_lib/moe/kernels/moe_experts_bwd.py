@@ -469,10 +469,9 @@ def chunk_weights(w_gate_up, w_down, expert_reg, c0, cn):
             load_expert_cols(w_down, expert_reg, h_tiles, c0, cn)]
 
 
-def _slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, chunk, grads_t):
+def _slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, chunk):
     """One slot tile of an I chunk: g, u, dhy (slots on partitions, contraction over H tiles in
-    PSUM), the elementwise gradients (returned: h, dg, du), dg/du transposed into dgT/duT."""
-    pmax = nl.tile_size.pmax
+    PSUM), the elementwise gradients (returned: h, dg, du)."""
     s0, ps = tile.s0, tile.ps
     c0, cn, h_tiles = chunk
     psums = [nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum) for _ in weights]
@@ -483,12 +482,17 @@ def _slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, chunk, 
         for dst, src_t, w_sb, row_sb in zip(psums, (x_t, x_t, dy_t), weights, rows):
             nisa.nc_matmul(dst=dst, stationary=src_t[:hs, ht, s0:s0 + ps], moving=w_sb[:hs, ht, :],
                            accumulate=ht > 0 or row_sb is not None)
-    grads = _mlp_grads(*psums, tile.w_col, gate, x_t.dtype, dw_acc, c0 == 0)
+    return _mlp_grads(*psums, tile.w_col, gate, x_t.dtype, dw_acc, c0 == 0)
+
+
+def _transpose_grads(grads_t, tile, grads, c0):
+    """dg/du of one slot tile (slots on partitions, an I chunk from c0) into dgT/duT."""
+    pmax = nl.tile_size.pmax
     it0 = c0 // pmax
-    n_sub = len(spans(cn, pmax))
-    for grad_t, grad_sb in zip(grads_t, grads[1:]):
-        transpose_rows(grad_t[:, it0:it0 + n_sub, :], grad_sb, s0)
-    return grads
+    n_sub = len(spans(grads[1].shape[1], pmax))
+    for _ in if_live(tile):
+        for grad_t, grad_sb in zip(grads_t, grads[1:]):
+            transpose_rows(grad_t[:, it0:it0 + n_sub, :], grad_sb, tile.s0)
 
 
 def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_reg, c0, cn, gate,
@@ -505,11 +509,15 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_
     rows = (None, None, None)
     if bias is not None:
         rows = (bias_row(bias[0], expert_reg, c0, cn), bias_row(bias[0], expert_reg, inter + c0, cn), None)
+    # software-pipelined: slot tile n's dg/du transposes follow tile n + 1's matmuls (TensorE runs
+    # in program order: it would otherwise wait out tile n's elementwise chain)
     chunk = []
-    for tile, dw_acc in zip(slot_tiles, dw_accs):
+    for n, (tile, dw_acc) in enumerate(zip(slot_tiles, dw_accs)):
         for _ in if_live(tile):
-            chunk.append(_slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, (c0, cn, h_tiles),
-                                          (dg_t, du_t)))
+            chunk.append(_slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, (c0, cn, h_tiles)))
+        if n > 0:
+            _transpose_grads((dg_t, du_t), slot_tiles[n - 1], chunk[n - 1], c0)
+    _transpose_grads((dg_t, du_t), slot_tiles[-1], chunk[-1], c0)
     weights.clear()                     # last use of this chunk's weights (released)
     next_weights = prefetch()
     _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter)
