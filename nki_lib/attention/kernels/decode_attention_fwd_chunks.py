@@ -172,12 +172,14 @@ def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype
         if pending is not None:
             _flush_pv(pending, ones_col, d_spans, fresh)
         pending = (wave, probs)
-    _flush_pv(pending, ones_col, d_spans, fresh)
+    _flush_pv(pending, ones_col, d_spans, fresh, fresh and len(waves) == 1)
 
 
-def _flush_pv(pending, ones_col, d_spans, fresh):
+def _flush_pv(pending, ones_col, d_spans, fresh, in_place=False):
     """P @ V and the state updates of one wave, in lockstep over its items and row tiles (a packed
-    tile: over its units, each contracting over its own partitions into its own state)."""
+    tile: over its units, each contracting over its own partitions into its own state). ``in_place``:
+    the only wave of fresh single-step jobs, whose merges follow at once -- a folded state then takes
+    its P @ V result where it is (PSUM; no later wave allocates PSUM before the merges free it)."""
     wave, probs = pending
     phases = []
     for ((split_states, _, _, v_chunk), step), item_probs in zip(wave, probs):
@@ -185,7 +187,7 @@ def _flush_pv(pending, ones_col, d_spans, fresh):
         for st, (p_t, neg_m_new) in zip(split_states, item_probs):
             if st.pack == 1:
                 phases.append(step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans,
-                                             pv_direct(*st.acc.shape), first))
+                                             pv_direct(*st.acc.shape), first, in_place=in_place))
                 continue
             rows, part = st.units[0].acc.shape[0], nl.tile_size.pmax // st.pack
             phases += [step_pv_phases(ust, p_t[:, u * rows:(u + 1) * rows, :], neg_m_new[u], v_chunk, step[0],

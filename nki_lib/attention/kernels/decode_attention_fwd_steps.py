@@ -36,6 +36,7 @@ MIN_II_ELEMS = 64                 # an instruction costs at least ~64 engine cyc
 PE_MIN_COLUMNS = 64               # a matmul streams at least min(64, M) columns: r x max(min(64, M), N)
                                   # cycles (docs/cost-model.md, TensorE row)
 KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
+DVE_TRANSPOSE_MAX = 32            # VectorE nc_transpose handles tiles of up to 32 x 32 (nki.isa.nc_transpose docs)
 
 
 def _block_keys_transposed(k_chunk, block, d_spans, m, dtype, engine):
@@ -303,7 +304,8 @@ def pv_direct(rn, d):
     return max(min(PE_MIN_COLUMNS, rn), d) <= max(min(PE_MIN_COLUMNS, dc), rn)
 
 
-def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, direct, fresh=False, parts=None):
+def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, direct, fresh=False, parts=None,
+                   in_place=False):
     """[O | rowsum] (rn, D + 1) of the slots c0 .. c0 + n into one PSUM tile, then the
     online-softmax update of ``state`` (acc | l in one instruction). The row sums are
     matmul(P^T slot j (128, rn), ones (128, 1)) (TensorE has room, VectorE does not). O:
@@ -316,7 +318,10 @@ def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, direct
 
     ``parts`` (start, size): one packed unit, whose keys are on those partitions only: its P^T
     columns and V slots contract over them (a row-tiled matmul), so another unit's keys never meet
-    its zero probabilities (0 * inf would be NaN)."""
+    its zero probabilities (0 * inf would be NaN). ``in_place`` (fresh, folded with a sink: the state's
+    only step, merged right after): the state's acc | l and -m become views of the PSUM result and of
+    -m_new, so no copies sit between P @ V and the merge (without a sink the merge copies l on GpSimd,
+    which cannot read PSUM, so the copies stay)."""
     rn, d = state.acc.shape
     n = p_t.shape[2]
     tiling = {}
@@ -345,6 +350,11 @@ def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, direct
         for h, (d0, dn) in enumerate(d_spans):
             nisa.nc_transpose(dst=o_l[:, d0:d0 + dn], data=o_t_sb[h])
         yield
+    if in_place and fresh and state.folded and state.sink_term is not None:   # the state's only step: its
+        state.acc_l, state.acc, state.l = o_l, o_l[:, 0:d], o_l[:, d:d + 1]   # merge (L = l + sink term on
+        # VectorE, which reads PSUM) takes [O | rowsum] and -m where they are: no copies
+        state.neg_m = neg_m_new
+        return
     if fresh:                                   # alpha = exp(-STAT_INIT - m_new) = 0: plain copies
         nisa.tensor_copy(dst=state.acc_l, src=o_l)
         nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
@@ -465,17 +475,23 @@ class LseTile(nl.NKIObject):
 
 def store_lse(tile, lse, rows):
     """lse = -neg_big + log(total) (+inf where the max is +inf) for every unit of the tile at once,
-    transposed on TensorE to (U, rn) so each unit's rows are one contiguous run of the store."""
+    transposed to (U, rn) so each unit's rows are one contiguous run of the store: on VectorE (SBUF
+    to SBUF, no PE result latency, no eviction) when both sides fit ``DVE_TRANSPOSE_MAX``, else on
+    TensorE. The subtraction runs on GpSimd (SBUF operands), so the chain does not queue behind the
+    merges' VectorE work."""
     pmax = nl.tile_size.pmax
     rn, n_units = tile.total.shape
     lse_sb = nl.ndarray((rn, n_units), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=lse_sb, op=nl.log, data=tile.total)
-    nisa.tensor_tensor(dst=lse_sb, data1=lse_sb, data2=tile.neg_big, op=nl.subtract)
+    nisa.tensor_tensor(dst=lse_sb, data1=lse_sb, data2=tile.neg_big, op=nl.subtract, engine=nisa.engine.gpsimd)
     inf_max_rows(lse_sb, tile.neg_big)
     for k0, kn in spans(n_units, pmax):
-        lse_t_psum = nl.ndarray((kn, rn), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_transpose(dst=lse_t_psum, data=lse_sb[:, k0:k0 + kn])
         lse_t_sb = nl.ndarray((kn, rn), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=lse_t_sb, src=lse_t_psum)
+        if kn <= DVE_TRANSPOSE_MAX and rn <= DVE_TRANSPOSE_MAX:
+            nisa.nc_transpose(dst=lse_t_sb, data=lse_sb[:, k0:k0 + kn], engine=nisa.engine.vector)
+        else:
+            lse_t_psum = nl.ndarray((kn, rn), dtype=nl.float32, buffer=nl.psum)
+            nisa.nc_transpose(dst=lse_t_psum, data=lse_sb[:, k0:k0 + kn])
+            nisa.tensor_copy(dst=lse_t_sb, src=lse_t_psum)
         unit0 = tile.first + k0 * tile.stride
         nisa.dma_copy(dst=lse.ap([[tile.stride * rows, kn], [1, rn]], offset=unit0 * rows + tile.r0), src=lse_t_sb)

@@ -524,7 +524,7 @@ def _kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
                 ensure_rows(m + 1)
                 if pairs[j] is None:
                     pairs[j] = new_pair(j)
-                if i % 2 == 0 and i + 1 < len(grp):   # interior neighbours: one dS^T DMA transpose
+                if i in _couple_starts(ins, cfg) and i + 1 < len(grp):   # interior neighbours: one dS^T DMA
                     pairs[j + 1] = new_pair(j + 1)
                     if all(_interior(p, kv, cfg) for p in pairs[j:j + 2]):
                         DsCouple(pairs[j:j + 2], loaded[n][0].dtype)
@@ -556,6 +556,16 @@ def _kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
                     loaded[n] = None
     for hs in hstats.values():
         flash_attention_bwd_prep.head_finish(prep, hs)
+
+
+def _couple_starts(ins, cfg):
+    """Positions in a unit of the pairs that start a :class:`DsCouple` (with the next pair): every
+    other pair when the kv head's query groups stay in SBUF (``q_cached``) or D > 128 (twice the
+    TensorE work per pair for the same dS^T DMA); else only the first, since each unit then also
+    reloads its group's Q^T, dO^T and rows and the DMA queue would bound the kernel (B = 1,
+    Hq = 8, Hkv = 1, S = 2048, D = 128 causal: 394.7 us without couples, 401.7 with every pair
+    coupled (DMA-bound), 373.5 us with one couple per unit; docs/perf-log.md §12.5)."""
+    return (0, 2) if ins.q_cache is not None or cfg.head_dim > nl.tile_size.pmax else (0,)
 
 
 def _interior(pair, kv, cfg):

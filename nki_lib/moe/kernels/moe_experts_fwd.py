@@ -140,7 +140,7 @@ def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h
         rows = (None, None)
         if b_gate_up is not None:
             rows = (bias_row(b_gate_up, expert_reg, i0, isz), bias_row(b_gate_up, expert_reg, inter + i0, isz))
-        for s0, ps, _, live_reg, _ in slot_tiles:
+        for s0, ps, _, live_reg, _, _ in slot_tiles:
             for _ in nl.dynamic_range(0, live_reg):
                 g_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
                 u_psum = nl.ndarray((isz, ps), dtype=nl.float32, buffer=nl.psum)
@@ -207,19 +207,19 @@ def _down_chunk(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_rows, ch
     y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
     if b_down is not None:
         row_sb = bias_row(b_down, expert_reg, c0, hn)
-        for (_, ps, _, live_reg, _), y_psum in zip(slot_tiles, y_psums):
+        for (_, ps, _, live_reg, _, _), y_psum in zip(slot_tiles, y_psums):
             for _ in nl.dynamic_range(0, live_reg):
                 add_outer(y_psum, ones_sb[:, :ps], row_sb)
     load = load_expert_cols if gu_cols else load_expert_t
     for n, span in enumerate(weight_spans(i_tiles)):
         wd_t, col = (load(w_down, expert_reg, span, c0, hn), 0) if wide is None else (wide[n], w0)
-        for (s0, ps, _, live_reg, _), y_psum in zip(slot_tiles, y_psums):
+        for (s0, ps, _, live_reg, _, _), y_psum in zip(slot_tiles, y_psums):
             for _ in nl.dynamic_range(0, live_reg):
                 for si, (i0, isz) in enumerate(span):
                     it = i0 // nl.tile_size.pmax
                     nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps],
                                    moving=wd_t[:isz, si, col:col + hn], accumulate=it > 0 or b_down is not None)
-    for (*_, live_reg, _), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
+    for (*_, live_reg, _, _), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
         for _ in nl.dynamic_range(0, live_reg):
             nisa.activation(dst=y_sb[:, y0:y0 + hn], op=nl.copy, data=y_psum)
 
@@ -236,21 +236,23 @@ def scatter_deferred(y_slots, deferred):
         return
     trips_reg, slot_tiles, rows, g0 = deferred
     for _ in (range(1) if trips_reg is None else nl.dynamic_range(0, trips_reg)):
-        for (_, _, _, live_reg, asg_sb), y_sb in zip(slot_tiles, rows):
+        for (_, _, _, live_reg, asg_sb, _), y_sb in zip(slot_tiles, rows):
             for _ in nl.dynamic_range(0, live_reg):
                 scatter_rows(y_slots, asg_sb, y_sb, g0)
     rows.clear()
 
 
 def _group_tiles(ids, live_sb, g, group):
-    """Slot tiles (s0, ps, token ids (ps, 1), live register, assignment ids (ps, 1)) of group g
-    (``ids`` = the (token, assignment) id tiles); the register is the tile's 0/1 guard."""
+    """Slot tiles (s0, ps, token ids (ps, 1), live register, assignment ids (ps, 1), partial
+    register) of group g (``ids`` = the (token, assignment) id tiles and the partial flags); the
+    live register is the tile's 0/1 guard, the partial one guards the zero fill of its gather."""
     slot_tiles = []
     for st, (s0, ps) in enumerate(spans(group, nl.tile_size.pmax)):
-        live_reg = nisa.register_alloc()
+        live_reg, partial_reg = nisa.register_alloc(), nisa.register_alloc()
         p, gt = g % nl.tile_size.pmax, g // nl.tile_size.pmax
         nisa.register_load(live_reg, live_sb[p:p + 1, gt, st:st + 1])
-        slot_tiles.append((s0, ps, ids[0][:ps, st, g:g + 1], live_reg, ids[1][:ps, st, g:g + 1]))
+        nisa.register_load(partial_reg, ids[2][p:p + 1, gt, st:st + 1])
+        slot_tiles.append((s0, ps, ids[0][:ps, st, g:g + 1], live_reg, ids[1][:ps, st, g:g + 1], partial_reg))
     return slot_tiles
 
 
@@ -259,9 +261,9 @@ def _gather_group(x, slot_tiles, trips_reg):
     tile's guard)."""
     x_rows = [nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
-        for (_, _, tok_sb, live_reg, _), rows_sb in zip(slot_tiles, x_rows):
+        for (_, _, tok_sb, live_reg, _, partial_reg), rows_sb in zip(slot_tiles, x_rows):
             for _ in nl.dynamic_range(0, live_reg):
-                gather_rows_into(rows_sb, x, tok_sb)
+                gather_rows_into(rows_sb, x, tok_sb, fill_reg=partial_reg)
     return x_rows
 
 
@@ -269,7 +271,7 @@ def _transpose_group(x_t, slot_tiles, x_rows, trips_reg):
     """xT[:, :, slots] = x rows^T per live slot tile (a function, so that no loop variable keeps a
     row tile alive after the caller releases the rows)."""
     for _ in nl.dynamic_range(0, trips_reg):
-        for (s0, _, _, live_reg, _), rows_sb in zip(slot_tiles, x_rows):
+        for (s0, _, _, live_reg, _, _), rows_sb in zip(slot_tiles, x_rows):
             for _ in nl.dynamic_range(0, live_reg):
                 transpose_rows(x_t, rows_sb, s0)
 
@@ -327,8 +329,8 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
     y_slots = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.shared_hbm)
     expert_sb, valid_sb = block_flags(group_expert)
-    asg_ids, live_sb = load_all_ids(slot_assignment, n_groups, group, live=True)
-    ids = (load_all_ids(slot_token, n_groups, group), asg_ids)
+    asg_ids, live_sb, partial_sb = load_all_ids(slot_assignment, n_groups, group, live=True, partial=True)
+    ids = (load_all_ids(slot_token, n_groups, group), asg_ids, partial_sb)
     ones_sb = ones_row(nl.tile_size.pmax, x.dtype)
     weights = (w_gate_up, w_down, b_gate_up, b_down)
     gate = (activation, swiglu_alpha, swiglu_limit)
@@ -388,7 +390,7 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
               rows + h_t + staging + down + bias)               # down, next group's rows (xT released)
     deferred = st * min(y_cols, hidden) * 4 if overlap else 0   # previous group's last staged y rows
     body = max(phases) + deferred
-    live_flags = n_blocks * st * 4
+    live_flags = 2 * n_blocks * st * 4                        # live and partial flags of the slot tiles
     return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, tail_sbuf_bytes(hidden, top_k, itemsize))
 
 

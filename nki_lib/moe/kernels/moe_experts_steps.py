@@ -32,17 +32,20 @@ def act_fn(activation):
     return {"silu": nl.silu, "gelu": nl.gelu, "gelu_tanh": nl.gelu_apprx_tanh}[activation]
 
 
-def load_all_ids(slot_ids, n_blocks, block, live=False):
+def load_all_ids(slot_ids, n_blocks, block, live=False, partial=False):
     """(P, ST, NB) int32 tile: [p, st, b] = slot_ids[b * B + st * 128 + p] (token or assignment ids,
     -1 = padding), loaded once per kernel: one contiguous DMA per 128 blocks (blocks on
     partitions), then TensorE transposes put the slots on partitions. With ``live``, also the
     (P, NBT, ST) int32 live flags: [p, bt, st] = 1 when slot tile st of block bt * 128 + p holds an
-    id >= 0 (a max over the tile's ids per partition, then a compare, on VectorE)."""
+    id >= 0 (a max over the tile's ids per partition, then a compare, on VectorE); with
+    ``partial`` (and ``live``), also the same-shaped flags = 1 when the tile holds an id -1 (a min
+    and a compare): (ids, live, partial)."""
     pmax = nl.tile_size.pmax
     st_tiles = spans(block, pmax)
     b_tiles = spans(n_blocks, pmax)
     ids_sb = nl.ndarray((pmax, len(st_tiles), n_blocks), dtype=nl.int32, buffer=nl.sbuf)
     live_sb = nl.ndarray((pmax, len(b_tiles), len(st_tiles)), dtype=nl.int32, buffer=nl.sbuf) if live else None
+    partial_sb = nl.ndarray((pmax, len(b_tiles), len(st_tiles)), dtype=nl.int32, buffer=nl.sbuf) if partial else None
     for bt, (b0, nb) in enumerate(b_tiles):
         rows_sb = nl.ndarray((nb, block), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=rows_sb, src=slot_ids[b0 * block:(b0 + nb) * block])
@@ -53,15 +56,24 @@ def load_all_ids(slot_ids, n_blocks, block, live=False):
             if live:
                 nisa.tensor_reduce(dst=live_sb[:nb, bt, st:st + 1], op=nl.maximum, data=rows_sb[:, s0:s0 + ps],
                                    axis=1)
+            if partial:
+                nisa.tensor_reduce(dst=partial_sb[:nb, bt, st:st + 1], op=nl.minimum, data=rows_sb[:, s0:s0 + ps],
+                                   axis=1)
         if live:
             nisa.tensor_scalar(dst=live_sb[:nb, bt, :], data=live_sb[:nb, bt, :], op0=nl.greater_equal, operand0=0)
+        if partial:
+            nisa.tensor_scalar(dst=partial_sb[:nb, bt, :], data=partial_sb[:nb, bt, :], op0=nl.less, operand0=0)
+    if partial:
+        return ids_sb, live_sb, partial_sb
     return (ids_sb, live_sb) if live else ids_sb
 
 
-def gather_rows_into(rows_sb, src, ids_sb):
-    """rows_sb (ps, C) = src[ids] (src (R, C) in HBM); rows with id -1 stay zero."""
+def gather_rows_into(rows_sb, src, ids_sb, fill_reg=None):
+    """rows_sb (ps, C) = src[ids] (src (R, C) in HBM); rows with id -1 stay zero. ``fill_reg``: a
+    0/1 register, 1 when the tile holds an id -1 (the zero fill runs only then), or None (always)."""
     ps, cols = rows_sb.shape
-    nisa.memset(dst=rows_sb, value=0.0, engine=nisa.engine.gpsimd)   # GpSimd issues the gather next
+    for _ in (range(1) if fill_reg is None else nl.dynamic_range(0, fill_reg)):
+        nisa.memset(dst=rows_sb, value=0.0, engine=nisa.engine.gpsimd)   # GpSimd issues the gather next
     nisa.dma_copy(dst=rows_sb,
                   src=src.ap([[cols, ps], [1, cols]], offset=0, vector_offset=ids_sb, indirect_dim=0),
                   oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
