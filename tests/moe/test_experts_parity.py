@@ -139,3 +139,18 @@ def test_grouped_blocks():
     check(sample(300, 24, 16, 2, 2, 64, torch.bfloat16))
     check(sample(100, 24, 16, 2, 1, 48, torch.float32, "gelu"))
     check(sample(700, 16, 8, 1, 1, 8, torch.float16, "gelu_tanh"))
+
+
+def test_padding_tile_inside_a_group():
+    """A plan whose expert has a part-filled block followed by another of its blocks (valid: every
+    assignment once, the expert's blocks consecutive): the backward's group then has a padding
+    slot tile between live ones, which its guards skip while the later tiles stay aligned."""
+    s = sample(20, 24, 16, 1, 1, 256, torch.float32, topk_ids=torch.zeros(20, 1, dtype=torch.int64))
+    args = list(s.args)
+    block_expert, slot_assignment = args[2], args[3]
+    assert block_expert.numel() == 1
+    slots = torch.full((2 * 256,), -1, dtype=slot_assignment.dtype)
+    slots[:10], slots[256:266] = torch.arange(10), torch.arange(10, 20)   # tile 1 of block 0: padding
+    args[2] = torch.zeros(2, dtype=block_expert.dtype)
+    args[3] = slots
+    check(type(s)(tuple(args), s.kwargs, s.label + " padding tile inside a group"))

@@ -19,6 +19,7 @@ Limits: q rows of at most ``Q_LOAD_ROW_BYTES`` per partition row of the load; th
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
+from nki_lib.sizes import spans
 
 __all__ = ["StreamSetup", "load_q_t", "load_sink", "store_out", "stream_setup", "unit_table_width",
            "zero_invisible_rows", "RANGE_BOUNDS", "DIRECT_PIECE_SLOTS", "Q_LOAD_ROW_BYTES", "OUT_STORE_LAG",
@@ -33,6 +34,8 @@ Q_LOAD_ROW_BYTES = 4096           # ... and at most 4 KiB per partition row (lon
                                   # bandwidth at every documented per-descriptor floor)
 OUT_STORE_LAG = 2                 # units whose out stores wait behind later units' loads (the DMA
                                   # engines serve in program order: an early store would hold them)
+DMA_ENGINE_PARTITIONS = 8         # a DMA engine serves 8 partitions of a tile (Neuron DMA overview): a
+                                  # DMA of at most 8 partitions is one engine's, row after row
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers (divided by the
                                   # number of row tiles, whose working sets grow); streams (one per
                                   # (b, hk, split)) rotate over the pairs that fit, so consecutive
@@ -78,8 +81,13 @@ def load_sink(sink_rows, hk, r0, rn):
 
 
 def store_out(out, out_sb, row0):
+    """Out rows (rn, D) -> rows row0 .. row0 + rn of the flattened (B*Hq*Sq, D) output. A tile of at
+    most ``DMA_ENGINE_PARTITIONS`` rows would be one DMA engine's work, its rows served one after
+    another; it leaves as two DMAs of half the rows (two engines, the same descriptors)."""
     rn, d = out_sb.shape
-    nisa.dma_copy(dst=out.ap([[d, rn], [1, d]], offset=row0 * d), src=out_sb)
+    pieces = spans(rn, (rn + 1) // 2) if 1 < rn <= DMA_ENGINE_PARTITIONS else [(0, rn)]
+    for r0, n in pieces:
+        nisa.dma_copy(dst=out.ap([[d, n], [1, d]], offset=(row0 + r0) * d), src=out_sb[r0:r0 + n])
 
 
 def zero_invisible_rows(v_chunk, key_slots, window_sb):

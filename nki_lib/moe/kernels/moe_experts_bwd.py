@@ -25,21 +25,27 @@ gather, matmul or write -- the first tile is always computed, its padding rows a
      routing weights — issued during block b - 1, before its scatters of step 3 (GpSimd issues
      DMAs in program order), into rows allocated after block b - 1's I chunks; do = w_a * dy
      rows; PE-transpose x and dy into xT / dyT (H on partitions).
-  2. per I chunk (<= 512, narrowed to fit SBUF): W_gate^T/W_up^T columns (rows loaded, then
+  2. per I chunk (<= 512, I / n rounded up to 128 rows for the fewest chunks n that fit SBUF,
+     :func:`chunk_widths`; the next chunk's weights prefetched before this chunk's gradient
+     stores): W_gate^T/W_up^T columns (rows loaded, then
      PE-transposed to H on partitions) and W_down columns (natural layout: H already on
      partitions), selected by the expert register; per slot tile g, u, dhy (slots on
      partitions, I chunk free) in fp32 PSUM (contraction over H tiles), then on ScalarE/VectorE:
      act, act' (silu_dx / gelu_dx; the tanh-GELU derivative composed from nl.tanh and VectorE
      ops), h, the partial d topk_weights, dg, du; PE-transpose dg/du into dgT/duT (I on
-     partitions). Weight gradients of the chunk: contraction over the block's slots in PSUM
-     (dW_down = do^T h, dW_gate = dg^T x, dW_up = du^T x), then by the block's mode (nested
+     partitions; software-pipelined: a tile's transposes follow the next tile's matmuls).
+     Weight gradients of the chunk: contraction over the block's slots in PSUM (dW_down = do^T h,
+     dW_gate = dg^T x, dW_up = du^T x; row pieces of up to ROW_BANKS PSUM banks evicted into one
+     SBUF row and moved with one DMA), then by the block's mode (nested
      dynamic loops of 0/1 trips): only -> write the gradient rows in the weights' dtype; first ->
      write fp32 accumulator rows (HBM scratch); middle -> fp32 read-modify-write; last -> read,
      add, cast and write the gradient rows. Blocks in order: deterministic; an expert with one
      block never touches the fp32 scratch.
   3. dx rows = dgT^T W_gate + duT^T W_up per H chunk (contraction over I tiles in PSUM; natural
-     weight rows), staged in SBUF and scattered to the fp32 scratch dx_slots[a]; d topk_weights[a]
-     scattered directly (one row per assignment, written once).
+     weight rows of all I tiles loaded once per ``dx_span`` columns), staged in SBUF and
+     scattered to dx_slots[a, :H] (fp32, shared HBM, an output), with d topk_weights[a] in column
+     H of the same rows (one indirect scatter per slot tile for both; the launcher takes the
+     column as a view).
 finally dx[t] = sum_j dx_slots[t * k + j] (fp32, fixed order).
 
 Loop structure: idle experts (static > dynamic guard); ids; blocks (static) > guard (dynamic) >
@@ -57,7 +63,7 @@ Limits: as the forward (bf16/fp16/fp32, B <= 512, LNC1) with the SBUF estimate :
 (x, do rows and xT, dyT, dgT, duT of one block are resident, plus one I chunk of three weight
 column tiles, plus the next block's gathered rows during step 3); every assignment appears
 exactly once in the plan and each expert's blocks are consecutive (validated by the op); the
-mode guards nest dynamic loops inside the block guard (NKI >= 0.6). HBM scratch: dx_slots N x H
+mode guards nest dynamic loops inside the block guard (NKI >= 0.6). HBM scratch: dx_slots N x (H + 1)
 fp32, fp32 weight-gradient accumulators 3 x E x H x I (touched only by experts with several
 blocks).
 """
@@ -406,9 +412,9 @@ def _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert
     row_cols = ROW_BANKS * fmax
     for h0, hs in spans(hidden, pmax):
         part_psum = nl.ndarray((hs, cn), dtype=nl.float32, buffer=nl.psum)
-        for st, (tile, do_sb, (hx_sb, _, _)) in enumerate(zip(slot_tiles, do_rows, chunk)):
+        for st, (tile, do_sb, grads) in enumerate(zip(slot_tiles, do_rows, chunk)):
             for _ in if_live(tile):
-                nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=hx_sb, accumulate=st > 0)
+                nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=grads[0], accumulate=st > 0)
         accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, h0, c0, [part_psum])
     for which, row0 in ((1, c0), (2, inter + c0)):
         for i0, isz in spans(cn, pmax):
@@ -469,10 +475,9 @@ def chunk_weights(w_gate_up, w_down, expert_reg, c0, cn):
             load_expert_cols(w_down, expert_reg, h_tiles, c0, cn)]
 
 
-def _slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, chunk, grads_t):
+def _slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, chunk):
     """One slot tile of an I chunk: g, u, dhy (slots on partitions, contraction over H tiles in
-    PSUM), the elementwise gradients (returned: h, dg, du), dg/du transposed into dgT/duT."""
-    pmax = nl.tile_size.pmax
+    PSUM), the elementwise gradients (returned: h, dg, du)."""
     s0, ps = tile.s0, tile.ps
     c0, cn, h_tiles = chunk
     psums = [nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum) for _ in weights]
@@ -483,12 +488,17 @@ def _slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, chunk, 
         for dst, src_t, w_sb, row_sb in zip(psums, (x_t, x_t, dy_t), weights, rows):
             nisa.nc_matmul(dst=dst, stationary=src_t[:hs, ht, s0:s0 + ps], moving=w_sb[:hs, ht, :],
                            accumulate=ht > 0 or row_sb is not None)
-    grads = _mlp_grads(*psums, tile.w_col, gate, x_t.dtype, dw_acc, c0 == 0)
+    return _mlp_grads(*psums, tile.w_col, gate, x_t.dtype, dw_acc, c0 == 0)
+
+
+def _transpose_grads(grads_t, tile, grads, c0):
+    """dg/du of one slot tile (slots on partitions, an I chunk from c0) into dgT/duT."""
+    pmax = nl.tile_size.pmax
     it0 = c0 // pmax
-    n_sub = len(spans(cn, pmax))
-    for grad_t, grad_sb in zip(grads_t, grads[1:]):
-        transpose_rows(grad_t[:, it0:it0 + n_sub, :], grad_sb, s0)
-    return grads
+    for _ in if_live(tile):
+        n_sub = len(spans(grads[1].shape[1], pmax))
+        for grad_t, grad_sb in zip(grads_t, grads[1:]):
+            transpose_rows(grad_t[:, it0:it0 + n_sub, :], grad_sb, tile.s0)
 
 
 def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_reg, c0, cn, gate,
@@ -505,11 +515,19 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_
     rows = (None, None, None)
     if bias is not None:
         rows = (bias_row(bias[0], expert_reg, c0, cn), bias_row(bias[0], expert_reg, inter + c0, cn), None)
+    # software-pipelined: slot tile n's dg/du transposes follow tile n + 1's matmuls (TensorE runs
+    # in program order: it would otherwise wait out tile n's elementwise chain)
+    # (one entry per slot tile, None for a skipped one: a 0-trip guard does not run its body, so
+    # the entries stay aligned with slot_tiles whichever tiles are padding)
     chunk = []
-    for tile, dw_acc in zip(slot_tiles, dw_accs):
+    for n, (tile, dw_acc) in enumerate(zip(slot_tiles, dw_accs)):
+        entry = [None]
         for _ in if_live(tile):
-            chunk.append(_slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, (c0, cn, h_tiles),
-                                          (dg_t, du_t)))
+            entry[0] = _slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, (c0, cn, h_tiles))
+        chunk.append(entry[0])
+        if n > 0:
+            _transpose_grads((dg_t, du_t), slot_tiles[n - 1], chunk[n - 1], c0)
+    _transpose_grads((dg_t, du_t), slot_tiles[-1], chunk[-1], c0)
     weights.clear()                     # last use of this chunk's weights (released)
     next_weights = prefetch()
     _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter)
