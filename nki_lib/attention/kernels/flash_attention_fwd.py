@@ -57,7 +57,7 @@ The steps run as a software pipeline (each engine executes its instruction strea
 iteration ``it`` loads the K^T of step ``it + SCORE_LEAD + 1`` and the V of ``it + 1``, evicts
 the P^T of ``it - 1``, issues the softmax of ``it + 1``, QK^T and scores of ``it + SCORE_LEAD``
 (with softcap: of SOFTCAP_BATCH steps every SOFTCAP_BATCH iterations, so the tanh/exp table
-switches happen once per batch), the transposes of ``it``, P @ V of ``it - PV_LAG`` and the
+switches happen once per batch), P @ V of ``it - PV_LAG``, the transposes of ``it`` and the
 acc update of ``it - ACC_LAG``; a group's output is stored ``CLOSE_LAG`` iterations after its
 last acc update. The last ``DRAIN_STEPS`` steps evict all their P^T blocks on VectorE. Every tile is a fresh allocation, so loads of later steps overlap compute
 (multi-buffering). lse is gathered column by column as groups close and finished in batches of
@@ -148,16 +148,21 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_SBUF_SHARE = 4   # per-head resident state may use 1/4 of SBUF; the rest streams K/V/S/P
 SCORE_LEAD = 3         # QK^T and the row max of a step are issued this many iterations before
                        # its P^T, so the PE -> DVE -> ACT chain feeding each exp is covered
-PV_LAG = 2             # P @ V of a step is issued this many iterations after its P^T (its V
-                       # is loaded one iteration before the P^T)
+PV_LAG = 3             # P @ V of a step is issued this many iterations after its P^T (its V
+                       # is loaded one iteration before the P^T), and before the iteration's
+                       # transposes: those wait on the newest exp, P @ V on evictions issued two
+                       # iterations earlier, so TensorE's in-order stream stalls less
 ACC_LAG = 3            # the acc update of a step is issued this many iterations after its P^T
+                       # (the iteration of its P @ V: the add reads O right after TensorE)
 SOFTCAP_BATCH = 4      # softcap: steps whose tanh scores are issued together (2 table switches
                        # per batch, 1.3 us each on trn2); costs 3 more S sections in SBUF
 DRAIN_STEPS = 4        # the last steps' P^T blocks are all evicted by VectorE: its score work is
                        # done by then, while ScalarE still has their exps (the drain)
-CLOSE_LAG = 2          # a group's outputs are scaled and stored this many iterations after its
+CLOSE_LAG = 3          # a group's outputs are scaled and stored this many iterations after its
                        # last acc update: the in-order GpSimd and DMA streams would otherwise hold
                        # the next steps' neg_m and K/V loads behind the output, which waits for it
+                       # (3, not 2: at dma_chunk_floor_ns=178 the stores wait on the DMA queue
+                       # less, 125.7 -> 124.3 us at 4096 causal; docs/perf-log.md §12.4)
 LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
                        # ScalarE table switch to log and back per batch, 8 B/partition each
 K_CACHE_SBUF_SHARE = 4  # K^T of a whole kv head stays resident (loaded once, reused by every
@@ -222,7 +227,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
     # and QK -> row max hand-offs):
     #   load K^T(it + SCORE_LEAD + 1), V(it + 1)   evict P^T(it - 1) [ACT, DVE]
     #   softmax(it + 1) [POOL, ACT]   QK^T + scores(it + SCORE_LEAD) [PE, DVE (+ ACT tanh)]
-    #   P^T(it) [PE]   P @ V(it - PV_LAG) [PE]   l, acc(it - ACC_LAG) [POOL, DVE]
+    #   P @ V(it - PV_LAG) [PE]   P^T(it) [PE]   l, acc(it - ACC_LAG) [POOL, DVE]
     #   outputs of the groups whose last acc update was CLOSE_LAG iterations ago [POOL, DMA]
     # with softcap, the scores (tanh) of SOFTCAP_BATCH steps are issued together, so ScalarE
     # switches between the tanh and exp tables twice per batch instead of twice per step
@@ -243,8 +248,8 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
             for s in range(it + SCORE_LEAD, it + SCORE_LEAD + score_batch):
                 load_k(ctx, groups, steps, s)
                 stage_scores(groups, steps, work, s, scale / exp_scale, softcap)
-        stage_transpose(groups, steps, work, it)
         stage_pv(groups, steps, work, it - PV_LAG)
+        stage_transpose(groups, steps, work, it)
         closing.append([])
         stage_acc(groups, steps, work, it - ACC_LAG, closing[-1], softcap == 0)
         if len(closing) > CLOSE_LAG:
