@@ -42,7 +42,8 @@ gather, matmul or write -- the first tile is always computed, its padding rows a
      add, cast and write the gradient rows. Blocks in order: deterministic; an expert with one
      block never touches the fp32 scratch.
   3. dx rows = dgT^T W_gate + duT^T W_up per H chunk (contraction over I tiles in PSUM; natural
-     weight rows of all I tiles loaded once per ``dx_span`` columns), staged in SBUF and
+     weight rows of all I tiles loaded once per ``dx_span`` columns, the first span by the last
+     I chunk's prefetch, ahead of its gradient stores), staged in SBUF and
      scattered to dx_slots[a, :H] (fp32, shared HBM, an output), with d topk_weights[a] in column
      H of the same rows (one indirect scatter per slot tile for both; the launcher takes the
      column as a view).
@@ -430,7 +431,21 @@ def _chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert
                 accumulate_rows(acc_gu, dw_gate_up, mode_regs, expert_reg, row0 + i0, g0, parts)
 
 
-def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, dx_tiling):
+def _dx_row_tiles(w_gate_up):
+    """The (row, rows) tiles of W_gate then W_up (natural layout, I tiles of 128 rows)."""
+    inter = w_gate_up.shape[1] // 2
+    i_tiles = spans(inter, nl.tile_size.pmax)
+    return [*i_tiles, *((inter + i0, isz) for i0, isz in i_tiles)]
+
+
+def dx_first_weights(w_gate_up, expert_reg, dx_tiling):
+    """The dx phase's first span of W_gate/W_up rows (loaded early: see :func:`_block_grads`)."""
+    dx_cols, dx_span = dx_tiling
+    wn = min(dx_cols, dx_span, w_gate_up.shape[2])
+    return load_expert_cols(w_gate_up, expert_reg, _dx_row_tiles(w_gate_up), 0, wn)
+
+
+def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, dx_tiling, first_w=None):
     """dx_slots[a, :H] = dg @ W_gate + du @ W_up: per H chunk, contraction over I tiles in PSUM;
     rows staged ``dx_cols`` wide in SBUF and scattered once per slot tile and group, the last
     group's rows with one more column, dx_slots[a, H] = d topk_weights[a] (``dw_accs``), so that
@@ -441,14 +456,15 @@ def _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, dx_til
     inter = w_gate_up.shape[1] // 2
     hidden = w_gate_up.shape[2]
     i_tiles = spans(inter, nl.tile_size.pmax)
-    row_tiles = [*i_tiles, *((inter + i0, isz) for i0, isz in i_tiles)]     # W_gate rows, then W_up rows
+    row_tiles = _dx_row_tiles(w_gate_up)
     grads = [(dg_t, it, isz) for it, (_, isz) in enumerate(i_tiles)] + \
             [(du_t, it, isz) for it, (_, isz) in enumerate(i_tiles)]
     for g0, gn in spans(hidden, dx_cols):
         extra = int(g0 + gn == hidden)                                  # the d topk_weights column
         dx_rows = [nl.ndarray((tile.ps, gn + extra), dtype=nl.float32, buffer=nl.sbuf) for tile in slot_tiles]
         for w0, wn in spans(gn, dx_span):
-            w_sb = load_expert_cols(w_gate_up, expert_reg, row_tiles, g0 + w0, wn)
+            w_sb = first_w if first_w is not None and g0 + w0 == 0 else \
+                load_expert_cols(w_gate_up, expert_reg, row_tiles, g0 + w0, wn)
             for h0, hn in spans(wn, nl.tile_size.gemm_moving_fmax):
                 dx_psums = [nl.ndarray((tile.ps, hn), dtype=nl.float32, buffer=nl.psum) for tile in slot_tiles]
                 for rt, (grad_t, it, isz) in enumerate(grads):
@@ -549,16 +565,18 @@ def _block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, nex
     dg_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     du_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     dw_accs = [nl.ndarray((tile.ps, 1), dtype=nl.float32, buffer=nl.sbuf) for tile in slot_tiles]
+    dx_first = []                       # the dx phase's first W rows, loaded with the last chunk
     for _ in nl.dynamic_range(0, trips_reg):
         _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg, mode_regs, block,
-                     gate, (i_chunk, prefetch), dg_t, du_t, grad_bufs)
+                     gate, (i_chunk, prefetch, dx_tiling, dx_first), dg_t, du_t, grad_bufs)
     next_rows = None
     if next_regs is not None:
         next_rows = _block_rows(x, dy, ids, b + 1, block)
         for _ in nl.dynamic_range(0, next_regs[1]):
             _gather_block(x, dy, topk_w, *next_rows)
     for _ in nl.dynamic_range(0, trips_reg):
-        _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, dx_tiling)
+        _dx(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, dx_tiling,
+            dx_first[0] if dx_first else None)
     return next_rows
 
 
@@ -567,7 +585,11 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
     """xT, dyT and do from the gathered rows, then the I chunks (weight gradients, dgT, duT), then
     the down bias's share of d topk_weights. ``chunking`` = (I chunk, prefetch): with prefetch the
     next chunk's weights are loaded inside this chunk, else after it (see :func:`tiling`)."""
-    i_chunk, prefetch = chunking
+    i_chunk, prefetch, dx_tiling, dx_first = chunking
+
+    def last_prefetch():
+        # the dx phase's first W rows, before the last chunk's weight-gradient stores
+        dx_first.append(dx_first_weights(w_gate_up, expert_reg, dx_tiling))
     pmax = nl.tile_size.pmax
     x_t = nl.ndarray((pmax, len(spans(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
     for tile in slot_tiles:
@@ -581,7 +603,8 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
         # start in program order; the stores wait for their PSUM evictions)
         following = chunks[n + 1] if n + 1 < len(chunks) else None
         weights = _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights,
-                           (lambda: None) if following is None or not prefetch else
+                           (last_prefetch if prefetch else (lambda: None)) if following is None else
+                           (lambda: None) if not prefetch else
                            (lambda c=following: chunk_weights(w_gate_up, w_down, expert_reg, *c)),
                            expert_reg, c0, cn, gate, dg_t, du_t, grad_bufs, mode_regs)
         if following is not None and not prefetch:
@@ -666,7 +689,8 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     staging = 2 * min(hidden, WEIGHT_SPAN) * itemsize           # natural W rows before transposes
     # W_gate^T, W_up^T, W_down of one chunk: the next chunk's (prefetched with ``overlap``) are
     # allocated after this chunk's are released (``_i_chunk``), so one generation either way
-    streamed = 3 * ht * i_chunk * itemsize + staging
+    # (with ``overlap``, the last chunk prefetches the dx phase's first W rows in their place)
+    streamed = max(3 * ht * i_chunk, 2 * it * (dx_span or fmax) if overlap else 0) * itemsize + staging
     temps = _FP32_TEMPS_CLAMPED if clamped else _FP32_TEMPS
     chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * temps * i_chunk * 4   # h, dg, du; fp32 temps
     if biases:                                                  # g/u bias rows, ones row/column, b_down column
