@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from nki_lib import backend, registry, simulator
 from nki_lib.attention import flash_attention_reference, masks
 from nki_lib.attention.kernels import flash_attention_fwd, tiles
+from nki_lib.attention.kernels import flash_attention_fwd_step as fwd_step
 from nki_lib.dispatch import Unsupported, collect_runs
 from nki_lib.numerics import parity
 from nki_lib.numerics.oppar import op_parity
@@ -145,6 +146,22 @@ def _trace_of(case: Case):
     return report
 
 
+def _unmasked_keys(case: Case):
+    """Keys of the visible (query tile, key tile) pairs that are not partial (their cut width,
+    as in :func:`_tile_pairs`)."""
+    mask = masks.full_mask(case.sq, case.sk, causal=case.causal, window_left=case.window[0],
+                           window_right=case.window[1], cu_seqlens=None, device="cpu")
+    q_step, k_step = simulator.tile_size.pmax, tiles.key_tile_width()
+    keys = 0
+    for q0 in range(0, case.sq, q_step):
+        for k0 in range(0, case.sk, k_step):
+            block = mask[q0:q0 + q_step, k0:k0 + k_step]
+            seen = [j for j in range(0, block.shape[1], q_step) if bool(block[:, j:j + q_step].any())]
+            if seen and bool(block[:, seen[0]:seen[-1] + q_step].all()):
+                keys += block[:, seen[0]:seen[-1] + q_step].shape[1]
+    return keys
+
+
 def _tile_pairs(case: Case):
     """(visible, partial, keys) of (query tile, key tile) pairs from the dense mask; a visible
     tile is first cut to its 128-key blocks that some query sees (the kernel's ``trim_plan``),
@@ -179,7 +196,14 @@ def test_skips_invisible_tiles_and_masks_only_partial_tiles(case):
     opcodes = [e.opcode for e in report.trace]
     visible, partial, _ = _tile_pairs(case)
     assert opcodes.count("range_select") == partial * case.hq
-    assert opcodes.count("tensor_scalar_reduce") == (visible - partial) * case.hq
+    # unmasked tiles are evicted alone or merged with their unmasked neighbours into runs of up
+    # to EVICT_RUN_TILES tiles: every unmasked key exactly once per head, no run too wide
+    evicts = [e.shape[-1] for e in report.trace if e.opcode == "tensor_scalar_reduce"]
+    run_keys = fwd_step.EVICT_RUN_TILES * tiles.key_tile_width()
+    assert sum(evicts) == _unmasked_keys(case) * case.hq
+    assert max(evicts, default=0) <= run_keys
+    assert (visible - partial) * case.hq / fwd_step.EVICT_RUN_TILES <= len(evicts)
+    assert len(evicts) <= (visible - partial) * case.hq
 
 
 @pytest.mark.parametrize("case", [

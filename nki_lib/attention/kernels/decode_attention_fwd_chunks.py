@@ -45,7 +45,10 @@ STEP_SLOTS = 64                   # slots per softmax step: >= 64 keeps the per-
                                   # one element per cycle; a chunk has >= 2 steps to pipeline
 LOCKSTEP_CHAINS = 4               # softmax / P @ V chains (row tile x head-dim chunk) interleaved in lockstep:
                                   # each holds ~3 PSUM banks while in flight, 8 banks in all
-KT_ACT_EVERY = 4                  # single-chunk path: every 4th K^T eviction on ScalarE
+KT_ACT_EVERY = 2                  # several jobs of one unit per chunk: every 2nd K^T eviction on ScalarE
+                                  # (VectorE also runs each unit's mask/max/shift passes: 14.9 vs 8.7 us
+                                  # busy at B=8 Sq=4 L=1024 with every 4th; docs/perf-log.md §12.1)
+KT_ACT_EVERY_PACKED = 4           # packed chunks: every 4th (every 2nd measured 0.2 us slower in order)
 
 
 
@@ -107,15 +110,16 @@ def state_views(packed, bounds=None, group_sq=None, g_bounds=None, pack=1, units
 
 
 class _EvictionRota:
-    """Engines of consecutive K^T evictions across the units of a wave: every ``KT_ACT_EVERY``-th on
-    ScalarE (otherwise idle between exps), the rest on VectorE (the busiest engine at short rows)."""
+    """Engines of consecutive K^T evictions across the units of a wave: every ``every``-th on ScalarE
+    (otherwise idle between exps), the rest on VectorE (the busiest engine at short rows)."""
 
-    def __init__(self):
+    def __init__(self, every):
+        self.every = every
         self.count = 0
 
     def next(self):
         self.count += 1
-        return nisa.engine.scalar if self.count % KT_ACT_EVERY == 0 else nisa.engine.vector
+        return nisa.engine.scalar if self.count % self.every == 0 else nisa.engine.vector
 
 
 def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, fresh=False):
@@ -131,7 +135,8 @@ def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype
     same job (its state update is still deferred)."""
     pmax = nl.tile_size.pmax
     width = max(1, LOCKSTEP_CHAINS // (len(jobs[0][0]) * len(d_spans)))   # jobs per wave: PSUM bounds it
-    rota = _EvictionRota() if len(jobs) > 1 else None
+    packed = any(st.pack > 1 for st in jobs[0][0])
+    rota = _EvictionRota(KT_ACT_EVERY_PACKED if packed else KT_ACT_EVERY) if len(jobs) > 1 else None
     waves = [[(job, step) for job in jobs[j0:j0 + width]] for j0 in range(0, len(jobs), width)
              for step in spans(m, plan[0])]   # step-major within each wave of jobs
 

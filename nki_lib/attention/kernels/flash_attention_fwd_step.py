@@ -14,17 +14,21 @@ Limits: those of ``flash_attention_fwd.py`` (bf16/fp16/fp32, D <= 256).
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
-from nki_lib.attention.kernels.tiles import key_blocks, mask_scores
+from nki_lib.attention.kernels.tiles import key_blocks, key_tile_width, mask_scores
 from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 
 __all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "warm_table", "section_scores", "softmax_step", "transpose_p", "evict_pt",
            "p_times_v"]
 
-PT_DVE_SHARE = 0.4   # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
+EVICT_RUN_TILES = 2  # unmasked score tiles evicted together (2 fp32 PSUM banks, 1024 keys; an
+                     # engine operand may read 4K PSUM elements per partition,
+                     # docs/nki-semantics.md §3.5): the 64-cycle cost of each VectorE
+                     # tensor_scalar_reduce is paid once per run (-3.2 us VectorE at 4096 causal)
+PT_DVE_SHARE = 0.45  # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
                       # Per 2048-key bf16 section (trn2 rates) ScalarE has ~1.9 us fixed work
                       # (exp, the first section's acc copy) and VectorE ~2.4 us (score evicts +
-                      # max, acc), and a P^T block costs ScalarE 0.107 us, VectorE 0.067 us
-                      # (16-bit PSUM at 2x): 0.4 balances them at 4096 causal with the last
+                      # max, acc; less with EVICT_RUN_TILES), and a P^T block costs ScalarE 0.107 us, VectorE 0.067 us
+                      # (16-bit PSUM at 2x): 0.45 balances them at 4096 causal with the last
                       # steps' blocks all on VectorE (flash_attention_fwd.DRAIN_STEPS;
                       # docs/perf-log.md §12.4)
 PT_DVE_SHARE_SOFTCAP = 1.0  # softcap adds a tanh pass (1.7 us per section) on ScalarE, which then
@@ -47,18 +51,38 @@ def warm_table(func, seed_sb=None):
 
 
 def qk(q_tiles, k_tiles, qn, kn):
-    """Raw scores (qn, kn) fp32 PSUM = q @ k^T, accumulated over the head-dim chunks [PE]."""
+    """Raw scores (qn, kn) fp32 PSUM = q @ k^T, accumulated over the head-dim chunks [PE]; a
+    run wider than one score tile spans several PSUM banks, one matmul per bank and chunk."""
     s_psum = nl.ndarray((qn, kn), dtype=nl.float32, buffer=nl.psum)
-    for c in range(len(q_tiles)):
-        nisa.nc_matmul(dst=s_psum, stationary=q_tiles[c], moving=k_tiles[c], accumulate=c > 0)
+    kw = key_tile_width()
+    for c0 in range(0, kn, kw):
+        c1 = min(kn, c0 + kw)
+        for c in range(len(q_tiles)):
+            nisa.nc_matmul(dst=s_psum[:, c0:c1], stationary=q_tiles[c],
+                           moving=k_tiles[c][:, c0:c1], accumulate=c > 0)
     return s_psum
+
+
+def evict_runs(sub_tiles):
+    """The score tiles ``((k0, kn, masked), ...)`` with consecutive unmasked tiles merged into
+    runs of up to ``EVICT_RUN_TILES`` tiles, each evicted (and max-reduced) by one instruction."""
+    width = EVICT_RUN_TILES * key_tile_width()
+    runs = []
+    for k0, kn, masked in sub_tiles:
+        if (runs and not masked and not runs[-1][2] and runs[-1][0] + runs[-1][1] == k0
+                and runs[-1][1] + kn <= width):
+            runs[-1] = (runs[-1][0], runs[-1][1] + kn, False)
+        else:
+            runs.append((k0, kn, masked))
+    return tuple(runs)
 
 
 def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
     """Final scores (qn, slen) fp32 in SBUF of a key section and their row max (qn, 1).
 
-    Per score tile (``sub_tiles`` = ``((k0, kn, masked), ...)``): QK^T into one PSUM bank, then
-    one evict: scaled, capped, masked on partial tiles only; unmasked tiles take one VectorE
+    Per score tile (``sub_tiles`` = ``((k0, kn, masked), ...)``; without softcap, runs of
+    consecutive unmasked tiles, :func:`evict_runs`): QK^T into one PSUM bank per tile, then one
+    evict: scaled, capped, masked on partial tiles only; unmasked tiles (runs) take one VectorE
     tensor_scalar_reduce (evict + scale + max). The row max is chained over the section's tiles
     in the VectorE accumulator (``reset_reduce`` on the first tile, ``reduce`` after it; no other
     accumulator instruction runs on VectorE in between) and read out once, by the last tile."""
@@ -66,6 +90,8 @@ def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
     slen = sub_tiles[-1][0] + sub_tiles[-1][1] - s0
     s_sb = nl.ndarray((qn, slen), dtype=nl.float32, buffer=nl.sbuf)
     rowmax = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if softcap == 0:
+        sub_tiles = evict_runs(sub_tiles)
     last = len(sub_tiles) - 1
     for i, (k0, kn, masked) in enumerate(sub_tiles):
         s_tile = s_sb[:, k0 - s0:k0 - s0 + kn]
