@@ -18,7 +18,9 @@ path the backend selects (simulator/device kernels, or the PyTorch reference). S
   (Mixtral, Qwen3-MoE, gpt-oss; :mod:`nki_lib.moe.hf`).
 * ``weight_layout``: how ``w_gate_up`` / ``w_down`` are stored, chosen once at construction (or
   load): "out_in" (default, nn.Linear: (E, 2I, H), (E, H, I)) or "in_out" (the contraction dim
-  first: (E, H, 2I), (E, I, H)), which the forward kernel multiplies with no weight transposes;
+  first: (E, H, 2I), (E, I, H)), which the forward kernel multiplies with no weight transposes (the backward kernel takes
+  out_in, so an in_out backward transposes the weights and their gradients on the host each call:
+  in_out suits inference, out_in training);
   ``from_hf`` keeps the block's own layout (gpt-oss: in_out) unless told otherwise.
 * ``load_balancing_loss`` (Switch/GShard ``E * sum_e f_e * P_e``, or transformers' scale with
   ``convention="hf"``) and ``router_z_loss`` (``mean_t logsumexp(logits_t)^2``), both

@@ -65,10 +65,10 @@ from nki_lib.dispatch import KernelLaunch
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu, ones_row
 from nki_lib.moe.kernels.moe_experts_groups import merge_blocks
 from nki_lib.moe.kernels.moe_experts_host import (
-    MAX_PSUM_SLOT_TILES,
     check_supported,
     choose_overlap_tiling,
     flags_sbuf_bytes,
+    group_blocks_fitting,
     routing_weights,
     slot_tokens,
     staged_bytes,
@@ -435,11 +435,7 @@ def sbuf_bytes(hidden, inter, block, itemsize, *, in_out=False, **counts):
 def group_blocks(hidden, inter, block, itemsize, **counts):
     """Blocks per group (see :mod:`.moe_experts_groups`): the most, up to MAX_PSUM_SLOT_TILES * 128
     slots, whose SBUF estimate fits (1 when no larger group does)."""
-    fit = nl.tile_size.total_available_sbuf_size
-    blocks = max(1, MAX_PSUM_SLOT_TILES * nl.tile_size.pmax // block)
-    while blocks > 1 and sbuf_bytes(hidden, inter, blocks * block, itemsize, **counts) > fit:
-        blocks //= 2
-    return blocks
+    return group_blocks_fitting(sbuf_bytes, hidden, inter, block, itemsize, **counts)
 
 
 def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,

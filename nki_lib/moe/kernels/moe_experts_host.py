@@ -78,6 +78,17 @@ def choose_overlap_tiling(sbuf_at, hidden, *args, widths=None, **counts):
     return (*with_overlap, True)
 
 
+def group_blocks_fitting(sbuf_fn, hidden, inter, block, itemsize, **counts):
+    """Blocks per group (:mod:`.moe_experts_groups`): the most, up to MAX_PSUM_SLOT_TILES * 128
+    slots, whose SBUF estimate ``sbuf_fn(hidden, inter, slots, itemsize, **counts)`` fits (1 when
+    no larger group does)."""
+    fit = nl.tile_size.total_available_sbuf_size
+    blocks = max(1, MAX_PSUM_SLOT_TILES * nl.tile_size.pmax // block)
+    while blocks > 1 and sbuf_fn(hidden, inter, blocks * block, itemsize, **counts) > fit:
+        blocks //= 2
+    return blocks
+
+
 def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sbuf_fn, **flags):
     """Raise Unsupported (before launching) for what the kernels cannot serve."""
     if x.dtype not in KERNEL_DTYPES:
