@@ -58,7 +58,7 @@ iteration ``it`` loads the K^T of step ``it + SCORE_LEAD + 1`` and the V of ``it
 the P^T of ``it - 1``, issues the softmax of ``it + 1``, QK^T and scores of ``it + SCORE_LEAD``
 (with softcap: of SOFTCAP_BATCH steps every SOFTCAP_BATCH iterations, so the tanh/exp table
 switches happen once per batch), P @ V of ``it - PV_LAG``, the transposes of ``it`` and the
-acc update of ``it - ACC_LAG``; a group's output is stored ``CLOSE_LAG`` iterations after its
+acc update of ``it - ACC_LAG``; a group's output is stored ``CLOSE_LAG`` (``CLOSE_LAG_HEADS`` with several heads per pass) iterations after its
 last acc update. The last ``DRAIN_STEPS`` steps evict all their P^T blocks on VectorE. Every tile is a fresh allocation, so loads of later steps overlap compute
 (multi-buffering). lse is gathered column by column as groups close and finished in batches of
 ``LSE_BATCH`` (one ScalarE log per batch, a TensorE transpose so each row is stored
@@ -163,6 +163,8 @@ CLOSE_LAG = 3          # a group's outputs are scaled and stored this many itera
                        # the next steps' neg_m and K/V loads behind the output, which waits for it
                        # (3, not 2: at dma_chunk_floor_ns=178 the stores wait on the DMA queue
                        # less, 125.7 -> 124.3 us at 4096 causal; docs/perf-log.md §12.4)
+CLOSE_LAG_HEADS = 2    # the same with several query heads per pass (one output store per head
+                       # per close): measured, lag 3 costs the DMA-bound GQA prefill cases 1-2 %
 LSE_BATCH = 32         # lse of this many (head, query tile) pairs is finished together: one
                        # ScalarE table switch to log and back per batch, 8 B/partition each
 K_CACHE_SBUF_SHARE = 4  # K^T of a whole kv head stays resident (loaded once, reused by every
@@ -233,6 +235,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
     # switches between the tanh and exp tables twice per batch instead of twice per step
     score_batch = SOFTCAP_BATCH if softcap > 0 else 1
     pt_dve_share = PT_DVE_SHARE_SOFTCAP if softcap > 0 else PT_DVE_SHARE
+    close_lag = CLOSE_LAG if n_pass == 1 else CLOSE_LAG_HEADS
     seed_sb = None
     if softcap == 0:    # with softcap the first function is tanh
         seed_sb = warm_table(nl.exp)
@@ -252,7 +255,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
         stage_transpose(groups, steps, work, it)
         closing.append([])
         stage_acc(groups, steps, work, it - ACC_LAG, closing[-1], softcap == 0)
-        if len(closing) > CLOSE_LAG:
+        if len(closing) > close_lag:
             for grp in closing.pop(0):
                 close_group(grp, out, lse_batch)
     warm_table(nl.log, seed_sb)  # ScalarE's last exp is issued: switch to log for the last lse batch
