@@ -24,11 +24,11 @@ EVICT_RUN_TILES = 2  # unmasked score tiles evicted together (2 fp32 PSUM banks,
                      # engine operand may read 4K PSUM elements per partition,
                      # docs/nki-semantics.md §3.5): the 64-cycle cost of each VectorE
                      # tensor_scalar_reduce is paid once per run (-3.2 us VectorE at 4096 causal)
-PT_DVE_SHARE = 0.45  # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
+PT_DVE_SHARE = 0.42  # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
                       # Per 2048-key bf16 section (trn2 rates) ScalarE has ~1.9 us fixed work
                       # (exp, the first section's acc copy) and VectorE ~2.4 us (score evicts +
                       # max, acc; less with EVICT_RUN_TILES), and a P^T block costs ScalarE 0.107 us, VectorE 0.067 us
-                      # (16-bit PSUM at 2x): 0.45 balances them at 4096 causal with the last
+                      # (16-bit PSUM at 2x): 0.42 balances them at 4096 causal with the last
                       # steps' blocks all on VectorE (flash_attention_fwd.DRAIN_STEPS;
                       # docs/perf-log.md §12.4)
 PT_DVE_SHARE_SOFTCAP = 1.0  # softcap adds a tanh pass (1.7 us per section) on ScalarE, which then

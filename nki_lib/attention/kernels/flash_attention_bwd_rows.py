@@ -1,0 +1,69 @@
+"""Flash-attention backward: the row-group HBM layout (host layout glue and the group size).
+
+Used by the launcher ``flash_attention_bwd.launch_flash_attention_bwd`` (torch, one host op per
+tensor) and by the kernel's query-group and key-tile loads (``group_tiles``). Queries and keys
+share one layout: a group of ``per`` 128-row tiles, row ``(g * per + s) * pmax + p`` at
+``[.., g, p, s, :]``, so one DMA moves a group with one contiguous run per partition.
+
+    row_groups       (B, H, S, D) -> (B, H, NG, pmax, per, D), zero rows past S (one copy)
+    query_rows       Q, dO, O -> (B, Hq, NG, pmax, 3, per, D) in one tensor (one host op)
+    from_row_groups  the inverse (drops the padding rows), cast in the same copy
+
+Shapes as above. Dimension legend: B batch, H heads, S rows (Sq or Sk), D head dim, NG groups
+(ceil(S / (per * pmax))), pmax partitions, per = 128-row tiles per group (= 128-key blocks per
+key tile, 4).
+Limits: none of its own (any S, D; padding rows are zeros and dropped on the way back).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nki_lib._nki import nl
+from nki_lib.attention.kernels import tiles
+
+
+def group_tiles():
+    """Query tiles per group: as many 128-row tiles as a key tile has 128-key blocks (queries and
+    keys share the row-group HBM layout of :func:`row_groups`)."""
+    return tiles.key_tile_width() // nl.tile_size.pmax
+
+
+def _padded(x, dim):
+    """x with zero rows appended along ``dim`` up to a multiple of the group rows."""
+    rows = group_tiles() * nl.tile_size.pmax
+    pad = -x.shape[dim] % rows
+    if not pad:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def _row_group_view(x):
+    """``(B, H, S, D)`` -> ``(B, H, NG, pmax, per, D)`` with ``[.., g, p, s, :] = x[.., (g * per + s)
+    * pmax + p, :]`` (zero rows past S): a view of x when S is a multiple of the group rows."""
+    per, pmax = group_tiles(), nl.tile_size.pmax
+    b, h, _, d = x.shape
+    return _padded(x, 2).reshape(b, h, -1, per, pmax, d).transpose(3, 4)
+
+
+def row_groups(x):
+    """Layout glue: :func:`_row_group_view` as one contiguous copy, so one DMA moves a group of
+    ``per`` row tiles with one contiguous run per partition."""
+    return _row_group_view(x).contiguous()
+
+
+def query_rows(q, dout, out):
+    """Layout glue: Q, dO and O rows in one ``(B, Hq, NG, pmax, 3, per, D)`` tensor (one host op):
+    ``[.., g, p, i, s, :]`` = row ``(g * per + s) * pmax + p`` of (Q, dO, O)[i], so the kernel moves
+    a group's Q and dO rows (``[.., 0:2, :, :]``) or its dO and O rows (``[.., 1:3, :, :]``) with one
+    2 KiB contiguous run per partition."""
+    return torch.stack([_row_group_view(x) for x in (q, dout, out)], dim=4)
+
+
+def from_row_groups(y, s, dtype=None):
+    """Inverse of :func:`row_groups` (drops the padding rows), cast to ``dtype`` in the same copy."""
+    b, h, ng, pmax, per, d = y.shape
+    rows = y.transpose(3, 4).to(dtype or y.dtype, memory_format=torch.contiguous_format)
+    return rows.reshape(b, h, ng * per * pmax, d)[:, :, :s].contiguous()
