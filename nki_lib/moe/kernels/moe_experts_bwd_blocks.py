@@ -135,7 +135,7 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
                  gate, chunking, dg_t, du_t, grad_bufs):
     """xT, dyT and do from the gathered rows, then the I chunks (weight gradients, dgT, duT), then
     the down bias's share of d topk_weights. ``chunking`` = (I chunk, prefetch): with prefetch the
-    next chunk's weights are loaded inside this chunk, else after it (see :func:`tiling`)."""
+    next chunk's weights are loaded inside this chunk, else after it (see ``moe_experts_bwd.tiling``)."""
     i_chunk, prefetch, dx_tiling, dx_first = chunking
 
     def last_prefetch():
