@@ -1,6 +1,8 @@
 """Phase 0 of the flash-attention backward kernel: per-row statistics and dsinks.
 
-Called from ``flash_attention_bwd.flash_attention_bwd_kernel`` (plain NKI helper functions, inlined at trace time).
+Called from ``flash_attention_bwd.flash_attention_bwd_kernel`` (:func:`start`, :func:`finish`) and from
+``flash_attention_bwd_pipeline.kv_pass`` (:func:`head_start`, :func:`prefetch_group`, :func:`group_stats`,
+:func:`head_finish`); plain NKI helper functions, inlined at trace time.
 
 Per (head h, batch b), started by :func:`head_start` when the main loop's pass over the kv
 head begins (``(pmax, NT)`` columns: row t * pmax + p on partition p, column t):

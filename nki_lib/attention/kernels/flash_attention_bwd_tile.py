@@ -1,7 +1,7 @@
 """Flash-attention backward: the stages of one (query tile, key tile) pair.
 
 Used by ``flash_attention_bwd.flash_attention_bwd_kernel`` (plain NKI helpers, inlined at trace time), which runs each
-stage of pair j at pipeline step j + lag (``flash_attention_bwd.STAGES``); the loop structure, budget and engine
+stage of pair j at pipeline step j + lag (``flash_attention_bwd_pipeline.STAGES``); the loop structure, budget and engine
 balance are described there. Per pair of a query tile (qn <= 128 rows on partitions) and a key
 tile (kn <= 512 keys on the free axis; diagonal tiles stop at the last visible 128-key block),
 a :class:`Pair` carries the tiles from one stage to the next:

@@ -1,5 +1,5 @@
 """Transposed tiles of attention inputs, loaded with the head dim on partitions, for the
-flash-attention kernels (``flash_attention_fwd*.py``, ``flash_attention_bwd.py``).
+flash-attention kernels (``flash_attention_fwd*.py``, ``flash_attention_bwd*.py``).
 
 The kernels contract over the head dim (S = Q K^T, dP = dO V^T), so they need q^T, k^T, dO^T and
 v^T tiles ``(dc, n)``. For 2-byte dtypes with D <= 128 they read the natural ``(B, H, S, D)``

@@ -1,0 +1,164 @@
+"""Block phases and I chunks of the expert-MLP backward (steps 1-3 of :mod:`.moe_experts_bwd`).
+
+Algorithm: per block (group), under its 0/1 guard: xT, dyT and do from the gathered rows; per I
+chunk: the weights W_gate^T / W_up^T (PE-transposed) and W_down columns (:func:`chunk_weights`,
+the next chunk's prefetched before this chunk's gradient stores); per live slot tile g, u, dhy in
+fp32 PSUM (contraction over H tiles, the gate/up biases first as ones^T x bias_row), the
+elementwise gradients, dg/du PE-transposed into dgT/duT (software-pipelined one tile behind the
+matmuls); the chunk's weight gradients. Then the next block's gathers (GpSimd issues DMAs in
+program order, so they precede this block's scatters), then dx and d topk_weights.
+
+Loop structure: block guard (dynamic) > {slot tiles (guarded) > transposes; I chunks > slot tiles
+(guarded) > H tiles; weight-grad tiles}; next block's gathers (its guard); block guard > dx phase.
+
+Shapes (dimension legend): H hidden, I intermediate, E experts, S slots of the block (group), ps <= 128 slots of one slot tile, P = 128 partitions, cn <= 512 columns of one I chunk, xT, dyT (P, ceil(H / P), S); dgT, duT (P, ceil(I / P), S); chunk weights
+(P, ceil(H / P), cn); g, u, dhy (ps, cn) fp32 PSUM.
+
+Limits: as :mod:`.moe_experts_bwd` (S <= 512, the SBUF estimate :func:`.moe_experts_bwd.sbuf_bytes`).
+"""
+
+from __future__ import annotations
+
+from nki_lib._nki import nisa, nl
+from nki_lib.moe.kernels.moe_experts_bwd_dx import dx_first_weights, dx_phase
+from nki_lib.moe.kernels.moe_experts_bwd_grads import mlp_grads
+from nki_lib.moe.kernels.moe_experts_bwd_rows import block_rows, gather_block, if_live, load_grad_rows
+from nki_lib.moe.kernels.moe_experts_bwd_wgrads import chunk_weight_grads, dtopk_bias
+from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row
+from nki_lib.moe.kernels.moe_experts_steps import (
+    load_expert_cols,
+    load_expert_t,
+    transpose_rows,
+)
+from nki_lib.sizes import spans
+
+
+def chunk_weights(w_gate_up, w_down, expert_reg, c0, cn):
+    """The weights of one I chunk: W_gate^T and W_up^T columns (H on partitions) and W_down columns."""
+    inter = w_down.shape[2]
+    h_tiles = spans(w_down.shape[1], nl.tile_size.pmax)
+    return [load_expert_t(w_gate_up, expert_reg, h_tiles, c0, cn),
+            load_expert_t(w_gate_up, expert_reg, h_tiles, inter + c0, cn),
+            load_expert_cols(w_down, expert_reg, h_tiles, c0, cn)]
+
+
+def _slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, chunk):
+    """One slot tile of an I chunk: g, u, dhy (slots on partitions, contraction over H tiles in
+    PSUM), the elementwise gradients (returned: h, dg, du)."""
+    s0, ps = tile.s0, tile.ps
+    c0, cn, h_tiles = chunk
+    psums = [nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum) for _ in weights]
+    for dst, row_sb in zip(psums, rows):
+        if row_sb is not None:
+            add_outer(dst, bias[2][:, :ps], row_sb)
+    for ht, (h0, hs) in enumerate(h_tiles):
+        for dst, src_t, w_sb, row_sb in zip(psums, (x_t, x_t, dy_t), weights, rows):
+            nisa.nc_matmul(dst=dst, stationary=src_t[:hs, ht, s0:s0 + ps], moving=w_sb[:hs, ht, :],
+                           accumulate=ht > 0 or row_sb is not None)
+    return mlp_grads(*psums, tile.w_col, gate, x_t.dtype, dw_acc, c0 == 0)
+
+
+def _transpose_grads(grads_t, tile, grads, c0):
+    """dg/du of one slot tile (slots on partitions, an I chunk from c0) into dgT/duT."""
+    pmax = nl.tile_size.pmax
+    it0 = c0 // pmax
+    for _ in if_live(tile):
+        n_sub = len(spans(grads[1].shape[1], pmax))
+        for grad_t, grad_sb in zip(grads_t, grads[1:]):
+            transpose_rows(grad_t[:, it0:it0 + n_sub, :], grad_sb, tile.s0)
+
+
+def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_reg, c0, cn, gate,
+             dg_t, du_t, grad_bufs, mode_regs):
+    """One I chunk of a block (all its tiles die on return): g, u, dhy per slot tile (contraction
+    over H tiles in PSUM; the gate/up biases first, as ones^T x bias_row), the elementwise
+    gradients, dg/du transposed into dgT/duT, then the next chunk's weights (``prefetch()``,
+    returned; ``weights``, a list, is released first), then the chunk's weight gradients
+    accumulated into the expert's fp32 rows."""
+    pmax = nl.tile_size.pmax
+    _, hidden, inter = grad_bufs[1][0].shape          # the fp32 W_down accumulator: (E, H, I)
+    h_tiles = spans(hidden, pmax)
+    bias = grad_bufs[2]
+    rows = (None, None, None)
+    if bias is not None:
+        rows = (bias_row(bias[0], expert_reg, c0, cn), bias_row(bias[0], expert_reg, inter + c0, cn), None)
+    # software-pipelined: slot tile n's dg/du transposes follow tile n + 1's matmuls (TensorE runs
+    # in program order: it would otherwise wait out tile n's elementwise chain)
+    # (one entry per slot tile, None for a skipped one: a 0-trip guard does not run its body, so
+    # the entries stay aligned with slot_tiles whichever tiles are padding)
+    chunk = []
+    for n, (tile, dw_acc) in enumerate(zip(slot_tiles, dw_accs)):
+        entry = [None]
+        for _ in if_live(tile):
+            entry[0] = _slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, (c0, cn, h_tiles))
+        chunk.append(entry[0])
+        if n > 0:
+            _transpose_grads((dg_t, du_t), slot_tiles[n - 1], chunk[n - 1], c0)
+    _transpose_grads((dg_t, du_t), slot_tiles[-1], chunk[-1], c0)
+    weights.clear()                     # last use of this chunk's weights (released)
+    next_weights = prefetch()
+    chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter)
+    return next_weights
+
+
+def block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
+               gate, i_chunk, dx_tiling, grad_bufs, dx_slots, prefetch):
+    """Block b in guarded phases: transposes, I chunks and weight gradients; then the gathers of
+    block b + 1 into rows allocated here (``next_regs`` = its registers, or None; the rows are
+    returned); then dx and d topk_weights. GpSimd issues DMAs in program order, so the next
+    block's gathers must precede this block's scatters (which wait for its last matmul) to overlap
+    this block's compute."""
+    pmax = nl.tile_size.pmax
+    inter = w_down.shape[2]
+    expert_reg, trips_reg = regs
+    slot_tiles, dy_rows = rows
+    n_it = len(spans(inter, pmax))
+    dg_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
+    du_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
+    dw_accs = [nl.ndarray((tile.ps, 1), dtype=nl.float32, buffer=nl.sbuf) for tile in slot_tiles]
+    dx_first = []                       # the dx phase's first W rows, loaded with the last chunk
+    for _ in nl.dynamic_range(0, trips_reg):
+        _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg, mode_regs, block,
+                     gate, (i_chunk, prefetch, dx_tiling, dx_first), dg_t, du_t, grad_bufs)
+    next_rows = None
+    if next_regs is not None:
+        next_rows = block_rows(x, dy, ids, b + 1, block)
+        for _ in nl.dynamic_range(0, next_regs[1]):
+            gather_block(x, dy, topk_w, *next_rows)
+    for _ in nl.dynamic_range(0, trips_reg):
+        dx_phase(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, dx_tiling,
+            dx_first[0] if dx_first else None)
+    return next_rows
+
+
+def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg, mode_regs, block,
+                 gate, chunking, dg_t, du_t, grad_bufs):
+    """xT, dyT and do from the gathered rows, then the I chunks (weight gradients, dgT, duT), then
+    the down bias's share of d topk_weights. ``chunking`` = (I chunk, prefetch): with prefetch the
+    next chunk's weights are loaded inside this chunk, else after it (see ``moe_experts_bwd.tiling``)."""
+    i_chunk, prefetch, dx_tiling, dx_first = chunking
+
+    def last_prefetch():
+        # the dx phase's first W rows, before the last chunk's weight-gradient stores
+        dx_first.append(dx_first_weights(w_gate_up, expert_reg, dx_tiling))
+    pmax = nl.tile_size.pmax
+    x_t = nl.ndarray((pmax, len(spans(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
+    for tile in slot_tiles:
+        for _ in if_live(tile):
+            transpose_rows(x_t, tile.x_rows, tile.s0)
+    do_rows, dy_t = load_grad_rows(dy_rows, slot_tiles, block)
+    chunks = spans(w_down.shape[2], i_chunk)
+    weights = chunk_weights(w_gate_up, w_down, expert_reg, *chunks[0])
+    for n, (c0, cn) in enumerate(chunks):
+        # the next chunk's weights are loaded before this chunk's weight-gradient stores (DMAs
+        # start in program order; the stores wait for their PSUM evictions)
+        following = chunks[n + 1] if n + 1 < len(chunks) else None
+        weights = _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights,
+                           (last_prefetch if prefetch else (lambda: None)) if following is None else
+                           (lambda: None) if not prefetch else
+                           (lambda c=following: chunk_weights(w_gate_up, w_down, expert_reg, *c)),
+                           expert_reg, c0, cn, gate, dg_t, du_t, grad_bufs, mode_regs)
+        if following is not None and not prefetch:
+            weights = chunk_weights(w_gate_up, w_down, expert_reg, *following)
+    if grad_bufs[2] is not None:
+        dtopk_bias(dy_t, slot_tiles, dw_accs, grad_bufs[2], expert_reg)

@@ -1,0 +1,92 @@
+"""Slot tiles and gathered rows of one block (group) of the expert-MLP backward.
+
+Algorithm: a block's S slots are cut into slot tiles of up to 128 (:class:`SlotTile`); each but
+the first gets a 0/1 live register from the plan's live flags (:func:`if_live`: padding tiles
+skip their body). Per live tile, indirect DMAs gather the token rows of x and dy and the routing
+weights (padding slots, id -1, skipped: the rows stay zero) into rows allocated before the
+previous block's scatters (:func:`block_rows`, :func:`gather_block`); then do = w_a dy and dyT
+(H on partitions, by PE transposes) (:func:`load_grad_rows`).
+
+Loop structure: slot tiles (static) > live guard (dynamic 0/1) > gathers / transposes.
+
+Shapes (dimension legend): H hidden, I intermediate, E experts, S slots of the block (group), ps <= 128 slots of one slot tile, P = 128 partitions, cn <= 512 columns of one I chunk, T tokens, N = T*k assignments. x, dy (T, H) HBM; topk_w (N, 1) fp32;
+per tile: ids (ps, 1) int32, w_col (ps, 1) fp32, x / dy / do rows (ps, H); dyT (P, ceil(H / P), S).
+
+Limits: S <= 512 (at most 4 slot tiles: one PSUM bank of fp32 slots in the contractions over
+slots); the first tile is always computed (its padding rows are zero).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from nki_lib._nki import nisa, nl
+from nki_lib.moe.kernels.moe_experts_steps import (
+    gather_rows_into,
+    transpose_rows,
+)
+from nki_lib.sizes import spans
+
+
+class SlotTile(NamedTuple):
+    """One slot tile (<= 128 slots) of a group: first slot, slots, token and assignment ids
+    (ps, 1), routing weights (ps, 1) fp32, x rows (ps, H), and its 0/1 live register (None for
+    the group's first tile, which is always computed: padding rows are zero, so a padding tile
+    computed adds zeros, and the contractions over slots start their PSUM accumulation there)."""
+
+    s0: int
+    ps: int
+    tok: object
+    asg: object
+    w_col: object
+    x_rows: object
+    live: object
+
+
+def if_live(tile):
+    """The tile's guard: one trip, or a dynamic loop of 0/1 trips (padding tiles skipped)."""
+    return range(1) if tile.live is None else nl.dynamic_range(0, tile.live)
+
+
+def block_rows(x, dy, ids, b, block):
+    """Group b's slot tiles (:class:`SlotTile`, ``ids`` = (token ids, assignment ids, live
+    flags)) and dy rows, allocated here and filled by ``gather_block``."""
+    pmax = nl.tile_size.pmax
+    tok_ids, asg_ids, live_sb = ids
+    slot_tiles, dy_rows = [], []
+    for st, (s0, ps) in enumerate(spans(block, pmax)):
+        live_reg = None
+        if st > 0:
+            live_reg = nisa.register_alloc()
+            nisa.register_load(live_reg, live_sb[b % pmax:b % pmax + 1, b // pmax, st:st + 1])
+        slot_tiles.append(SlotTile(s0, ps, tok_ids[:ps, st, b:b + 1], asg_ids[:ps, st, b:b + 1],
+                                   nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf),
+                                   nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf), live_reg))
+        dy_rows.append(nl.ndarray((ps, dy.shape[1]), dtype=dy.dtype, buffer=nl.sbuf))
+    return slot_tiles, dy_rows
+
+
+def gather_block(x, dy, topk_w, slot_tiles, dy_rows):
+    """Indirect gathers of the group's x rows, routing weights and dy rows per live slot tile
+    (padding slots stay zero)."""
+    for tile, dy_sb in zip(slot_tiles, dy_rows):
+        for _ in if_live(tile):
+            gather_rows_into(tile.x_rows, x, tile.tok)
+            gather_rows_into(tile.w_col, topk_w, tile.asg)
+            gather_rows_into(dy_sb, dy, tile.tok)
+
+
+def load_grad_rows(dy_rows, slot_tiles, block):
+    """Per slot tile: dy rows scaled by the routing weight (do); and dyT (P, HT, B)."""
+    pmax = nl.tile_size.pmax
+    hidden = dy_rows[0].shape[1]
+    dy_t = nl.ndarray((pmax, len(spans(hidden, pmax)), block), dtype=dy_rows[0].dtype, buffer=nl.sbuf)
+    do_rows = []
+    for tile, dy_sb in zip(slot_tiles, dy_rows):
+        do_sb = nl.ndarray((tile.ps, hidden), dtype=dy_sb.dtype, buffer=nl.sbuf)
+        for _ in if_live(tile):
+            transpose_rows(dy_t, dy_sb, tile.s0)
+            nisa.tensor_scalar(dst=do_sb, data=dy_sb, op0=nl.multiply, operand0=tile.w_col)
+        do_rows.append(do_sb)
+    dy_rows.clear()                     # last use of the dy rows
+    return do_rows, dy_t

@@ -1,0 +1,101 @@
+"""Weight and bias gradients of one I chunk of the expert-MLP backward.
+
+Algorithm: contractions over the block's slots on TensorE, accumulated in fp32 PSUM across the
+live slot tiles: dW_down[:, chunk] = do^T h, dW_gate[chunk, :] = dg^T x, dW_up[chunk, :] = du^T x
+(:func:`chunk_weight_grads`); with biases, db_down = sum of do (first chunk only) and
+db_gate/up[chunk] = sum of dg / du (contractions against a column of ones), and
+d topk_weights += <dy_t, b_down[e]> (:func:`dtopk_bias`: dyT against the bias column). Each row
+piece (up to ROW_BANKS PSUM banks) is written by the block's mode (:mod:`.moe_experts_bwd_accum`).
+
+Loop structure: W_down: H tiles > slot tiles (guarded) > one matmul; W_gate/W_up: I tiles of the
+chunk > row pieces of ROW_BANKS * 512 columns > banks > slot tiles (guarded); then the mode guards.
+
+Shapes (dimension legend): H hidden, I intermediate, E experts, S slots of the block (group), ps <= 128 slots of one slot tile, P = 128 partitions, cn <= 512 columns of one I chunk, per slot tile: do and x rows (ps, H), h, dg, du (ps, cn); gradients
+(E, 2I, H) and (E, H, I), bias gradients (E, 2I, 1) and (E, H, 1); PSUM pieces (<= 128, <= 512) fp32.
+
+Limits: one row piece is at most ROW_BANKS fp32 PSUM banks (evicted into one SBUF row, one DMA).
+"""
+
+from __future__ import annotations
+
+from nki_lib._nki import nisa, nl
+from nki_lib.moe.kernels.moe_experts_bwd_accum import accumulate_rows
+from nki_lib.moe.kernels.moe_experts_bwd_rows import if_live
+from nki_lib.sizes import spans
+
+ROW_BANKS = 4       # PSUM banks (fmax fp32 columns each) of one weight-gradient row piece, stored with one DMA
+
+
+def _bias_grads(slot_tiles, do_rows, chunk, bias, mode_regs, expert_reg, c0, inter):
+    """db_down += sum over slots of do (once per block: the first I chunk); db_gate/up[chunk] +=
+    sum over slots of dg / du: contractions over the slots against a column of ones."""
+    pmax = nl.tile_size.pmax
+    _, _, _, ones_col, (acc_bgu, db_gate_up), (acc_bd, db_down) = bias
+    hidden = acc_bd.shape[1]
+    cn = chunk[0][0].shape[1]
+    if c0 == 0:
+        for h0, hs in spans(hidden, pmax):
+            part_psum = nl.ndarray((hs, 1), dtype=nl.float32, buffer=nl.psum)
+            for st, (tile, do_sb) in enumerate(zip(slot_tiles, do_rows)):
+                for _ in if_live(tile):
+                    nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=ones_col[:tile.ps, :],
+                                   accumulate=st > 0)
+            accumulate_rows(acc_bd, db_down, mode_regs, expert_reg, h0, 0, [part_psum])
+    for which, row0 in ((1, c0), (2, inter + c0)):
+        for i0, isz in spans(cn, pmax):
+            part_psum = nl.ndarray((isz, 1), dtype=nl.float32, buffer=nl.psum)
+            for st, (tile, grads) in enumerate(zip(slot_tiles, chunk)):
+                for _ in if_live(tile):
+                    nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
+                                   moving=ones_col[:tile.ps, :], accumulate=st > 0)
+            accumulate_rows(acc_bgu, db_gate_up, mode_regs, expert_reg, row0 + i0, 0, [part_psum])
+
+
+def dtopk_bias(dy_t, slot_tiles, dw_accs, bias, expert_reg):
+    """d topk_weights[a] += <dy_t, b_down[e]>: contraction over H tiles of dyT against the bias
+    column (H on partitions)."""
+    pmax = nl.tile_size.pmax
+    b_down = bias[1]
+    hidden = b_down.shape[1]
+    h_tiles = spans(hidden, pmax)
+    col_sb = nl.ndarray((pmax, len(h_tiles), 1), dtype=b_down.dtype, buffer=nl.sbuf)
+    for ht, (h0, hs) in enumerate(h_tiles):
+        nisa.dma_copy(dst=col_sb[:hs, ht, :], src=b_down.ap([[1, hs], [1, 1]], offset=h0, scalar_offset=expert_reg,
+                                                            indirect_dim=0))
+    for tile, dw_acc in zip(slot_tiles, dw_accs):
+        s0, ps = tile.s0, tile.ps
+        for _ in if_live(tile):
+            part_psum = nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.psum)
+            for ht, (h0, hs) in enumerate(h_tiles):
+                nisa.nc_matmul(dst=part_psum, stationary=dy_t[:hs, ht, s0:s0 + ps], moving=col_sb[:hs, ht, :],
+                               accumulate=ht > 0)
+            nisa.tensor_tensor(dst=dw_acc, data1=dw_acc, data2=part_psum, op=nl.add)
+
+
+def chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter):
+    """dW_down[:, chunk] += do^T h; dW_gate/up[chunk, :] += dg^T x / du^T x (over the slots)."""
+    pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
+    (acc_gu, dw_gate_up), (acc_d, dw_down), bias = grad_bufs
+    if bias is not None:
+        _bias_grads(slot_tiles, do_rows, chunk, bias, mode_regs, expert_reg, c0, inter)
+    hidden = acc_d.shape[1]
+    cn = chunk[0][0].shape[1]
+    row_cols = ROW_BANKS * fmax
+    for h0, hs in spans(hidden, pmax):
+        part_psum = nl.ndarray((hs, cn), dtype=nl.float32, buffer=nl.psum)
+        for st, (tile, do_sb, grads) in enumerate(zip(slot_tiles, do_rows, chunk)):
+            for _ in if_live(tile):
+                nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=grads[0], accumulate=st > 0)
+        accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, h0, c0, [part_psum])
+    for which, row0 in ((1, c0), (2, inter + c0)):
+        for i0, isz in spans(cn, pmax):
+            for g0, gn in spans(hidden, row_cols):          # whole rows (at most ROW_BANKS PSUM banks)
+                parts = []
+                for h0, hn in spans(gn, fmax):
+                    part_psum = nl.ndarray((isz, hn), dtype=nl.float32, buffer=nl.psum)
+                    for st, (tile, grads) in enumerate(zip(slot_tiles, chunk)):
+                        for _ in if_live(tile):
+                            nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
+                                           moving=tile.x_rows[:, g0 + h0:g0 + h0 + hn], accumulate=st > 0)
+                    parts.append(part_psum)
+                accumulate_rows(acc_gu, dw_gate_up, mode_regs, expert_reg, row0 + i0, g0, parts)
