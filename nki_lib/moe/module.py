@@ -36,7 +36,7 @@ from nki_lib.moe import hf, moe_experts_op, moe_plan_op, moe_router_op  # noqa: 
 from nki_lib.moe.expert_parallel import DEFAULT_CAPACITY_FACTOR, ExpertParallel
 from nki_lib.moe.losses import check_positive_int as _positive_int
 from nki_lib.moe.losses import load_balancing_loss, router_z_loss  # noqa: F401  (public here too)
-from nki_lib.moe.moe_experts_reference import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, WEIGHT_LAYOUTS, gate
+from nki_lib.moe.moe_experts_reference import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, check_weight_layout, gate
 from nki_lib.moe.moe_router_op import validate as validate_router
 
 
@@ -67,8 +67,7 @@ class MoE(nn.Module):
             raise ValueError(f"num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if weight_layout not in WEIGHT_LAYOUTS:
-            raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+        check_weight_layout(weight_layout)
         self.weight_layout = weight_layout
         self.router_flags = dict(top_k=top_k, score_func=score_func, renormalize=renormalize,
                                  num_groups=num_groups, topk_groups=topk_groups)

@@ -121,8 +121,7 @@ def _validate_flags(activation, swiglu_alpha, swiglu_limit, weight_layout=LAYOUT
             raise ValueError(f"{name} must be > 0, got {value}")
     if not isinstance(weight_layout, str):
         raise TypeError(f"weight_layout must be a str, got {type(weight_layout).__name__}")
-    if weight_layout not in reference.WEIGHT_LAYOUTS:
-        raise ValueError(f"weight_layout must be one of {reference.WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    reference.check_weight_layout(weight_layout)
 
 
 def _kernel_args(tensors):

@@ -47,11 +47,16 @@ SWIGLU_LIMIT = 7.0
 WEIGHT_LAYOUTS = ("out_in", "in_out")   # nn.Linear (E, 2I, H) / (E, H, I), or (E, H, 2I) / (E, I, H)
 
 
+def check_weight_layout(weight_layout) -> None:
+    """``ValueError`` naming ``weight_layout`` unless it is one of :data:`WEIGHT_LAYOUTS`."""
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+
+
 def as_out_in(w: torch.Tensor, weight_layout: str) -> torch.Tensor:
     """An expert weight (E, a, b) given in ``weight_layout`` as a view in the out_in layout (also
     maps an out_in gradient back to in_out: the transpose is its own inverse)."""
-    if weight_layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    check_weight_layout(weight_layout)
     return w if weight_layout == "out_in" else w.transpose(1, 2)
 
 
