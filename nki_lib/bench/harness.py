@@ -55,7 +55,7 @@ import torch
 from nki_lib.bench import flops
 from nki_lib.bench.inputs import baseline, make_call
 from nki_lib.bench.shapes import Case
-from nki_lib.bench.whole_op import host_cost, record_host_ops
+from nki_lib.bench.whole_op import host_cost, host_time_ns, record_host_ops
 
 __all__ = ["SimPlan", "plan", "run_case", "CaseResult", "core_balance", "lnc_degree"]
 
@@ -358,8 +358,7 @@ def _host(host_ops: list, hw, scale: float, marginal=None) -> dict:
     large_ops, s = marginal
     large = host_cost(large_ops, hw, scale)
     nbytes = _linear(small["hbm_bytes"], large["hbm_bytes"], s)
-    time_ns = large["launches"] * hw.kernel_launch_ns + nbytes / hw.dma_bandwidth()
-    return {**large, "hbm_bytes": nbytes, "time_us": time_ns * 1e-3}
+    return {**large, "hbm_bytes": nbytes, "time_us": host_time_ns(large["launches"], nbytes, hw) * 1e-3}
 
 
 def _add_host(figures: dict, host_ops: list, scale: float, hw, marginal=None) -> None:

@@ -136,13 +136,19 @@ def record_host_ops() -> Iterator[list[HostOp]]:
         yield recorder.ops
 
 
+def host_time_ns(launches: int, nbytes: float, hw) -> float:
+    """Device time of ``launches`` host ops moving ``nbytes`` in all: one launch each plus the bytes
+    at the core's HBM bandwidth."""
+    return launches * hw.kernel_launch_ns + nbytes / hw.dma_bandwidth()
+
+
 def host_cost(ops: list[HostOp], hw, scale: float = 1.0) -> dict:
     """Device cost of host ops on target table ``hw``: each op one launch plus its bytes at the
     core's HBM bandwidth. ``scale`` multiplies the bytes (the bench extrapolates simulated parts
     of a problem to the real shape; the launch count does not scale)."""
     nbytes = scale * sum(o.hbm_bytes for o in ops)
     launches = len(ops)
-    time_ns = launches * hw.kernel_launch_ns + nbytes / hw.dma_bandwidth()
+    time_ns = host_time_ns(launches, nbytes, hw)
     by_name: dict = {}
     for o in ops:
         by_name[o.name] = by_name.get(o.name, 0) + 1
