@@ -17,6 +17,7 @@ from nki_lib._nki import nl
 from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.kernels.moe_experts_steps import reduce_chunk
 from nki_lib.sizes import ceil_div
+from nki_lib.validation import has_values
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -114,6 +115,30 @@ def slot_tokens(slot_assignment, top_k):
 def routing_weights(topk_weights):
     """(N, 1) fp32 routing weights for the kernels: bf16/fp16/fp32 widen exactly."""
     return topk_weights.reshape(-1, 1).to(torch.float32).contiguous()
+
+
+def slot_weights(slot_assignment, topk_weights):
+    """(slots, 1) fp32: the routing weight of each slot's assignment (exact widening), 0 for
+    padding (the forward's "accumulate" combine scales each slot's row by it on chip)."""
+    flat = routing_weights(topk_weights)
+    live = slot_assignment >= 0
+    picked = flat[torch.where(live, slot_assignment, 0).to(torch.long)]
+    return torch.where(live[:, None], picked, 0.0).contiguous()
+
+
+def routes_a_token_twice(block_expert, slot_assignment, top_k):
+    """True when some token holds two slots of one expert (a top-k list naming an expert twice),
+    or when the plan has no values (traced): the forward's "accumulate" combine adds a group's rows
+    with one read-modify-write DMA per slot tile, whose row indices must be distinct
+    (docs/perf-log.md §14.2), so such a plan takes the "sum" combine."""
+    if not has_values(slot_assignment):
+        return True
+    block = slot_assignment.shape[0] // max(block_expert.shape[0], 1)
+    expert = block_expert.to(torch.long).repeat_interleave(block)
+    live = (slot_assignment >= 0) & (expert >= 0)
+    token = torch.div(slot_assignment.to(torch.long), top_k, rounding_mode="floor")
+    keys = torch.sort((expert * (int(token.max()) + 1) + token)[live]).values
+    return bool((keys[1:] == keys[:-1]).any())
 
 
 def in_layout_backward(launch_bwd, args, weight_layout, **flags):
