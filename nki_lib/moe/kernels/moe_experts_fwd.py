@@ -85,7 +85,7 @@ from nki_lib.moe.kernels.moe_experts_host import (
     choose_overlap_tiling,
     flags_sbuf_bytes,
     group_blocks_fitting,
-    routes_a_token_twice,
+    repeats_a_token,
     routing_weights,
     slot_tokens,
     slot_weights,
@@ -477,27 +477,42 @@ def group_blocks(hidden, inter, block, itemsize, **counts):
     return group_blocks_fitting(sbuf_bytes, hidden, inter, block, itemsize, **counts)
 
 
-def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
-                           b_down=None, *, activation, swiglu_alpha, swiglu_limit, weight_layout="out_in"):
-    """The launch of the forward kernel, which returns y (T, H) (host side: index metadata, views and
-    the exact widening of the routing weights to fp32). ``weight_layout`` "in_out": w_gate_up
-    (E, H, 2I), w_down (E, I, H), multiplied as they are (no weight transposes on chip)."""
-    in_out = weight_layout == "in_out"
-    inter = w_down.shape[1] if in_out else w_down.shape[2]
-    combine = combine_mode(lnc_degree(), routes_a_token_twice(block_expert, slot_assignment, topk_weights.shape[1]))
-    flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None or b_down is not None,
-                 in_out=in_out, accumulate=combine == "accumulate")
+def _launch_plan(x, topk_weights, block_expert, slot_assignment, inter, n_experts, flags):
+    """(block size, group_expert, group_slots, tiling) of a launch with these SBUF ``flags``."""
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, inter, sbuf_fn=sbuf_bytes, **flags)
     top_k = topk_weights.shape[1]
     hidden, itemsize = x.shape[1], x.element_size()
-    counts = dict(top_k=top_k, n_blocks=block_expert.shape[0], **flags)
-    blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
-    group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
-    h_chunk, y_cols, defer, gu_cols, wd_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
-                                                      n_blocks=group_expert.shape[0], **flags)
+    blocks = group_blocks(hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=block_expert.shape[0], **flags)
+    group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, n_experts)
+    tiles = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k, n_blocks=group_expert.shape[0], **flags)
+    return block_size, group_expert, group_slots, tiles
+
+
+def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
+                           b_down=None, *, activation, swiglu_alpha, swiglu_limit, weight_layout="out_in"):
+    """The launch of the forward kernel, which returns y (T, H) (host side: index metadata, views and
+    the exact widening of the routing weights to fp32, per slot for the "accumulate" combine).
+    ``weight_layout`` "in_out": w_gate_up (E, H, 2I), w_down (E, I, H), multiplied as they are (no
+    weight transposes on chip). The combine (:func:`combine_mode`): "accumulate" on one core
+    unless a slot group names a token twice, then "sum" (planned again with its SBUF figures)."""
+    in_out = weight_layout == "in_out"
+    inter = w_down.shape[1] if in_out else w_down.shape[2]
+    top_k = topk_weights.shape[1]
+    flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None or b_down is not None,
+                 in_out=in_out)
+    combine = combine_mode(lnc_degree(), False)
+    plan = _launch_plan(x, topk_weights, block_expert, slot_assignment, inter, w_down.shape[0],
+                        dict(flags, accumulate=combine == "accumulate"))
+    tokens = slot_tokens(plan[2], top_k)
+    if combine == "accumulate" and repeats_a_token(tokens, plan[1].shape[0]):
+        combine = combine_mode(lnc_degree(), True)
+        plan = _launch_plan(x, topk_weights, block_expert, slot_assignment, inter, w_down.shape[0],
+                            dict(flags, accumulate=False))
+        tokens = slot_tokens(plan[2], top_k)
+    _, group_expert, group_slots, (h_chunk, y_cols, defer, gu_cols, wd_cols) = plan
     weights = slot_weights(group_slots, topk_weights) if combine == "accumulate" else routing_weights(topk_weights)
     return KernelLaunch(moe_experts_fwd_kernel,
-                        (x.contiguous(), weights, group_expert, slot_tokens(group_slots, top_k),
+                        (x.contiguous(), weights, group_expert, tokens,
                          group_slots, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
                          activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols, defer, gu_cols,
                          wd_cols, combine),

@@ -126,19 +126,17 @@ def slot_weights(slot_assignment, topk_weights):
     return torch.where(live[:, None], picked, 0.0).contiguous()
 
 
-def routes_a_token_twice(block_expert, slot_assignment, top_k):
-    """True when some token holds two slots of one expert (a top-k list naming an expert twice),
-    or when the plan has no values (traced): the forward's "accumulate" combine adds a group's rows
-    with one read-modify-write DMA per slot tile, whose row indices must be distinct
-    (docs/perf-log.md §14.2), so such a plan takes the "sum" combine."""
-    if not has_values(slot_assignment):
+def repeats_a_token(slot_token, n_groups):
+    """True when one group's slots name a token twice (a top-k list naming an expert twice), or
+    when the plan has no values (traced): the forward's "accumulate" combine adds a slot tile's
+    rows with one read-modify-write DMA, whose row indices must be distinct (docs/perf-log.md
+    §14.2), so such a plan takes the "sum" combine. ``slot_token`` (NG*S,): token ids, -1 padding."""
+    if not has_values(slot_token):
         return True
-    block = slot_assignment.shape[0] // max(block_expert.shape[0], 1)
-    expert = block_expert.to(torch.long).repeat_interleave(block)
-    live = (slot_assignment >= 0) & (expert >= 0)
-    token = torch.div(slot_assignment.to(torch.long), top_k, rounding_mode="floor")
-    keys = torch.sort((expert * (int(token.max()) + 1) + token)[live]).values
-    return bool((keys[1:] == keys[:-1]).any())
+    if slot_token.numel() == 0:
+        return False
+    ids = torch.sort(slot_token.reshape(n_groups, -1), dim=1).values
+    return bool(((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any())
 
 
 def in_layout_backward(launch_bwd, args, weight_layout, **flags):
