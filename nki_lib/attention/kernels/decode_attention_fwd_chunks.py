@@ -35,6 +35,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_steps import (
     step_probs_phases,
     step_pv_phases,
     step_scores,
+    step_scores_columns,
 )
 from nki_lib.sizes import spans
 
@@ -91,6 +92,8 @@ class SplitState(nl.NKIObject):
     pack: int         # units whose rows share the tile (packed single-chunk path: unit u's keys on
                       # partitions [u*128/U, (u+1)*128/U), its rows u*R .. (u+1)*R); 1 otherwise
     units: object     # packed: per unit its own state (R rows on partitions 0 .. R: P @ V, merge), else None
+    columns: bool     # packed with column-tiled scores: partition p holds the R rows of its own unit only
+                      # (the score tile has R rows, not U*R), and the K chunk is K^T (D, U*M, 128)
     folded: bool      # single-chunk path, one softmax step: the sink is folded into that step (its -m
                       # includes -sink, ``sink_term`` = exp(sink - m)), so the merge needs no exp
     sink: object      # folded: the sink logits (rn, 1) of the rows, or None (no sinks)
@@ -99,13 +102,13 @@ class SplitState(nl.NKIObject):
 
 
 def state_views(packed, bounds=None, group_sq=None, g_bounds=None, pack=1, units=None, sinks=(None, None),
-                 folded=False):
+                 folded=False, columns=False):
     d = packed.shape[1] - 2
     sink, neg_sink = sinks
     sink_term = nl.ndarray((packed.shape[0], 1), dtype=nl.float32, buffer=nl.sbuf) if sink is not None else None
     return SplitState(packed=packed, acc_l=packed[:, 0:d + 1], acc=packed[:, 0:d], l=packed[:, d:d + 1],
                        neg_m=packed[:, d + 1:d + 2], bounds=bounds, group_sq=group_sq, g_bounds=g_bounds,
-                       pack=pack, units=units, folded=folded, sink=sink, neg_sink=neg_sink,
+                       pack=pack, units=units, columns=columns, folded=folded, sink=sink, neg_sink=neg_sink,
                        sink_term=sink_term)
 
 
@@ -120,6 +123,12 @@ class _EvictionRota:
     def next(self):
         self.count += 1
         return nisa.engine.scalar if self.count % self.every == 0 else nisa.engine.vector
+
+
+def _tile_pack(state):
+    """Units whose rows share a partition's columns of the score tile: U for a shared packed tile, 1
+    for column-tiled packs (each partition holds its own unit's rows) and unpacked states."""
+    return 1 if state.columns else state.pack
 
 
 def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, fresh=False):
@@ -143,14 +152,19 @@ def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype
     def scores(wave):
         """S^T of every item of a wave, their K^T blocks pipelined across the items."""
         kt = KtPipeline()
-        for (_, _, k_chunk, _), step in wave:
-            kt.add(k_chunk, step, plan, d_spans, m, kv_dtype, rota)
+        for (split_states, _, k_chunk, _), step in wave:
+            if not split_states[0].columns:         # column-tiled packs load K^T by DMA
+                kt.add(k_chunk, step, plan, d_spans, m, kv_dtype, rota)
         out = []
-        for (split_states, q_t, _, _), step in wave:
+        for (split_states, q_t, k_chunk, _), step in wave:
             n = step[1]
-            s_sb = [nl.ndarray((pmax, st.group_sq, st.pack, n, st.acc.shape[0] // (st.group_sq * st.pack)),
+            s_sb = [nl.ndarray((pmax, st.group_sq, _tile_pack(st), n, st.acc.shape[0] // (st.group_sq * _tile_pack(st))),
                                dtype=nl.float32, buffer=nl.sbuf) if st.group_sq and n < MIN_II_ELEMS else
                     nl.ndarray((pmax, st.acc.shape[0], n), dtype=nl.float32, buffer=nl.sbuf) for st in split_states]
+            if split_states[0].columns:
+                out.append((s_sb, s_sb, 1.0))
+                step_scores_columns(s_sb[0], q_t[0], k_chunk, step, split_states[0].pack, scale, softcap)
+                continue
             fused = softcap == 0 and MIN_II_ELEMS <= n <= plan[1]   # one score block, per-row exps
             src = step_scores(s_sb, q_t, step, plan, kt, scale, softcap, fused)
             out.append((s_sb, (src if fused else s_sb), (scale if fused else 1.0)))
@@ -195,7 +209,8 @@ def _flush_pv(pending, ones_col, d_spans, fresh, in_place=False):
                                              pv_direct(*st.acc.shape), first, in_place=in_place))
                 continue
             rows, part = st.units[0].acc.shape[0], nl.tile_size.pmax // st.pack
-            phases += [step_pv_phases(ust, p_t[:, u * rows:(u + 1) * rows, :], neg_m_new[u], v_chunk, step[0],
+            unit_rows = (lambda u: p_t) if st.columns else (lambda u: p_t[:, u * rows:(u + 1) * rows, :])
+            phases += [step_pv_phases(ust, unit_rows(u), neg_m_new[u], v_chunk, step[0],
                                       ones_col, d_spans, pv_direct(*ust.acc.shape), first, (u * part, part))
                        for u, ust in enumerate(st.units)]
     lockstep_batched(phases, max(1, LOCKSTEP_CHAINS // len(d_spans)))

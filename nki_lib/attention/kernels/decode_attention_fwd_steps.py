@@ -133,6 +133,27 @@ def step_scores(s_sb, q_t, step, plan, kt, scale, softcap, fused=False):
     return [p.permute((0, 2, 1)) for p in s_psum] if fused else s_sb
 
 
+def step_scores_columns(s_sb, q_t, k_t, step, pack, scale, softcap):
+    """S^T of a column-tiled pack (grouped (128, Sq, 1, n, G)) for the slots of one softmax step:
+    unit u's keys sit on partitions [u*P, (u+1)*P) (P = 128/U) and only its rows are computed there.
+    Per slot c and unit u one matmul on a column tile of the PE array (``tile_position=(0, u*P)``,
+    ``tile_size=(128, P)``, the ``nki.isa.nc_matmul`` tiling mode): stationary K^T[:, c, u*P:(u+1)*P]
+    (D, P), moving that unit's q^T (D, R) -> PSUM partitions u*P .. (u+1)*P; one score block (one
+    PSUM bank: n*R fp32 per partition), evicted by ScalarE with the scale. ``k_t`` (D, U*M, 128): the
+    pack's K^T, column p of slot c the key on partition p (``dma_transpose`` of the chunk)."""
+    pmax = nl.tile_size.pmax
+    c0, n = step
+    part = pmax // pack
+    rows = q_t[0].shape[1] // pack
+    s_psum = nl.ndarray((pmax, n, rows), dtype=nl.float32, buffer=nl.psum)
+    for j in range(n):
+        for u in range(pack):
+            ps = slice(u * part, (u + 1) * part)
+            nisa.nc_matmul(dst=s_psum[ps, j, :], stationary=k_t[:, c0 + j, ps], moving=q_t[0][:, u * rows:(u + 1) * rows],
+                           tile_position=(0, u * part), tile_size=(pmax, part))
+    _evict_scores(*_score_views(s_sb, s_psum, 0, n), scale, softcap)
+
+
 def _score_views(s_sb, s_psum, b0, bn):
     """(SBUF destination, PSUM source) views of one score block's eviction, element for element:
     the block is (128, bn, rn) slot-major; S^T is rows outermost (128, rn, n), or for grouped rows
@@ -213,7 +234,8 @@ def step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scal
                           reduce_op=nl.maximum, range_start=c0)
     yield
     if state.pack > 1:                          # packed units: each unit's rows on partitions 0 .. R
-        neg_m_cols, neg_m_new = yield from _packed_row_max(part_max, state.pack)
+        row_max = _column_row_max if state.columns else _packed_row_max
+        neg_m_cols, neg_m_new = yield from row_max(part_max, state.pack)
         return (yield from _exp_phase(s_sb, neg_m_cols, score_scale, dtype)), neg_m_new
     folded = fresh and state.folded and state.neg_sink is not None   # the sink is a key of this step:
     column = folded and score_scale == 1.0      # m = max(rowmax, sink); the sink as a 129th column
@@ -265,6 +287,27 @@ def _packed_row_max(part_max, pack):
     neg_m_cols = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.psum)
     for u in range(pack):
         nisa.nc_transpose(dst=neg_m_cols[:, u * rows:(u + 1) * rows], data=neg_m_units[:, u:u + 1].broadcast(1, pmax))
+    yield
+    return neg_m_cols, [neg_m_units[:, u:u + 1] for u in range(pack)]
+
+
+def _column_row_max(part_max, pack):
+    """-rowmax of a column-tiled pack (fresh states) from its per-partition maxima (128, R), partition
+    p holding unit p // P's rows: one PE transpose -> (R, 128), one max over each unit's P columns ->
+    (R, U) (column u is unit u's -m_new, rows on partitions 0 .. R as its state holds them), and one
+    PE transpose of a stride-0 view (R, U, P) back to (128, R): partition p gets its own unit's -m."""
+    pmax = nl.tile_size.pmax
+    rows = part_max.shape[1]
+    part = pmax // pack
+    part_max_t = nl.ndarray((rows, pmax), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=part_max_t, data=part_max)
+    yield
+    neg_m_units = nl.ndarray((rows, pack), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=neg_m_units, op=nl.maximum, data=part_max_t.reshape((rows, pack, part)), axis=2,
+                       negate=True)
+    yield
+    neg_m_cols = nl.ndarray((pmax, rows), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=neg_m_cols, data=neg_m_units.expand_dim(2).broadcast(2, part))
     yield
     return neg_m_cols, [neg_m_units[:, u:u + 1] for u in range(pack)]
 
