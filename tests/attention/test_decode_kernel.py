@@ -336,18 +336,20 @@ def test_packed_units_share_one_chunk(b, hq, hkv, sq, d, lengths, window_left, d
     _units_stay_apart(sample, lengths, sq, window_left)
 
 
-@pytest.mark.parametrize("b, hq, hkv, sq, d, cap, lengths, window_left, dtype", [
-    (8, 8, 1, 4, 128, 1024, [1024, 5, 777, 130, 1000, 1024, 64, 129], -1, torch.bfloat16),  # the AWS shape
-    (4, 8, 1, 4, 128, 1024, [1024, 300, 4, 900], 100, torch.float16),
-    (4, 8, 2, 2, 64, 1024, [700, 1024, 2, 513], 37, torch.bfloat16),           # kv heads inside a pack
-    (4, 16, 1, 1, 128, 512, [512, 17, 300, 256], -1, torch.bfloat16),          # Sq = 1, M = 4
+@pytest.mark.parametrize("b, hq, hkv, sq, d, cap, lengths, window_left, dtype, sinks", [
+    (8, 8, 1, 4, 128, 1024, [1024, 5, 777, 130, 1000, 1024, 64, 129], -1, torch.bfloat16, True),  # the AWS shape
+    (4, 8, 1, 4, 128, 1024, [1024, 300, 4, 900], 100, torch.float16, True),
+    (4, 8, 2, 2, 64, 1024, [700, 1024, 2, 513], 37, torch.bfloat16, True),     # kv heads inside a pack
+    (4, 16, 1, 1, 128, 512, [512, 17, 300, 256], -1, torch.bfloat16, True),    # Sq = 1, M = 4
+    (2, 8, 1, 2, 128, 1024, [1000, 3], 500, torch.bfloat16, False),           # no sinks
 ])
-def test_column_tiled_packs(b, hq, hkv, sq, d, cap, lengths, window_left, dtype):
+def test_column_tiled_packs(b, hq, hkv, sq, d, cap, lengths, window_left, dtype, sinks):
     """Contiguous caches whose chunk rows are short but whose rows are too many for a shared packed
-    tile: units share a chunk (4 KiB DMA rows), K arrives as K^T by one dma_transpose per pack, and
-    each unit's scores are column-tiled matmuls onto its own partitions. NaN outside every unit's
-    [first, L_b) and an inf in one unit's visible V stay out of the other units' rows."""
-    sample = make_sample(b, hq, hkv, sq, d, lengths, dtype, capacity_=cap, sinks=True, window_left=window_left)
+    tile: units share a chunk (4 KiB DMA rows), K arrives as K^T by one dma_transpose per pack, each
+    unit's scores are column-tiled matmuls onto its own partitions, rows are token-major and each
+    pack's out rows leave as one DMA of Sq rows per partition. NaN outside every unit's [first, L_b)
+    and an inf in one unit's visible V stay out of the other units' rows."""
+    sample = make_sample(b, hq, hkv, sq, d, lengths, dtype, capacity_=cap, sinks=sinks, window_left=window_left)
     outs, report = _launch(sample, num_splits=1)
     _judge(sample, outs)
     units = b * hkv
@@ -359,4 +361,6 @@ def test_column_tiled_packs(b, hq, hkv, sq, d, cap, lengths, window_left, dtype)
     tiled = [e for e in report.trace if e.opcode == "nc_matmul" and e.shape[0] == nl.tile_size.pmax // pack]
     assert len(tiled) >= units * cap // nl.tile_size.pmax
     assert not [e for e in report.trace if e.opcode == "nc_transpose" and e.shape == (d, nl.tile_size.pmax)]
+    pack_out = [e for e in report.trace if e.opcode == "dma_copy" and e.shape == (pack * hq // hkv, sq * d)]
+    assert len(pack_out) == units // pack
     _units_stay_apart(sample, lengths, sq, window_left)

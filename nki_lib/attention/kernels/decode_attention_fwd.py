@@ -98,7 +98,9 @@ softmax, and the log table for the lse loads behind P @ V and the merges.
 Packed single-chunk path (contiguous caches whose chunk rows M*D are short, LNC1; ``pack_size``):
 U consecutive units share one chunk and one score tile; where that tile would be too large (2-byte
 K/V, D <= 128; ``column_pack_size``), they share the chunk only, K^T comes by ``dma_transpose`` and
-each unit's scores are column-tiled matmuls onto its own partitions; see ``decode_attention_fwd_packed``.
+each unit's scores are column-tiled matmuls onto its own partitions, its rows token-major so that a
+pack's out rows leave as one tile of Sq rows per partition; see ``decode_attention_fwd_packed`` and
+``decode_attention_fwd_columns``.
 
 K/V chunk buffers: pairs rotate over the (b, hk, split) streams (as many pairs as fit
 ``CHUNK_BUFFER_BUDGET``), so one stream's gathers overlap another stream's compute.

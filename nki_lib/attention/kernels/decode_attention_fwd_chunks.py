@@ -7,7 +7,9 @@ scores of item i+1 before the softmax of item i, the P @ V of item i after the s
 i+1, the chains of a wave interleaved phase by phase (``lockstep``), the K^T transposes of a wave
 issued ahead across its items (``KtPipeline``). The steps themselves are in
 ``decode_attention_fwd_steps``; ``decode_attention_fwd`` (streams, single-chunk path) and
-``decode_attention_fwd_packed`` (packed single-chunk path) drive this module.
+``decode_attention_fwd_packed`` (packed single-chunk path) drive this module; column-tiled packs
+take their scores from K^T (``step_scores_columns``) and their P @ V and merge from
+``decode_attention_fwd_columns``.
 
 Loop structure::
 
@@ -27,6 +29,7 @@ chunk of at most 128 slots per partition.
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
+from nki_lib.attention.kernels.decode_attention_fwd_columns import column_pv_merge_phases
 from nki_lib.attention.kernels.decode_attention_fwd_steps import (
     MIN_II_ELEMS,
     KtPipeline,
@@ -49,6 +52,7 @@ LOCKSTEP_CHAINS = 4               # softmax / P @ V chains (row tile x head-dim 
 KT_ACT_EVERY = 2                  # several jobs of one unit per chunk: every 2nd K^T eviction on ScalarE
                                   # (VectorE also runs each unit's mask/max/shift passes: 14.9 vs 8.7 us
                                   # busy at B=8 Sq=4 L=1024 with every 4th; docs/perf-log.md §12.1)
+COLUMN_MERGE_CHAINS = 4           # column-tiled packs' P @ V + merge chains in lockstep: 2 PSUM banks each
 KT_ACT_EVERY_PACKED = 4           # packed chunks: every 4th (every 2nd measured 0.2 us slower in order)
 
 
@@ -93,7 +97,11 @@ class SplitState(nl.NKIObject):
                       # partitions [u*128/U, (u+1)*128/U), its rows u*R .. (u+1)*R); 1 otherwise
     units: object     # packed: per unit its own state (R rows on partitions 0 .. R: P @ V, merge), else None
     columns: bool     # packed with column-tiled scores: partition p holds the R rows of its own unit only
-                      # (the score tile has R rows, not U*R), and the K chunk is K^T (D, U*M, 128)
+                      # (the score tile has R rows, not U*R, token-major: r' = t*G + g), and the K chunk is
+                      # K^T (D, U*M, 128); P @ V and the merge per pack (decode_attention_fwd_columns)
+    unit_sinks: object  # columns: per unit its token-major sinks (R, 1), folded into its max; or None
+    lse_cols: object  # columns: (-M, L) views (R, U) of the lse tiles' columns of the pack's units
+    out_tile: object  # columns: the pack's out tile (U*G, Sq*D), set by its merge
     folded: bool      # single-chunk path, one softmax step: the sink is folded into that step (its -m
                       # includes -sink, ``sink_term`` = exp(sink - m)), so the merge needs no exp
     sink: object      # folded: the sink logits (rn, 1) of the rows, or None (no sinks)
@@ -108,8 +116,8 @@ def state_views(packed, bounds=None, group_sq=None, g_bounds=None, pack=1, units
     sink_term = nl.ndarray((packed.shape[0], 1), dtype=nl.float32, buffer=nl.sbuf) if sink is not None else None
     return SplitState(packed=packed, acc_l=packed[:, 0:d + 1], acc=packed[:, 0:d], l=packed[:, d:d + 1],
                        neg_m=packed[:, d + 1:d + 2], bounds=bounds, group_sq=group_sq, g_bounds=g_bounds,
-                       pack=pack, units=units, columns=columns, folded=folded, sink=sink, neg_sink=neg_sink,
-                       sink_term=sink_term)
+                       pack=pack, units=units, columns=columns, unit_sinks=None, lse_cols=None, out_tile=None,
+                       folded=folded, sink=sink, neg_sink=neg_sink, sink_term=sink_term)
 
 
 class _EvictionRota:
@@ -200,7 +208,7 @@ def _flush_pv(pending, ones_col, d_spans, fresh, in_place=False):
     the only wave of fresh single-step jobs, whose merges follow at once -- a folded state then takes
     its P @ V result where it is (PSUM; no later wave allocates PSUM before the merges free it)."""
     wave, probs = pending
-    phases = []
+    phases, columns = [], []
     for ((split_states, _, _, v_chunk), step), item_probs in zip(wave, probs):
         first = fresh and step[0] == 0
         for st, (p_t, neg_m_new) in zip(split_states, item_probs):
@@ -208,9 +216,18 @@ def _flush_pv(pending, ones_col, d_spans, fresh, in_place=False):
                 phases.append(step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans,
                                              pv_direct(*st.acc.shape), first, in_place=in_place))
                 continue
+            if st.columns:
+                columns.append(column_pv_merge_phases(st, p_t, neg_m_new, v_chunk, ones_col, step[0], st.unit_sinks,
+                                                      st.lse_cols, p_t.dtype, _copy_engine(len(columns))))
+                continue
             rows, part = st.units[0].acc.shape[0], nl.tile_size.pmax // st.pack
-            unit_rows = (lambda u: p_t) if st.columns else (lambda u: p_t[:, u * rows:(u + 1) * rows, :])
-            phases += [step_pv_phases(ust, unit_rows(u), neg_m_new[u], v_chunk, step[0],
+            phases += [step_pv_phases(ust, p_t[:, u * rows:(u + 1) * rows, :], neg_m_new[u], v_chunk, step[0],
                                       ones_col, d_spans, pv_direct(*ust.acc.shape), first, (u * part, part))
                        for u, ust in enumerate(st.units)]
     lockstep_batched(phases, max(1, LOCKSTEP_CHAINS // len(d_spans)))
+    lockstep_batched(columns, COLUMN_MERGE_CHAINS)
+
+
+def _copy_engine(i):
+    """Engine of the i-th column-tiled pack's out-tile copy (PSUM -> SBUF): ScalarE and VectorE in turn."""
+    return nisa.engine.scalar if i % 2 == 0 else nisa.engine.vector

@@ -17,7 +17,10 @@ exceed MIN_II_ELEMS): the same chunk layout (long DMA rows), but K is loaded as 
 one ``dma_transpose`` per pack (column p of slot c = the key on partition p; no PE transposes, no
 evictions), and each unit's scores are column-tiled matmuls onto its own partitions
 (``step_scores_columns``), so the score tile has R rows, the mask bounds are not shifted, the row
-max reduces each unit's P columns of one transposed tile and P @ V takes all R rows of P^T.
+max reduces each unit's P columns of one transposed tile (the sink folded in as one more column)
+and P @ V takes all R rows of P^T. Their rows are token-major (r' = t*G + g), so P @ V, the merge and
+the out rows run per pack in ``decode_attention_fwd_columns``: one out tile (U*G, Sq*D) and one
+store DMA per pack (Sq rows a partition).
 
 Loop structure (program order)::
 
@@ -28,7 +31,8 @@ Loop structure (program order)::
       per pack: V, then per unit and edge range a device loop of 0 or 1 trips zeroing its V rows
                 outside [first, L_b)
       the packs' compute in waves (scores, mask, exp per pack; P @ V per unit)
-      one merge per unit (lockstep); out stores trail by OUT_STORE_LAG
+      one merge per unit (lockstep); out stores trail by OUT_STORE_LAG (column-tiled: one merge and
+      one out store per pack)
     log table warmed; remaining out stores; lse of every unit
 
 Shapes: q (B, Hq, Sq, D); k_units/v_units (B*Hkv*seq_units, u*D) -- the contiguous cache, a
@@ -46,6 +50,12 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.decode_attention_fwd_chunks import chunk_plan, run_chunks, state_views
+from nki_lib.attention.kernels.decode_attention_fwd_columns import (
+    load_q_t_token_major,
+    load_sink_token_major,
+    q_load_units,
+    store_out_pack,
+)
 from nki_lib.attention.kernels.decode_attention_fwd_io import (
     CHUNK_BUFFER_BUDGET,
     DIRECT_PIECE_SLOTS,
@@ -204,18 +214,35 @@ def packed_path(q, k_units, v_units, sink_rows, out, lse, meta, pack, cfg, colum
     sinks = {}
     width = unit_table_width(m, unit_keys)
     pending_out = []
+    q_loads = {}                                    # column-tiled: token-major q^T per load of units
+    sq = meta.sq
+
+    def pack_q_t(k):
+        if not columns:
+            return load_q_t(q, k * prow, prow, d_spans, dtype)
+        per_load = q_load_units(n_units, pack, rows // sq, sq, d, q.itemsize)
+        first = k * pack // per_load * per_load
+        if first not in q_loads:
+            q_loads[first] = load_q_t_token_major(q, first, min(per_load, n_units - first), rows, sq, dtype)
+        j = (k * pack - first) * rows
+        return [q_loads[first][:, j:j + prow]]
+
     for g0 in range(0, n_units // pack, n_pairs):
         group = list(range(g0, min(n_units // pack, g0 + n_pairs)))
         works = []
         for k in group:
             ws = [(k * pack + u) // n_kv_heads for u in range(pack)]
             state, window_pm = _packed_state(meta, ws, pack_keys, rows, d, slots, nisa.engine.gpsimd, columns)
-            works.append((load_q_t(q, k * prow, prow, d_spans, dtype), state, window_pm,
-                          [stream_setup(meta, w, static=True).regs for w in ws]))
+            works.append((pack_q_t(k), state, window_pm, [stream_setup(meta, w, static=True).regs for w in ws]))
             for u in range(pack):
                 hk = (k * pack + u) % n_kv_heads
                 if sink_rows is not None and hk not in sinks:
-                    sinks[hk] = load_sink(sink_rows, hk, 0, rows)
+                    sinks[hk] = (load_sink_token_major(sink_rows, hk, sq) if columns
+                                 else load_sink(sink_rows, hk, 0, rows))
+            if columns:                             # the sinks fold into the max; -M and L go to the lse tile
+                state.unit_sinks = None if sink_rows is None else [sinks[(k * pack + u) % n_kv_heads]
+                                                                   for u in range(pack)]
+                state.lse_cols = (tile.neg_big[:, k * pack:(k + 1) * pack], tile.total[:, k * pack:(k + 1) * pack])
         for i, k in enumerate(group):
             load_k = _load_packed_k_t if columns else _load_packed_chunk
             load_k(k_units, bufs[i][0], k * pack * unit_stride, slots)
@@ -230,6 +257,10 @@ def packed_path(q, k_units, v_units, sink_rows, out, lse, meta, pack, cfg, colum
                         zero_invisible_rows(v_chunk[ps], slot_index[ps], window_pm[ps])
         run_chunks([([work[1]], [work[0]]) + bufs[i] for i, work in enumerate(works)], plan, d_spans, slots,
                 ones_col, k_units.dtype, scale, softcap, dtype, fresh=True)
+        if columns:                                 # merged per pack inside run_chunks
+            for k, work in zip(group, works):
+                store_out_pack(out, work[1].out_tile, k * prow)
+            continue
         merges, rows0 = [], []
         for k, work in zip(group, works):
             for u, ust in enumerate(work[1].units):
@@ -244,4 +275,4 @@ def packed_path(q, k_units, v_units, sink_rows, out, lse, meta, pack, cfg, colum
     nisa.activation(dst=warm, op=nl.log, data=ones_col)   # the log table loads behind the last merges
     for out_sb, row0 in pending_out:
         store_out(out, out_sb, row0)
-    store_lse(tile, lse, rows)
+    store_lse(tile, lse, rows, sq if columns else None)
