@@ -127,7 +127,12 @@ from nki_lib.attention.kernels.flash_attention_fwd_plan import (
     program_share,
 )
 from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, load_sinks, new_lse_batch
-from nki_lib.attention.kernels.flash_attention_fwd_step import PT_DVE_SHARE, PT_DVE_SHARE_SOFTCAP, warm_table
+from nki_lib.attention.kernels.flash_attention_fwd_step import (
+    PT_DVE_SHARE,
+    PT_DVE_SHARE_DMA_PT,
+    PT_DVE_SHARE_SOFTCAP,
+    warm_table,
+)
 from nki_lib.attention.kernels.flash_attention_fwd_values import ValueCache, cache_bytes
 from nki_lib.attention.kernels.flash_attention_transposed_loads import as_kernel_layout, on_chip
 from nki_lib.attention.kernels.tiles import (
@@ -239,7 +244,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
     # with softcap, the scores (tanh) of SOFTCAP_BATCH steps are issued together, so ScalarE
     # switches between the tanh and exp tables twice per batch instead of twice per step
     score_batch = SOFTCAP_BATCH if softcap > 0 else 1
-    pt_dve_share = PT_DVE_SHARE_SOFTCAP if softcap > 0 else PT_DVE_SHARE
+    pt_dve_share = PT_DVE_SHARE_SOFTCAP if softcap > 0 else PT_DVE_SHARE_DMA_PT if dma_pt else PT_DVE_SHARE
     close_lag = CLOSE_LAG if n_pass == 1 else CLOSE_LAG_HEADS
     seed_sb = None
     if softcap == 0:    # with softcap the first function is tanh

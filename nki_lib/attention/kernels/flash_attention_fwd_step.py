@@ -19,21 +19,24 @@ from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.tiles import key_blocks, key_tile_width, mask_scores
 from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 
-__all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "warm_table", "section_scores", "softmax_step", "transpose_p", "evict_pt",
+__all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_DMA_PT", "PT_DVE_SHARE_SOFTCAP", "warm_table", "section_scores", "softmax_step", "transpose_p", "evict_pt",
            "dma_transposable", "dma_transpose_p", "p_times_v"]
 
 EVICT_RUN_TILES = 2  # unmasked score tiles evicted together (2 fp32 PSUM banks, 1024 keys; an
                      # engine operand may read 4K PSUM elements per partition,
                      # docs/nki-semantics.md §3.5): the 64-cycle cost of each VectorE
                      # tensor_scalar_reduce is paid once per run (-3.2 us VectorE at 4096 causal)
-PT_DVE_SHARE = 0.40  # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
+PT_DVE_SHARE = 0.42  # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
                       # Per 2048-key bf16 section (trn2 rates) ScalarE has ~1.9 us fixed work
                       # (exp, the first section's acc copy) and VectorE ~2.4 us (score evicts +
                       # max, acc; less with EVICT_RUN_TILES), and a P^T block costs ScalarE 0.107 us, VectorE 0.067 us
-                      # (16-bit PSUM at 2x): 0.40 balances them at 4096 causal with the last
-                      # steps' blocks all on VectorE (flash_attention_fwd.DRAIN_STEPS) and a
-                      # third of the long late sections' P^T by DMA transpose
-                      # (flash_attention_fwd_plan.dma_transposed_steps; docs/perf-log.md §14.4)
+                      # (16-bit PSUM at 2x): 0.42 balances them at 4096 causal with the last
+                      # steps' blocks all on VectorE (flash_attention_fwd.DRAIN_STEPS;
+                      # docs/perf-log.md §12.4)
+PT_DVE_SHARE_DMA_PT = 0.40  # the same when some long sections' P^T go by DMA transpose
+                            # (flash_attention_fwd_plan.dma_transposed_steps): 0.38 / 0.42 measured
+                            # 111.0 / 108.5 and 110.8 / 108.0 at 4096 causal, 0.42 worse at
+                            # dma_chunk_floor_ns=178 (123.0 against 122.4; docs/perf-log.md §14.4)
 PT_DVE_SHARE_SOFTCAP = 1.0  # softcap adds a tanh pass (1.7 us per section) on ScalarE, which then
                             # stays the busier engine with every P^T block on VectorE
 
