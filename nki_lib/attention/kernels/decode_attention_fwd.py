@@ -509,7 +509,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
             if single and seq_units is not None and len(row_spans) == 1 and head_offset == m * pmax * d else 1)
     columns = 1
     if single and seq_units is not None and len(row_spans) == 1 and head_offset == m * pmax * d and pack == 1:
-        columns = column_pack_size(len(units), rows, m, d, k_units.itemsize, n_prog)
+        columns = column_pack_size(len(units), rows, sq, m, d, k_units.itemsize, n_prog)
     if pack > 1 or columns > 1:                     # several units per static chunk
         packed_path(q, k_units, v_units, sink_rows, out, lse, meta, max(pack, columns),
                      (n_kv_heads, m, unit_keys, d_spans, ones_col, scale, softcap), columns=columns > 1)
