@@ -47,7 +47,7 @@ I tiles > slot tiles (guarded) > H tiles; staging groups > H chunks > I spans > 
 
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k
 assignments, B plan block size, NG groups, S slots per group, ST slot tiles per group. Kernel
-inputs (HBM): x (T, H), topk_w (N, 1) fp32 ("sum": per assignment; "accumulate": (NG*S, 1), per
+inputs (HBM): x (T, H), topk_w (N, 1) fp32 ("sum": per assignment; "accumulate": (NG*S,), per
 slot, 0 for padding), group_expert (NG,) int32, slot_token and
 slot_assignment (NG*S,) int32 (a // k and a, or -1), w_gate_up
 (E, 2I, H), w_down (E, H, I) (nn.Linear layouts, as the op receives them) or, in_out,
@@ -75,7 +75,6 @@ from nki_lib.moe.kernels.moe_experts_fwd_combine import (
     accumulator,
     combine_mode,
     convert_rows,
-    load_slot_weights,
     zero_rows,
 )
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu, ones_row
@@ -377,9 +376,9 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
     group = slot_token.shape[0] // n_groups
     n_prog, pid = nl.num_programs(axes=0), nl.program_id(axis=0)
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
-    if combine == "accumulate":      # topk_w: the routing weight of each slot (NG*S, 1), 0 for padding
+    if combine == "accumulate":      # topk_w: the routing weight of each slot (NG*S,), 0 for padding
         out = accumulator(y, t_len, hidden)
-        slot_w_sb = load_slot_weights(topk_w.reshape((topk_w.shape[0],)), n_groups, group)
+        slot_w_sb = load_all_ids(topk_w, n_groups, group, dtype=nl.float32)
     else:
         out = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.shared_hbm)   # y_slots
         slot_w_sb = None
@@ -570,7 +569,7 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
                                                       n_blocks=group_expert.shape[0], **flags)
     tokens = slot_tokens(group_slots, top_k)
     combine = combine_mode(lnc_degree(), flags["accumulate"] and repeats_a_token(tokens, group_expert.shape[0]))
-    weights = slot_weights(group_slots, topk_weights) if combine == "accumulate" else routing_weights(topk_weights)
+    weights = slot_weights(topk_weights, group_slots) if combine == "accumulate" else routing_weights(topk_weights)
     return KernelLaunch(moe_experts_fwd_kernel,
                         (x.contiguous(), weights, group_expert, tokens,
                          group_slots, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,

@@ -32,7 +32,7 @@ group, ST slot tiles per group, P = 128 partitions. Limits: as :mod:`.moe_expert
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
-from nki_lib.moe.kernels.moe_experts_steps import load_all_ids, scatter_rows
+from nki_lib.moe.kernels.moe_experts_steps import scatter_rows
 from nki_lib.sizes import spans
 
 COMBINES = ("sum", "accumulate")
@@ -71,14 +71,6 @@ def zero_rows(acc):
     nisa.memset(dst=zero_sb, value=0.0, engine=nisa.engine.gpsimd)
     for t0, tp in spans(t_len, nl.tile_size.pmax):
         nisa.dma_copy(dst=acc[t0:t0 + tp, :], src=zero_sb[:tp, :])
-
-
-def load_slot_weights(slot_weight, n_groups, group):
-    """(P, ST, NG) fp32 tile: [p, st, g] = the routing weight of slot g * S + st * 128 + p (0 for
-    padding), loaded like the slot ids (:func:`~.moe_experts_steps.load_all_ids`: one DMA per
-    128 groups, bit-exact TensorE transposes of the fp32 bits as int32)."""
-    bits_sb = load_all_ids(slot_weight.view(nl.int32), n_groups, group)
-    return bits_sb.view(nl.float32)
 
 
 def accumulate_rows(acc, tok_sb, rows_sb, col0):

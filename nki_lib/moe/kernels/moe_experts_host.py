@@ -117,13 +117,13 @@ def routing_weights(topk_weights):
     return topk_weights.reshape(-1, 1).to(torch.float32).contiguous()
 
 
-def slot_weights(slot_assignment, topk_weights):
-    """(slots, 1) fp32: the routing weight of each slot's assignment (exact widening), 0 for
-    padding (the forward's "accumulate" combine scales each slot's row by it on chip)."""
-    flat = routing_weights(topk_weights)
-    live = slot_assignment >= 0
-    picked = flat[torch.where(live, slot_assignment, 0).to(torch.long)]
-    return torch.where(live[:, None], picked, 0.0).contiguous()
+def slot_weights(topk_weights, group_slots):
+    """Index metadata for the backward: (NG*S,) fp32 routing weight of each slot (0 for padding),
+    in slot order, so the kernel loads them with its slot ids instead of gathering them (each
+    indirect DMA costs GpSimd a descriptor per row). The forward's "accumulate" combine loads
+    them the same way and scales each slot's output row by its weight."""
+    flat = routing_weights(topk_weights).reshape(-1)
+    return torch.where(group_slots >= 0, flat[group_slots.clamp(min=0).long()], 0.0).contiguous()
 
 
 def repeats_a_token(slot_token, n_groups):
