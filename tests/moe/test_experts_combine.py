@@ -57,3 +57,12 @@ def test_token_routed_twice_to_one_expert_takes_the_sum_combine():
     opcodes = _forward_opcodes(s)
     assert "dma_compute" not in opcodes and "scalar_tensor_tensor" in opcodes
     _parity(s)
+
+
+def test_zero_fill_in_column_spans(monkeypatch):
+    """The accumulator's zero fill stores its tile per column span when H exceeds it."""
+    monkeypatch.setattr(moe_experts_fwd_combine, "WEIGHT_SPAN", 128)
+    s = moe_experts_op.make_sample(20, 200, 24, 3, 2, 8, torch.bfloat16, False, seed=5)
+    opcodes = _forward_opcodes(s)
+    assert opcodes.count("memset") >= 1 and "dma_compute" in opcodes
+    _parity(s)

@@ -72,6 +72,7 @@ from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch
 from nki_lib.moe.kernels.moe_experts_fwd_combine import (
     GroupSink,
+    accumulate_sbuf_bytes,
     accumulator,
     combine_mode,
     convert_rows,
@@ -447,9 +448,9 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     rows of every I tile ``wd_cols`` columns wide. ``save``: the saved g/u tiles of the group
     (``save_gu``, live from the gate/up phase to the end of the down projection). ``accumulate``:
     the launch may take the "accumulate" combine (:mod:`.moe_experts_fwd_combine`): its slot
-    weights and the accumulator's zero tile are counted through the loop (an upper bound: the zero
-    tile is needed only at the start) and the tail is the larger of its conversion pass and the
-    k-sum (the "sum" combine serves the same plan when a group names a token twice)."""
+    weights and its other buffers are counted (:func:`accumulate_sbuf_bytes`), and the tail is the
+    larger of its own and the k-sum's (the "sum" combine serves the same plan when a group names a
+    token twice)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     rows = st * hidden * itemsize                                # x rows of one group
@@ -474,8 +475,9 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     live_flags = 2 * n_blocks * st * 4                        # live and partial flags of the slot tiles
     tail = tail_sbuf_bytes(hidden, top_k, itemsize)
     if accumulate:
-        live_flags += n_blocks * st * 4 + hidden * 4            # slot weights, zero tile
-        tail = max(tail, 2 * hidden * 4 + hidden * itemsize)    # conversion: two generations of fp32 rows, out rows
+        zero, convert = accumulate_sbuf_bytes(hidden, itemsize)
+        live_flags += n_blocks * st * 4 + zero                  # slot weights, zero tile
+        tail = max(tail, convert)
     return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, tail)
 
 

@@ -32,7 +32,7 @@ group, ST slot tiles per group, P = 128 partitions. Limits: as :mod:`.moe_expert
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
-from nki_lib.moe.kernels.moe_experts_steps import scatter_rows
+from nki_lib.moe.kernels.moe_experts_steps import WEIGHT_SPAN, scatter_rows
 from nki_lib.sizes import spans
 
 COMBINES = ("sum", "accumulate")
@@ -63,14 +63,27 @@ def accumulator(y, t_len, hidden):
     return nl.ndarray((t_len, hidden), dtype=nl.float32, buffer=nl.shared_hbm)
 
 
+def accumulate_sbuf_bytes(hidden, itemsize):
+    """(through the loop, tail) SBUF bytes per partition of the "accumulate" combine for x of
+    ``itemsize`` bytes: the zero tile of :func:`zero_rows` (an upper bound: needed only at the
+    start), and :func:`convert_rows`'s two generations of fp32 rows and the converted rows (only
+    with the fp32 accumulator of 16-bit x, else 0)."""
+    acc_itemsize = 4 if FP32_ACCUMULATOR else itemsize
+    tail = 2 * hidden * 4 + hidden * itemsize if FP32_ACCUMULATOR and itemsize < 4 else 0
+    return min(hidden, WEIGHT_SPAN) * acc_itemsize, tail
+
+
 def zero_rows(acc):
-    """acc = 0: one (P, H) zero tile (memset on GpSimd) stored over every 128-row tile with
-    static DMAs (precomputed descriptors; the scatters' read-modify-writes wait for them)."""
+    """acc = 0: one (P, <= WEIGHT_SPAN) zero tile (memset on GpSimd) stored over every 128-row tile
+    and column span with static DMAs (precomputed descriptors; the scatters' read-modify-writes
+    wait for them)."""
     t_len, hidden = acc.shape
-    zero_sb = nl.ndarray((nl.tile_size.pmax, hidden), dtype=acc.dtype, buffer=nl.sbuf)
+    width = min(hidden, WEIGHT_SPAN)
+    zero_sb = nl.ndarray((nl.tile_size.pmax, width), dtype=acc.dtype, buffer=nl.sbuf)
     nisa.memset(dst=zero_sb, value=0.0, engine=nisa.engine.gpsimd)
     for t0, tp in spans(t_len, nl.tile_size.pmax):
-        nisa.dma_copy(dst=acc[t0:t0 + tp, :], src=zero_sb[:tp, :])
+        for c0, cn in spans(hidden, width):
+            nisa.dma_copy(dst=acc[t0:t0 + tp, c0:c0 + cn], src=zero_sb[:tp, :cn])
 
 
 def accumulate_rows(acc, tok_sb, rows_sb, col0):
