@@ -69,6 +69,8 @@ from nki_lib.moe.kernels.moe_experts_host import (
     choose_overlap_tiling,
     flags_sbuf_bytes,
     group_blocks_fitting,
+    planned_blocks,
+    planned_groups,
     routing_weights,
     slot_tokens,
     staged_bytes,
@@ -450,11 +452,11 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, inter, sbuf_fn=sbuf_bytes, **flags)
     top_k = topk_weights.shape[1]
     hidden, itemsize = x.shape[1], x.element_size()
-    counts = dict(top_k=top_k, n_blocks=block_expert.shape[0], **flags)
+    counts = dict(top_k=top_k, n_blocks=planned_blocks(block_expert.shape[0]), **flags)
     blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
     group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
     h_chunk, y_cols, defer, gu_cols, wd_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
-                                                      n_blocks=group_expert.shape[0], **flags)
+                                                      n_blocks=planned_groups(group_expert.shape[0], blocks), **flags)
     return KernelLaunch(moe_experts_fwd_kernel,
                         (x.contiguous(), routing_weights(topk_weights), group_expert, slot_tokens(group_slots, top_k),
                          group_slots, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
