@@ -5,7 +5,9 @@ tables) and post-processes its outputs; on a device each of those ops reads and 
 costs a launch of its own. :func:`record_host_ops` captures them while an op runs: a
 ``TorchDispatchMode`` sees every aten op executed inside an ``nki::`` op (the op's own
 implementation, forward and backward, including the launchers' argument preparation; an op
-call served by the reference backend is not recorded), and keeps the ones that move data:
+call served by the reference backend is not recorded) and in the autograd formula of an ``nki::``
+op around its backward op (e.g. zeros for an unused output's gradient, a cast of a gradient to
+its input's dtype; charged to the backward op), and keeps the ones that move data:
 
 * a view or alias (the output shares storage with an input: ``view``, ``transpose``,
   ``reshape`` of a contiguous tensor, ``detach``, ...) moves nothing and is not an op on a device;
@@ -28,12 +30,13 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostOp", "record_host_ops", "host_cost", "WholeOpEstimate", "estimate_call"]
+__all__ = ["HostOp", "record_host_ops", "host_cost", "host_time_ns", "WholeOpEstimate", "estimate_call"]
 
 _ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 _FACTORIES = frozenset({"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like", "zeros",
                         "ones", "full", "arange", "scalar_tensor", "rand_like", "randn_like"})
 _NAMESPACE = "nki"
+_AUTOGRAD_NODE = f"GeneratedBackwardFor_{_NAMESPACE}_"   # torch.library.register_autograd's node names
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,27 @@ def account(func, args, kwargs, result, op: str) -> HostOp | None:
     return HostOp(op, str(func), read_bytes, sum(_nbytes(t) for t in written))
 
 
+def autograd_glue_op(node_name: str) -> str | None:
+    """The op an aten op belongs to when it runs in the autograd formula of an ``nki::`` op (the
+    autograd node ``GeneratedBackwardFor_nki_<op>_<overload>Backward``): the op's backward op
+    (its registry ``backward_name``, else the op), or None for any other node."""
+    if not node_name.startswith(_AUTOGRAD_NODE) or not node_name.endswith("Backward"):
+        return None
+    op = node_name[len(_AUTOGRAD_NODE):-len("Backward")].rsplit("_", 1)[0]
+    from nki_lib import registry
+
+    try:
+        spec = registry.get(op)
+    except ValueError:
+        return op
+    return spec.backward_name or op
+
+
+def _current_glue_op() -> str | None:
+    node = torch._C._current_autograd_node()
+    return None if node is None else autograd_glue_op(node.name())
+
+
 class _Recorder(TorchDispatchMode):
     """Records the data-moving aten ops executed inside ``nki::`` ops."""
 
@@ -121,8 +145,9 @@ class _Recorder(TorchDispatchMode):
             finally:
                 self.inside.pop()
         result = func(*args, **kwargs)
-        if self.inside:
-            host = account(func, args, kwargs, result, self.inside[-1])
+        op = self.inside[-1] if self.inside else _current_glue_op()
+        if op is not None:
+            host = account(func, args, kwargs, result, op)
             if host is not None:
                 self.ops.append(host)
         return result

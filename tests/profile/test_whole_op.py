@@ -2,13 +2,13 @@
 
 Checked: the accounting of single aten ops (views and allocations move nothing; a copy reads and
 writes its bytes; a factory reads nothing; an in-place op writes its destination), that only ops
-inside ``nki::`` ops are recorded, and that an op call's launches and bytes add up. No time is
-asserted.
+inside ``nki::`` ops or their autograd formulas are recorded, and that an op call's launches and
+bytes add up. No time is asserted.
 """
 
 import torch
 
-from nki_lib.bench.whole_op import account, estimate_call, host_cost, record_host_ops
+from nki_lib.bench.whole_op import account, autograd_glue_op, estimate_call, host_cost, record_host_ops
 from nki_lib.simulator.profile import params
 
 HW = params("trn2")
@@ -71,6 +71,23 @@ def test_only_ops_inside_nki_ops_are_recorded():
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     assert {o.op for o in ops} <= {"flash_attention", "flash_attention_backward"}
     assert all(o.bytes_written > 0 for o in ops)
+
+
+def test_autograd_glue_is_charged_to_the_backward_op():
+    """The autograd formula's own ops around the backward op (here the zero gradient of the
+    unused lse output, and the cast of d sinks to the sinks' dtype) are host ops of the backward."""
+    import nki_lib
+
+    assert autograd_glue_op("GeneratedBackwardFor_nki_flash_attention_defaultBackward") == "flash_attention_backward"
+    assert autograd_glue_op("GeneratedBackwardFor_nki_moe_experts_defaultBackward") == "moe_experts_backward"
+    assert autograd_glue_op("MulBackward0") is None
+    q, k, v = _attention_inputs()
+    sinks = torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)
+    with nki_lib.use_backend("simulator"), nki_lib.strict(True), record_host_ops() as ops:
+        out, _ = torch.ops.nki.flash_attention(q, k, v, sinks, causal=True)
+        torch.autograd.grad(out, (q, k, v, sinks), torch.ones_like(out))
+    glue = {o.name for o in ops if o.op == "flash_attention_backward"}
+    assert {"aten.zeros.default", "aten._to_copy.default"} <= glue
 
 
 def test_estimate_call_adds_the_host_ops_beside_the_kernels():
