@@ -3,8 +3,11 @@
 Forward:  moe_experts(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down,
                       b_gate_up=None, b_down=None, *, activation="silu", swiglu_alpha=1.702,
                       swiglu_limit=7.0, weight_layout="out_in") -> y
+Training forward (what a call that needs gradients runs, from the forward op's autograd kernel):
+          moe_experts_train(<the forward's arguments>) -> (y, saved)   (saved: the forward kernel's
+          pre-activation g/u, or an empty (0,) tensor: docs/contract.md §4.3 "Saved activations")
 Backward: moe_experts_backward(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up,
-                               w_down, b_gate_up, b_down, *, <flags>)
+                               w_down, b_gate_up, b_down, saved=None, *, <flags>)
               -> (dx, dtopk_weights, dw_gate_up, dw_down, db_gate_up, db_down)
 Semantics: docs/contract.md §4.3; the gates and biases: ``moe_experts_reference``. Shapes: x (T, H),
 topk_weights (T, k) any float dtype (math in float32, or float64 for float64 x; its gradient in its
@@ -29,6 +32,9 @@ attention).
 """
 
 from __future__ import annotations
+
+import warnings
+from functools import partial
 
 import torch
 
@@ -200,6 +206,70 @@ def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: to
     return y.contiguous()
 
 
+def saved_grouping(args, flags):
+    """(blocks per group, shape) of the g/u the forward kernel saves for the backward
+    (``moe_experts_fwd.saved_grouping``) when a training forward will run it and can save them, else None (the reference path, float64,
+    or a call the forward kernel cannot serve, or cannot serve while saving: the backward then
+    recomputes g and u). Reads no data (the fake uses it)."""
+    from nki_lib import backend
+    from nki_lib.dispatch import Unsupported
+
+    tensors = [t for t in args[:2] + args[4:] if t is not None]
+    path = backend.requested_path(tensors)
+    if path == "reference" or any(t.dtype == torch.float64 for t in tensors) or \
+            (path == "device" and not backend.device_available()):
+        return None
+    from nki_lib.moe.kernels import moe_experts_fwd
+    try:
+        return moe_experts_fwd.saved_grouping(*args, activation=flags["activation"],
+                                              weight_layout=flags["weight_layout"])
+    except Unsupported:
+        return None
+
+
+# --------------------------------------------------------------------------- training forward op
+
+@torch.library.custom_op("nki::moe_experts_train", mutates_args=())
+def moe_experts_train_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: torch.Tensor,
+                         slot_assignment: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                         b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, *,
+                         activation: str = "silu", swiglu_alpha: float = ALPHA, swiglu_limit: float = LIMIT,
+                         weight_layout: str = LAYOUT) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_experts`` when its inputs require grad (the public op's autograd calls it): y and the
+    saved pre-activation g/u for the backward (:func:`saved_grouping`; an empty (0,) tensor when the
+    forward kernel does not save them, and the backward recomputes)."""
+    flags = dict(activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                 weight_layout=weight_layout)
+    validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, **flags)
+    if has_values(block_expert, slot_assignment):
+        validate_plan_values(block_expert, slot_assignment, num_assignments=topk_weights.numel(),
+                             num_experts=w_gate_up.shape[0])
+    if _empty(x, topk_weights, w_gate_up):
+        return torch.zeros_like(x), x.new_empty(0)
+    args = _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down))
+    save = saved_grouping(args, flags) is not None
+
+    def launch():
+        from nki_lib.moe.kernels import moe_experts_fwd
+        return moe_experts_fwd.launch_moe_experts_fwd(*args, **flags, save_activations=save)
+
+    out = dispatch("moe_experts", args[:2] + args[4:], launch=launch,
+                   reference=lambda: (reference.moe_experts(*args, **flags), x.new_empty(0)))
+    y, saved = out if isinstance(out, tuple) else (out, x.new_empty(0))
+    return y.contiguous(), saved.contiguous()
+
+
+@moe_experts_train_op.register_fake
+def _(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None, *,
+      activation="silu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT, weight_layout=LAYOUT):
+    flags = dict(activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                 weight_layout=weight_layout)
+    validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, **flags)
+    grouping = None if _empty(x, topk_weights, w_gate_up) else saved_grouping(
+        (x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down), flags)
+    return x.new_empty(x.shape), x.new_empty((0,) if grouping is None else grouping[1])
+
+
 @moe_experts_op.register_fake
 def _(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None, *,
       activation="silu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT, weight_layout=LAYOUT):
@@ -215,7 +285,8 @@ def _(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_
 def moe_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
                             block_expert: torch.Tensor, slot_assignment: torch.Tensor,
                             w_gate_up: torch.Tensor, w_down: torch.Tensor, b_gate_up: torch.Tensor | None = None,
-                            b_down: torch.Tensor | None = None, *, activation: str = "silu",
+                            b_down: torch.Tensor | None = None, saved: torch.Tensor | None = None, *,
+                            activation: str = "silu",
                             swiglu_alpha: float = ALPHA, swiglu_limit: float = LIMIT, weight_layout: str = LAYOUT
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                        torch.Tensor]:
@@ -232,11 +303,24 @@ def moe_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: tor
     def launch():
         from nki_lib.moe.kernels import moe_experts_bwd
         from nki_lib.moe.kernels.moe_experts_host import in_layout_backward
-        return in_layout_backward(moe_experts_bwd.launch_moe_experts_bwd, args, weight_layout, **flags)
+        launch_bwd = partial(moe_experts_bwd.launch_moe_experts_bwd, saved=_usable_saved(saved, args[1:], flags,
+                                                                                       weight_layout))
+        return in_layout_backward(launch_bwd, args, weight_layout, **flags)
 
     grads = dispatch("moe_experts_backward", args[:3] + args[5:], launch=launch,
                      reference=lambda: reference.moe_experts_backward(*args, weight_layout=weight_layout, **flags))
     return tuple(g.contiguous() for g in grads)
+
+
+def _usable_saved(saved, args, flags, weight_layout):
+    """(the forward kernel's saved g/u, its blocks per group) when the saved tensor has this
+    call's layout (its shape), else None (the backward kernel recomputes g and u)."""
+    if saved is None or saved.numel() == 0:
+        return None
+    grouping = saved_grouping(args, dict(flags, weight_layout=weight_layout))
+    if grouping is None or tuple(saved.shape) != tuple(grouping[1]):
+        return None
+    return saved.contiguous(), grouping[0]
 
 
 def _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down):
@@ -246,30 +330,51 @@ def _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down):
 
 
 @moe_experts_backward_op.register_fake
-def _(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None, *,
-      activation="silu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT, weight_layout=LAYOUT):
+def _(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None,
+      saved=None, *, activation="silu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT, weight_layout=LAYOUT):
     return tuple(torch.empty_like(g) for g in _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down))
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *biases = inputs
     biases = (biases + [None, None])[:2]
-    ctx.save_for_backward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *biases)
+    saved = output[1] if isinstance(output, tuple) else None     # the training forward's g/u
+    if saved is not None:
+        ctx.mark_non_differentiable(saved)
+    ctx.save_for_backward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *biases, saved)
     ctx.flags = dict(keyword_only_inputs)
 
 
-def _backward(ctx, dy):
-    x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down = ctx.saved_tensors
+def _backward(ctx, dy, *_):
+    x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, saved = ctx.saved_tensors
     dx, dtopk, dw_gate_up, dw_down, db_gate_up, db_down = torch.ops.nki.moe_experts_backward(
         zeros_if_none(dy, x), x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up,
-        b_down, **ctx.flags)
+        b_down, saved, **ctx.flags)
     grads = (dx, dtopk, None, None, dw_gate_up, dw_down, None if b_gate_up is None else db_gate_up,
              None if b_down is None else db_down)
     return masked_grads(ctx.needs_input_grad, grads)
 
 
 moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
+moe_experts_train_op.register_autograd(_backward, setup_context=_setup_context)
 forbid_double_backward(moe_experts_backward_op, "moe_experts")
+
+
+def _autograd_kernel(keyset, *args, **kwargs):
+    """The Autograd kernel of ``nki::moe_experts``: a call that needs gradients runs the training
+    forward (``nki::moe_experts_train``, whose saved g/u spare the backward two of its eight
+    products); any other call (inference, no_grad) runs the op itself and saves nothing."""
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        return torch.ops.nki.moe_experts_train(*args, **kwargs)[0]
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.nki.moe_experts.default.redispatch(keyset & torch._C._after_autograd_keyset, *args,
+                                                            **kwargs)
+
+
+_LIB = torch.library.Library("nki", "IMPL")
+with warnings.catch_warnings():     # replacing register_autograd's kernel above is intended
+    warnings.simplefilter("ignore")
+    _LIB.impl("moe_experts", _autograd_kernel, "Autograd", with_keyset=True)
 follow_sdpa_autocast("moe_experts", cast_args=("x", "w_gate_up", "w_down", "b_gate_up", "b_down"))
 
 

@@ -11,7 +11,7 @@ import nki_lib
 from nki_lib._nki import nl
 from nki_lib.attention import decode_attention_op
 from nki_lib.attention.decode_attention_op import make_sample
-from nki_lib.attention.kernels import decode_attention_fwd_plan
+from nki_lib.attention.kernels import decode_attention_fwd_packed, decode_attention_fwd_plan
 from nki_lib.dispatch import NKIFallbackError, collect_runs, dispatch
 from nki_lib.numerics import parity
 from nki_lib.numerics.oppar import op_parity
@@ -292,6 +292,28 @@ def test_single_chunk_contiguous_reads_follow_the_window(length, window_left):
     assert kv_bytes < 2 * cap * 32 * k.element_size()
 
 
+def _units_stay_apart(sample, lengths, sq, window_left):
+    """NaN in K and V outside every unit's [first, L_b) and a legitimate inf in unit 0's visible V:
+    non-finite outputs exactly where the reference has them (unit 0's rows only), so units sharing a
+    chunk never see each other's keys (0 * inf would be NaN)."""
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    hkv = k.shape[1]
+    pos = torch.arange(k.shape[2])
+    keep = torch.zeros(k.shape[0], hkv, k.shape[2], 1, dtype=torch.bool)
+    for i, length in enumerate(lengths):
+        first = max(0, length - sq - window_left) if window_left >= 0 else 0
+        keep[i, :, :, 0] = (pos >= first) & (pos < length)
+    v = _poison(v, keep).clone()
+    v[0, 0, lengths[0] - 1, 0] = float("inf")
+    poisoned = Sample((q, _poison(k, keep), v, seqlens, table, sinks), sample.kwargs, sample.label + " poisoned")
+    with nki_lib.use_backend("reference"), nki_lib.strict():
+        ref = torch.ops.nki.decode_attention(*poisoned.args, **poisoned.kwargs)
+    got, _ = _launch(poisoned, num_splits=1)
+    assert not torch.isfinite(ref[0][0]).all() and torch.isfinite(ref[0][1:]).all()
+    assert torch.equal(torch.isfinite(ref[0]), torch.isfinite(got[0]))
+    assert torch.equal(torch.isfinite(ref[1]), torch.isfinite(got[1]))
+
+
 @pytest.mark.parametrize("b, hq, hkv, sq, d, lengths, window_left, dtype", [
     (8, 4, 1, 4, 64, [128, 5, 77, 4, 100, 128, 64, 65], -1, torch.bfloat16),   # the AWS shape: 4 units a chunk
     (8, 4, 1, 4, 64, [128, 5, 77, 4, 100, 128, 64, 65], 10, torch.float32),
@@ -311,18 +333,34 @@ def test_packed_units_share_one_chunk(b, hq, hkv, sq, d, lengths, window_left, d
     chunk_bytes = nl.tile_size.pmax * pack * m * d * sample.args[1].element_size()
     loads = [e for e in report.trace if e.opcode == "dma_copy" and e.bytes == chunk_bytes]
     assert len(loads) == 2 * units // pack
-    q, k, v, seqlens, table, sinks = sample.args[:6]
-    pos = torch.arange(k.shape[2])
-    keep = torch.zeros(k.shape[0], hkv, k.shape[2], 1, dtype=torch.bool)
-    for i, length in enumerate(lengths):
-        first = max(0, length - sq - window_left) if window_left >= 0 else 0
-        keep[i, :, :, 0] = (pos >= first) & (pos < length)
-    v = _poison(v, keep).clone()
-    v[0, 0, lengths[0] - 1, 0] = float("inf")
-    poisoned = Sample((q, _poison(k, keep), v, seqlens, table, sinks), sample.kwargs, sample.label + " poisoned")
-    with nki_lib.use_backend("reference"), nki_lib.strict():
-        ref = torch.ops.nki.decode_attention(*poisoned.args, **poisoned.kwargs)
-    got, _ = _launch(poisoned, num_splits=1)
-    assert not torch.isfinite(ref[0][0]).all() and torch.isfinite(ref[0][1:]).all()
-    assert torch.equal(torch.isfinite(ref[0]), torch.isfinite(got[0]))
-    assert torch.equal(torch.isfinite(ref[1]), torch.isfinite(got[1]))
+    _units_stay_apart(sample, lengths, sq, window_left)
+
+
+@pytest.mark.parametrize("b, hq, hkv, sq, d, cap, lengths, window_left, dtype, sinks", [
+    (8, 8, 1, 4, 128, 1024, [1024, 5, 777, 130, 1000, 1024, 64, 129], -1, torch.bfloat16, True),  # the AWS shape
+    (4, 8, 1, 4, 128, 1024, [1024, 300, 4, 900], 100, torch.float16, True),
+    (4, 8, 2, 2, 64, 1024, [700, 1024, 2, 513], 37, torch.bfloat16, True),     # kv heads inside a pack
+    (4, 16, 1, 1, 128, 512, [512, 17, 300, 256], -1, torch.bfloat16, True),    # Sq = 1, M = 4
+    (2, 8, 1, 2, 128, 1024, [1000, 3], 500, torch.bfloat16, False),           # no sinks
+])
+def test_column_tiled_packs(b, hq, hkv, sq, d, cap, lengths, window_left, dtype, sinks):
+    """Contiguous caches whose chunk rows are short but whose rows are too many for a shared packed
+    tile: units share a chunk (4 KiB DMA rows), K arrives as K^T by one dma_transpose per pack, each
+    unit's scores are column-tiled matmuls onto its own partitions, rows are token-major and each
+    pack's out rows leave as one DMA of Sq rows per partition. NaN outside every unit's [first, L_b)
+    and an inf in one unit's visible V stay out of the other units' rows."""
+    sample = make_sample(b, hq, hkv, sq, d, lengths, dtype, capacity_=cap, sinks=sinks, window_left=window_left)
+    outs, report = _launch(sample, num_splits=1)
+    _judge(sample, outs)
+    units = b * hkv
+    pack = decode_attention_fwd_packed.column_pack_size(units, hq // hkv * sq, cap // nl.tile_size.pmax, d,
+                                                        sample.args[1].element_size(), 1)
+    assert pack > 1
+    transposes = [e for e in report.trace if e.opcode == "dma_transpose"]
+    assert len(transposes) == units // pack
+    tiled = [e for e in report.trace if e.opcode == "nc_matmul" and e.shape[0] == nl.tile_size.pmax // pack]
+    assert len(tiled) >= units * cap // nl.tile_size.pmax
+    assert not [e for e in report.trace if e.opcode == "nc_transpose" and e.shape == (d, nl.tile_size.pmax)]
+    pack_out = [e for e in report.trace if e.opcode == "dma_copy" and e.shape == (pack * hq // hkv, sq * d)]
+    assert len(pack_out) == units // pack
+    _units_stay_apart(sample, lengths, sq, window_left)

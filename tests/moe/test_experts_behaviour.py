@@ -184,11 +184,14 @@ def test_sbuf_estimates_bound_the_measured_peak(shape, weight_layout):
     (_, fwd), (_, bwd) = runs
     counts = dict(top_k=k, n_blocks=s.args[2].numel())
     itemsize = s.args[0].element_size()
-    in_out = dict(in_out=weight_layout == "in_out")
-    group = block * moe_experts_fwd.group_blocks(h, inter, block, itemsize, **counts, **in_out)   # slots per group
+    in_out = dict(in_out=weight_layout == "in_out", save=True)     # a training call: g/u saved
+    blocks = moe_experts_fwd.group_blocks(h, inter, block, itemsize, **counts, **in_out)
+    group = block * blocks                                            # slots per group
     assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd.sbuf_bytes(h, inter, group, itemsize, **counts, **in_out)
-    bwd_group = block * moe_experts_bwd.group_blocks(h, inter, block, itemsize, **counts)   # the backward's
-    assert 0 < bwd.peak_sbuf_bytes <= moe_experts_bwd.sbuf_bytes(h, inter, bwd_group, itemsize, **counts)
+    saved = moe_experts_bwd._saved_blocks((None, blocks), h, inter, block, itemsize, **counts) is not None
+    bwd_group = group if saved else block * moe_experts_bwd.group_blocks(h, inter, block, itemsize, **counts)
+    assert 0 < bwd.peak_sbuf_bytes <= moe_experts_bwd.sbuf_bytes(h, inter, bwd_group, itemsize, saved=saved,
+                                                                 **counts)
 
 
 # --------------------------------------------------------------------------- plan data checks

@@ -192,35 +192,40 @@ def test_two_point_extrapolation_is_linear_in_every_time_figure_and_keeps_the_la
 
 
 def _launch_choices(dims: dict, tiling_plan=None) -> tuple:
-    """The launchers' static choices for a moe_experts call of ``dims`` (forward and backward: every
-    non-tensor argument, and the slots per group), with meta-device activations and weights: only
-    their shapes matter to the choices, the plan is real."""
+    """The launchers' static choices for a moe_experts train call of ``dims``: the forward saving
+    g/u, the backward reading them and the backward recomputing them (every non-tensor argument,
+    and the slots per group), with meta-device activations and weights: only their shapes matter
+    to the choices, the plan is real."""
     import torch
 
     from nki_lib.bench.harness import tiling_context
     from nki_lib.bench.inputs import _plan
     from nki_lib.moe.kernels.moe_experts_bwd import launch_moe_experts_bwd
-    from nki_lib.moe.kernels.moe_experts_fwd import launch_moe_experts_fwd
+    from nki_lib.moe.kernels.moe_experts_fwd import launch_moe_experts_fwd, saved_grouping
 
     t, h, i, e, k, bs = (dims[x] for x in ("T", "H", "I", "E", "k", "block_size"))
+    layout = dims.get("weight_layout", "out_in")
     meta = dict(dtype=torch.bfloat16, device="meta")
     x = torch.empty(t, h, **meta)
     block_expert, slots, _ = _plan((torch.arange(t * k, dtype=torch.int32) % e).reshape(t, k), e, bs)
     weights = torch.full((t, k), 1.0 / k)
     flags = dict(activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0)
     w_gate_up, w_down = torch.empty(e, 2 * i, h, **meta), torch.empty(e, h, i, **meta)   # out_in
-    fwd_weights = (w_gate_up.transpose(1, 2), w_down.transpose(1, 2)) if dims.get("weight_layout") == "in_out" \
-        else (w_gate_up, w_down)
+    fwd_weights = (w_gate_up.transpose(1, 2), w_down.transpose(1, 2)) if layout == "in_out" else (w_gate_up, w_down)
+    plan_args = (x, weights, block_expert, slots)
     with tiling_context(tiling_plan):
-        fwd = launch_moe_experts_fwd(x, weights, block_expert, slots, *fwd_weights,
-                                     weight_layout=dims.get("weight_layout", "out_in"), **flags)
-        bwd = launch_moe_experts_bwd(x, x, weights, block_expert, slots, w_gate_up, w_down, **flags)
+        blocks, saved_shape = saved_grouping(*plan_args, *fwd_weights, activation="silu", weight_layout=layout)
+        fwd = launch_moe_experts_fwd(*plan_args, *fwd_weights, weight_layout=layout, save_activations=True, **flags)
+        saved = (torch.empty(saved_shape, **meta), blocks)
+        bwd = launch_moe_experts_bwd(x, *plan_args, w_gate_up, w_down, saved=saved, **flags)
+        recompute = launch_moe_experts_bwd(x, *plan_args, w_gate_up, w_down, **flags)
 
-    def choices(launch, groups, group_slots):
+    def choices(launch, groups, group_slots):   # statics, tensor arguments (saved g/u or not), slots per group
         static = [a for a in launch.args if not isinstance(a, torch.Tensor) and a is not None]
-        return static + [launch.args[group_slots].shape[0] // launch.args[groups].shape[0]]
+        tensors = sum(isinstance(a, torch.Tensor) for a in launch.args)
+        return static + [tensors, launch.args[group_slots].shape[0] // launch.args[groups].shape[0]]
 
-    return choices(fwd, 2, 4), choices(bwd, 3, 5)
+    return choices(fwd, 2, 4), choices(bwd, 3, 5), choices(recompute, 3, 5)
 
 
 def test_two_point_simulations_take_the_real_shapes_top_k_and_tiling():
@@ -250,8 +255,9 @@ def test_kernels_tiled_for_a_larger_plan_keep_parity():
 
     dims = dict(T=128, H=512, I=512, E=2, k=2, block_size=128)
     larger = (3000, 1000)
-    (fwd, bwd), (fwd_big, bwd_big) = _launch_choices(dims), _launch_choices(dims, larger)
+    (fwd, bwd, _), (fwd_big, bwd_big, recompute_big) = _launch_choices(dims), _launch_choices(dims, larger)
     assert fwd_big[-1] < fwd[-1] and bwd_big[-1] < bwd[-1]   # fewer slots per group
+    assert bwd_big[-2] == recompute_big[-2] + 1              # the backward reads the saved g/u
     sample = moe_experts_op.make_sample(128, 512, 512, 2, 2, 128, torch.bfloat16, True)
     nki_lib.reset_coverage()
     with tiling_context(larger):

@@ -96,7 +96,11 @@ taken beside the exps), so its merge is L = l + exp(sink - m), out = acc / L: no
 softmax, and the log table for the lse loads behind P @ V and the merges.
 
 Packed single-chunk path (contiguous caches whose chunk rows M*D are short, LNC1; ``pack_size``):
-U consecutive units share one chunk and one score tile; see ``decode_attention_fwd_packed``.
+U consecutive units share one chunk and one score tile; where that tile would be too large (2-byte
+K/V, D <= 128; ``column_pack_size``), they share the chunk only, K^T comes by ``dma_transpose`` and
+each unit's scores are column-tiled matmuls onto its own partitions, its rows token-major so that a
+pack's out rows leave as one tile of Sq rows per partition; see ``decode_attention_fwd_packed`` and
+``decode_attention_fwd_columns``.
 
 K/V chunk buffers: pairs rotate over the (b, hk, split) streams (as many pairs as fit
 ``CHUNK_BUFFER_BUDGET``), so one stream's gathers overlap another stream's compute.
@@ -142,7 +146,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_io import (
     unit_table_width,
     zero_invisible_rows,
 )
-from nki_lib.attention.kernels.decode_attention_fwd_packed import pack_size, packed_path
+from nki_lib.attention.kernels.decode_attention_fwd_packed import column_pack_size, pack_size, packed_path
 from nki_lib.attention.kernels.decode_attention_fwd_steps import (
     MIN_II_ELEMS,
     LseTile,
@@ -503,9 +507,12 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                                None if seq_units is None else head_offset // d)
     pack = (pack_size(len(units), rows, m, d, k_units.itemsize, n_prog)
             if single and seq_units is not None and len(row_spans) == 1 and head_offset == m * pmax * d else 1)
-    if pack > 1:                                    # several units per static chunk
-        packed_path(q, k_units, v_units, sink_rows, out, lse, meta, pack,
-                     (n_kv_heads, m, unit_keys, d_spans, ones_col, scale, softcap))
+    columns = 1
+    if single and seq_units is not None and len(row_spans) == 1 and head_offset == m * pmax * d and pack == 1:
+        columns = column_pack_size(len(units), rows, m, d, k_units.itemsize, n_prog)
+    if pack > 1 or columns > 1:                     # several units per static chunk
+        packed_path(q, k_units, v_units, sink_rows, out, lse, meta, max(pack, columns),
+                     (n_kv_heads, m, unit_keys, d_spans, ones_col, scale, softcap), columns=columns > 1)
         return out, lse
     if single:                                      # static chunk per unit, pipelined across units
         for g0 in range(0, len(mine), n_pairs):

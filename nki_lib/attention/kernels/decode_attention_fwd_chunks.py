@@ -7,7 +7,9 @@ scores of item i+1 before the softmax of item i, the P @ V of item i after the s
 i+1, the chains of a wave interleaved phase by phase (``lockstep``), the K^T transposes of a wave
 issued ahead across its items (``KtPipeline``). The steps themselves are in
 ``decode_attention_fwd_steps``; ``decode_attention_fwd`` (streams, single-chunk path) and
-``decode_attention_fwd_packed`` (packed single-chunk path) drive this module.
+``decode_attention_fwd_packed`` (packed single-chunk path) drive this module; column-tiled packs
+take their scores from K^T (``step_scores_columns``) and their P @ V and merge from
+``decode_attention_fwd_columns``.
 
 Loop structure::
 
@@ -27,6 +29,7 @@ chunk of at most 128 slots per partition.
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
+from nki_lib.attention.kernels.decode_attention_fwd_columns import column_pv_merge_phases
 from nki_lib.attention.kernels.decode_attention_fwd_steps import (
     MIN_II_ELEMS,
     KtPipeline,
@@ -35,6 +38,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_steps import (
     step_probs_phases,
     step_pv_phases,
     step_scores,
+    step_scores_columns,
 )
 from nki_lib.sizes import spans
 
@@ -48,6 +52,7 @@ LOCKSTEP_CHAINS = 4               # softmax / P @ V chains (row tile x head-dim 
 KT_ACT_EVERY = 2                  # several jobs of one unit per chunk: every 2nd K^T eviction on ScalarE
                                   # (VectorE also runs each unit's mask/max/shift passes: 14.9 vs 8.7 us
                                   # busy at B=8 Sq=4 L=1024 with every 4th; docs/perf-log.md §12.1)
+COLUMN_MERGE_CHAINS = 4           # column-tiled packs' P @ V + merge chains in lockstep: 2 PSUM banks each
 KT_ACT_EVERY_PACKED = 4           # packed chunks: every 4th (every 2nd measured 0.2 us slower in order)
 
 
@@ -91,6 +96,12 @@ class SplitState(nl.NKIObject):
     pack: int         # units whose rows share the tile (packed single-chunk path: unit u's keys on
                       # partitions [u*128/U, (u+1)*128/U), its rows u*R .. (u+1)*R); 1 otherwise
     units: object     # packed: per unit its own state (R rows on partitions 0 .. R: P @ V, merge), else None
+    columns: bool     # packed with column-tiled scores: partition p holds the R rows of its own unit only
+                      # (the score tile has R rows, not U*R, token-major: r' = t*G + g), and the K chunk is
+                      # K^T (D, U*M, 128); P @ V and the merge per pack (decode_attention_fwd_columns)
+    unit_sinks: object  # columns: per unit its token-major sinks (R, 1), folded into its max; or None
+    lse_cols: object  # columns: (-M, L) views (R, U) of the lse tiles' columns of the pack's units
+    out_tile: object  # columns: the pack's out tile (U*G, Sq*D), set by its merge
     folded: bool      # single-chunk path, one softmax step: the sink is folded into that step (its -m
                       # includes -sink, ``sink_term`` = exp(sink - m)), so the merge needs no exp
     sink: object      # folded: the sink logits (rn, 1) of the rows, or None (no sinks)
@@ -99,14 +110,14 @@ class SplitState(nl.NKIObject):
 
 
 def state_views(packed, bounds=None, group_sq=None, g_bounds=None, pack=1, units=None, sinks=(None, None),
-                 folded=False):
+                 folded=False, columns=False):
     d = packed.shape[1] - 2
     sink, neg_sink = sinks
     sink_term = nl.ndarray((packed.shape[0], 1), dtype=nl.float32, buffer=nl.sbuf) if sink is not None else None
     return SplitState(packed=packed, acc_l=packed[:, 0:d + 1], acc=packed[:, 0:d], l=packed[:, d:d + 1],
                        neg_m=packed[:, d + 1:d + 2], bounds=bounds, group_sq=group_sq, g_bounds=g_bounds,
-                       pack=pack, units=units, folded=folded, sink=sink, neg_sink=neg_sink,
-                       sink_term=sink_term)
+                       pack=pack, units=units, columns=columns, unit_sinks=None, lse_cols=None, out_tile=None,
+                       folded=folded, sink=sink, neg_sink=neg_sink, sink_term=sink_term)
 
 
 class _EvictionRota:
@@ -120,6 +131,12 @@ class _EvictionRota:
     def next(self):
         self.count += 1
         return nisa.engine.scalar if self.count % self.every == 0 else nisa.engine.vector
+
+
+def _tile_pack(state):
+    """Units whose rows share a partition's columns of the score tile: U for a shared packed tile, 1
+    for column-tiled packs (each partition holds its own unit's rows) and unpacked states."""
+    return 1 if state.columns else state.pack
 
 
 def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, fresh=False):
@@ -143,14 +160,19 @@ def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype
     def scores(wave):
         """S^T of every item of a wave, their K^T blocks pipelined across the items."""
         kt = KtPipeline()
-        for (_, _, k_chunk, _), step in wave:
-            kt.add(k_chunk, step, plan, d_spans, m, kv_dtype, rota)
+        for (split_states, _, k_chunk, _), step in wave:
+            if not split_states[0].columns:         # column-tiled packs load K^T by DMA
+                kt.add(k_chunk, step, plan, d_spans, m, kv_dtype, rota)
         out = []
-        for (split_states, q_t, _, _), step in wave:
+        for (split_states, q_t, k_chunk, _), step in wave:
             n = step[1]
-            s_sb = [nl.ndarray((pmax, st.group_sq, st.pack, n, st.acc.shape[0] // (st.group_sq * st.pack)),
+            s_sb = [nl.ndarray((pmax, st.group_sq, _tile_pack(st), n, st.acc.shape[0] // (st.group_sq * _tile_pack(st))),
                                dtype=nl.float32, buffer=nl.sbuf) if st.group_sq and n < MIN_II_ELEMS else
                     nl.ndarray((pmax, st.acc.shape[0], n), dtype=nl.float32, buffer=nl.sbuf) for st in split_states]
+            if split_states[0].columns:
+                out.append((s_sb, s_sb, 1.0))
+                step_scores_columns(s_sb[0], q_t[0], k_chunk, step, split_states[0].pack, scale, softcap)
+                continue
             fused = softcap == 0 and MIN_II_ELEMS <= n <= plan[1]   # one score block, per-row exps
             src = step_scores(s_sb, q_t, step, plan, kt, scale, softcap, fused)
             out.append((s_sb, (src if fused else s_sb), (scale if fused else 1.0)))
@@ -186,7 +208,7 @@ def _flush_pv(pending, ones_col, d_spans, fresh, in_place=False):
     the only wave of fresh single-step jobs, whose merges follow at once -- a folded state then takes
     its P @ V result where it is (PSUM; no later wave allocates PSUM before the merges free it)."""
     wave, probs = pending
-    phases = []
+    phases, columns = [], []
     for ((split_states, _, _, v_chunk), step), item_probs in zip(wave, probs):
         first = fresh and step[0] == 0
         for st, (p_t, neg_m_new) in zip(split_states, item_probs):
@@ -194,8 +216,18 @@ def _flush_pv(pending, ones_col, d_spans, fresh, in_place=False):
                 phases.append(step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans,
                                              pv_direct(*st.acc.shape), first, in_place=in_place))
                 continue
+            if st.columns:
+                columns.append(column_pv_merge_phases(st, p_t, neg_m_new, v_chunk, ones_col, step[0], st.unit_sinks,
+                                                      st.lse_cols, p_t.dtype, _copy_engine(len(columns))))
+                continue
             rows, part = st.units[0].acc.shape[0], nl.tile_size.pmax // st.pack
             phases += [step_pv_phases(ust, p_t[:, u * rows:(u + 1) * rows, :], neg_m_new[u], v_chunk, step[0],
                                       ones_col, d_spans, pv_direct(*ust.acc.shape), first, (u * part, part))
                        for u, ust in enumerate(st.units)]
     lockstep_batched(phases, max(1, LOCKSTEP_CHAINS // len(d_spans)))
+    lockstep_batched(columns, COLUMN_MERGE_CHAINS)
+
+
+def _copy_engine(i):
+    """Engine of the i-th column-tiled pack's out-tile copy (PSUM -> SBUF): ScalarE and VectorE in turn."""
+    return nisa.engine.scalar if i % 2 == 0 else nisa.engine.vector

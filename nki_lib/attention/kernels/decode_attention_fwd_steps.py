@@ -133,6 +133,29 @@ def step_scores(s_sb, q_t, step, plan, kt, scale, softcap, fused=False):
     return [p.permute((0, 2, 1)) for p in s_psum] if fused else s_sb
 
 
+def step_scores_columns(s_sb, q_t, k_t, step, pack, scale, softcap):
+    """S^T of a column-tiled pack (grouped (128, Sq, 1, n, G)) for the slots of one softmax step:
+    unit u's keys sit on partitions [u*P, (u+1)*P) (P = 128/U) and only its rows are computed there.
+    Per slot c and unit u one matmul on a column tile of the PE array (``tile_position=(0, u*P)``,
+    ``tile_size=(128, P)``, the ``nki.isa.nc_matmul`` tiling mode): stationary K^T[:, c, u*P:(u+1)*P]
+    (D, P), moving that unit's q^T (D, R) -> PSUM partitions u*P .. (u+1)*P; one score block (one
+    PSUM bank: n*R fp32 per partition), evicted by ScalarE with the scale. ``k_t`` (D, U*M, 128): the
+    pack's K^T, column p of slot c the key on partition p (``dma_transpose`` of the chunk)."""
+    pmax = nl.tile_size.pmax
+    c0, n = step
+    part = pmax // pack
+    rows = q_t[0].shape[1] // pack
+    s_psum = nl.ndarray((pmax, n, rows), dtype=nl.float32, buffer=nl.psum)
+    for j in range(n):
+        for u in range(pack):
+            ps = slice(u * part, (u + 1) * part)
+            nisa.nc_matmul(dst=s_psum[ps, j, :], stationary=k_t[:, c0 + j, ps], moving=q_t[0][:, u * rows:(u + 1) * rows],
+                           tile_position=(0, u * part), tile_size=(pmax, part))
+    pmax_, sq, _, _, group = s_sb.shape          # token-major columns r' = t*G + g -> [t, 0, c, g]
+    _evict_scores(s_sb.reshape((pmax_, sq, n, group)).permute((0, 2, 1, 3)), s_psum.reshape((pmax, n, sq, group)),
+                  scale, softcap)
+
+
 def _score_views(s_sb, s_psum, b0, bn):
     """(SBUF destination, PSUM source) views of one score block's eviction, element for element:
     the block is (128, bn, rn) slot-major; S^T is rows outermost (128, rn, n), or for grouped rows
@@ -155,8 +178,9 @@ def _mask_grouped(state, s_sb, c0, part_max):
     for t in range(sq):
         nisa.range_select(dst=s_sb[:, t], on_true_tile=s_sb[:, t], comp_op0=nl.greater_equal, comp_op1=nl.less,
                           bound0=g_bounds[:, t, 0:1], bound1=g_bounds[:, t, 1:2], range_start=c0 * group)
-    nisa.tensor_reduce(dst=part_max.reshape((pmax, pack, group, sq)).permute((0, 3, 1, 2)), op=nl.maximum,
-                       data=s_sb.permute((0, 1, 2, 4, 3)), axis=4)
+    part_max_view = (part_max.reshape((pmax, sq, pack, group)) if state.columns        # token-major rows
+                     else part_max.reshape((pmax, pack, group, sq)).permute((0, 3, 1, 2)))
+    nisa.tensor_reduce(dst=part_max_view, op=nl.maximum, data=s_sb.permute((0, 1, 2, 4, 3)), axis=4)
 
 
 def lockstep(phases):
@@ -213,8 +237,11 @@ def step_probs_phases(state, s_sb, c0, neg_m_prev, dtype, s_src=None, score_scal
                           reduce_op=nl.maximum, range_start=c0)
     yield
     if state.pack > 1:                          # packed units: each unit's rows on partitions 0 .. R
-        neg_m_cols, neg_m_new = yield from _packed_row_max(part_max, state.pack)
-        return (yield from _exp_phase(s_sb, neg_m_cols, score_scale, dtype)), neg_m_new
+        if state.columns:
+            neg_m_cols, neg_m_new = yield from _column_row_max(part_max, state.pack, state.unit_sinks)
+        else:
+            neg_m_cols, neg_m_new = yield from _packed_row_max(part_max, state.pack)
+        return (yield from _exp_phase(s_sb, neg_m_cols, score_scale, dtype, state.columns)), neg_m_new
     folded = fresh and state.folded and state.neg_sink is not None   # the sink is a key of this step:
     column = folded and score_scale == 1.0      # m = max(rowmax, sink); the sink as a 129th column
     part_max_t = nl.ndarray((rn, pmax + 1 if column else pmax), dtype=nl.float32, buffer=nl.psum)
@@ -269,7 +296,36 @@ def _packed_row_max(part_max, pack):
     return neg_m_cols, [neg_m_units[:, u:u + 1] for u in range(pack)]
 
 
-def _exp_phase(s_sb, neg_m_cols, score_scale, dtype):
+def _column_row_max(part_max, pack, sinks=None):
+    """-m of a column-tiled pack (fresh states) from its per-partition maxima (128, R), partition p
+    holding unit p // P's rows: PE transposes -> (R, U, P) (one per unit, with ``sinks`` (per unit
+    (R, 1)) a column P after each unit's maxima: the sink folds into the max), one max over each
+    unit's columns -> (R, U) (column u is unit u's -m, rows on partitions 0 .. R), and one PE
+    transpose of a stride-0 view (R, U, P) back to (128, R): partition p gets its own unit's -m."""
+    pmax = nl.tile_size.pmax
+    rows = part_max.shape[1]
+    part = pmax // pack
+    width = part + (sinks is not None)
+    part_max_t = nl.ndarray((rows, pack * width), dtype=nl.float32, buffer=nl.psum)
+    if sinks is None:
+        nisa.nc_transpose(dst=part_max_t, data=part_max)
+    else:
+        for u in range(pack):
+            nisa.tensor_copy(dst=part_max_t[:, u * width + part:(u + 1) * width], src=sinks[u],
+                             engine=nisa.engine.scalar)
+            nisa.nc_transpose(dst=part_max_t[:, u * width:u * width + part], data=part_max[u * part:(u + 1) * part])
+    yield
+    neg_m_units = nl.ndarray((rows, pack), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=neg_m_units, op=nl.maximum, data=part_max_t.reshape((rows, pack, width)), axis=2,
+                       negate=True)
+    yield
+    neg_m_cols = nl.ndarray((pmax, rows), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=neg_m_cols, data=neg_m_units.expand_dim(2).broadcast(2, part))
+    yield
+    return neg_m_cols, neg_m_units
+
+
+def _exp_phase(s_sb, neg_m_cols, score_scale, dtype, token_major=False):
     """P^T (128, rn, n) = exp(S^T - m) in the input dtype from the -m broadcast (128, rn) (see
     ``step_probs_phases``)."""
     pmax = nl.tile_size.pmax
@@ -285,9 +341,14 @@ def _exp_phase(s_sb, neg_m_cols, score_scale, dtype):
                             scale=score_scale)
     elif grouped:                               # grouped short rows: shift and exp in S^T's layout
         _, sq, pack, _, group = s_sb.shape
-        neg_m_tg = neg_m_cols.reshape((pmax, pack, group, sq)).permute((0, 3, 1, 2)).expand_dim(3).broadcast(3, n)
+        if token_major:                         # column-tiled packs: rows r' = t*G + g
+            neg_m_tg = neg_m_cols.reshape((pmax, sq, pack, group)).expand_dim(3).broadcast(3, n)
+            p_view = p_t.reshape((pmax, sq, pack, group, n)).permute((0, 1, 2, 4, 3))
+        else:
+            neg_m_tg = neg_m_cols.reshape((pmax, pack, group, sq)).permute((0, 3, 1, 2)).expand_dim(3).broadcast(3, n)
+            p_view = p_t.reshape((pmax, pack, group, sq, n)).permute((0, 3, 1, 4, 2))
         nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_tg, op=nl.add)
-        nisa.activation(dst=p_t.reshape((pmax, pack, group, sq, n)).permute((0, 3, 1, 4, 2)), op=nl.exp, data=s_sb)
+        nisa.activation(dst=p_view, op=nl.exp, data=s_sb)
     else:                                       # short rows: one VectorE shift, one exp for all rows
         nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=neg_m_cols.expand_dim(2).broadcast(2, n), op=nl.add)
         nisa.activation(dst=p_t, op=nl.exp, data=s_sb)
@@ -473,12 +534,13 @@ class LseTile(nl.NKIObject):
     stride: int
 
 
-def store_lse(tile, lse, rows):
+def store_lse(tile, lse, rows, token_major=None):
     """lse = -neg_big + log(total) (+inf where the max is +inf) for every unit of the tile at once,
     transposed to (U, rn) so each unit's rows are one contiguous run of the store: on VectorE (SBUF
     to SBUF, no PE result latency, no eviction) when both sides fit ``DVE_TRANSPOSE_MAX``, else on
     TensorE. The subtraction runs on GpSimd (SBUF operands), so the chain does not queue behind the
-    merges' VectorE work."""
+    merges' VectorE work. ``token_major`` (Sq): the tile's rows are token-major (column-tiled packs),
+    put back in row order by one GpSimd copy before the store."""
     pmax = nl.tile_size.pmax
     rn, n_units = tile.total.shape
     lse_sb = nl.ndarray((rn, n_units), dtype=nl.float32, buffer=nl.sbuf)
@@ -493,5 +555,11 @@ def store_lse(tile, lse, rows):
             lse_t_psum = nl.ndarray((kn, rn), dtype=nl.float32, buffer=nl.psum)
             nisa.nc_transpose(dst=lse_t_psum, data=lse_sb[:, k0:k0 + kn])
             nisa.tensor_copy(dst=lse_t_sb, src=lse_t_psum)
+        if token_major is not None:             # columns (t, g) -> row order (g, t): one GpSimd copy
+            sq = token_major
+            lse_r_sb = nl.ndarray((kn, rn), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=lse_r_sb.reshape((kn, rn // sq, sq)),
+                             src=lse_t_sb.reshape((kn, sq, rn // sq)).permute((0, 2, 1)), engine=nisa.engine.gpsimd)
+            lse_t_sb = lse_r_sb
         unit0 = tile.first + k0 * tile.stride
         nisa.dma_copy(dst=lse.ap([[tile.stride * rows, kn], [1, rn]], offset=unit0 * rows + tile.r0), src=lse_t_sb)

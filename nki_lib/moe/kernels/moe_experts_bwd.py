@@ -6,8 +6,10 @@ w_a = topk_weights[t, j] and dy_t the output gradient (moe_experts_reference.moe
   dh = w_a * dhy                     dg = dh * u * act'(g),  du = dh * act(g)
   dx_t += dg @ W_gate[e] + du @ W_up[e]
   dW_gate[e] += dg^T x_t,  dW_up[e] += du^T x_t,  dW_down[e] += (w_a dy_t)^T h
-h is recomputed from x (the op saves only its inputs): one extra gate/up projection per block,
-no activation memory.
+g and u come from the forward kernel's saved tensor (``gu_saved``, the op's training forward:
+docs/contract.md §4.3), PE-transposed per slot tile and I chunk, with the forward's grouping; or,
+without it, are recomputed from x (one extra gate/up projection per block, the W_gate^T/W_up^T
+transposes and xT, no activation memory).
 
 Algorithm (one launch): on the host (index metadata, :mod:`.moe_experts_groups`), up to G
 consecutive blocks of one expert are merged into a group of S = G*B <= 512 slots (the largest
@@ -57,7 +59,8 @@ tiles (guarded)) + mode guards (dynamic); staging groups > H chunks > I tiles > 
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k, NB
 blocks (groups), B block (group) size S. Kernel inputs (HBM): dy, x (T, H); topk_w (N, 1) fp32;
 block_expert (NB,), slot_token, slot_assignment (NB*B,) int32 (the groups' experts and slots);
-w_gate_up (E, 2I, H); w_down (E, H, I) (nn.Linear layouts as given); compile-time activation, top_k, i_chunk, dx_cols, prefetch_weights. Outputs: dx (T, H),
+w_gate_up (E, 2I, H); w_down (E, H, I) (nn.Linear layouts as given); gu_saved (NB, ST, P, 2 IT ps)
+or None (``moe_experts_fwd.saved_shape``); compile-time activation, top_k, i_chunk, dx_cols, prefetch_weights. Outputs: dx (T, H),
 dtopk (N, 1) fp32, dw_gate_up (E, 2I, H), dw_down (E, H, I).
 
 Limits: as the forward (bf16/fp16/fp32, B <= 512, LNC1) with the SBUF estimate :func:`sbuf_bytes`
@@ -85,7 +88,7 @@ from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.kernels.moe_experts_bwd_accum import ACC_MODES, accumulation_modes, mode_registers, zero_idle_experts
 from nki_lib.moe.kernels.moe_experts_bwd_blocks import block_bwd
 from nki_lib.moe.kernels.moe_experts_bwd_grads import FP32_TEMPS, FP32_TEMPS_CLAMPED
-from nki_lib.moe.kernels.moe_experts_bwd_rows import block_rows, gather_block
+from nki_lib.moe.kernels.moe_experts_bwd_rows import block_rows, gather_block, saved_cols
 from nki_lib.moe.kernels.moe_experts_bwd_wgrads import ROW_BANKS
 from nki_lib.moe.kernels.moe_experts_gate import ones_row
 from nki_lib.moe.kernels.moe_experts_groups import merge_blocks
@@ -116,7 +119,7 @@ from nki_lib.sizes import ceil_div
 @nki.jit
 def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
                            b_down, activation, swiglu_alpha, swiglu_limit, top_k, i_chunk, dx_cols,
-                           prefetch_weights, dx_span):
+                           prefetch_weights, dx_span, gu_saved=None):
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
     dx = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
@@ -134,10 +137,15 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
     modes_sb = accumulation_modes(expert_sb)
     asg_ids, live_sb = load_all_ids(slot_assignment, n_blocks, block, live=True)
     ids = (load_all_ids(slot_token, n_blocks, block), asg_ids, live_sb)
+    if gu_saved is not None:            # dead flags (1 - live): the first slot tile's saved g/u zeroed
+        dead_sb = nl.ndarray(live_sb.shape, dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=dead_sb, data=live_sb, op0=nl.multiply, operand0=-1, op1=nl.add, operand1=1)
+        ids += (dead_sb,)
+    inter = w_down.shape[2]
     regs = block_registers(expert_sb, valid_sb, 0)
-    rows = block_rows(x, dy, ids, 0, block)
+    rows = block_rows(x, dy, ids, 0, block, saved_cols(gu_saved, inter))
     for _ in nl.dynamic_range(0, regs[1]):
-        gather_block(x, dy, topk_w, *rows)
+        gather_block(x, dy, topk_w, *rows, saved=None if gu_saved is None else (gu_saved, 0))
     # Blocks in order (weight-gradient accumulation), statically unrolled: block b's body also
     # issues block b + 1's gathers.
     for b in range(n_blocks):
@@ -145,7 +153,7 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
         next_regs = block_registers(expert_sb, valid_sb, b + 1) if b + 1 < n_blocks else None
         rows = block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
                           block, (activation, swiglu_alpha, swiglu_limit), i_chunk, (dx_cols, dx_span), grad_bufs,
-                          dx_slots, prefetch_weights)
+                          dx_slots, prefetch_weights, gu_saved)
         regs = next_regs
     reduce_assignments(dx_slots, dx, top_k)
     if bias is None:
@@ -173,23 +181,27 @@ def _bias_context(b_gate_up, b_down, dtype):
 
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_blocks, clamped=False,
-                  biases=False, overlap=True, dx_span=None):
+                  biases=False, overlap=True, dx_span=None, saved=False):
     """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` and dx staging
     width ``dx_cols`` (upper bound): the block's resident tiles plus the largest of its three
     phases (loading rows, I chunks, dx), whose tiles are freed before the next phase; the clamped
     swiglu's temporaries and the bias rows, ones and bias column when asked (``overlap``, the
     next I chunk's prefetched weight columns, takes the place of this chunk's); the dx phase's W
-    rows ``dx_span`` wide (default gemm_moving_fmax)."""
+    rows ``dx_span`` wide (default gemm_moving_fmax). ``saved``: the forward's g/u are loaded
+    (2 IT columns per slot, for this block and the next) in place of xT and the W_gate^T/W_up^T
+    columns of the recompute."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     slot_tiles = st * (2 * hidden * itemsize + 4 * 4)            # x, do rows; ids, weight, d weight
-    resident = (2 * ht + 2 * it) * block * itemsize             # xT, dyT, dgT, duT
+    resident = ((1 if saved else 2) * ht + 2 * it) * block * itemsize   # [xT,] dyT, dgT, duT
+    resident += 2 * (2 * it * block * itemsize) if saved else 0  # saved g/u (P, 2 IT, ps) of this and the next block
     load = st * hidden * itemsize                               # phase 1: dy rows (until scaled/transposed)
-    staging = 2 * min(hidden, WEIGHT_SPAN) * itemsize           # natural W rows before transposes
+    staging = 0 if saved else 2 * min(hidden, WEIGHT_SPAN) * itemsize   # natural W rows before transposes
     # W_gate^T, W_up^T, W_down of one chunk: the next chunk's (prefetched with ``overlap``) are
     # allocated after this chunk's are released (``_i_chunk``), so one generation either way
     # (with ``overlap``, the last chunk prefetches the dx phase's first W rows in their place)
-    streamed = max(3 * ht * i_chunk, 2 * it * (dx_span or fmax) if overlap else 0) * itemsize + staging
+    streamed = max((1 if saved else 3) * ht * i_chunk, 2 * it * (dx_span or fmax) if overlap else 0) * itemsize \
+        + staging
     temps = FP32_TEMPS_CLAMPED if clamped else FP32_TEMPS
     chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * temps * i_chunk * 4   # h, dg, du; fp32 temps
     if biases:                                                  # g/u bias rows, ones row/column, b_down column
@@ -247,10 +259,23 @@ def group_blocks(hidden, inter, block, itemsize, **counts):
     return group_blocks_fitting(sbuf_bytes, hidden, inter, block, itemsize, **counts)
 
 
+def _saved_blocks(saved, hidden, inter, block_size, itemsize, **counts):
+    """The forward's blocks per group when its saved g/u can be used (the backward's SBUF estimate
+    fits groups of that size with them), else None (g and u are recomputed)."""
+    if saved is None:
+        return None
+    blocks = saved[1]
+    fits = sbuf_bytes(hidden, inter, blocks * block_size, itemsize, saved=True, **counts)
+    return blocks if fits <= nl.tile_size.total_available_sbuf_size else None
+
+
 def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
-                           b_down=None, *, activation, swiglu_alpha, swiglu_limit):
+                           b_down=None, *, activation, swiglu_alpha, swiglu_limit, saved=None):
     """Launch the backward kernel (host side: index metadata, views, the exact widening of the
-    routing weights to fp32 and the cast of their gradient to their dtype)."""
+    routing weights to fp32 and the cast of their gradient to their dtype). ``saved`` = (the
+    forward kernel's saved g/u, its blocks per group) or None: with them the kernel groups the
+    blocks as the forward did and reads g and u instead of recomputing them (two of its eight
+    S x H x I products, the W_gate^T/W_up^T transposes and xT), when its SBUF estimate fits."""
     if (b_gate_up is None) != (b_down is None):
         raise Unsupported("only one of b_gate_up / b_down (the kernel takes both or neither)")
     flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None)
@@ -258,8 +283,13 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
                                  sbuf_fn=sbuf_bytes, **flags)
     top_k = topk_weights.shape[1]
     hidden, inter, itemsize = x.shape[1], w_down.shape[2], x.element_size()
-    blocks = group_blocks(hidden, inter, block_size, itemsize, top_k=top_k,
-                          n_blocks=planned_blocks(block_expert.shape[0]), **flags)
+    plan_blocks = planned_blocks(block_expert.shape[0])
+    blocks = _saved_blocks(saved, hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=plan_blocks, **flags)
+    if blocks is None:
+        saved = None
+    else:
+        flags["saved"] = True
+    blocks = blocks or group_blocks(hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=plan_blocks, **flags)
     group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
     counts = dict(top_k=top_k, n_blocks=planned_groups(group_expert.shape[0], blocks), **flags)
     i_chunk, dx_cols, prefetch = tiling(hidden, inter, blocks * block_size, itemsize, **counts)
@@ -269,7 +299,7 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
         (dy.contiguous(), x.contiguous(), routing_weights(topk_weights), group_expert,
          slot_tokens(group_slots, top_k), group_slots, w_gate_up.contiguous(),
          w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha), float(swiglu_limit), top_k,
-         i_chunk, dx_cols, prefetch, span),
+         i_chunk, dx_cols, prefetch, span, None if saved is None else saved[0]),
         unpack=partial(_unpack_grads, x, topk_weights, b_gate_up, b_down))
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nl
 from nki_lib.moe.kernels.moe_experts_bwd_dx import dx_first_weights, dx_phase
 from nki_lib.moe.kernels.moe_experts_bwd_grads import mlp_grads
-from nki_lib.moe.kernels.moe_experts_bwd_rows import block_rows, gather_block, if_live, load_grad_rows
+from nki_lib.moe.kernels.moe_experts_bwd_rows import block_rows, gather_block, if_live, load_grad_rows, saved_cols
 from nki_lib.moe.kernels.moe_experts_bwd_wgrads import chunk_weight_grads, dtopk_bias
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row
 from nki_lib.moe.kernels.moe_experts_steps import (
@@ -33,29 +33,52 @@ from nki_lib.moe.kernels.moe_experts_steps import (
 from nki_lib.sizes import spans
 
 
-def chunk_weights(w_gate_up, w_down, expert_reg, c0, cn):
-    """The weights of one I chunk: W_gate^T and W_up^T columns (H on partitions) and W_down columns."""
+def chunk_weights(w_gate_up, w_down, expert_reg, c0, cn, saved=False):
+    """The weights of one I chunk: W_gate^T and W_up^T columns (H on partitions; None with
+    ``saved`` g/u: not needed) and W_down columns."""
     inter = w_down.shape[2]
     h_tiles = spans(w_down.shape[1], nl.tile_size.pmax)
+    if saved:
+        return [None, None, load_expert_cols(w_down, expert_reg, h_tiles, c0, cn)]
     return [load_expert_t(w_gate_up, expert_reg, h_tiles, c0, cn),
             load_expert_t(w_gate_up, expert_reg, h_tiles, inter + c0, cn),
             load_expert_cols(w_down, expert_reg, h_tiles, c0, cn)]
 
 
+def _saved_gu(tile, c0, cn):
+    """g and u of one slot tile and I chunk from the forward's saved gT/uT (I on partitions): PE
+    transposes into PSUM (slots on partitions), in the activations' dtype."""
+    pmax = nl.tile_size.pmax
+    n_it = tile.saved.shape[1] // 2
+    psums = []
+    for first in (0, n_it):
+        gu_psum = nl.ndarray((tile.ps, cn), dtype=tile.saved.dtype, buffer=nl.psum)
+        for i0, isz in spans(cn, pmax):
+            nisa.nc_transpose(dst=gu_psum[:, i0:i0 + isz], data=tile.saved[:isz, first + (c0 + i0) // pmax, :])
+        psums.append(gu_psum)
+    return psums
+
+
 def _slot_tile_grads(x_t, dy_t, tile, dw_acc, weights, rows, bias, gate, chunk):
-    """One slot tile of an I chunk: g, u, dhy (slots on partitions, contraction over H tiles in
-    PSUM), the elementwise gradients (returned: h, dg, du)."""
+    """One slot tile of an I chunk: g, u (recomputed, or from the saved g/u), dhy (slots on
+    partitions, contraction over H tiles in PSUM), the elementwise gradients (returned: h, dg, du)."""
     s0, ps = tile.s0, tile.ps
     c0, cn, h_tiles = chunk
-    psums = [nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum) for _ in weights]
+    if tile.saved is None:
+        psums = [nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum) for _ in weights]
+        srcs = (x_t, x_t, dy_t)
+    else:
+        psums = _saved_gu(tile, c0, cn) + [nl.ndarray((ps, cn), dtype=nl.float32, buffer=nl.psum)]
+        srcs = (None, None, dy_t)
     for dst, row_sb in zip(psums, rows):
         if row_sb is not None:
             add_outer(dst, bias[2][:, :ps], row_sb)
     for ht, (h0, hs) in enumerate(h_tiles):
-        for dst, src_t, w_sb, row_sb in zip(psums, (x_t, x_t, dy_t), weights, rows):
-            nisa.nc_matmul(dst=dst, stationary=src_t[:hs, ht, s0:s0 + ps], moving=w_sb[:hs, ht, :],
-                           accumulate=ht > 0 or row_sb is not None)
-    return mlp_grads(*psums, tile.w_col, gate, x_t.dtype, dw_acc, c0 == 0)
+        for dst, src_t, w_sb, row_sb in zip(psums, srcs, weights, rows):
+            if src_t is not None:
+                nisa.nc_matmul(dst=dst, stationary=src_t[:hs, ht, s0:s0 + ps], moving=w_sb[:hs, ht, :],
+                               accumulate=ht > 0 or row_sb is not None)
+    return mlp_grads(*psums, tile.w_col, gate, dy_t.dtype, dw_acc, c0 == 0)
 
 
 def _transpose_grads(grads_t, tile, grads, c0):
@@ -80,7 +103,7 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_
     h_tiles = spans(hidden, pmax)
     bias = grad_bufs[2]
     rows = (None, None, None)
-    if bias is not None:
+    if bias is not None and slot_tiles[0].saved is None:      # saved g/u include the biases
         rows = (bias_row(bias[0], expert_reg, c0, cn), bias_row(bias[0], expert_reg, inter + c0, cn), None)
     # software-pipelined: slot tile n's dg/du transposes follow tile n + 1's matmuls (TensorE runs
     # in program order: it would otherwise wait out tile n's elementwise chain)
@@ -102,16 +125,16 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_
 
 
 def block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
-               gate, i_chunk, dx_tiling, grad_bufs, dx_slots, prefetch):
+               gate, i_chunk, dx_tiling, grad_bufs, dx_slots, prefetch, gu_saved=None):
     """Block b in guarded phases: transposes, I chunks and weight gradients; then the gathers of
     block b + 1 into rows allocated here (``next_regs`` = its registers, or None; the rows are
     returned); then dx and d topk_weights. GpSimd issues DMAs in program order, so the next
     block's gathers must precede this block's scatters (which wait for its last matmul) to overlap
-    this block's compute."""
+    this block's compute. ``gu_saved``: the forward's saved g/u (HBM), or None (recomputed)."""
     pmax = nl.tile_size.pmax
     inter = w_down.shape[2]
     expert_reg, trips_reg = regs
-    slot_tiles, dy_rows = rows
+    slot_tiles, dy_rows, _ = rows
     n_it = len(spans(inter, pmax))
     dg_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     du_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
@@ -122,9 +145,9 @@ def block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, next
                      gate, (i_chunk, prefetch, dx_tiling, dx_first), dg_t, du_t, grad_bufs)
     next_rows = None
     if next_regs is not None:
-        next_rows = block_rows(x, dy, ids, b + 1, block)
+        next_rows = block_rows(x, dy, ids, b + 1, block, saved_cols(gu_saved, inter))
         for _ in nl.dynamic_range(0, next_regs[1]):
-            gather_block(x, dy, topk_w, *next_rows)
+            gather_block(x, dy, topk_w, *next_rows, saved=None if gu_saved is None else (gu_saved, b + 1))
     for _ in nl.dynamic_range(0, trips_reg):
         dx_phase(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, dx_tiling,
             dx_first[0] if dx_first else None)
@@ -142,13 +165,14 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
         # the dx phase's first W rows, before the last chunk's weight-gradient stores
         dx_first.append(dx_first_weights(w_gate_up, expert_reg, dx_tiling))
     pmax = nl.tile_size.pmax
-    x_t = nl.ndarray((pmax, len(spans(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
-    for tile in slot_tiles:
+    saved = slot_tiles[0].saved is not None         # xT only feeds the recompute of g and u
+    x_t = None if saved else nl.ndarray((pmax, len(spans(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
+    for tile in slot_tiles if not saved else ():
         for _ in if_live(tile):
             transpose_rows(x_t, tile.x_rows, tile.s0)
     do_rows, dy_t = load_grad_rows(dy_rows, slot_tiles, block)
     chunks = spans(w_down.shape[2], i_chunk)
-    weights = chunk_weights(w_gate_up, w_down, expert_reg, *chunks[0])
+    weights = chunk_weights(w_gate_up, w_down, expert_reg, *chunks[0], saved)
     for n, (c0, cn) in enumerate(chunks):
         # the next chunk's weights are loaded before this chunk's weight-gradient stores (DMAs
         # start in program order; the stores wait for their PSUM evictions)
@@ -156,9 +180,9 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
         weights = _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights,
                            (last_prefetch if prefetch else (lambda: None)) if following is None else
                            (lambda: None) if not prefetch else
-                           (lambda c=following: chunk_weights(w_gate_up, w_down, expert_reg, *c)),
+                           (lambda c=following: chunk_weights(w_gate_up, w_down, expert_reg, *c, saved)),
                            expert_reg, c0, cn, gate, dg_t, du_t, grad_bufs, mode_regs)
         if following is not None and not prefetch:
-            weights = chunk_weights(w_gate_up, w_down, expert_reg, *following)
+            weights = chunk_weights(w_gate_up, w_down, expert_reg, *following, saved)
     if grad_bufs[2] is not None:
         dtopk_bias(dy_t, slot_tiles, dw_accs, grad_bufs[2], expert_reg)

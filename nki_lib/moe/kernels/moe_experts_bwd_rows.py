@@ -32,7 +32,8 @@ class SlotTile(NamedTuple):
     """One slot tile (<= 128 slots) of a group: first slot, slots, token and assignment ids
     (ps, 1), routing weights (ps, 1) fp32, x rows (ps, H), and its 0/1 live register (None for
     the group's first tile, which is always computed: padding rows are zero, so a padding tile
-    computed adds zeros, and the contractions over slots start their PSUM accumulation there)."""
+    computed adds zeros, and the contractions over slots start their PSUM accumulation there),
+    and the tile's saved g/u (P, 2 IT, ps) from the forward (None: g and u are recomputed)."""
 
     s0: int
     ps: int
@@ -41,6 +42,7 @@ class SlotTile(NamedTuple):
     w_col: object
     x_rows: object
     live: object
+    saved: object = None
 
 
 def if_live(tile):
@@ -48,32 +50,65 @@ def if_live(tile):
     return range(1) if tile.live is None else nl.dynamic_range(0, tile.live)
 
 
-def block_rows(x, dy, ids, b, block):
-    """Group b's slot tiles (:class:`SlotTile`, ``ids`` = (token ids, assignment ids, live
-    flags)) and dy rows, allocated here and filled by ``gather_block``."""
+def saved_cols(gu_saved, inter):
+    """Columns (2 IT) of a slot tile's saved g/u tile, 0 without saved g/u."""
+    return 0 if gu_saved is None else 2 * len(spans(inter, nl.tile_size.pmax))
+
+
+def _live_register(flags_sb, b, st):
     pmax = nl.tile_size.pmax
-    tok_ids, asg_ids, live_sb = ids
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, flags_sb[b % pmax:b % pmax + 1, b // pmax, st:st + 1])
+    return reg
+
+
+def block_rows(x, dy, ids, b, block, saved_cols=0):
+    """Group b's slot tiles (:class:`SlotTile`, ``ids`` = (token ids, assignment ids, live
+    flags[, dead flags, with saved g/u])) and dy rows, allocated here and filled by
+    ``gather_block``; ``saved_cols`` > 0: each tile also gets a (P, saved_cols, ps) tile for its
+    saved g/u (2 IT columns), and the group the first tile's live and dead registers (returned
+    third, else None)."""
+    pmax = nl.tile_size.pmax
+    tok_ids, asg_ids, live_sb = ids[:3]
     slot_tiles, dy_rows = [], []
     for st, (s0, ps) in enumerate(spans(block, pmax)):
-        live_reg = None
-        if st > 0:
-            live_reg = nisa.register_alloc()
-            nisa.register_load(live_reg, live_sb[b % pmax:b % pmax + 1, b // pmax, st:st + 1])
+        live_reg = _live_register(live_sb, b, st) if st > 0 else None
+        saved_sb = nl.ndarray((pmax, saved_cols, ps), dtype=x.dtype, buffer=nl.sbuf) if saved_cols else None
         slot_tiles.append(SlotTile(s0, ps, tok_ids[:ps, st, b:b + 1], asg_ids[:ps, st, b:b + 1],
                                    nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf),
-                                   nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf), live_reg))
+                                   nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf), live_reg, saved_sb))
         dy_rows.append(nl.ndarray((ps, dy.shape[1]), dtype=dy.dtype, buffer=nl.sbuf))
-    return slot_tiles, dy_rows
+    first = (_live_register(live_sb, b, 0), _live_register(ids[3], b, 0)) if saved_cols else None
+    return slot_tiles, dy_rows, first
 
 
-def gather_block(x, dy, topk_w, slot_tiles, dy_rows):
+def gather_block(x, dy, topk_w, slot_tiles, dy_rows, first=None, saved=None):
     """Indirect gathers of the group's x rows, routing weights and dy rows per live slot tile
-    (padding slots stay zero)."""
-    for tile, dy_sb in zip(slot_tiles, dy_rows):
+    (padding slots stay zero); with ``saved`` = (the forward's saved g/u in HBM, group index),
+    each live tile's saved g/u too (one plain DMA; the first tile's is zeroed when it holds only
+    padding: the forward wrote nothing there, and the first tile is always computed)."""
+    for st, (tile, dy_sb) in enumerate(zip(slot_tiles, dy_rows)):
         for _ in if_live(tile):
             gather_rows_into(tile.x_rows, x, tile.tok)
             gather_rows_into(tile.w_col, topk_w, tile.asg)
             gather_rows_into(dy_sb, dy, tile.tok)
+            if saved is not None and st > 0:
+                load_saved(tile.saved, *saved, st)
+    if saved is not None:
+        live_reg, dead_reg = first
+        for _ in nl.dynamic_range(0, dead_reg):
+            nisa.memset(dst=slot_tiles[0].saved, value=0.0, engine=nisa.engine.vector)
+        for _ in nl.dynamic_range(0, live_reg):
+            load_saved(slot_tiles[0].saved, *saved, 0)
+
+
+def load_saved(saved_sb, gu_saved, g, st):
+    """saved_sb (P, 2 IT, ps) = the forward's saved g/u of slot tile st of group g (one
+    contiguous run per partition; layout: ``moe_experts_fwd.saved_shape``)."""
+    _, st_len, pmax, row = gu_saved.shape
+    _, n_cols, ps = saved_sb.shape
+    nisa.dma_copy(dst=saved_sb, src=gu_saved.ap([[row, pmax], [ps, n_cols], [1, ps]],
+                                                offset=(g * st_len + st) * pmax * row))
 
 
 def load_grad_rows(dy_rows, slot_tiles, block):

@@ -63,7 +63,7 @@ from nki_lib._nki import nisa, nki, nl
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu, ones_row
-from nki_lib.moe.kernels.moe_experts_groups import merge_blocks
+from nki_lib.moe.kernels.moe_experts_groups import group_count, merge_blocks
 from nki_lib.moe.kernels.moe_experts_host import (
     check_supported,
     choose_overlap_tiling,
@@ -133,10 +133,13 @@ def _gate_up_weights(w_gate_up, expert_reg, h_tiles, inter, gu_cols):
             yield i0, isz, wg_sb, g0 + i0, wu_sb, u0 + i0
 
 
-def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h_t, ones_sb, inter, gu_cols):
+def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h_t, ones_sb, inter, gu_cols,
+             saved=None):
     """hT[:, it, slots] = gate(W_gate x + b_gate, W_up x + b_up) per I tile (I on partitions, slots
     free); the W^T tiles are shared by all live slot tiles, each slot tile is computed under its
-    guard. A bias enters the PSUM first, as bias_row^T x ones (a contraction of size 1)."""
+    guard. A bias enters the PSUM first, as bias_row^T x ones (a contraction of size 1).
+    ``saved``: per slot tile a (P, 2 IT, ps) tile that receives gT (I tile it) and uT (IT + it)
+    in x's dtype, for the backward (:func:`store_saved`), or None."""
     for it, (i0, isz, wg_sb, gc, wu_sb, uc) in enumerate(_gate_up_weights(w_gate_up, expert_reg, h_tiles, inter,
                                                                            gu_cols)):
         rows = (None, None)
@@ -155,6 +158,10 @@ def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h
                     nisa.nc_matmul(dst=u_psum, stationary=wu_sb[:hs, ht, uc:uc + isz],
                                    moving=x_t[:hs, ht, s0:s0 + ps], accumulate=ht > 0 or rows[1] is not None)
                 gate_into(h_t[:isz, it, s0:s0 + ps], g_psum, u_psum, gate)
+                if saved is not None:
+                    save_sb = saved[s0 // nl.tile_size.pmax]
+                    nisa.tensor_copy(dst=save_sb[:isz, it, :], src=g_psum, engine=nisa.engine.vector)
+                    nisa.activation(dst=save_sb[:isz, save_sb.shape[1] // 2 + it, :], op=nl.copy, data=u_psum)
 
 
 def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, tiles, ones_sb, last_rows, preloaded=None):
@@ -278,14 +285,29 @@ def _transpose_group(x_t, slot_tiles, x_rows, trips_reg):
                 transpose_rows(x_t, rows_sb, s0)
 
 
+def store_saved(gu_saved, g, slot_tiles, saved, trips_reg):
+    """gu_saved[g, st, p, :] = slot tile st's saved tile (P, 2 IT, ps) of group g, one DMA per
+    live slot tile (one contiguous run of 2 IT ps elements per partition)."""
+    _, _, pmax, row = gu_saved.shape
+    st_len = gu_saved.shape[1]
+    for _ in nl.dynamic_range(0, trips_reg):
+        for st, ((_, ps, _, live_reg, _, _), save_sb) in enumerate(zip(slot_tiles, saved)):
+            n_cols = save_sb.shape[1]
+            for _ in nl.dynamic_range(0, live_reg):
+                nisa.dma_copy(dst=gu_saved.ap([[row, pmax], [ps, n_cols], [1, ps]], offset=(g * st_len + st) * pmax * row),
+                              src=save_sb)
+
+
 def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, tiles, y_slots, ones_sb,
-               deferred, defer):
+               deferred, defer, gu_saved=None, group_index=0):
     """Group body in guarded phases: xT (then the x rows are released), h (gate/up; then xT is
     released), the gather of the next group's rows (``next_group`` = (registers, slot tiles) or
     None), the previous group's ``deferred`` y scatters, the down projection and the writes of y
     but the last staging group's. Returns (next group's rows, this group's deferred
     scatters); with ``defer`` False (see :func:`tiling`) the last scatters follow the down
-    projection at once and None is returned in their place. GpSimd issues DMAs in program order, so the next gather is issued before this
+    projection at once and None is returned in their place. ``gu_saved``: the backward's saved
+    g/u (HBM, see :func:`saved_shape`), written for group ``group_index`` after the gate/up
+    projections, or None. GpSimd issues DMAs in program order, so the next gather is issued before this
     group's last matmul; the releases keep the x rows of two groups and xT from being live at
     once (SBUF: see :func:`sbuf_bytes_at`)."""
     pmax = nl.tile_size.pmax
@@ -298,8 +320,11 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, ti
     h_t = nl.ndarray((pmax, len(i_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
     _transpose_group(x_t, slot_tiles, x_rows, trips_reg)
     x_rows.clear()                      # last use of this group's x rows
+    saved = None if gu_saved is None else [nl.ndarray((pmax, 2 * len(i_tiles), ps), dtype=x.dtype, buffer=nl.sbuf)
+                                            for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
-        _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h_t, ones_sb, inter, gu_cols)
+        _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h_t, ones_sb, inter, gu_cols,
+                 saved)
     del x_t                             # last use of xT
     hidden = x.shape[1]
     one_block = tiles[3] >= hidden and tiles[1] >= hidden     # in_out: W_down rows H wide, staged whole
@@ -313,6 +338,11 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, ti
     last_rows = [nl.ndarray((ps, last_cols), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
         _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, tiles, ones_sb, last_rows, preloaded)
+    if saved is not None:
+        # after the down projection in program order: DMAs start in program order, and these
+        # stores wait for the gate/up evictions, which the next loads must not queue behind
+        store_saved(gu_saved, group_index, slot_tiles, saved, trips_reg)
+        saved.clear()                   # released (the stores read them)
     last = [trips_reg, slot_tiles, last_rows, x.shape[1] - last_cols]
     if not defer:
         scatter_deferred(y_slots, last)
@@ -323,13 +353,16 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, ti
 @nki.jit
 def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
                            b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols, defer_scatters,
-                           gu_cols, wd_cols):
+                           gu_cols, wd_cols, save_gu=False):
     t_len, hidden = x.shape
     n_groups = group_expert.shape[0]
     group = slot_token.shape[0] // n_groups
     n_prog, pid = nl.num_programs(axes=0), nl.program_id(axis=0)
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
     y_slots = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.shared_hbm)
+    inter = (w_gate_up.shape[2] if gu_cols else w_gate_up.shape[1]) // 2
+    gu_saved = nl.ndarray(saved_shape(n_groups, group, inter), dtype=x.dtype, buffer=nl.shared_hbm) if save_gu \
+        else None
     expert_sb, valid_sb = block_flags(group_expert)
     asg_ids, live_sb, partial_sb = load_all_ids(slot_assignment, n_groups, group, live=True, partial=True)
     ids = (load_all_ids(slot_token, n_groups, group), asg_ids, partial_sb)
@@ -350,27 +383,40 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
             following = (block_registers(expert_sb, valid_sb, mine[n + 1]),
                          _group_tiles(ids, live_sb, mine[n + 1], group))
         x_rows, deferred = _group_fwd(x, current[1], x_rows, weights, current[0], following, group, gate,
-                                      (h_chunk, y_cols, gu_cols, wd_cols), y_slots, ones_sb, deferred, defer_scatters)
+                                      (h_chunk, y_cols, gu_cols, wd_cols), y_slots, ones_sb, deferred, defer_scatters,
+                                      gu_saved, g)
         current = following
     scatter_deferred(y_slots, deferred)
     if n_prog > 1:
         nisa.core_barrier(y_slots, (0, 1))     # the k-sum reads rows the other core wrote
     reduce_assignments(y_slots, y, top_k, topk_w, share=(pid, n_prog))
+    if save_gu:
+        return y, gu_saved
     return y
+
+
+def saved_shape(n_groups, group, inter):
+    """Shape of the forward's saved g/u for the backward (``save_gu``): (NG, ST, P, 2 IT ps_max),
+    [g, st, p, j ps + s] = g (j < IT) or u (j >= IT) of I row (j mod IT) * 128 + p at slot
+    st * 128 + s of group g (pre-activation, biases included, in x's dtype); rows of padding
+    slot tiles are not written."""
+    pmax = nl.tile_size.pmax
+    return (n_groups, ceil_div(group, pmax), pmax, 2 * ceil_div(inter, pmax) * min(group, pmax))
 
 
 # --------------------------------------------------------------------------- launcher
 
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_blocks, clamped=False,
-                  biases=False, overlap=True, in_out=False, gu_cols=None, wd_cols=0):
+                  biases=False, overlap=True, in_out=False, gu_cols=None, wd_cols=0, save=False):
     """Peak SBUF bytes per partition of the forward kernel at down-projection H chunk ``h_chunk``
     and y staging width ``y_cols`` (upper bound: two generations of every streamed tile; with the
     clamped swiglu's three more fp32 temporaries and the bias rows and ones when asked; with
     ``overlap``, the previous group's last staged y rows, whose scatters are deferred). ``in_out``:
     the weights come as W^T (no natural rows staged for transposes), the gate/up tiles ``gu_cols``
     I columns wide (default all of I) for gate and up together, and with ``wd_cols`` the W_down^T
-    rows of every I tile ``wd_cols`` columns wide."""
+    rows of every I tile ``wd_cols`` columns wide. ``save``: the saved g/u tiles of the group
+    (``save_gu``, live from the gate/up phase to the end of the down projection)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     rows = st * hidden * itemsize                                # x rows of one group
@@ -388,8 +434,8 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     wd_bytes = it * wd_cols if in_out and wd_cols else span_tiles * h_chunk       # W_down^T: all I tiles, or a span
     down = 2 * wd_bytes * itemsize + staged_bytes(y_cols, hidden, st)            # W_down^T, o rows
     phases = (rows + x_t + h_t,                                 # transposes: x rows -> xT
-              x_t + h_t + staging + gate_up + bias,             # gate/up (x rows released)
-              rows + h_t + staging + down + bias)               # down, next group's rows (xT released)
+              x_t + h_t + staging + gate_up + bias + (2 * it * block * itemsize if save else 0),  # gate/up (+ saved g/u)
+              rows + h_t + staging + down + bias + (2 * it * block * itemsize if save else 0))   # down, next rows
     deferred = st * min(y_cols, hidden) * 4 if overlap else 0   # previous group's last staged y rows
     body = max(phases) + deferred
     live_flags = 2 * n_blocks * st * 4                        # live and partial flags of the slot tiles
@@ -440,16 +486,39 @@ def group_blocks(hidden, inter, block, itemsize, **counts):
     return group_blocks_fitting(sbuf_bytes, hidden, inter, block, itemsize, **counts)
 
 
-def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
-                           b_down=None, *, activation, swiglu_alpha, swiglu_limit, weight_layout="out_in"):
-    """The launch of the forward kernel, which returns y (T, H) (host side: index metadata, views and
-    the exact widening of the routing weights to fp32). ``weight_layout`` "in_out": w_gate_up
-    (E, H, 2I), w_down (E, I, H), multiplied as they are (no weight transposes on chip)."""
+def _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate_up, b_down, activation,
+                  weight_layout, save):
+    """(inter, flags, block size) of a forward launch; raises Unsupported as the launcher does."""
     in_out = weight_layout == "in_out"
     inter = w_down.shape[1] if in_out else w_down.shape[2]
     flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None or b_down is not None,
-                 in_out=in_out)
+                 in_out=in_out, save=save)
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, inter, sbuf_fn=sbuf_bytes, **flags)
+    return inter, flags, block_size
+
+
+def saved_grouping(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None,
+                   *, activation, weight_layout="out_in"):
+    """(blocks per group, saved_shape) of a forward launch with ``save_activations`` (no data read:
+    the op's fake uses it); raises Unsupported where the forward kernel cannot serve the call."""
+    inter, flags, block_size = _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate_up,
+                                             b_down, activation, weight_layout, True)
+    counts = dict(top_k=topk_weights.shape[1], n_blocks=planned_blocks(block_expert.shape[0]), **flags)
+    blocks = group_blocks(x.shape[1], inter, block_size, x.element_size(), **counts)
+    n_groups = group_count(block_expert.shape[0], w_gate_up.shape[0], blocks, 0)
+    return blocks, saved_shape(n_groups, blocks * block_size, inter)
+
+
+def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
+                           b_down=None, *, activation, swiglu_alpha, swiglu_limit, weight_layout="out_in",
+                           save_activations=False):
+    """The launch of the forward kernel, which returns y (T, H) (host side: index metadata, views and
+    the exact widening of the routing weights to fp32). ``weight_layout`` "in_out": w_gate_up
+    (E, H, 2I), w_down (E, I, H), multiplied as they are (no weight transposes on chip).
+    ``save_activations``: the kernel also returns the pre-activation g and u in the layout
+    :func:`saved_shape` (for the backward, which then does not recompute them)."""
+    inter, flags, block_size = _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate_up,
+                                             b_down, activation, weight_layout, save_activations)
     top_k = topk_weights.shape[1]
     hidden, itemsize = x.shape[1], x.element_size()
     counts = dict(top_k=top_k, n_blocks=planned_blocks(block_expert.shape[0]), **flags)
@@ -461,5 +530,5 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
                         (x.contiguous(), routing_weights(topk_weights), group_expert, slot_tokens(group_slots, top_k),
                          group_slots, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
                          activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols, defer, gu_cols,
-                         wd_cols),
+                         wd_cols, save_activations),
                         grid=lnc_degree())

@@ -1,0 +1,104 @@
+"""moe_experts training forward / backward with saved activations: a call that needs gradients
+runs ``nki::moe_experts_train``, whose forward kernel also writes the pre-activation g and u
+(``moe_experts_fwd.saved_shape``), and the backward kernel reads them instead of recomputing;
+inference saves nothing; the recompute path stays served (and tested) where saving is off. Each
+test asserts, from the kernel traces, which path ran, and judges parity against the fp64 oracle
+(``nki_lib.numerics``) or bitwise equality."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+import nki_lib
+import nki_lib.moe  # noqa: F401  (registers the ops)
+from nki_lib.dispatch import collect_runs
+from nki_lib.moe import moe_experts_op
+from nki_lib.moe.kernels import moe_experts_bwd_blocks, moe_experts_bwd_rows, moe_experts_fwd
+from nki_lib.numerics.oppar import op_parity
+
+
+def _sources(fn):
+    """The "file.py:LINE" trace sources of a function's lines."""
+    lines, first = inspect.getsourcelines(fn)
+    name = inspect.getsourcefile(fn).rsplit("/", 1)[-1]
+    return {f"{name}:{n}" for n in range(first, first + len(lines))}
+
+
+def _ran(report, fn, opcode):
+    return any(e.opcode == opcode and e.source in _sources(fn) for e in report.trace)
+
+
+def _traces(s):
+    """(forward report, backward report) of one strict simulator call with gradients, and parity."""
+    with collect_runs() as runs:
+        result = op_parity(moe_experts_op.SPEC, s)
+    assert result.ok, str(result)
+    assert len(runs) == 2, [op for op, _ in runs]
+    return runs[0][1], runs[1][1]
+
+
+def _saved_path_ran(fwd, bwd):
+    return (_ran(fwd, moe_experts_fwd.store_saved, "dma_copy") and _ran(bwd, moe_experts_bwd_rows.load_saved,
+                                                                         "dma_copy")
+            and _ran(bwd, moe_experts_bwd_blocks._saved_gu, "nc_transpose"))
+
+
+def sample(t, h, inter, e, k, block, dtype, activation="silu", **kw):
+    return moe_experts_op.make_sample(t, h, inter, e, k, block, dtype, True, activation=activation, **kw)
+
+
+def test_training_call_saves_and_backward_reads():
+    for s in (sample(30, 200, 136, 4, 2, 130, torch.bfloat16, "gelu"),
+              sample(30, 200, 136, 4, 2, 130, torch.bfloat16, "clamped_swiglu", biases=True, swiglu_limit=0.5,
+                     weight_layout="in_out"),
+              sample(12, 40, 24, 3, 3, 300, torch.float16, "gelu_tanh"),
+              sample(16, 64, 40, 2, 2, 64, torch.float32)):
+        fwd, bwd = _traces(s)
+        assert _saved_path_ran(fwd, bwd), s.label
+
+
+def test_recompute_path_when_nothing_is_saved(monkeypatch):
+    """saved_grouping None (as for a call the forward kernel cannot serve while saving): the
+    forward saves nothing and the backward recomputes g and u, with parity."""
+    monkeypatch.setattr(moe_experts_op, "saved_grouping", lambda *a, **k: None)
+    s = sample(30, 200, 136, 4, 2, 130, torch.bfloat16, "clamped_swiglu", biases=True, swiglu_limit=0.5)
+    fwd, bwd = _traces(s)
+    assert not _ran(fwd, moe_experts_fwd.store_saved, "dma_copy")
+    assert not _ran(bwd, moe_experts_bwd_rows.load_saved, "dma_copy")
+    assert not _ran(bwd, moe_experts_bwd_blocks._saved_gu, "nc_transpose")
+
+
+def test_inference_saves_nothing():
+    s = sample(20, 64, 40, 3, 2, 16, torch.bfloat16)
+    args = [a.detach() for a in s.args]
+    for grad in (False, True):
+        leaves = [a.clone().requires_grad_(grad and a.is_floating_point()) for a in args]
+        with nki_lib.use_backend("simulator"), nki_lib.strict(True), collect_runs() as runs, torch.no_grad():
+            torch.ops.nki.moe_experts(*leaves, **s.kwargs)
+        (_, fwd), = runs
+        assert not _ran(fwd, moe_experts_fwd.store_saved, "dma_copy")
+
+
+def test_first_slot_tile_of_a_group_is_padding():
+    """A valid expert's first block holds only padding, its second the assignments: the group's
+    first slot tile (always computed by the backward) was not written by the forward, so its
+    saved g/u are zeroed, not read."""
+    s = sample(20, 24, 16, 1, 1, 128, torch.float32, topk_ids=torch.zeros(20, 1, dtype=torch.int64))
+    args = list(s.args)
+    slots = torch.full((2 * 128,), -1, dtype=args[3].dtype)
+    slots[128:148] = torch.arange(20)
+    args[2], args[3] = torch.zeros(2, dtype=args[2].dtype), slots
+    fwd, bwd = _traces(type(s)(tuple(args), s.kwargs, s.label + " first tile padding"))
+    assert _saved_path_ran(fwd, bwd)
+
+
+def test_padding_tile_inside_a_group_with_saved():
+    s = sample(20, 24, 16, 1, 1, 256, torch.float32, topk_ids=torch.zeros(20, 1, dtype=torch.int64))
+    args = list(s.args)
+    slots = torch.full((2 * 256,), -1, dtype=args[3].dtype)
+    slots[:10], slots[256:266] = torch.arange(10), torch.arange(10, 20)   # tile 1 of block 0: padding
+    args[2], args[3] = torch.zeros(2, dtype=args[2].dtype), slots
+    fwd, bwd = _traces(type(s)(tuple(args), s.kwargs, s.label + " padding tile inside a group"))
+    assert _saved_path_ran(fwd, bwd)
