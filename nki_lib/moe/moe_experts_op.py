@@ -179,6 +179,14 @@ def _empty(x, topk_weights, w_gate_up):
     return x.numel() == 0 or topk_weights.numel() == 0 or w_gate_up.numel() == 0
 
 
+def _check_forward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, flags):
+    """The forward ops' checks: shapes and flags, then the plan's values on real tensors."""
+    validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, **flags)
+    if has_values(block_expert, slot_assignment):
+        validate_plan_values(block_expert, slot_assignment, num_assignments=topk_weights.numel(),
+                             num_experts=w_gate_up.shape[0])
+
+
 # --------------------------------------------------------------------------- forward op
 
 @torch.library.custom_op("nki::moe_experts", mutates_args=())
@@ -189,10 +197,7 @@ def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: to
                    weight_layout: str = LAYOUT) -> torch.Tensor:
     flags = dict(activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                  weight_layout=weight_layout)
-    validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, **flags)
-    if has_values(block_expert, slot_assignment):
-        validate_plan_values(block_expert, slot_assignment, num_assignments=topk_weights.numel(),
-                             num_experts=w_gate_up.shape[0])
+    _check_forward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, flags)
     if _empty(x, topk_weights, w_gate_up):
         return torch.zeros_like(x)
     args = _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down))
@@ -240,10 +245,7 @@ def moe_experts_train_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expe
     forward kernel does not save them, and the backward recomputes)."""
     flags = dict(activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                  weight_layout=weight_layout)
-    validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, **flags)
-    if has_values(block_expert, slot_assignment):
-        validate_plan_values(block_expert, slot_assignment, num_assignments=topk_weights.numel(),
-                             num_experts=w_gate_up.shape[0])
+    _check_forward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, flags)
     if _empty(x, topk_weights, w_gate_up):
         return torch.zeros_like(x), x.new_empty(0)
     args = _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down))
