@@ -8,7 +8,7 @@ bytes add up. No time is asserted.
 
 import torch
 
-from nki_lib.bench.whole_op import account, autograd_glue_op, estimate_call, host_cost, record_host_ops
+from nki_lib.bench.whole_op import account, autograd_glue_op, estimate_call, host_cost, owner_op, record_host_ops
 from nki_lib.simulator.profile import params
 
 HW = params("trn2")
@@ -80,7 +80,10 @@ def test_autograd_glue_is_charged_to_the_backward_op():
 
     assert autograd_glue_op("GeneratedBackwardFor_nki_flash_attention_defaultBackward") == "flash_attention_backward"
     assert autograd_glue_op("GeneratedBackwardFor_nki_moe_experts_defaultBackward") == "moe_experts_backward"
+    assert autograd_glue_op("GeneratedBackwardFor_nki_moe_experts_train_defaultBackward") == "moe_experts_backward"
     assert autograd_glue_op("MulBackward0") is None
+    # an op's internal variant is charged to the op its kernels run under
+    assert owner_op("moe_experts_train") == "moe_experts" and owner_op("moe_experts_backward") == "moe_experts_backward"
     q, k, v = _attention_inputs()
     sinks = torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)
     with nki_lib.use_backend("simulator"), nki_lib.strict(True), record_host_ops() as ops:
@@ -103,3 +106,20 @@ def test_estimate_call_adds_the_host_ops_beside_the_kernels():
     assert whole.host["hbm_bytes"] == sum(o.hbm_bytes for o in whole.host_ops)
     assert whole.total_us == whole.kernel_us + whole.host["time_us"]
     assert whole.total_dependency_bound_us <= whole.total_us
+
+
+def test_a_training_forward_is_charged_to_the_op_its_kernels_run_under():
+    """moe_experts with inputs that require grad runs nki::moe_experts_train, whose kernel launch is
+    recorded as moe_experts: its host ops (the launcher's index metadata) are charged there too, so
+    the forward part of a train call has its whole-op figure."""
+    import nki_lib
+    from nki_lib.bench.harness import _call
+    from nki_lib.bench.inputs import make_call
+    from nki_lib.dispatch import collect_runs
+
+    args, kwargs = make_call("moe_experts", dict(T=64, H=128, I=128, E=4, k=2, block_size=128), torch.bfloat16,
+                             requires_grad=True)
+    with nki_lib.use_backend("simulator"), nki_lib.strict(True), collect_runs() as runs, record_host_ops() as ops:
+        _call("moe_experts", args, kwargs, "train")
+    assert {op for op, _ in runs} == {"moe_experts", "moe_experts_backward"}
+    assert {o.op for o in ops} == {"moe_experts", "moe_experts_backward"}
