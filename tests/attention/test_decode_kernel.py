@@ -342,6 +342,7 @@ def test_packed_units_share_one_chunk(b, hq, hkv, sq, d, lengths, window_left, d
     (4, 8, 2, 2, 64, 1024, [700, 1024, 2, 513], 37, torch.bfloat16, True),     # kv heads inside a pack
     (4, 16, 1, 1, 128, 512, [512, 17, 300, 256], -1, torch.bfloat16, True),    # Sq = 1, M = 4
     (2, 8, 1, 2, 128, 1024, [1000, 3], 500, torch.bfloat16, False),           # no sinks
+    (36, 8, 1, 4, 128, 256, [4 + (53 * i) % 253 for i in range(36)], -1, torch.bfloat16, True),  # 2 q loads
 ])
 def test_column_tiled_packs(b, hq, hkv, sq, d, cap, lengths, window_left, dtype, sinks):
     """Contiguous caches whose chunk rows are short but whose rows are too many for a shared packed
@@ -353,7 +354,7 @@ def test_column_tiled_packs(b, hq, hkv, sq, d, cap, lengths, window_left, dtype,
     outs, report = _launch(sample, num_splits=1)
     _judge(sample, outs)
     units = b * hkv
-    pack = decode_attention_fwd_packed.column_pack_size(units, hq // hkv * sq, cap // nl.tile_size.pmax, d,
+    pack = decode_attention_fwd_packed.column_pack_size(units, hq // hkv * sq, sq, cap // nl.tile_size.pmax, d,
                                                         sample.args[1].element_size(), 1)
     assert pack > 1
     transposes = [e for e in report.trace if e.opcode == "dma_transpose"]

@@ -50,10 +50,11 @@ def _heads_per_partition(group, sq, d, itemsize):
 
 
 def q_load_units(n_units, pack, group, sq, d, itemsize):
-    """Units per token-major q load: a multiple of ``pack`` whose n*G/a partitions fit 128."""
+    """Units per token-major q load: a multiple of ``pack`` whose n*G/a partitions fit 128 and whose
+    q^T (D, n*R) fits one PSUM bank (each PE transpose writes inside one bank)."""
     a = _heads_per_partition(group, sq, d, itemsize)
-    per_load = max(pack, (nl.tile_size.pmax * a // group) // pack * pack)
-    return min(n_units, per_load)
+    fit = min(nl.tile_size.pmax * a // group, nl.tile_size.psum_bank_fmax_bytes // (group * sq * itemsize))
+    return min(n_units, max(pack, fit // pack * pack))
 
 
 def load_q_t_token_major(q, unit0, n, rows, sq, dtype):

@@ -106,7 +106,7 @@ def pack_size(n_units, rows, m, d, itemsize, lnc):
     return pack
 
 
-def column_pack_size(n_units, rows, m, d, itemsize, lnc):
+def column_pack_size(n_units, rows, sq, m, d, itemsize, lnc):
     """Units per column-tiled pack (1: none). Where a shared packed tile would compute too many
     scores (U*M*R > MIN_II_ELEMS) but a unit's chunk rows are still short (M*D elements per
     partition below ``Q_LOAD_ROW_BYTES``), U units still share one chunk for its long DMA rows
@@ -115,9 +115,14 @@ def column_pack_size(n_units, rows, m, d, itemsize, lnc):
     tiles of the PE array, ``step_scores_columns``): the score tile has R rows, as an unpacked one.
     K arrives as K^T by ``dma_transpose`` (2-byte dtypes), so no PE transposes and evictions.
     Needs D <= 128 (one head-dim chunk), U*R <= 128 (one q load), column tiles of at least
-    ``MIN_COLUMN_TILE`` partitions, short-row steps (U*M < MIN_II_ELEMS); LNC1 only."""
+    ``MIN_COLUMN_TILE`` partitions, short-row steps (U*M < MIN_II_ELEMS), one PSUM bank for a
+    step's fp32 scores (U*M*R) and for a pack's out tile (Sq rows of D per partition); LNC1 only."""
+    bank = nl.tile_size.psum_bank_fmax_bytes
     pack = 1
+    if sq * d * itemsize > bank:
+        return pack
     while (lnc == 1 and itemsize == 2 and d <= nl.tile_size.pmax and n_units % (2 * pack) == 0
+           and 2 * pack * m * rows * 4 <= bank
            and 2 * pack * rows <= nl.tile_size.pmax and nl.tile_size.pmax // (2 * pack) >= MIN_COLUMN_TILE
            and 2 * pack * m * d * itemsize <= Q_LOAD_ROW_BYTES and 2 * pack * m < MIN_II_ELEMS):
         pack *= 2

@@ -57,7 +57,8 @@ tiles (guarded)) + mode guards (dynamic); staging groups > H chunks > I tiles > 
 (guarded)}; then the k-reduction of dx.
 
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k, NB
-blocks (groups), B block (group) size S. Kernel inputs (HBM): dy, x (T, H); topk_w (N, 1) fp32;
+blocks (groups), B block (group) size S. Kernel inputs (HBM): dy, x (T, H); topk_w (NB*B,) fp32 (the routing weight of each slot, 0 for
+padding: ``moe_experts_host.slot_weights``);
 block_expert (NB,), slot_token, slot_assignment (NB*B,) int32 (the groups' experts and slots);
 w_gate_up (E, 2I, H); w_down (E, H, I) (nn.Linear layouts as given); gu_saved (NB, ST, P, 2 IT ps)
 or None (``moe_experts_fwd.saved_shape``); compile-time activation, top_k, i_chunk, dx_cols, prefetch_weights. Outputs: dx (T, H),
@@ -99,8 +100,8 @@ from nki_lib.moe.kernels.moe_experts_host import (
     group_blocks_fitting,
     planned_blocks,
     planned_groups,
-    routing_weights,
     slot_tokens,
+    slot_weights,
     staged_bytes,
     tail_sbuf_bytes,
 )
@@ -127,7 +128,7 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
     dw_down = nl.ndarray(w_down.shape, dtype=w_down.dtype, buffer=nl.shared_hbm)
     # per assignment: its dx row (fp32) and, in column H, its d topk_weights (an output: the
     # launcher takes the column as a view)
-    dx_slots = nl.ndarray((topk_w.shape[0], x.shape[1] + 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    dx_slots = nl.ndarray((x.shape[0] * top_k, x.shape[1] + 1), dtype=nl.float32, buffer=nl.shared_hbm)
     acc_gu = nl.ndarray(w_gate_up.shape, dtype=nl.float32, buffer=nl.private_hbm)
     acc_d = nl.ndarray(w_down.shape, dtype=nl.float32, buffer=nl.private_hbm)
     bias = _bias_context(b_gate_up, b_down, x.dtype)
@@ -136,22 +137,24 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
     expert_sb, valid_sb = block_flags(block_expert)
     modes_sb = accumulation_modes(expert_sb)
     asg_ids, live_sb = load_all_ids(slot_assignment, n_blocks, block, live=True)
-    ids = (load_all_ids(slot_token, n_blocks, block), asg_ids, live_sb)
+    # routing weights per slot (in slot order from the host: no gather), slots on partitions
+    weights_sb = load_all_ids(topk_w, n_blocks, block, dtype=nl.float32)
+    ids = (load_all_ids(slot_token, n_blocks, block), asg_ids, live_sb, weights_sb)
     if gu_saved is not None:            # dead flags (1 - live): the first slot tile's saved g/u zeroed
         dead_sb = nl.ndarray(live_sb.shape, dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=dead_sb, data=live_sb, op0=nl.multiply, operand0=-1, op1=nl.add, operand1=1)
-        ids += (dead_sb,)
+        ids += (dead_sb,)   # ids[4]
     inter = w_down.shape[2]
     regs = block_registers(expert_sb, valid_sb, 0)
     rows = block_rows(x, dy, ids, 0, block, saved_cols(gu_saved, inter))
     for _ in nl.dynamic_range(0, regs[1]):
-        gather_block(x, dy, topk_w, *rows, saved=None if gu_saved is None else (gu_saved, 0))
+        gather_block(x, dy, *rows, saved=None if gu_saved is None else (gu_saved, 0))
     # Blocks in order (weight-gradient accumulation), statically unrolled: block b's body also
     # issues block b + 1's gathers.
     for b in range(n_blocks):
         mode_regs = mode_registers(modes_sb, b)
         next_regs = block_registers(expert_sb, valid_sb, b + 1) if b + 1 < n_blocks else None
-        rows = block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
+        rows = block_bwd(dy, x, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
                           block, (activation, swiglu_alpha, swiglu_limit), i_chunk, (dx_cols, dx_span), grad_bufs,
                           dx_slots, prefetch_weights, gu_saved)
         regs = next_regs
@@ -210,7 +213,7 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     dx = 2 * it * (dx_span or fmax) * itemsize + staged_bytes(dx_cols, hidden, st)   # phase 3: W rows, dx rows
     dx += st * (2 * hidden * itemsize + 4)                      # and the next block's x, dy rows, weights
     body = slot_tiles + resident + max(load, chunks, dx)
-    modes = len(ACC_MODES) * n_blocks * 4 + n_blocks * st * 4   # block accumulation modes, live flags
+    modes = len(ACC_MODES) * n_blocks * 4 + (3 if saved else 2) * n_blocks * st * 4   # modes, live [dead] flags, weights
     setup = max(4 * n_blocks * 4, 2 * n_blocks * 4 + fmax * itemsize)   # edges; idle-expert count, zeros
     return flags_sbuf_bytes(n_blocks, block) + modes + max(body, setup, tail_sbuf_bytes(hidden, top_k, itemsize))
 
@@ -296,7 +299,7 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
     span = dx_span(hidden, inter, blocks * block_size, itemsize, i_chunk, dx_cols, prefetch, **counts)
     return KernelLaunch(
         moe_experts_bwd_kernel,
-        (dy.contiguous(), x.contiguous(), routing_weights(topk_weights), group_expert,
+        (dy.contiguous(), x.contiguous(), slot_weights(topk_weights, group_slots), group_expert,
          slot_tokens(group_slots, top_k), group_slots, w_gate_up.contiguous(),
          w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha), float(swiglu_limit), top_k,
          i_chunk, dx_cols, prefetch, span, None if saved is None else saved[0]),

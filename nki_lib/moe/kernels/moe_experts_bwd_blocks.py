@@ -124,7 +124,7 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_
     return next_weights
 
 
-def block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
+def block_bwd(dy, x, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
                gate, i_chunk, dx_tiling, grad_bufs, dx_slots, prefetch, gu_saved=None):
     """Block b in guarded phases: transposes, I chunks and weight gradients; then the gathers of
     block b + 1 into rows allocated here (``next_regs`` = its registers, or None; the rows are
@@ -147,7 +147,7 @@ def block_bwd(dy, x, topk_w, ids, w_gate_up, w_down, regs, mode_regs, rows, next
     if next_regs is not None:
         next_rows = block_rows(x, dy, ids, b + 1, block, saved_cols(gu_saved, inter))
         for _ in nl.dynamic_range(0, next_regs[1]):
-            gather_block(x, dy, topk_w, *next_rows, saved=None if gu_saved is None else (gu_saved, b + 1))
+            gather_block(x, dy, *next_rows, saved=None if gu_saved is None else (gu_saved, b + 1))
     for _ in nl.dynamic_range(0, trips_reg):
         dx_phase(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, dx_tiling,
             dx_first[0] if dx_first else None)

@@ -9,7 +9,7 @@ previous block's scatters (:func:`block_rows`, :func:`gather_block`); then do = 
 
 Loop structure: slot tiles (static) > live guard (dynamic 0/1) > gathers / transposes.
 
-Shapes (dimension legend): H hidden, I intermediate, E experts, S slots of the block (group), ps <= 128 slots of one slot tile, P = 128 partitions, cn <= 512 columns of one I chunk, T tokens, N = T*k assignments. x, dy (T, H) HBM; topk_w (N, 1) fp32;
+Shapes (dimension legend): H hidden, I intermediate, E experts, S slots of the block (group), ps <= 128 slots of one slot tile, P = 128 partitions, cn <= 512 columns of one I chunk, T tokens, N = T*k assignments. x, dy (T, H) HBM; routing weights (P, ST, NB) fp32 in SBUF;
 per tile: ids (ps, 1) int32, w_col (ps, 1) fp32, x / dy / do rows (ps, H); dyT (P, ceil(H / P), S).
 
 Limits: S <= 512 (at most 4 slot tiles: one PSUM bank of fp32 slots in the contractions over
@@ -64,7 +64,7 @@ def _live_register(flags_sb, b, st):
 
 def block_rows(x, dy, ids, b, block, saved_cols=0):
     """Group b's slot tiles (:class:`SlotTile`, ``ids`` = (token ids, assignment ids, live
-    flags[, dead flags, with saved g/u])) and dy rows, allocated here and filled by
+    flags, routing weights (P, ST, NB) fp32[, dead flags, with saved g/u])) and dy rows, allocated here and filled by
     ``gather_block``; ``saved_cols`` > 0: each tile also gets a (P, saved_cols, ps) tile for its
     saved g/u (2 IT columns), and the group the first tile's live and dead registers (returned
     third, else None)."""
@@ -75,22 +75,21 @@ def block_rows(x, dy, ids, b, block, saved_cols=0):
         live_reg = _live_register(live_sb, b, st) if st > 0 else None
         saved_sb = nl.ndarray((pmax, saved_cols, ps), dtype=x.dtype, buffer=nl.sbuf) if saved_cols else None
         slot_tiles.append(SlotTile(s0, ps, tok_ids[:ps, st, b:b + 1], asg_ids[:ps, st, b:b + 1],
-                                   nl.ndarray((ps, 1), dtype=nl.float32, buffer=nl.sbuf),
+                                   ids[3][:ps, st, b:b + 1],
                                    nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf), live_reg, saved_sb))
         dy_rows.append(nl.ndarray((ps, dy.shape[1]), dtype=dy.dtype, buffer=nl.sbuf))
-    first = (_live_register(live_sb, b, 0), _live_register(ids[3], b, 0)) if saved_cols else None
+    first = (_live_register(live_sb, b, 0), _live_register(ids[4], b, 0)) if saved_cols else None
     return slot_tiles, dy_rows, first
 
 
-def gather_block(x, dy, topk_w, slot_tiles, dy_rows, first=None, saved=None):
-    """Indirect gathers of the group's x rows, routing weights and dy rows per live slot tile
+def gather_block(x, dy, slot_tiles, dy_rows, first=None, saved=None):
+    """Indirect gathers of the group's x rows and dy rows per live slot tile
     (padding slots stay zero); with ``saved`` = (the forward's saved g/u in HBM, group index),
     each live tile's saved g/u too (one plain DMA; the first tile's is zeroed when it holds only
     padding: the forward wrote nothing there, and the first tile is always computed)."""
     for st, (tile, dy_sb) in enumerate(zip(slot_tiles, dy_rows)):
         for _ in if_live(tile):
             gather_rows_into(tile.x_rows, x, tile.tok)
-            gather_rows_into(tile.w_col, topk_w, tile.asg)
             gather_rows_into(dy_sb, dy, tile.tok)
             if saved is not None and st > 0:
                 load_saved(tile.saved, *saved, st)

@@ -151,6 +151,14 @@ def routing_weights(topk_weights):
     return topk_weights.reshape(-1, 1).to(torch.float32).contiguous()
 
 
+def slot_weights(topk_weights, group_slots):
+    """Index metadata for the backward: (NG*S,) fp32 routing weight of each slot (0 for padding),
+    in slot order, so the kernel loads them with its slot ids instead of gathering them (each
+    indirect DMA costs GpSimd a descriptor per row)."""
+    flat = routing_weights(topk_weights).reshape(-1)
+    return torch.where(group_slots >= 0, flat[group_slots.clamp(min=0).long()], 0.0).contiguous()
+
+
 def in_layout_backward(launch_bwd, args, weight_layout, **flags):
     """The backward kernel's launch (``launch_bwd(*args, **flags)``, args as the backward op's:
     dy, x, topk_weights, plan, w_gate_up, w_down, biases) for weights in ``weight_layout``. The

@@ -32,10 +32,11 @@ def act_fn(activation):
     return {"silu": nl.silu, "gelu": nl.gelu, "gelu_tanh": nl.gelu_apprx_tanh}[activation]
 
 
-def load_all_ids(slot_ids, n_blocks, block, live=False, partial=False):
+def load_all_ids(slot_ids, n_blocks, block, live=False, partial=False, dtype=nl.int32):
     """(P, ST, NB) int32 tile: [p, st, b] = slot_ids[b * B + st * 128 + p] (token or assignment ids,
     -1 = padding), loaded once per kernel: one contiguous DMA per 128 blocks (blocks on
-    partitions), then TensorE transposes put the slots on partitions. With ``live``, also the
+    partitions), then TensorE transposes put the slots on partitions (``dtype``: of slot_ids and
+    the tile, e.g. fp32 per-slot routing weights; the transposes are bit-exact). With ``live``, also the
     (P, NBT, ST) int32 live flags: [p, bt, st] = 1 when slot tile st of block bt * 128 + p holds an
     id >= 0 (a max over the tile's ids per partition, then a compare, on VectorE); with
     ``partial`` (and ``live``), also the same-shaped flags = 1 when the tile holds an id -1 (a min
@@ -43,14 +44,14 @@ def load_all_ids(slot_ids, n_blocks, block, live=False, partial=False):
     pmax = nl.tile_size.pmax
     st_tiles = spans(block, pmax)
     b_tiles = spans(n_blocks, pmax)
-    ids_sb = nl.ndarray((pmax, len(st_tiles), n_blocks), dtype=nl.int32, buffer=nl.sbuf)
+    ids_sb = nl.ndarray((pmax, len(st_tiles), n_blocks), dtype=dtype, buffer=nl.sbuf)
     live_sb = nl.ndarray((pmax, len(b_tiles), len(st_tiles)), dtype=nl.int32, buffer=nl.sbuf) if live else None
     partial_sb = nl.ndarray((pmax, len(b_tiles), len(st_tiles)), dtype=nl.int32, buffer=nl.sbuf) if partial else None
     for bt, (b0, nb) in enumerate(b_tiles):
-        rows_sb = nl.ndarray((nb, block), dtype=nl.int32, buffer=nl.sbuf)
+        rows_sb = nl.ndarray((nb, block), dtype=dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=rows_sb, src=slot_ids[b0 * block:(b0 + nb) * block])
         for st, (s0, ps) in enumerate(st_tiles):
-            tr_psum = nl.ndarray((ps, nb), dtype=nl.int32, buffer=nl.psum)
+            tr_psum = nl.ndarray((ps, nb), dtype=dtype, buffer=nl.psum)
             nisa.nc_transpose(dst=tr_psum, data=rows_sb[:, s0:s0 + ps])
             nisa.tensor_copy(dst=ids_sb[:ps, st, b0:b0 + nb], src=tr_psum)
             if live:
