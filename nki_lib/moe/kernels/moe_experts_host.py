@@ -22,6 +22,7 @@ from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.kernels.moe_experts_groups import group_count
 from nki_lib.moe.kernels.moe_experts_steps import reduce_chunk
 from nki_lib.sizes import ceil_div
+from nki_lib.validation import has_values
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -154,9 +155,23 @@ def routing_weights(topk_weights):
 def slot_weights(topk_weights, group_slots):
     """Index metadata for the backward: (NG*S,) fp32 routing weight of each slot (0 for padding),
     in slot order, so the kernel loads them with its slot ids instead of gathering them (each
-    indirect DMA costs GpSimd a descriptor per row)."""
+    indirect DMA costs GpSimd a descriptor per row). The forward's "accumulate" combine loads
+    them the same way and scales each slot's output row by its weight."""
     flat = routing_weights(topk_weights).reshape(-1)
     return torch.where(group_slots >= 0, flat[group_slots.clamp(min=0).long()], 0.0).contiguous()
+
+
+def repeats_a_token(slot_token, n_groups):
+    """True when one group's slots name a token twice (a top-k list naming an expert twice), or
+    when the plan has no values (traced): the forward's "accumulate" combine adds a slot tile's
+    rows with one read-modify-write DMA, whose row indices must be distinct (docs/perf-log.md
+    §14.2), so such a plan takes the "sum" combine. ``slot_token`` (NG*S,): token ids, -1 padding."""
+    if not has_values(slot_token):
+        return True
+    if slot_token.numel() == 0:
+        return False
+    ids = torch.sort(slot_token.reshape(n_groups, -1), dim=1).values
+    return bool(((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any())
 
 
 def in_layout_backward(launch_bwd, args, weight_layout, **flags):
