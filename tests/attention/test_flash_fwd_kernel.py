@@ -281,6 +281,27 @@ def test_streamed_values_parity(monkeypatch, case):
     _assert_parity(case)
 
 
+def test_long_sections_transpose_p_by_dma():
+    """Causal bf16 rows whose section has at least DMA_PT_MIN_BLOCKS blocks (V in natural
+    blocks): the steps ``dma_transposed_steps`` picks get P^T from one SBUF -> SBUF DMA transpose
+    each, in place of their TensorE transposes and PSUM evictions; same parity."""
+    from nki_lib.attention.kernels import flash_attention_fwd_plan as fwd_plan
+    case = Case(hq=1, sq=2048, sk=2048, d=64, causal=True)
+    report = _trace_of(case)
+    on_chip = [e for e in report.trace if e.opcode == "dma_transpose" and e.reads[0].memory == "sbuf"]
+    pmax = simulator.tile_size.pmax
+    assert len(on_chip) >= 1
+    for e in on_chip:
+        rows, _, blocks, cols = e.writes[0].shape
+        assert (rows, cols) == (pmax, pmax) and blocks >= fwd_plan.DMA_PT_MIN_BLOCKS
+    # every 128-key block of P^T comes from exactly one of the two paths
+    pe_blocks = sum(1 for e in report.trace if e.opcode == "nc_transpose" and e.engine == "tensor"
+                    and e.reads[0].shape == (pmax, pmax))
+    dma_blocks = sum(e.writes[0].shape[2] for e in on_chip)
+    assert pe_blocks + dma_blocks == _tile_pairs(case)[2] // pmax
+    _assert_parity(case)
+
+
 def test_gqa_loads_each_kv_tile_once_per_group():
     case = Case(hq=4, hkv=1, sq=128, sk=512, d=64)
     report = _trace_of(case)

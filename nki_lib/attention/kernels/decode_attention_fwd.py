@@ -186,9 +186,13 @@ def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left):
     nisa.dma_copy(dst=bounds_sb, src=split_bounds.ap([[n_bounds, 1], [1, n_bounds]]))
     n_window = key_window.shape[0] * key_window.shape[1] * key_window.shape[2]
     window_sb = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
-    if n_window <= pmax:            # one column, broadcast to the partitions by a PE transpose (exact):
-        window_col = nl.ndarray((n_window, 1), dtype=nl.float32, buffer=nl.sbuf)   # 1 DMA engine, not 16
-        nisa.dma_copy(dst=window_col, src=key_window.ap([[1, n_window], [1, 1]]))
+    if n_window <= pmax:            # one row (one descriptor), made a column and broadcast to the
+        window_row = nl.ndarray((1, n_window), dtype=nl.float32, buffer=nl.sbuf)   # partitions by two PE
+        nisa.dma_copy(dst=window_row, src=key_window.ap([[n_window, 1], [1, n_window]]))   # transposes (exact)
+        col_psum = nl.ndarray((n_window, 1), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=col_psum, data=window_row)
+        window_col = nl.ndarray((n_window, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=window_col, src=col_psum, engine=nisa.engine.scalar)
         window_psum = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_transpose(dst=window_psum, data=window_col.broadcast(1, pmax))
         nisa.tensor_copy(dst=window_sb, src=window_psum)

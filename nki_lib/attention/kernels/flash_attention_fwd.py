@@ -45,6 +45,8 @@ Per step (engines in brackets)::
       (qn, slen) in the P dtype with the row sum fused                                  [ACT]
     P^T: one TensorE transpose per 128-key block into bank-sized PSUM tiles, evicted
       PT_DVE_SHARE on VectorE, the rest on ScalarE                                  [PE, DVE/ACT]
+      (or, for the long sections ``flash_attention_fwd_plan.dma_transposed_steps`` picks,
+      one SBUF -> SBUF DMA transpose of P: no PE transpose, no PSUM eviction)           [DMA]
     O (qn, D) PSUM = sum over the section's blocks of matmul(P^T (bn, qn), V (bn, D))     [PE]
     l = alpha * l + rowsum [POOL];  acc = alpha * acc [POOL] + O [DVE]
 
@@ -119,12 +121,18 @@ from nki_lib.attention.kernels.flash_attention_fwd_pipeline import (
 from nki_lib.attention.kernels.flash_attention_fwd_plan import (
     QUERY_SECTION_TILES,
     Ctx,
+    dma_transposed_steps,
     plan_groups,
     plan_steps,
     program_share,
 )
 from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, load_sinks, new_lse_batch
-from nki_lib.attention.kernels.flash_attention_fwd_step import PT_DVE_SHARE, PT_DVE_SHARE_SOFTCAP, warm_table
+from nki_lib.attention.kernels.flash_attention_fwd_step import (
+    PT_DVE_SHARE,
+    PT_DVE_SHARE_DMA_PT,
+    PT_DVE_SHARE_SOFTCAP,
+    warm_table,
+)
 from nki_lib.attention.kernels.flash_attention_fwd_values import ValueCache, cache_bytes
 from nki_lib.attention.kernels.flash_attention_transposed_loads import as_kernel_layout, on_chip
 from nki_lib.attention.kernels.tiles import (
@@ -220,6 +228,8 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
         grp.q_sec.users += 1
     steps = plan_steps(groups)
     n_steps = len(steps)
+    dma_pt = (dma_transposed_steps(groups, steps, DRAIN_STEPS) if q_bytes == HALF_BYTES and softcap == 0
+              else frozenset())
     work = [None] * n_steps
     lse_batch = new_lse_batch(lse, LSE_BATCH)
 
@@ -234,7 +244,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
     # with softcap, the scores (tanh) of SOFTCAP_BATCH steps are issued together, so ScalarE
     # switches between the tanh and exp tables twice per batch instead of twice per step
     score_batch = SOFTCAP_BATCH if softcap > 0 else 1
-    pt_dve_share = PT_DVE_SHARE_SOFTCAP if softcap > 0 else PT_DVE_SHARE
+    pt_dve_share = PT_DVE_SHARE_SOFTCAP if softcap > 0 else PT_DVE_SHARE_DMA_PT if dma_pt else PT_DVE_SHARE
     close_lag = CLOSE_LAG if n_pass == 1 else CLOSE_LAG_HEADS
     seed_sb = None
     if softcap == 0:    # with softcap the first function is tanh
@@ -252,7 +262,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
                 load_k(ctx, groups, steps, s)
                 stage_scores(groups, steps, work, s, scale / exp_scale, softcap)
         stage_pv(groups, steps, work, it - PV_LAG)
-        stage_transpose(groups, steps, work, it)
+        stage_transpose(groups, steps, work, it, it in dma_pt)
         closing.append([])
         stage_acc(groups, steps, work, it - ACC_LAG, closing[-1], softcap == 0)
         if len(closing) > close_lag:

@@ -10,6 +10,8 @@ from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.flash_attention_fwd_plan import section_span
 from nki_lib.attention.kernels.flash_attention_fwd_state import add_lse, init_state, store_out
 from nki_lib.attention.kernels.flash_attention_fwd_step import (
+    dma_transposable,
+    dma_transpose_p,
     evict_pt,
     p_times_v,
     section_scores,
@@ -125,13 +127,18 @@ def stage_softmax(groups, steps, work, s, p_dtype, exp_scale):
         w.s_sb, w.rowmax = None, None
 
 
-def stage_transpose(groups, steps, work, s):
-    """B2a: P^T of step s in PSUM [PE], its blocks in the order of the section's V blocks."""
+def stage_transpose(groups, steps, work, s, dma_pt=False):
+    """B2a: P^T of step s in PSUM [PE], its blocks in the order of the section's V blocks; with
+    ``dma_pt`` (and V in natural blocks) P^T straight to SBUF by one DMA transpose [DMA], which
+    leaves :func:`stage_evict_pt` nothing to do."""
     if real(steps, s):
         gi, si, _ = steps[s]
         v_blocks = groups[gi].v[si]
         w = work[s]
-        w.pt_psum = transpose_p(w.p_sb, v_blocks)
+        if dma_pt and dma_transposable(w.p_sb.dtype, v_blocks, w.p_sb.shape[1]):
+            w.pt_sb = dma_transpose_p(w.p_sb)
+        else:
+            w.pt_psum = transpose_p(w.p_sb, v_blocks)
         w.p_sb = None
 
 
@@ -140,7 +147,8 @@ def stage_evict_pt(groups, steps, work, s, dve_share):
     if real(steps, s):
         gi, si, _ = steps[s]
         w = work[s]
-        w.pt_sb = evict_pt(w.pt_psum, section_span(groups[gi], si)[1], dve_share)
+        if w.pt_psum is not None:
+            w.pt_sb = evict_pt(w.pt_psum, section_span(groups[gi], si)[1], dve_share)
         w.pt_psum = None
 
 

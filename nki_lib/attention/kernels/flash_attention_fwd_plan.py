@@ -9,11 +9,23 @@ from nki_lib._nki import nl
 from nki_lib.attention.kernels.tiles import key_blocks, plan_row, query_tiles
 
 __all__ = ["QUERY_SECTION_TILES", "Ctx", "Group", "plan_groups", "trim_plan", "program_share",
-           "plan_steps", "section_span"]
+           "plan_steps", "section_span", "dma_transposed_steps"]
 
 QUERY_SECTION_TILES = 8  # q^T of this many consecutive query tiles is loaded by one DMA per head
                          # (2 KiB rows in bf16 instead of 256 B: one DMA chunk floor per 1024
                          # queries, docs/cost-model.md §2.6)
+
+
+DMA_PT_FROM = 0.6        # P^T by DMA transpose only in the last 40 % of the steps (the long causal
+                         # rows: K^T and V are resident by then, the DMA queues carry only the
+                         # output stores), where TensorE transposes and their PSUM evictions
+                         # are the ScalarE/VectorE work that binds (docs/perf-log.md §14.4)
+DMA_PT_EVERY = 3         # of the eligible steps there, every DMA_PT_EVERY-th (from the
+DMA_PT_FIRST = 0          # DMA_PT_FIRST-th) is transposed by DMA: more makes DMA the busier
+                         # engine at dma_chunk_floor_ns=178
+DMA_PT_MIN_BLOCKS = 12   # eligible sections have at least this many 128-key blocks: 2-byte P rows of
+                         # >= 3 KiB per partition, 267 ns at half the 23 B/ns engine rate, above the
+                         # top of the chunk floor's documented range (178 ns, docs/cost-model.md §7.9)
 
 
 class Ctx(nl.NKIObject):
@@ -153,3 +165,16 @@ def section_span(grp, si):
     first, last = grp.sections[si]
     s0 = grp.plan[first][0]
     return s0, grp.plan[last][0] + grp.plan[last][1] - s0, grp.plan[first:last + 1]
+
+
+def dma_transposed_steps(groups, steps, drain_steps):
+    """Steps whose P^T comes from one SBUF -> SBUF DMA transpose instead of TensorE transposes
+    and PSUM evictions (``flash_attention_fwd_step.dma_transpose_p``; 2-byte P only, checked by
+    the caller; the step still falls back to TensorE when its V is not in natural blocks): of the
+    steps from ``DMA_PT_FROM`` of the program on whose section has at least ``DMA_PT_MIN_BLOCKS``
+    blocks, every ``DMA_PT_EVERY``-th from the ``DMA_PT_FIRST``-th. Returns a frozenset of step indices."""
+    pmax = nl.tile_size.pmax
+    eligible = [s for s in range(int(DMA_PT_FROM * len(steps)), len(steps) - drain_steps)
+                if steps[s][1] >= 0
+                and section_span(groups[steps[s][0]], steps[s][1])[1] >= DMA_PT_MIN_BLOCKS * pmax]
+    return frozenset(eligible[DMA_PT_FIRST::DMA_PT_EVERY])

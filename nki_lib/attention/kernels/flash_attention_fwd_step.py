@@ -1,6 +1,8 @@
 """Per-step tile work of the flash-attention forward kernel (``flash_attention_fwd.py``): scores, softmax,
 P transposes and P @ V of one step (group, key section, query head). Each function emits the
-NKI instructions of one stage; :mod:`fwd_pipeline` orders them across steps.
+NKI instructions of one stage; :mod:`fwd_pipeline` orders them across steps. P^T comes from
+TensorE transposes and PSUM evictions, or for some long sections from one SBUF -> SBUF DMA
+transpose (:func:`dma_transpose_p`).
 
 Shapes: q^T tiles (dc, qn), K^T section tiles (dc, slen), V of a section as per-block pairs
 (``flash_attention_fwd_values``: (bn, D) tile and P's matching columns), scores S (qn, slen)
@@ -17,8 +19,8 @@ from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.tiles import key_blocks, key_tile_width, mask_scores
 from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 
-__all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_SOFTCAP", "warm_table", "section_scores", "softmax_step", "transpose_p", "evict_pt",
-           "p_times_v"]
+__all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_DMA_PT", "PT_DVE_SHARE_SOFTCAP", "warm_table", "section_scores", "softmax_step", "transpose_p", "evict_pt",
+           "dma_transposable", "dma_transpose_p", "p_times_v"]
 
 EVICT_RUN_TILES = 2  # unmasked score tiles evicted together (2 fp32 PSUM banks, 1024 keys; an
                      # engine operand may read 4K PSUM elements per partition,
@@ -31,6 +33,10 @@ PT_DVE_SHARE = 0.42  # share of a section's P^T blocks evicted by VectorE, the r
                       # (16-bit PSUM at 2x): 0.42 balances them at 4096 causal with the last
                       # steps' blocks all on VectorE (flash_attention_fwd.DRAIN_STEPS;
                       # docs/perf-log.md §12.4)
+PT_DVE_SHARE_DMA_PT = 0.40  # the same when some long sections' P^T go by DMA transpose
+                            # (flash_attention_fwd_plan.dma_transposed_steps): 0.38 / 0.42 measured
+                            # 111.0 / 108.5 and 110.8 / 108.0 at 4096 causal, 0.42 worse at
+                            # dma_chunk_floor_ns=178 (123.0 against 122.4; docs/perf-log.md §14.4)
 PT_DVE_SHARE_SOFTCAP = 1.0  # softcap adds a tanh pass (1.7 us per section) on ScalarE, which then
                             # stays the busier engine with every P^T block on VectorE
 
@@ -161,6 +167,26 @@ def transpose_p(p_sb, v_blocks):
                               engine=nisa.engine.tensor)
         pt_tiles.append((j0, pt_psum))
     return pt_tiles
+
+
+def dma_transposable(p_dtype, v_blocks, slen):
+    """P^T of a section can come from one SBUF -> SBUF DMA transpose: 2-byte P, whole 128-key
+    blocks, and V in natural blocks (the transpose gives each block's keys in order)."""
+    pmax = nl.tile_size.pmax
+    return (p_dtype != nl.float32 and slen % pmax == 0
+            and all(blk[1][2] == 1 for blk in v_blocks))
+
+
+def dma_transpose_p(p_sb):
+    """P^T (128, blocks, qn) in SBUF by one DMA transpose of P (qn, slen): each partition moves
+    one contiguous run of ``slen`` 2-byte elements (4 KiB for a 2048-key section), no TensorE
+    transpose and no PSUM eviction (docs/cost-model.md §2.6: 50 % of DMA throughput SBUF -> SBUF)."""
+    qn, slen = p_sb.shape
+    pmax = nl.tile_size.pmax
+    nb = slen // pmax
+    pt4_sb = nl.ndarray((pmax, 1, nb, qn), dtype=p_sb.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=pt4_sb, src=p_sb.reshape((qn, 1, nb, pmax)))
+    return pt4_sb[:, 0, :, :]
 
 
 def evict_pt(pt_tiles, slen, dve_share):

@@ -98,6 +98,8 @@ from nki_lib.moe.kernels.moe_experts_host import (
     choose_overlap_tiling,
     flags_sbuf_bytes,
     group_blocks_fitting,
+    planned_blocks,
+    planned_groups,
     slot_tokens,
     slot_weights,
     staged_bytes,
@@ -286,16 +288,15 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
                                  sbuf_fn=sbuf_bytes, **flags)
     top_k = topk_weights.shape[1]
     hidden, inter, itemsize = x.shape[1], w_down.shape[2], x.element_size()
-    blocks = _saved_blocks(saved, hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=block_expert.shape[0],
-                           **flags)
+    plan_blocks = planned_blocks(block_expert.shape[0])
+    blocks = _saved_blocks(saved, hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=plan_blocks, **flags)
     if blocks is None:
         saved = None
     else:
         flags["saved"] = True
-    blocks = blocks or group_blocks(hidden, inter, block_size, itemsize, top_k=top_k,
-                                    n_blocks=block_expert.shape[0], **flags)
+    blocks = blocks or group_blocks(hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=plan_blocks, **flags)
     group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
-    counts = dict(top_k=top_k, n_blocks=group_expert.shape[0], **flags)
+    counts = dict(top_k=top_k, n_blocks=planned_groups(group_expert.shape[0], blocks), **flags)
     i_chunk, dx_cols, prefetch = tiling(hidden, inter, blocks * block_size, itemsize, **counts)
     span = dx_span(hidden, inter, blocks * block_size, itemsize, i_chunk, dx_cols, prefetch, **counts)
     fit = nl.tile_size.total_available_sbuf_size
