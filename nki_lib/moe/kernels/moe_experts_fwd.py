@@ -85,6 +85,8 @@ from nki_lib.moe.kernels.moe_experts_host import (
     choose_overlap_tiling,
     flags_sbuf_bytes,
     group_blocks_fitting,
+    planned_blocks,
+    planned_groups,
     repeats_a_token,
     routing_weights,
     slot_tokens,
@@ -544,7 +546,7 @@ def saved_grouping(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_
     the op's fake uses it); raises Unsupported where the forward kernel cannot serve the call."""
     inter, flags, block_size = _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate_up,
                                              b_down, activation, weight_layout, True)
-    counts = dict(top_k=topk_weights.shape[1], n_blocks=block_expert.shape[0], **flags)
+    counts = dict(top_k=topk_weights.shape[1], n_blocks=planned_blocks(block_expert.shape[0]), **flags)
     blocks = group_blocks(x.shape[1], inter, block_size, x.element_size(), **counts)
     n_groups = group_count(block_expert.shape[0], w_gate_up.shape[0], blocks, 0)
     return blocks, saved_shape(n_groups, blocks * block_size, inter)
@@ -564,11 +566,11 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
                                              b_down, activation, weight_layout, save_activations)
     top_k = topk_weights.shape[1]
     hidden, itemsize = x.shape[1], x.element_size()
-    counts = dict(top_k=top_k, n_blocks=block_expert.shape[0], **flags)
+    counts = dict(top_k=top_k, n_blocks=planned_blocks(block_expert.shape[0]), **flags)
     blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
     group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
     h_chunk, y_cols, defer, gu_cols, wd_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
-                                                      n_blocks=group_expert.shape[0], **flags)
+                                                      n_blocks=planned_groups(group_expert.shape[0], blocks), **flags)
     tokens = slot_tokens(group_slots, top_k)
     combine = combine_mode(lnc_degree(), flags["accumulate"] and repeats_a_token(tokens, group_expert.shape[0]))
     weights = slot_weights(topk_weights, group_slots) if combine == "accumulate" else routing_weights(topk_weights)
