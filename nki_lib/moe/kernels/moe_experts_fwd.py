@@ -560,7 +560,8 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
     (E, H, 2I), w_down (E, I, H), multiplied as they are (no weight transposes on chip).
     ``save_activations``: the kernel also returns the pre-activation g and u in the layout
     :func:`saved_shape` (for the backward, which then does not recompute them). The combine
-    (:func:`combine_mode`): "accumulate" on one core unless a group's slots name a token twice;
+    (:func:`combine_mode`): "accumulate" on one core with the output rows staged whole, unless a
+    group's slots name a token twice;
     its routing weights are per slot (:func:`slot_weights`)."""
     inter, flags, block_size = _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate_up,
                                              b_down, activation, weight_layout, save_activations)
@@ -572,7 +573,9 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
     h_chunk, y_cols, defer, gu_cols, wd_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
                                                       n_blocks=planned_groups(group_expert.shape[0], blocks), **flags)
     tokens = slot_tokens(group_slots, top_k)
-    combine = combine_mode(lnc_degree(), flags["accumulate"] and repeats_a_token(tokens, group_expert.shape[0]))
+    whole_rows = y_cols >= hidden
+    repeated = flags["accumulate"] and whole_rows and repeats_a_token(tokens, group_expert.shape[0])
+    combine = combine_mode(lnc_degree(), repeated, whole_rows)
     weights = slot_weights(topk_weights, group_slots) if combine == "accumulate" else routing_weights(topk_weights)
     return KernelLaunch(moe_experts_fwd_kernel,
                         (x.contiguous(), weights, group_expert, tokens,

@@ -47,12 +47,15 @@ FP32_ACCUMULATOR = False
 CONVERT_ENGINES = (nisa.engine.vector, nisa.engine.gpsimd, nisa.engine.scalar)
 
 
-def combine_mode(programs, repeated_tokens):
+def combine_mode(programs, repeated_tokens, whole_rows=True):
     """The combine of a launch on ``programs`` cores: "accumulate" on one core, "sum" on two
-    (see the module docstring) or when a token holds two slots of one expert
-    (``repeated_tokens``: one read-modify-write DMA must not name a row twice; AWS's own
-    scatter-add kernels state the same rule for a 128-row tile)."""
-    return "accumulate" if programs == 1 and not repeated_tokens else "sum"
+    (see the module docstring), when a token holds two slots of one expert (``repeated_tokens``:
+    one read-modify-write DMA must not name a row twice; AWS's own scatter-add kernels state the
+    same rule for a 128-row tile), or when the output rows are staged in parts (not
+    ``whole_rows``: one read-modify-write per slot tile and staging group, each waiting for the
+    previous one, which holds the in-order DMA queue: mixtral-8x7b prefill +8 %, deepseek-v3
+    +40 % in order, docs/perf-log.md §14.2)."""
+    return "accumulate" if programs == 1 and not repeated_tokens and whole_rows else "sum"
 
 
 def accumulator(y, t_len, hidden):
