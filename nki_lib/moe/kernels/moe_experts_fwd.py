@@ -32,7 +32,7 @@ for each group g of this program (static loop, in order; LNC2: the two cores tak
      staging group (padding slots not written), as the combine (:mod:`.moe_experts_fwd_combine`)
      says: "sum" (LNC2, or a token holding two slots of one expert): scattered into the
      assignment-ordered scratch y_slots[a] (shared HBM: every assignment written exactly once, by
-     one core); "accumulate" (LNC1): each row scaled by its routing weight at the eviction and
+     one core); "accumulate" (LNC1, rows staged whole): each row scaled by its routing weight at the eviction and
      added into the token-ordered accumulator by a DMA read-modify-write (``dma_compute``),
      zeroed at the start.
 finally, "sum" (LNC2: after a core barrier, so that each core sees the other's rows; the cores

@@ -3,12 +3,13 @@ row o goes once the down projection has made it.
 
 Two combines (chosen by the launcher, :func:`combine_mode`):
 
-- ``"sum"`` (LNC2, and whenever asked): every assignment's fp32 row is scattered into the
-  assignment-ordered scratch y_slots (N, H) in HBM, and after the last group (and a core barrier)
+- ``"sum"`` (LNC2, output rows staged in parts, or repeated tokens): every assignment's fp32
+  row is scattered into the assignment-ordered scratch y_slots (N, H) in HBM, and after the last
+  group (and a core barrier)
   :func:`~.moe_experts_steps.reduce_assignments` sums each token's k rows in the fixed order
   j = 0..k-1, reading N x H x 4 bytes after the loop. The order does not depend on which core
   made a row, so LNC2 is bitwise LNC1.
-- ``"accumulate"`` (LNC1): the PSUM eviction multiplies each slot's row by its routing weight
+- ``"accumulate"`` (LNC1, output rows staged whole): the PSUM eviction multiplies each slot's row by its routing weight
   (ScalarE ``activation`` scale, a per-partition fp32 operand: slots sit on partitions), and the
   weighted row is added into a token-ordered accumulator (T, H) in HBM by the DMA engines'
   indexed read-modify-write (``nisa.dma_compute``, "Scatter RMW": dst(HBM)[indices] =
