@@ -18,7 +18,9 @@ Host work here is layout glue and small index metadata only (no attention math):
   interval from it, its position ``L_b - Sq + t`` and ``window_left``);
 * ``sink_rows`` (Hkv, R) float32: the sink logit of each query row (an expand of ``sinks``).
 
-All of it is computed with tensor ops from ``cache_seqlens`` (no host synchronisation).
+All of it is computed with tensor ops from ``cache_seqlens`` (no host synchronisation). On the
+single-chunk path of a contiguous cache without a window or cache start (``reads_lengths``) none of
+it is built: the kernel takes ``cache_seqlens`` itself (int32) and derives the rest on chip.
 Dimension legend as in ``kernels/decode_attention_fwd.py``.
 """
 
@@ -30,7 +32,11 @@ import torch
 
 from nki_lib._nki import nl
 from nki_lib.attention.attention_args import resolve_scale
-from nki_lib.attention.kernels.decode_attention_fwd import decode_attention_fwd_kernel, single_chunk_path
+from nki_lib.attention.kernels.decode_attention_fwd import (
+    decode_attention_fwd_kernel,
+    reads_lengths,
+    single_chunk_path,
+)
 from nki_lib.attention.kernels.tiles import MAX_INDEX
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch, Unsupported
@@ -185,7 +191,16 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
     grid = grid or lnc_degree()
     n_split = (_cores_share(num_splits, b * hkv, grid) if num_splits
                else plan_splits(b, hkv, ceil_div(cap, chunk), grid))
-    if not paged and single_chunk_path(n_split, b * hkv, grid, n_cols_pad * unit_keys, chunk, head_offset // d):
+    single = not paged and single_chunk_path(n_split, b * hkv, grid, n_cols_pad * unit_keys, chunk, head_offset // d)
+    sink_rows = _sink_rows(sinks, hkv, sq)
+    if reads_lengths(single, paged, isinstance(first, int), b):   # the kernel takes L_b: no tables
+        unit_table = torch.empty((b, n_cols_pad), dtype=torch.int32, device=q.device)   # never read
+        return KernelLaunch(decode_attention_fwd_kernel,
+                            (q.contiguous(), k_units, v_units, unit_table, None, lengths, sink_rows,
+                             hkv, head_offset, n_rows // b, unit_keys, m,
+                             resolve_scale(scale, d), float(softcap), int(window_left)),
+                            grid=grid)
+    if single:
         unit_table = torch.empty((b, n_cols_pad), dtype=torch.int32, device=q.device)   # never read
     else:
         ids = _unit_ids(block_table, b, n_rows // b, n_cols_pad, q.device)
@@ -204,7 +219,6 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
               else torch.stack([first, lengths], dim=-1))                          # (B, 2) [first, L_b)
     key_window = torch.empty((b, n_split, 2), dtype=torch.float32, device=q.device)
     torch.add(window[:, None, :], edges[:, :-1, None], alpha=-chunk, out=key_window)  # minus the split's key 0
-    sink_rows = _sink_rows(sinks, hkv, sq)
 
     return KernelLaunch(decode_attention_fwd_kernel,
                         (q.contiguous(), k_units, v_units, unit_table, split_bounds, key_window, sink_rows,
