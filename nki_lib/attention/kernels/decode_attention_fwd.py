@@ -116,7 +116,8 @@ int32 unit ids of kv head 0;
 split_bounds (B, S, 4) int32: start <= lo <= hi <= stop in unit columns, the ranges [start, lo),
 [lo, hi), [hi, stop); key_window (B, S, 2) float32 [first, L_b) relative to the split's first key
 (row r's visible keys: ``[max(pos_r - window_left, first), pos_r]``, ``pos_r = L_b - Sq + t_r``);
-sink_rows (Hkv, R) float32 or None; ``window_left`` (static int, -1 unbounded). On the
+sink_rows float32 or None: (Hkv, G) per query head when R <= 128 (broadcast over the tokens on
+chip), else (Hkv, R) per row; ``window_left`` (static int, -1 unbounded). On the
 single-chunk path of a contiguous cache with first = 0 (``reads_lengths``) split_bounds is None and
 key_window is cache_seqlens (B,) int32: the windows [0, L_b) are built on chip and the only edge
 range is [L_b, C) (no host tables).
@@ -536,7 +537,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
         if sink_rows is not None:
             for t in my_tiles:
                 if (hk, t) not in sinks:
-                    sinks[(hk, t)] = load_sink(sink_rows, hk, *row_spans[t])
+                    sinks[(hk, t)] = load_sink(sink_rows, hk, *row_spans[t], sq)
         engine = nisa.engine.gpsimd if single and seq_units is not None else None   # no swdge gathers
         fold = single and plan[0] == m              # one softmax step: the sink folds into it
         if fold and sink_rows is not None:

@@ -242,7 +242,7 @@ def packed_path(q, k_units, v_units, sink_rows, out, lse, meta, pack, cfg, colum
                 hk = (k * pack + u) % n_kv_heads
                 if sink_rows is not None and hk not in sinks:
                     sinks[hk] = (load_sink_token_major(sink_rows, hk, sq) if columns
-                                 else load_sink(sink_rows, hk, 0, rows))
+                                 else load_sink(sink_rows, hk, 0, rows, sq))
             if columns:                             # the sinks fold into the max; -M and L go to the lse tile
                 state.unit_sinks = None if sink_rows is None else [sinks[(k * pack + u) % n_kv_heads]
                                                                    for u in range(pack)]

@@ -16,7 +16,8 @@ Host work here is layout glue and small index metadata only (no attention math):
 * ``key_window`` (B, S, 2) float32: ``[first, L_b)`` relative to the split's first key (edge
   chunks zero the V rows of keys outside it; the kernel derives each query row's visible key
   interval from it, its position ``L_b - Sq + t`` and ``window_left``);
-* ``sink_rows`` (Hkv, R) float32: the sink logit of each query row (an expand of ``sinks``).
+* ``sink_rows`` float32: the sinks as (Hkv, G) (a view) when the R rows fit one tile, else the sink
+  logit of each query row (Hkv, R) (an expand of ``sinks``).
 
 All of it is computed with tensor ops from ``cache_seqlens`` (no host synchronisation). On the
 single-chunk path of a contiguous cache without a window or cache start (``reads_lengths``) none of
@@ -146,12 +147,15 @@ def _first_keys(lengths, sq, window_left, cache_start):
 
 
 def _sink_rows(sinks, hkv, sq):
-    """(Hkv, R) float32 sink logit of each query row, R = (Hq/Hkv) * Sq (a view when Sq = 1)."""
+    """float32 sinks for the kernel: (Hkv, G) per query head (a view; the kernel broadcasts them over
+    the Sq tokens) when the R = G * Sq rows fit one tile, else (Hkv, R) per query row (a copy)."""
     if sinks is None:
         return None
     group = sinks.shape[0] // hkv
-    rows = sinks.to(torch.float32).reshape(hkv, group, 1).expand(hkv, group, sq)
-    return rows.reshape(hkv, group * sq).contiguous()
+    heads = sinks.to(torch.float32).reshape(hkv, group)
+    if group * sq <= nl.tile_size.pmax:
+        return heads
+    return heads.reshape(hkv, group, 1).expand(hkv, group, sq).reshape(hkv, group * sq).contiguous()
 
 
 def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, window_left,
