@@ -9,16 +9,21 @@ For a :class:`~nki_lib.bench.shapes.Case` the harness
    * attention (flash and decode): the (batch x kv-head) groups are independent; one group
      (``Hq / Hkv`` query heads sharing one kv head, real sequence lengths and head dim) is
      simulated and ``time = launch + groups x simulated makespan``;
-   * ``moe_experts`` (E > 4): experts are independent blocks of work, but the kernel's prologue
-     (the first group's row gathers) and its tail (the last scatters and the k-sum) are not
-     per expert, so the case is measured at steady state: two calls are simulated, with
-     ``n = 2`` and ``2n = 4`` experts, both at the real tokens per expert (``k' = min(k, n)``,
-     ``T' = T k E' / (E k')``, balanced routing), and every figure (makespans, busy times, bounds,
-     host bytes) is extrapolated linearly by the measured marginal cost of the extra experts:
-     ``f(E) = f(n) + s (f(2n) - f(n))`` with ``s = (blocks(E) - blocks(n)) / (blocks(2n) - blocks(n))``
-     (``(E - n) / n`` for balanced routing). The prologue is charged once; the parts that grow
-     with the assignments (the k-sum reads N x H) grow as they do on the real shape
-     (docs/perf-log.md §12.2 checks this against full simulations);
+   * ``moe_experts`` (E > 2n, ``n = max(2, k)``): experts are independent blocks of work, but the
+     kernel's prologue (the first group's row gathers) and its tail (the last scatters and the
+     k-sum) are not per expert, so the case is measured at steady state: two calls are
+     simulated, with ``n`` and ``2n`` experts, both with the real top-k (``k' = k``: every token's
+     k rows in k experts, so the k-sum's loads are the real shape's runs) and the real tokens per
+     expert (``T' = T E' / E``, balanced routing), and every figure (makespans, busy times,
+     bounds, host bytes) is extrapolated linearly by the measured marginal cost of the extra
+     experts: ``f(E) = f(n) + s (f(2n) - f(n))`` with
+     ``s = (blocks(E) - blocks(n)) / (blocks(2n) - blocks(n))`` (``(E - n) / n`` for balanced
+     routing). Both calls choose the real shape's tiling: they run inside
+     :func:`nki_lib.moe.kernels.moe_experts_host.plan_tiling_for` with the real plan's block and
+     expert counts, which the launchers' SBUF estimates count (blocks per group, the I chunk and
+     dx span of the backward, the forward's staging). The prologue is charged once; the parts
+     that grow with the assignments (the k-sum reads N x H) grow as they do on the real shape
+     (docs/perf-log.md §14.5 checks this against full simulations);
    * everything else, and every case with ``extrapolate=False`` (the ``targets`` and ``aws``
      sweeps' attention and decode cases), is simulated at the real shape. The group rule
      leaves out the overlap of consecutive groups, so it overstates the time of batched decode
@@ -59,7 +64,7 @@ from nki_lib.bench.whole_op import host_cost, host_time_ns, record_host_ops
 
 __all__ = ["SimPlan", "plan", "run_case", "CaseResult", "core_balance", "lnc_degree"]
 
-MOE_SIM_EXPERTS = 2  # n: a moe_experts case is simulated at n and 2n experts (the rest is extrapolated)
+MOE_SIM_EXPERTS = 2  # the least n: a moe_experts case is simulated at n = max(this, k) and 2n experts
 HOTSPOTS = 5         # critical-path lines reported per case
 
 
@@ -70,6 +75,7 @@ class SimPlan:
     extrapolation: str | None  # how the real-shape figure is obtained (None: simulated as is)
     marginal_dims: dict | None = None   # a second, larger simulation (two-point rule), or None
     marginal_scale: float = 0.0         # s: f = f(dims) + s (f(marginal_dims) - f(dims))
+    tiling_plan: tuple | None = None    # moe_experts: (blocks, experts) of the real plan, tiled for
 
 
 def plan(case: Case) -> SimPlan:
@@ -85,25 +91,32 @@ def plan(case: Case) -> SimPlan:
                                            f"({sim['Hq']} query heads, real sequence lengths); "
                                            f"time = launch + {groups} x simulated makespan (an upper bound in practice: "
                                            f"the overlap of consecutive groups is left out)")
-    if case.op == "moe_experts" and d["E"] > 2 * MOE_SIM_EXPERTS:
+    if case.op == "moe_experts" and d["E"] > 2 * moe_sim_experts(d):
         return _moe_two_point(d)
     return SimPlan(d, 1.0, None)
 
 
+def moe_sim_experts(d: dict) -> int:
+    """n of the two-point rule: the fewest experts that hold every token's k rows, at least 2."""
+    return max(MOE_SIM_EXPERTS, d["k"])
+
+
 def _moe_two_point(d: dict) -> SimPlan:
     """The steady-state plan of a ``moe_experts`` case (see the module docstring)."""
-    n = MOE_SIM_EXPERTS
-    k_sim = min(d["k"], n)
-    points = [{**d, "T": max(1, round(d["T"] * d["k"] * e / (d["E"] * k_sim))), "E": e, "k": k_sim}
-              for e in (n, 2 * n)]
+    from nki_lib.moe.moe_plan_reference import num_blocks
+
+    n = moe_sim_experts(d)
+    points = [{**d, "T": max(1, round(d["T"] * e / d["E"])), "E": e} for e in (n, 2 * n)]
     blocks = [flops._expert_blocks(p["T"], p["E"], p["k"], d["block_size"]) for p in points]
     real_blocks = flops._expert_blocks(d["T"], d["E"], d["k"], d["block_size"])
     s = (real_blocks - blocks[0]) / (blocks[1] - blocks[0])
-    text = (f"simulated {n} and {2 * n} of {d['E']} experts with the real tokens per expert "
-            f"(T'={points[0]['T']} and {points[1]['T']}, k'={k_sim}, balanced routing, {blocks[0]} and {blocks[1]} "
-            f"blocks); every figure f = f({n}) + {s:.4g} x (f({2 * n}) - f({n})) ({real_blocks} blocks: the "
-            f"marginal cost of an expert at steady state; fixed prologue charged once)")
-    return SimPlan(points[0], 1.0, text, points[1], s)
+    plan_blocks = num_blocks(d["T"] * d["k"], d["E"], d["block_size"])
+    text = (f"simulated {n} and {2 * n} of {d['E']} experts with the real top-k and tokens per expert "
+            f"(T'={points[0]['T']} and {points[1]['T']}, k={d['k']}, balanced routing, {blocks[0]} and {blocks[1]} "
+            f"blocks) and the real plan's tiling ({plan_blocks} plan blocks over {d['E']} experts); every figure "
+            f"f = f({n}) + {s:.4g} x (f({2 * n}) - f({n})) ({real_blocks} blocks: the marginal cost of an expert at "
+            f"steady state; fixed prologue charged once)")
+    return SimPlan(points[0], 1.0, text, points[1], s, (plan_blocks, d["E"]))
 
 
 def op_cost(case: Case) -> flops.OpCost:
@@ -278,7 +291,17 @@ def lnc_degree(lnc: int | None):
             os.environ[key] = previous
 
 
-def _simulate(case: Case, args, kwargs, target: str):
+def tiling_context(tiling_plan: tuple | None):
+    """The launchers' tiling chosen for ``tiling_plan`` = (blocks, experts) of a real moe plan
+    (:func:`nki_lib.moe.kernels.moe_experts_host.plan_tiling_for`), or nothing when None."""
+    if tiling_plan is None:
+        return contextlib.nullcontext()
+    from nki_lib.moe.kernels.moe_experts_host import plan_tiling_for
+
+    return plan_tiling_for(*tiling_plan)
+
+
+def _simulate(case: Case, args, kwargs, target: str, tiling_plan: tuple | None = None):
     """One strict simulator call on ``target``: (wall seconds, runs, coverage snapshot, host ops)."""
     import nki_lib
     from nki_lib.dispatch import collect_runs
@@ -288,8 +311,8 @@ def _simulate(case: Case, args, kwargs, target: str):
     set_target(target)
     nki_lib.reset_coverage()
     try:
-        with lnc_degree(case.lnc), nki_lib.use_backend("simulator"), nki_lib.strict(True), collect_runs() as runs, \
-                record_host_ops() as host_ops:
+        with lnc_degree(case.lnc), tiling_context(tiling_plan), nki_lib.use_backend("simulator"), nki_lib.strict(True), \
+                collect_runs() as runs, record_host_ops() as host_ops:
             wall = _timed(lambda: _call(case.op, args, kwargs, case.mode))
     finally:
         set_target(previous)
@@ -419,10 +442,10 @@ def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_p
             make_call(case.op, sim.marginal_dims, dtype, requires_grad=train)
         for i, target in enumerate(targets):
             try:
-                wall, runs, cov, host_ops = _simulate(case, args, kwargs, target)
+                wall, runs, cov, host_ops = _simulate(case, args, kwargs, target, sim.tiling_plan)
                 marginal = host_marginal = None
                 if large_call is not None:   # the two-point rule's second simulation
-                    _, large_runs, _, large_host = _simulate(case, *large_call, target)
+                    _, large_runs, _, large_host = _simulate(case, *large_call, target, sim.tiling_plan)
                     marginal, host_marginal = (large_runs, sim.marginal_scale), (large_host, sim.marginal_scale)
             except NKIFallbackError as exc:
                 res.status = f"fallback: {exc}"
@@ -431,7 +454,7 @@ def run_case(case: Case, targets=("trn2", "trn3"), *, steady: bool = True, cpu_p
                 res.cpu_s["simulator_first"] = wall
                 res.specializations = sum(cov.specializations.values())
                 if steady:
-                    wall, runs, _, host_ops = _simulate(case, args, kwargs, target)
+                    wall, runs, _, host_ops = _simulate(case, args, kwargs, target, sim.tiling_plan)
                     res.cpu_s["simulator_steady"] = wall
                 res.kernels = sorted({r.kernel for _, r in runs if r is not None})
                 res.instructions = sum(r.instructions for _, r in runs if r is not None)

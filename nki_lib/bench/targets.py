@@ -18,12 +18,12 @@ range is judged). The whole-op figure (kernels + host-side torch ops) is shown b
 judged.
 
 Cases are simulated at their real shape (``extrapolate=False``) except the expert-MLP MFU case
-(qwen3-30b-a3b sizes, 128 experts, 512 tokens per expert): it is measured at steady state, from
-two simulations with 2 and 4 experts at the real tokens per expert, every figure extrapolated
-linearly by the marginal cost of an expert (``f(128) = f(2) + 63 (f(4) - f(2))``, see
-:func:`nki_lib.bench.harness.plan`), so the kernel's prologue is charged once, not 64 times.
-Against full simulations of 8 and 16 experts the rule is within 0.2 % in order and 1.5 %
-dependency bound (docs/perf-log.md §12.2). The case takes the weights in the in_out layout
+(qwen3-30b-a3b sizes, 128 experts, top-8, 512 tokens per expert): it is measured at steady
+state, from two simulations with 8 and 16 experts at the real top-k and tokens per expert, both
+tiled as the real 128-expert plan is, every figure extrapolated linearly by the marginal cost of
+an expert (``f(128) = f(8) + 15 (f(16) - f(8))``, see :func:`nki_lib.bench.harness.plan`), so
+the kernel's prologue is charged once. docs/perf-log.md §14.5 checks the rule against full
+simulations. The case takes the weights in the in_out layout
 (``weight_layout="in_out"``: the contraction dim first, chosen once at load), which the forward
 kernel multiplies without transposing weight blocks.
 """
@@ -80,7 +80,7 @@ _ATT_LNC2 = _case("flash_attention", "train", "aws", 2, B=2, Hq=1, Hkv=1, Sq=204
 _ROUTER = _case("moe_router", "prefill", "aws", 1, T=1024, H=4096, E=128, k=8)
 _EXPERTS_AWS = _case("moe_experts", "prefill", "aws", 2, T=1024, H=2048, I=768, E=8, k=2, block_size=256)
 # 512 tokens per expert at qwen3-30b-a3b sizes; forward and backward from one train call
-# (steady state from simulations of 2 and 4 of the 128 experts: see the module docstring). The
+# (steady state from simulations of 8 and 16 of the 128 experts: see the module docstring). The
 # weights are in the in_out layout (contraction dim first), the one a deployment chooses once at
 # load (MoE(weight_layout="in_out"); gpt-oss's native HF layout): the forward kernel multiplies
 # them with no weight transposes; the backward's launch transposes them on the host (+host).

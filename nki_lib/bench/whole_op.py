@@ -3,9 +3,12 @@
 A launcher prepares its kernel's inputs in torch (transposes, re-laid-out and padded copies,
 tables) and post-processes its outputs; on a device each of those ops reads and writes HBM and
 costs a launch of its own. :func:`record_host_ops` captures them while an op runs: a
-``TorchDispatchMode`` sees every aten op executed inside an ``nki::`` op (the op's own
+``TorchDispatchMode`` sees every aten op executed inside an ``nki::`` op (charged to the op its
+kernels are recorded under, :func:`owner_op`; the op's own
 implementation, forward and backward, including the launchers' argument preparation; an op
-call served by the reference backend is not recorded), and keeps the ones that move data:
+call served by the reference backend is not recorded) and in the autograd formula of an ``nki::``
+op around its backward op (e.g. zeros for an unused output's gradient, a cast of a gradient to
+its input's dtype; charged to the backward op), and keeps the ones that move data:
 
 * a view or alias (the output shares storage with an input: ``view``, ``transpose``,
   ``reshape`` of a contiguous tensor, ``detach``, ...) moves nothing and is not an op on a device;
@@ -28,12 +31,13 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostOp", "record_host_ops", "host_cost", "WholeOpEstimate", "estimate_call"]
+__all__ = ["HostOp", "record_host_ops", "host_cost", "host_time_ns", "WholeOpEstimate", "estimate_call"]
 
 _ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 _FACTORIES = frozenset({"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like", "zeros",
                         "ones", "full", "arange", "scalar_tensor", "rand_like", "randn_like"})
 _NAMESPACE = "nki"
+_AUTOGRAD_NODE = f"GeneratedBackwardFor_{_NAMESPACE}_"   # torch.library.register_autograd's node names
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,42 @@ def account(func, args, kwargs, result, op: str) -> HostOp | None:
     return HostOp(op, str(func), read_bytes, sum(_nbytes(t) for t in written))
 
 
+def owner_op(name: str) -> str:
+    """The registered op (or backward op) an ``nki::`` custom op's host ops are charged to, the name
+    its kernel launches are recorded under: itself when registered, else the longest registered
+    op whose name prefixes it (an op's internal variant, e.g. ``moe_experts_train``, the training
+    forward of ``moe_experts``)."""
+    from nki_lib import registry
+
+    names = {n for spec in registry.all_specs() for n in (spec.name, spec.backward_name) if n}
+    if name in names:
+        return name
+    owners = [n for n in names if name.startswith(n + "_")]
+    return max(owners, key=len) if owners else name
+
+
+def autograd_glue_op(node_name: str) -> str | None:
+    """The op an aten op belongs to when it runs in the autograd formula of an ``nki::`` op (the
+    autograd node ``GeneratedBackwardFor_nki_<op>_<overload>Backward``): the backward op of the
+    op's owner (:func:`owner_op`; its registry ``backward_name``, else the owner), or None for
+    any other node."""
+    if not node_name.startswith(_AUTOGRAD_NODE) or not node_name.endswith("Backward"):
+        return None
+    from nki_lib import registry
+
+    op = owner_op(node_name[len(_AUTOGRAD_NODE):-len("Backward")].rsplit("_", 1)[0])
+    try:
+        spec = registry.get(op)
+    except ValueError:
+        return op
+    return spec.backward_name or op
+
+
+def _current_glue_op() -> str | None:
+    node = torch._C._current_autograd_node()
+    return None if node is None else autograd_glue_op(node.name())
+
+
 class _Recorder(TorchDispatchMode):
     """Records the data-moving aten ops executed inside ``nki::`` ops."""
 
@@ -114,15 +154,16 @@ class _Recorder(TorchDispatchMode):
             if backend.requested_path(_tensors(args) + _tensors(kwargs)) == "reference":
                 return func(*args, **kwargs)  # the reference path: no kernel, no device op
             # run the op's CPU implementation with this mode active, so its aten ops come here
-            self.inside.append(func.overloadpacket.__name__)
+            self.inside.append(owner_op(func.overloadpacket.__name__))
             try:
                 with self:
                     return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
             finally:
                 self.inside.pop()
         result = func(*args, **kwargs)
-        if self.inside:
-            host = account(func, args, kwargs, result, self.inside[-1])
+        op = self.inside[-1] if self.inside else _current_glue_op()
+        if op is not None:
+            host = account(func, args, kwargs, result, op)
             if host is not None:
                 self.ops.append(host)
         return result

@@ -1,8 +1,9 @@
 """moe_experts forward under LNC2 (``NEURON_LOGICAL_NC_CONFIG=2``): the two programs take
 alternate groups of blocks, scatter their rows into one shared assignment-ordered scratch, meet at
-a core barrier and sum alternate token tiles. The result is bitwise that of LNC1 (every row is
-computed by the same instructions on either core, and the k-sum keeps its order), and within the
-parity bound of the fp64 oracle; the backward is unchanged (LNC1)."""
+a core barrier and sum alternate token tiles (the "sum" combine). The result is bitwise that of LNC1
+with the same combine (every row is computed by the same instructions on either core, and the
+k-sum keeps its order; LNC1 normally takes the "accumulate" combine, tests/moe/test_experts_combine.py),
+and within the parity bound of the fp64 oracle; the backward is unchanged (LNC1)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def _forward(sample):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_lnc2_matches_lnc1(monkeypatch, name):
     sample = _sample(CASES[name], False)
+    from nki_lib.moe.kernels import moe_experts_fwd
+
+    monkeypatch.setattr(moe_experts_fwd, "combine_mode", lambda programs, repeated: "sum")
     outs = []
     for lnc in ("1", "2"):
         monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", lnc)

@@ -102,3 +102,29 @@ def test_padding_tile_inside_a_group_with_saved():
     args[2], args[3] = torch.zeros(2, dtype=args[2].dtype), slots
     fwd, bwd = _traces(type(s)(tuple(args), s.kwargs, s.label + " padding tile inside a group"))
     assert _saved_path_ran(fwd, bwd)
+
+
+def _down_rows_stored(bwd, inter):
+    from nki_lib.moe.kernels import moe_experts_bwd_accum
+    sources = _sources(moe_experts_bwd_accum._store) | _sources(moe_experts_bwd_accum._add_store)
+    return any(e.opcode == "dma_copy" and e.source in sources and e.shape[-1] == inter for e in bwd.trace)
+
+
+def test_down_gradient_in_whole_rows_of_i():
+    """I > one I chunk: dW_down is contracted after the last chunk and stored in whole rows of I
+    (the h of every chunk kept), in every accumulation mode (an expert over several groups: the
+    fp32 accumulators), with the saved g/u and without them, with parity."""
+    for s in (sample(5, 8, 2 * 256 + 40, 2, 1, 8, torch.float32, "gelu"),
+              sample(13, 24, 2 * 256 + 40, 3, 2, 4, torch.bfloat16, topk_ids=torch.tensor([[1, 0]] * 13))):
+        fwd, bwd = _traces(s)
+        assert _saved_path_ran(fwd, bwd) and _down_rows_stored(bwd, 2 * 256 + 40), s.label
+
+
+def test_down_gradient_rows_across_groups(monkeypatch):
+    """Groups of one block each (the first / middle / last modes) with dW_down in whole rows."""
+    from nki_lib.moe.kernels import moe_experts_bwd
+    monkeypatch.setattr(moe_experts_op, "saved_grouping", lambda *a, **k: None)
+    monkeypatch.setattr(moe_experts_bwd, "group_blocks", lambda *a, **k: 1)
+    s = sample(13, 24, 2 * 256 + 40, 3, 2, 4, torch.bfloat16, topk_ids=torch.tensor([[1, 0]] * 13))
+    _, bwd = _traces(s)
+    assert _down_rows_stored(bwd, 2 * 256 + 40)

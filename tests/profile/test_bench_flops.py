@@ -7,6 +7,7 @@ import pytest
 from nki_lib.bench import flops
 from nki_lib.bench.harness import op_cost, plan
 from nki_lib.bench.shapes import MODELS, Case, sweep
+from nki_lib.moe import moe_plan_reference
 
 
 def _brute_visible(sq, sk, causal, wl, wr):
@@ -80,15 +81,20 @@ def test_extrapolation_plans_are_explicit():
         is None
     moe = Case("moe_experts", "prefill", "m", dict(T=1024, H=256, I=128, E=64, k=4, block_size=128))
     p = plan(moe)
-    # two points, 2 and 4 experts, at the real tokens per expert (1024*4/64 == 64*2/2 == 128*2/4)
-    assert (p.dims["E"], p.dims["k"], p.dims["T"]) == (2, 2, 64)
-    assert (p.marginal_dims["E"], p.marginal_dims["k"], p.marginal_dims["T"]) == (4, 2, 128)
+    # two points, k = 4 and 2k = 8 experts, with the real top-k and tokens per expert
+    # (1024*4/64 == 64*4/4 == 128*4/8), tiled for the real plan (its blocks and experts)
+    assert (p.dims["E"], p.dims["k"], p.dims["T"]) == (4, 4, 64)
+    assert (p.marginal_dims["E"], p.marginal_dims["k"], p.marginal_dims["T"]) == (8, 4, 128)
     for d in (p.dims, p.marginal_dims):
         assert d["T"] * d["k"] / d["E"] == 1024 * 4 / 64
-    # f = f(2) + s (f(4) - f(2)) with s = (64 - 2) / 2 for balanced routing
-    assert p.scale == 1.0 and p.marginal_scale == pytest.approx((64 - 2) / 2) and "f(4) - f(2)" in p.extrapolation
-    few = plan(Case("moe_experts", "prefill", "m", dict(T=256, H=256, I=128, E=4, k=2, block_size=128)))
-    assert few.extrapolation is None and few.marginal_dims is None  # 4 experts: simulated in full
+    assert p.tiling_plan == (moe_plan_reference.num_blocks(1024 * 4, 64, 128), 64)
+    # f = f(4) + s (f(8) - f(4)) with s = (64 - 4) / 4 for balanced routing
+    assert p.scale == 1.0 and p.marginal_scale == pytest.approx((64 - 4) / 4) and "f(8) - f(4)" in p.extrapolation
+    top2 = plan(Case("moe_experts", "prefill", "m", dict(T=1024, H=256, I=128, E=8, k=2, block_size=128)))
+    assert (top2.dims["E"], top2.marginal_dims["E"], top2.dims["k"]) == (2, 4, 2)   # n = max(2, k)
+    for dims in (dict(E=4, k=2, T=256), dict(E=16, k=8, T=1024)):   # E <= 2 max(2, k): simulated in full
+        few = plan(Case("moe_experts", "prefill", "m", dict(H=256, I=128, block_size=128, **dims)))
+        assert few.extrapolation is None and few.marginal_dims is None and few.tiling_plan is None
     train = Case("flash_attention", "train", "m", dict(B=1, Hq=2, Hkv=1, Sq=64, Sk=64, D=64, causal=True))
     assert op_cost(train).flops == pytest.approx(3.5 * flops.flash_attention_fwd(1, 2, 1, 64, 64, 64,
                                                                                  causal=True).flops)

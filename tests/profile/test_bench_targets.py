@@ -191,6 +191,84 @@ def test_two_point_extrapolation_is_linear_in_every_time_figure_and_keeps_the_la
     assert extrapolate_estimate(*pair, (128 - n) / n).makespan_ns == prologue + 128 * c
 
 
+def _launch_choices(dims: dict, tiling_plan=None) -> tuple:
+    """The launchers' static choices for a moe_experts train call of ``dims``: the forward saving
+    g/u, the backward reading them and the backward recomputing them (every non-tensor argument,
+    and the slots per group), with meta-device activations and weights: only their shapes matter
+    to the choices, the plan is real."""
+    import torch
+
+    from nki_lib.bench.harness import tiling_context
+    from nki_lib.bench.inputs import _plan
+    from nki_lib.moe.kernels.moe_experts_bwd import launch_moe_experts_bwd
+    from nki_lib.moe.kernels.moe_experts_fwd import launch_moe_experts_fwd, saved_grouping
+
+    t, h, i, e, k, bs = (dims[x] for x in ("T", "H", "I", "E", "k", "block_size"))
+    layout = dims.get("weight_layout", "out_in")
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    x = torch.empty(t, h, **meta)
+    block_expert, slots, _ = _plan((torch.arange(t * k, dtype=torch.int32) % e).reshape(t, k), e, bs)
+    weights = torch.full((t, k), 1.0 / k)
+    flags = dict(activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0)
+    w_gate_up, w_down = torch.empty(e, 2 * i, h, **meta), torch.empty(e, h, i, **meta)   # out_in
+    fwd_weights = (w_gate_up.transpose(1, 2), w_down.transpose(1, 2)) if layout == "in_out" else (w_gate_up, w_down)
+    plan_args = (x, weights, block_expert, slots)
+    with tiling_context(tiling_plan):
+        blocks, saved_shape = saved_grouping(*plan_args, *fwd_weights, activation="silu", weight_layout=layout)
+        fwd = launch_moe_experts_fwd(*plan_args, *fwd_weights, weight_layout=layout, save_activations=True, **flags)
+        saved = (torch.empty(saved_shape, **meta), blocks)
+        bwd = launch_moe_experts_bwd(x, *plan_args, w_gate_up, w_down, saved=saved, **flags)
+        recompute = launch_moe_experts_bwd(x, *plan_args, w_gate_up, w_down, **flags)
+
+    def choices(launch, groups, group_slots):   # statics, tensor arguments (saved g/u or not), slots per group
+        static = [a for a in launch.args if not isinstance(a, torch.Tensor) and a is not None]
+        tensors = sum(isinstance(a, torch.Tensor) for a in launch.args)
+        return static + [tensors, launch.args[group_slots].shape[0] // launch.args[groups].shape[0]]
+
+    return choices(fwd, 2, 4), choices(bwd, 3, 5), choices(recompute, 3, 5)
+
+
+def test_two_point_simulations_take_the_real_shapes_top_k_and_tiling():
+    """The MFU case's two simulated points run the kernels the real shape runs: k' = k, and every
+    launch choice (group size, the forward's chunk, staging and spans, the backward's I chunk and
+    dx span) equal to the real shape's (at 255 groups the backward's dx span is 1024 columns; the
+    points' own plans, 15 and 31 groups, would take 2048)."""
+    case = _by_name("expert MLP forward").case
+    p = plan(case)
+    assert p.dims["k"] == p.marginal_dims["k"] == case.dims["k"] and p.tiling_plan is not None
+    real = _launch_choices(case.dims)
+    assert real[1][-2] == real[2][-2] + 1   # the train call's backward reads the forward's saved g/u
+    for point in (p.dims, p.marginal_dims):
+        assert _launch_choices(point, p.tiling_plan) == real
+    assert _launch_choices(p.dims) != real   # without the real plan's tiling the points would differ
+
+
+def test_kernels_tiled_for_a_larger_plan_keep_parity():
+    """Under the two-point rule's tiling context the kernels launch the plan they are given with the
+    larger plan's tiling (here half the groups' slots, forward and backward): the simulator path
+    ran, and the output and every gradient pass the fp64-oracle parity check."""
+    import torch
+
+    import nki_lib
+    from nki_lib.bench.harness import tiling_context
+    from nki_lib.moe import moe_experts_op
+    from nki_lib.numerics.oppar import op_parity
+
+    dims = dict(T=128, H=512, I=512, E=2, k=2, block_size=128)
+    larger = (3000, 1000)
+    (fwd, bwd, _), (fwd_big, bwd_big, _) = _launch_choices(dims), _launch_choices(dims, larger)
+    assert fwd_big[-1] < fwd[-1] and bwd_big[-1] < bwd[-1]   # fewer slots per group
+    sample = moe_experts_op.make_sample(128, 512, 512, 2, 2, 128, torch.bfloat16, True)
+    nki_lib.reset_coverage()
+    with tiling_context(larger):
+        result = op_parity(moe_experts_op.SPEC, sample)
+    assert result.ok, str(result)
+    assert len(result.checks) == 5   # y and the gradients of x, topk_weights, w_gate_up, w_down
+    cov = nki_lib.coverage()
+    for op in ("moe_experts", "moe_experts_backward"):
+        assert cov[op]["simulator"].calls >= 1 and not cov[op]["simulator"].fallbacks
+
+
 def test_two_point_case_is_the_linear_combination_of_its_two_simulations():
     """run_case of an extrapolated moe_experts case equals f(n) + s (f(2n) - f(n)) of the two
     shapes simulated on their own (a relation between estimates; no time is asserted)."""

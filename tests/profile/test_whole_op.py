@@ -2,13 +2,13 @@
 
 Checked: the accounting of single aten ops (views and allocations move nothing; a copy reads and
 writes its bytes; a factory reads nothing; an in-place op writes its destination), that only ops
-inside ``nki::`` ops are recorded, and that an op call's launches and bytes add up. No time is
-asserted.
+inside ``nki::`` ops or their autograd formulas are recorded, and that an op call's launches and
+bytes add up. No time is asserted.
 """
 
 import torch
 
-from nki_lib.bench.whole_op import account, estimate_call, host_cost, record_host_ops
+from nki_lib.bench.whole_op import account, autograd_glue_op, estimate_call, host_cost, owner_op, record_host_ops
 from nki_lib.simulator.profile import params
 
 HW = params("trn2")
@@ -73,6 +73,26 @@ def test_only_ops_inside_nki_ops_are_recorded():
     assert all(o.bytes_written > 0 for o in ops)
 
 
+def test_autograd_glue_is_charged_to_the_backward_op():
+    """The autograd formula's own ops around the backward op (here the zero gradient of the
+    unused lse output, and the cast of d sinks to the sinks' dtype) are host ops of the backward."""
+    import nki_lib
+
+    assert autograd_glue_op("GeneratedBackwardFor_nki_flash_attention_defaultBackward") == "flash_attention_backward"
+    assert autograd_glue_op("GeneratedBackwardFor_nki_moe_experts_defaultBackward") == "moe_experts_backward"
+    assert autograd_glue_op("GeneratedBackwardFor_nki_moe_experts_train_defaultBackward") == "moe_experts_backward"
+    assert autograd_glue_op("MulBackward0") is None
+    # an op's internal variant is charged to the op its kernels run under
+    assert owner_op("moe_experts_train") == "moe_experts" and owner_op("moe_experts_backward") == "moe_experts_backward"
+    q, k, v = _attention_inputs()
+    sinks = torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)
+    with nki_lib.use_backend("simulator"), nki_lib.strict(True), record_host_ops() as ops:
+        out, _ = torch.ops.nki.flash_attention(q, k, v, sinks, causal=True)
+        torch.autograd.grad(out, (q, k, v, sinks), torch.ones_like(out))
+    glue = {o.name for o in ops if o.op == "flash_attention_backward"}
+    assert {"aten.zeros.default", "aten._to_copy.default"} <= glue
+
+
 def test_estimate_call_adds_the_host_ops_beside_the_kernels():
     q, k, v = _attention_inputs()
 
@@ -86,3 +106,20 @@ def test_estimate_call_adds_the_host_ops_beside_the_kernels():
     assert whole.host["hbm_bytes"] == sum(o.hbm_bytes for o in whole.host_ops)
     assert whole.total_us == whole.kernel_us + whole.host["time_us"]
     assert whole.total_dependency_bound_us <= whole.total_us
+
+
+def test_a_training_forward_is_charged_to_the_op_its_kernels_run_under():
+    """moe_experts with inputs that require grad runs nki::moe_experts_train, whose kernel launch is
+    recorded as moe_experts: its host ops (the launcher's index metadata) are charged there too, so
+    the forward part of a train call has its whole-op figure."""
+    import nki_lib
+    from nki_lib.bench.harness import _call
+    from nki_lib.bench.inputs import make_call
+    from nki_lib.dispatch import collect_runs
+
+    args, kwargs = make_call("moe_experts", dict(T=64, H=128, I=128, E=4, k=2, block_size=128), torch.bfloat16,
+                             requires_grad=True)
+    with nki_lib.use_backend("simulator"), nki_lib.strict(True), collect_runs() as runs, record_host_ops() as ops:
+        _call("moe_experts", args, kwargs, "train")
+    assert {op for op, _ in runs} == {"moe_experts", "moe_experts_backward"}
+    assert {o.op for o in ops} == {"moe_experts", "moe_experts_backward"}

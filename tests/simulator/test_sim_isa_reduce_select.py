@@ -359,3 +359,29 @@ def test_tensor_reduce_matches_the_fp32_model(p, free, reduced, op, negate, out_
     expected = (-expected if negate else expected).astype(np.float32).astype(out_dtype)
     out = run_tiles(body, x.reshape(p, -1))
     np.testing.assert_array_equal(bits(out.reshape(expected.shape)), bits(expected))
+
+
+def test_dma_compute_scatter_rmw_adds_rows_and_skips_padding(rng):
+    """nki.isa.dma_compute "Scatter RMW": dst(HBM)[indices] += src(SBUF), fp32 inside the DMA;
+    index -1 rows are skipped with oob_mode.skip."""
+    acc = rng.standard_normal((6, 8)).astype(np.float32)
+    rows = rng.standard_normal((4, 8)).astype(np.float32)
+    ids = np.array([[4], [-1], [0], [2]], dtype=np.int32)
+
+    @jit
+    def scatter_add(acc_in, rows_in, ids_in):
+        acc_hbm = nl.ndarray(acc_in.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=acc_hbm, src=acc_in)
+        rows_sb = nl.ndarray(rows_in.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows_sb, src=rows_in)
+        ids_sb = nl.ndarray(ids_in.shape, dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ids_sb, src=ids_in)
+        view = acc_hbm.ap([[8, 4], [1, 8]], offset=0, vector_offset=ids_sb, indirect_dim=0)
+        nisa.dma_compute(dst=view, srcs=[view, rows_sb], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+        return acc_hbm
+
+    expected = acc.copy()
+    for p, t in enumerate(ids[:, 0]):
+        if t >= 0:
+            expected[t] += rows[p]
+    np.testing.assert_array_equal(simulate(scatter_add)(acc, rows, ids), expected)

@@ -98,6 +98,8 @@ from nki_lib.moe.kernels.moe_experts_host import (
     choose_overlap_tiling,
     flags_sbuf_bytes,
     group_blocks_fitting,
+    planned_blocks,
+    planned_groups,
     slot_tokens,
     slot_weights,
     staged_bytes,
@@ -118,7 +120,7 @@ from nki_lib.sizes import ceil_div
 @nki.jit
 def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
                            b_down, activation, swiglu_alpha, swiglu_limit, top_k, i_chunk, dx_cols,
-                           prefetch_weights, dx_span, gu_saved=None):
+                           prefetch_weights, dx_span, gu_saved=None, down_rows=False):
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
     dx = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
@@ -154,7 +156,7 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
         next_regs = block_registers(expert_sb, valid_sb, b + 1) if b + 1 < n_blocks else None
         rows = block_bwd(dy, x, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
                           block, (activation, swiglu_alpha, swiglu_limit), i_chunk, (dx_cols, dx_span), grad_bufs,
-                          dx_slots, prefetch_weights, gu_saved)
+                          dx_slots, prefetch_weights, gu_saved, down_rows)
         regs = next_regs
     reduce_assignments(dx_slots, dx, top_k)
     if bias is None:
@@ -182,7 +184,7 @@ def _bias_context(b_gate_up, b_down, dtype):
 
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_blocks, clamped=False,
-                  biases=False, overlap=True, dx_span=None, saved=False):
+                  biases=False, overlap=True, dx_span=None, saved=False, down_rows=False):
     """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` and dx staging
     width ``dx_cols`` (upper bound): the block's resident tiles plus the largest of its three
     phases (loading rows, I chunks, dx), whose tiles are freed before the next phase; the clamped
@@ -190,7 +192,8 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     next I chunk's prefetched weight columns, takes the place of this chunk's); the dx phase's W
     rows ``dx_span`` wide (default gemm_moving_fmax). ``saved``: the forward's g/u are loaded
     (2 IT columns per slot, for this block and the next) in place of xT and the W_gate^T/W_up^T
-    columns of the recompute."""
+    columns of the recompute. ``down_rows``: h of every I chunk kept until the last chunk (dW_down
+    in whole rows of I)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     slot_tiles = st * (2 * hidden * itemsize + 4 * 4)            # x, do rows; ids, weight, d weight
@@ -205,6 +208,7 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
         + staging
     temps = FP32_TEMPS_CLAMPED if clamped else FP32_TEMPS
     chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * temps * i_chunk * 4   # h, dg, du; fp32 temps
+    chunk += st * max(0, inter - i_chunk) * itemsize if down_rows else 0   # h of the earlier chunks
     if biases:                                                  # g/u bias rows, ones row/column, b_down column
         chunk += 2 * (2 * i_chunk + pmax) * itemsize + (ht + 1) * itemsize
     chunks = streamed + chunk + 2 * ROW_BANKS * fmax * (4 + itemsize)   # phase 2, with the accumulate rows
@@ -284,24 +288,27 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
                                  sbuf_fn=sbuf_bytes, **flags)
     top_k = topk_weights.shape[1]
     hidden, inter, itemsize = x.shape[1], w_down.shape[2], x.element_size()
-    blocks = _saved_blocks(saved, hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=block_expert.shape[0],
-                           **flags)
+    plan_blocks = planned_blocks(block_expert.shape[0])
+    blocks = _saved_blocks(saved, hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=plan_blocks, **flags)
     if blocks is None:
         saved = None
     else:
         flags["saved"] = True
-    blocks = blocks or group_blocks(hidden, inter, block_size, itemsize, top_k=top_k,
-                                    n_blocks=block_expert.shape[0], **flags)
+    blocks = blocks or group_blocks(hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=plan_blocks, **flags)
     group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
-    counts = dict(top_k=top_k, n_blocks=group_expert.shape[0], **flags)
+    counts = dict(top_k=top_k, n_blocks=planned_groups(group_expert.shape[0], blocks), **flags)
     i_chunk, dx_cols, prefetch = tiling(hidden, inter, blocks * block_size, itemsize, **counts)
     span = dx_span(hidden, inter, blocks * block_size, itemsize, i_chunk, dx_cols, prefetch, **counts)
+    fit = nl.tile_size.total_available_sbuf_size
+    down_rows = i_chunk < inter <= ROW_BANKS * nl.tile_size.gemm_moving_fmax and sbuf_bytes_at(
+        hidden, inter, blocks * block_size, itemsize, i_chunk, dx_cols, overlap=prefetch, dx_span=span,
+        down_rows=True, **counts) <= fit
     return KernelLaunch(
         moe_experts_bwd_kernel,
         (dy.contiguous(), x.contiguous(), slot_weights(topk_weights, group_slots), group_expert,
          slot_tokens(group_slots, top_k), group_slots, w_gate_up.contiguous(),
          w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha), float(swiglu_limit), top_k,
-         i_chunk, dx_cols, prefetch, span, None if saved is None else saved[0]),
+         i_chunk, dx_cols, prefetch, span, None if saved is None else saved[0], down_rows),
         unpack=partial(_unpack_grads, x, topk_weights, b_gate_up, b_down))
 
 

@@ -23,7 +23,7 @@ from nki_lib._nki import nisa, nl
 from nki_lib.moe.kernels.moe_experts_bwd_dx import dx_first_weights, dx_phase
 from nki_lib.moe.kernels.moe_experts_bwd_grads import mlp_grads
 from nki_lib.moe.kernels.moe_experts_bwd_rows import block_rows, gather_block, if_live, load_grad_rows, saved_cols
-from nki_lib.moe.kernels.moe_experts_bwd_wgrads import chunk_weight_grads, dtopk_bias
+from nki_lib.moe.kernels.moe_experts_bwd_wgrads import chunk_weight_grads, down_weight_grads, dtopk_bias
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row
 from nki_lib.moe.kernels.moe_experts_steps import (
     load_expert_cols,
@@ -92,12 +92,14 @@ def _transpose_grads(grads_t, tile, grads, c0):
 
 
 def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_reg, c0, cn, gate,
-             dg_t, du_t, grad_bufs, mode_regs):
+             dg_t, du_t, grad_bufs, mode_regs, h_chunks=None):
     """One I chunk of a block (all its tiles die on return): g, u, dhy per slot tile (contraction
     over H tiles in PSUM; the gate/up biases first, as ones^T x bias_row), the elementwise
     gradients, dg/du transposed into dgT/duT, then the next chunk's weights (``prefetch()``,
     returned; ``weights``, a list, is released first), then the chunk's weight gradients
-    accumulated into the expert's fp32 rows."""
+    accumulated into the expert's fp32 rows (``h_chunks``, a list: dW_down is left out and the
+    chunk's entries appended, for :func:`.moe_experts_bwd_wgrads.down_weight_grads` after the
+    last chunk)."""
     pmax = nl.tile_size.pmax
     _, hidden, inter = grad_bufs[1][0].shape          # the fp32 W_down accumulator: (E, H, I)
     h_tiles = spans(hidden, pmax)
@@ -120,17 +122,22 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_
     _transpose_grads((dg_t, du_t), slot_tiles[-1], chunk[-1], c0)
     weights.clear()                     # last use of this chunk's weights (released)
     next_weights = prefetch()
-    chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter)
+    chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter,
+                       down=h_chunks is None)
+    if h_chunks is not None:
+        h_chunks.append(chunk)
     return next_weights
 
 
 def block_bwd(dy, x, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
-               gate, i_chunk, dx_tiling, grad_bufs, dx_slots, prefetch, gu_saved=None):
+               gate, i_chunk, dx_tiling, grad_bufs, dx_slots, prefetch, gu_saved=None, down_rows=False):
     """Block b in guarded phases: transposes, I chunks and weight gradients; then the gathers of
     block b + 1 into rows allocated here (``next_regs`` = its registers, or None; the rows are
     returned); then dx and d topk_weights. GpSimd issues DMAs in program order, so the next
     block's gathers must precede this block's scatters (which wait for its last matmul) to overlap
-    this block's compute. ``gu_saved``: the forward's saved g/u (HBM), or None (recomputed)."""
+    this block's compute. ``gu_saved``: the forward's saved g/u (HBM), or None (recomputed).
+    ``down_rows``: dW_down contracted after the last I chunk in whole rows of I (h of every chunk
+    kept; one store per H tile, runs of I elements) instead of per chunk."""
     pmax = nl.tile_size.pmax
     inter = w_down.shape[2]
     expert_reg, trips_reg = regs
@@ -142,7 +149,7 @@ def block_bwd(dy, x, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b
     dx_first = []                       # the dx phase's first W rows, loaded with the last chunk
     for _ in nl.dynamic_range(0, trips_reg):
         _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg, mode_regs, block,
-                     gate, (i_chunk, prefetch, dx_tiling, dx_first), dg_t, du_t, grad_bufs)
+                     gate, (i_chunk, prefetch, dx_tiling, dx_first, down_rows), dg_t, du_t, grad_bufs)
     next_rows = None
     if next_regs is not None:
         next_rows = block_rows(x, dy, ids, b + 1, block, saved_cols(gu_saved, inter))
@@ -159,7 +166,7 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
     """xT, dyT and do from the gathered rows, then the I chunks (weight gradients, dgT, duT), then
     the down bias's share of d topk_weights. ``chunking`` = (I chunk, prefetch): with prefetch the
     next chunk's weights are loaded inside this chunk, else after it (see ``moe_experts_bwd.tiling``)."""
-    i_chunk, prefetch, dx_tiling, dx_first = chunking
+    i_chunk, prefetch, dx_tiling, dx_first, down_rows = chunking
 
     def last_prefetch():
         # the dx phase's first W rows, before the last chunk's weight-gradient stores
@@ -173,6 +180,7 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
     do_rows, dy_t = load_grad_rows(dy_rows, slot_tiles, block)
     chunks = spans(w_down.shape[2], i_chunk)
     weights = chunk_weights(w_gate_up, w_down, expert_reg, *chunks[0], saved)
+    h_chunks = [] if down_rows else None        # dW_down in whole rows of I, after the last chunk
     for n, (c0, cn) in enumerate(chunks):
         # the next chunk's weights are loaded before this chunk's weight-gradient stores (DMAs
         # start in program order; the stores wait for their PSUM evictions)
@@ -181,8 +189,10 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
                            (last_prefetch if prefetch else (lambda: None)) if following is None else
                            (lambda: None) if not prefetch else
                            (lambda c=following: chunk_weights(w_gate_up, w_down, expert_reg, *c, saved)),
-                           expert_reg, c0, cn, gate, dg_t, du_t, grad_bufs, mode_regs)
+                           expert_reg, c0, cn, gate, dg_t, du_t, grad_bufs, mode_regs, h_chunks)
         if following is not None and not prefetch:
             weights = chunk_weights(w_gate_up, w_down, expert_reg, *following, saved)
+    if h_chunks is not None:
+        down_weight_grads(slot_tiles, do_rows, h_chunks, grad_bufs, mode_regs, expert_reg)
     if grad_bufs[2] is not None:
         dtopk_bias(dy_t, slot_tiles, dw_accs, grad_bufs[2], expert_reg)

@@ -72,21 +72,36 @@ def dtopk_bias(dy_t, slot_tiles, dw_accs, bias, expert_reg):
             nisa.tensor_tensor(dst=dw_acc, data1=dw_acc, data2=part_psum, op=nl.add)
 
 
-def chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter):
-    """dW_down[:, chunk] += do^T h; dW_gate/up[chunk, :] += dg^T x / du^T x (over the slots)."""
+def down_weight_grads(slot_tiles, do_rows, chunks, grad_bufs, mode_regs, expert_reg, c0=0):
+    """dW_down[:, c0 : c0 + sum of the chunks' widths] += do^T h over the slots; ``chunks``: the
+    per-slot-tile (h, dg, du) entries of consecutive I chunks (one PSUM piece each, side by side:
+    with several chunks a row piece spans them, one DMA per H tile with longer runs)."""
+    pmax = nl.tile_size.pmax
+    acc_d, dw_down = grad_bufs[1]
+    for h0, hs in spans(acc_d.shape[1], pmax):
+        parts = []
+        for chunk in chunks:
+            part_psum = nl.ndarray((hs, chunk[0][0].shape[1]), dtype=nl.float32, buffer=nl.psum)
+            for st, (tile, do_sb, grads) in enumerate(zip(slot_tiles, do_rows, chunk)):
+                for _ in if_live(tile):
+                    nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=grads[0],
+                                   accumulate=st > 0)
+            parts.append(part_psum)
+        accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, h0, c0, parts)
+
+
+def chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter, down=True):
+    """dW_down[:, chunk] += do^T h (unless ``down`` is False: see :func:`down_weight_grads`);
+    dW_gate/up[chunk, :] += dg^T x / du^T x (over the slots)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
-    (acc_gu, dw_gate_up), (acc_d, dw_down), bias = grad_bufs
+    (acc_gu, dw_gate_up), (acc_d, _), bias = grad_bufs
     if bias is not None:
         _bias_grads(slot_tiles, do_rows, chunk, bias, mode_regs, expert_reg, c0, inter)
     hidden = acc_d.shape[1]
     cn = chunk[0][0].shape[1]
     row_cols = ROW_BANKS * fmax
-    for h0, hs in spans(hidden, pmax):
-        part_psum = nl.ndarray((hs, cn), dtype=nl.float32, buffer=nl.psum)
-        for st, (tile, do_sb, grads) in enumerate(zip(slot_tiles, do_rows, chunk)):
-            for _ in if_live(tile):
-                nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=grads[0], accumulate=st > 0)
-        accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, h0, c0, [part_psum])
+    if down:
+        down_weight_grads(slot_tiles, do_rows, [chunk], grad_bufs, mode_regs, expert_reg, c0)
     for which, row0 in ((1, c0), (2, inter + c0)):
         for i0, isz in spans(cn, pmax):
             for g0, gn in spans(hidden, row_cols):          # whole rows (at most ROW_BANKS PSUM banks)

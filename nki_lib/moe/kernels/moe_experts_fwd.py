@@ -28,13 +28,18 @@ for each group g of this program (static loop, in order; LNC2: the two cores tak
      in_out: w_down's own rows, I on partitions, loaded as they are),
      o = h x W_down^T (+ b_down: ones^T x bias_row first) into fp32 PSUM per live slot tile
      (contraction over I tiles), evicted on
-     ScalarE into fp32 rows staged in SBUF and scattered (one indirect DMA per live slot tile and
-     staging group, padding slots not written) into the assignment-ordered scratch y_slots[a]
-     (shared HBM: every assignment is written exactly once, by one core).
-finally (LNC2: after a core barrier, so that each core sees the other's rows; the cores take
-alternate 128-token tiles): y[t] = sum_j topk_weights[t, j] * y_slots[t * k + j] in the fixed order
-j = 0..k-1 (contiguous loads in token order, no gather; fp32 sum), cast to x's dtype. Every row is
-computed by the same instructions on either core, so LNC2 is bitwise LNC1.
+     ScalarE into fp32 rows staged in SBUF and written by one indirect DMA per live slot tile and
+     staging group (padding slots not written), as the combine (:mod:`.moe_experts_fwd_combine`)
+     says: "sum" (LNC2, or a token holding two slots of one expert): scattered into the
+     assignment-ordered scratch y_slots[a] (shared HBM: every assignment written exactly once, by
+     one core); "accumulate" (LNC1): each row scaled by its routing weight at the eviction and
+     added into the token-ordered accumulator by a DMA read-modify-write (``dma_compute``),
+     zeroed at the start.
+finally, "sum" (LNC2: after a core barrier, so that each core sees the other's rows; the cores
+take alternate 128-token tiles): y[t] = sum_j topk_weights[t, j] * y_slots[t * k + j] in the fixed
+order j = 0..k-1 (contiguous loads in token order, no gather; fp32 sum), cast to x's dtype. Every
+row is computed by the same instructions on either core, so LNC2 is bitwise LNC1's "sum".
+"accumulate": nothing (y is the accumulator), or the fp32 accumulator's conversion to x's dtype.
 
 Loop structure: ids; groups (static) > guard (dynamic, 0/1 trips) > {slot tiles (guarded);
 I tiles > slot tiles (guarded) > H tiles; staging groups > H chunks > I spans > slot tiles
@@ -42,12 +47,15 @@ I tiles > slot tiles (guarded) > H tiles; staging groups > H chunks > I spans > 
 
 Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-k, N = T*k
 assignments, B plan block size, NG groups, S slots per group, ST slot tiles per group. Kernel
-inputs (HBM): x (T, H), topk_w (N, 1) fp32, group_expert (NG,) int32, slot_token and
+inputs (HBM): x (T, H), topk_w (N, 1) fp32 ("sum": per assignment; "accumulate": (NG*S,), per
+slot, 0 for padding), group_expert (NG,) int32, slot_token and
 slot_assignment (NG*S,) int32 (a // k and a, or -1), w_gate_up
 (E, 2I, H), w_down (E, H, I) (nn.Linear layouts, as the op receives them) or, in_out,
 (E, H, 2I) and (E, I, H), b_gate_up (E, 2I) and
 b_down (E, H) or None; compile-time activation, swiglu_alpha, swiglu_limit, top_k, h_chunk,
-y_cols, defer_scatters, gu_cols and wd_cols (0: the out_in layout). Output y (T, H) in x's dtype; scratch y_slots (N, H) fp32 (shared HBM).
+y_cols, defer_scatters, gu_cols and wd_cols (0: the out_in layout), combine ("sum" or
+"accumulate"). Output y (T, H) in x's dtype; scratch y_slots (N, H) fp32 ("sum") or the fp32
+accumulator (T, H) ("accumulate" with FP32_ACCUMULATOR) in shared HBM.
 
 Limits: x and weights bf16/fp16/fp32 (one dtype); B <= 512 and S <= 512 (one PSUM bank per slot
 tile, at most 4 slot tiles in flight); the SBUF estimate :func:`sbuf_bytes` (dominated by xT, hT,
@@ -62,6 +70,13 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch
+from nki_lib.moe.kernels.moe_experts_fwd_combine import (
+    GroupSink,
+    accumulator,
+    combine_mode,
+    convert_rows,
+    zero_rows,
+)
 from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row, clamped_swiglu, ones_row
 from nki_lib.moe.kernels.moe_experts_groups import group_count, merge_blocks
 from nki_lib.moe.kernels.moe_experts_host import (
@@ -69,8 +84,12 @@ from nki_lib.moe.kernels.moe_experts_host import (
     choose_overlap_tiling,
     flags_sbuf_bytes,
     group_blocks_fitting,
+    planned_blocks,
+    planned_groups,
+    repeats_a_token,
     routing_weights,
     slot_tokens,
+    slot_weights,
     staged_bytes,
     tail_sbuf_bytes,
 )
@@ -84,7 +103,6 @@ from nki_lib.moe.kernels.moe_experts_steps import (
     load_expert_cols,
     load_expert_t,
     reduce_assignments,
-    scatter_rows,
     transpose_rows,
     weight_spans,
 )
@@ -162,12 +180,13 @@ def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h
                     nisa.activation(dst=save_sb[:isz, save_sb.shape[1] // 2 + it, :], op=nl.copy, data=u_psum)
 
 
-def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, tiles, ones_sb, last_rows, preloaded=None):
+def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, sink, tiles, ones_sb, last_rows, preloaded=None):
     """y_slots[a] = h @ W_down^T (+ b_down) for the assignment a of each slot: per H chunk,
     contraction over I tiles in PSUM (per live slot tile; the bias first, as ones^T x bias_row);
-    the rows are staged ``y_cols`` wide in SBUF and scattered in assignment order (one indirect
-    DMA per live slot tile and staging group; padding slots are not written), so that the final
-    k-sum reads them in token order without a gather. The last staging group is staged in
+    the rows are staged ``y_cols`` wide in SBUF and written by ``sink`` (:class:`GroupSink`: one
+    indirect DMA per live slot tile and staging group, padding slots not written; scattered in
+    assignment order for the final k-sum, or weighted at the eviction and added into the token-
+    ordered accumulator, :mod:`.moe_experts_fwd_combine`). The last staging group is staged in
     ``last_rows`` and not scattered here (see :func:`scatter_deferred`). ``tiles`` = (h_chunk,
     y_cols, gu_cols, wd_cols); with the in_out layout (gu_cols > 0) the W_down^T tiles are
     w_down's own rows (I on partitions), loaded without transposes: with ``wd_cols`` > 0, every
@@ -188,9 +207,9 @@ def _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, tiles, 
             for h0, hn in spans(bn, h_chunk):
                 chunk = (g0 + b0 + h0, hn, b0 + h0, h0)
                 _down_chunk(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_rows, chunk, gu_cols, wide,
-                            ones_sb)
+                            ones_sb, sink)
         if not last:
-            scatter_deferred(y_slots, [None, slot_tiles, y_rows, g0])
+            scatter_deferred([None, slot_tiles, y_rows, g0, sink])
 
 
 def _preload_down(w_down, expert_reg, i_tiles, hidden, trips_reg):
@@ -206,10 +225,11 @@ def _preload_down(w_down, expert_reg, i_tiles, hidden, trips_reg):
     return wide
 
 
-def _down_chunk(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_rows, chunk, gu_cols, wide, ones_sb):
+def _down_chunk(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_rows, chunk, gu_cols, wide, ones_sb, sink):
     """One H chunk of :func:`_down`: ``chunk`` = (first column of H, width, first column in the
     staged rows, first column in the ``wide`` tiles); ``wide``: the W_down^T tiles of every I span
-    loaded already, or None (loaded here)."""
+    loaded already, or None (loaded here); the eviction scales each slot's row by ``sink``'s
+    per-slot scale (the routing weights) when it has one."""
     c0, hn, y0, w0 = chunk
     y_psums = [nl.ndarray((ps, hn), dtype=nl.float32, buffer=nl.psum) for _, ps, *_ in slot_tiles]
     if b_down is not None:
@@ -226,14 +246,15 @@ def _down_chunk(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_rows, ch
                     it = i0 // nl.tile_size.pmax
                     nisa.nc_matmul(dst=y_psum, stationary=h_t[:isz, it, s0:s0 + ps],
                                    moving=wd_t[:isz, si, col:col + hn], accumulate=it > 0 or b_down is not None)
-    for (*_, live_reg, _, _), y_psum, y_sb in zip(slot_tiles, y_psums, y_rows):
+    for st, ((_, ps, _, live_reg, _, _), y_psum, y_sb) in enumerate(zip(slot_tiles, y_psums, y_rows)):
+        scale = sink.scale(st, ps)
         for _ in nl.dynamic_range(0, live_reg):
-            nisa.activation(dst=y_sb[:, y0:y0 + hn], op=nl.copy, data=y_psum)
+            nisa.activation(dst=y_sb[:, y0:y0 + hn], op=nl.copy, data=y_psum, scale=1.0 if scale is None else scale)
 
 
-def scatter_deferred(y_slots, deferred):
+def scatter_deferred(deferred):
     """Scatter staged y rows: ``deferred`` = [group trip register (None: already inside the
-    group's guard), slot tiles, their staged rows, first column], or None. A group's last
+    group's guard), slot tiles, their staged rows, first column, the group's sink], or None. A group's last
     scatters are issued late in program order, in the next group's body after its gate/up
     projections and its gather of the following group's rows: DMAs start in program order, so a
     scatter issued right after the down projection, still waiting for its GpSimd descriptors,
@@ -241,11 +262,11 @@ def scatter_deferred(y_slots, deferred):
     (docs/perf-log.md §10.2). The rows are released afterwards."""
     if deferred is None:
         return
-    trips_reg, slot_tiles, rows, g0 = deferred
+    trips_reg, slot_tiles, rows, g0, sink = deferred
     for _ in (range(1) if trips_reg is None else nl.dynamic_range(0, trips_reg)):
-        for (_, _, _, live_reg, asg_sb, _), y_sb in zip(slot_tiles, rows):
-            for _ in nl.dynamic_range(0, live_reg):
-                scatter_rows(y_slots, asg_sb, y_sb, g0)
+        for tile, y_sb in zip(slot_tiles, rows):
+            for _ in nl.dynamic_range(0, tile[3]):
+                sink.write(tile, y_sb, g0)
     rows.clear()
 
 
@@ -296,7 +317,7 @@ def store_saved(gu_saved, g, slot_tiles, saved, trips_reg):
                               src=save_sb)
 
 
-def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, tiles, y_slots, ones_sb,
+def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, tiles, sink, ones_sb,
                deferred, defer, gu_saved=None, group_index=0):
     """Group body in guarded phases: xT (then the x rows are released), h (gate/up; then xT is
     released), the gather of the next group's rows (``next_group`` = (registers, slot tiles) or
@@ -331,19 +352,19 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, ti
     if next_group is not None:
         (_, next_trips), next_tiles = next_group
         next_rows = _gather_group(x, next_tiles, next_trips)
-    scatter_deferred(y_slots, deferred)     # the previous group's last scatters (own guard)
+    scatter_deferred(deferred)              # the previous group's last scatters (own guard)
     last_cols = spans(x.shape[1], tiles[1])[-1][1]
     last_rows = [nl.ndarray((ps, last_cols), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
-        _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, y_slots, tiles, ones_sb, last_rows, preloaded)
+        _down(h_t, w_down, b_down, expert_reg, i_tiles, slot_tiles, sink, tiles, ones_sb, last_rows, preloaded)
     if saved is not None:
         # after the down projection in program order: DMAs start in program order, and these
         # stores wait for the gate/up evictions, which the next loads must not queue behind
         store_saved(gu_saved, group_index, slot_tiles, saved, trips_reg)
         saved.clear()                   # released (the stores read them)
-    last = [trips_reg, slot_tiles, last_rows, x.shape[1] - last_cols]
+    last = [trips_reg, slot_tiles, last_rows, x.shape[1] - last_cols, sink]
     if not defer:
-        scatter_deferred(y_slots, last)
+        scatter_deferred(last)
         last = None
     return next_rows, last
 
@@ -351,13 +372,18 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, ti
 @nki.jit
 def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
                            b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols, defer_scatters,
-                           gu_cols, wd_cols, save_gu=False):
+                           gu_cols, wd_cols, save_gu=False, combine="sum"):
     t_len, hidden = x.shape
     n_groups = group_expert.shape[0]
     group = slot_token.shape[0] // n_groups
     n_prog, pid = nl.num_programs(axes=0), nl.program_id(axis=0)
     y = nl.ndarray((t_len, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
-    y_slots = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.shared_hbm)
+    if combine == "accumulate":      # topk_w: the routing weight of each slot (NG*S,), 0 for padding
+        out = accumulator(y, t_len, hidden)
+        slot_w_sb = load_all_ids(topk_w, n_groups, group, dtype=nl.float32)
+    else:
+        out = nl.ndarray((topk_w.shape[0], hidden), dtype=nl.float32, buffer=nl.shared_hbm)   # y_slots
+        slot_w_sb = None
     inter = (w_gate_up.shape[2] if gu_cols else w_gate_up.shape[1]) // 2
     gu_saved = nl.ndarray(saved_shape(n_groups, group, inter), dtype=x.dtype, buffer=nl.shared_hbm) if save_gu \
         else None
@@ -372,6 +398,8 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
     if mine:
         current = (block_registers(expert_sb, valid_sb, mine[0]), _group_tiles(ids, live_sb, mine[0], group))
         x_rows = _gather_group(x, current[1], current[0][1])
+    if combine == "accumulate":
+        zero_rows(out)                 # before the first read-modify-write (program order)
     deferred = None
     # Static unroll (compile-time Python loop): each group's body also issues the next one's gather
     # and the previous one's last y scatters.
@@ -380,14 +408,19 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
         if n + 1 < len(mine):
             following = (block_registers(expert_sb, valid_sb, mine[n + 1]),
                          _group_tiles(ids, live_sb, mine[n + 1], group))
+        sink = GroupSink(combine, out, slot_w_sb, g)
         x_rows, deferred = _group_fwd(x, current[1], x_rows, weights, current[0], following, group, gate,
-                                      (h_chunk, y_cols, gu_cols, wd_cols), y_slots, ones_sb, deferred, defer_scatters,
+                                      (h_chunk, y_cols, gu_cols, wd_cols), sink, ones_sb, deferred, defer_scatters,
                                       gu_saved, g)
         current = following
-    scatter_deferred(y_slots, deferred)
-    if n_prog > 1:
-        nisa.core_barrier(y_slots, (0, 1))     # the k-sum reads rows the other core wrote
-    reduce_assignments(y_slots, y, top_k, topk_w, share=(pid, n_prog))
+    scatter_deferred(deferred)
+    if combine == "accumulate":
+        if out is not y:
+            convert_rows(out, y)
+    else:
+        if n_prog > 1:
+            nisa.core_barrier(out, (0, 1))     # the k-sum reads rows the other core wrote
+        reduce_assignments(out, y, top_k, topk_w, share=(pid, n_prog))
     if save_gu:
         return y, gu_saved
     return y
@@ -406,7 +439,7 @@ def saved_shape(n_groups, group, inter):
 
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_blocks, clamped=False,
-                  biases=False, overlap=True, in_out=False, gu_cols=None, wd_cols=0, save=False):
+                  biases=False, overlap=True, in_out=False, gu_cols=None, wd_cols=0, save=False, accumulate=False):
     """Peak SBUF bytes per partition of the forward kernel at down-projection H chunk ``h_chunk``
     and y staging width ``y_cols`` (upper bound: two generations of every streamed tile; with the
     clamped swiglu's three more fp32 temporaries and the bias rows and ones when asked; with
@@ -414,7 +447,11 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     the weights come as W^T (no natural rows staged for transposes), the gate/up tiles ``gu_cols``
     I columns wide (default all of I) for gate and up together, and with ``wd_cols`` the W_down^T
     rows of every I tile ``wd_cols`` columns wide. ``save``: the saved g/u tiles of the group
-    (``save_gu``, live from the gate/up phase to the end of the down projection)."""
+    (``save_gu``, live from the gate/up phase to the end of the down projection). ``accumulate``:
+    the launch may take the "accumulate" combine (:mod:`.moe_experts_fwd_combine`): its slot
+    weights and the accumulator's zero tile are counted through the loop (an upper bound: the zero
+    tile is needed only at the start) and the tail is the larger of its conversion pass and the
+    k-sum (the "sum" combine serves the same plan when a group names a token twice)."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     rows = st * hidden * itemsize                                # x rows of one group
@@ -437,7 +474,11 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     deferred = st * min(y_cols, hidden) * 4 if overlap else 0   # previous group's last staged y rows
     body = max(phases) + deferred
     live_flags = 2 * n_blocks * st * 4                        # live and partial flags of the slot tiles
-    return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, tail_sbuf_bytes(hidden, top_k, itemsize))
+    tail = tail_sbuf_bytes(hidden, top_k, itemsize)
+    if accumulate:
+        live_flags += n_blocks * st * 4 + hidden * 4            # slot weights, zero tile
+        tail = max(tail, 2 * hidden * 4 + hidden * itemsize)    # conversion: two generations of fp32 rows, out rows
+    return flags_sbuf_bytes(n_blocks, block) + live_flags + max(body, tail)
 
 
 def gate_up_widths(inter):
@@ -486,11 +527,13 @@ def group_blocks(hidden, inter, block, itemsize, **counts):
 
 def _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate_up, b_down, activation,
                   weight_layout, save):
-    """(inter, flags, block size) of a forward launch; raises Unsupported as the launcher does."""
+    """(inter, flags, block size) of a forward launch; raises Unsupported as the launcher does. The
+    SBUF figures count the "accumulate" combine's buffers on one core (``accumulate``), whichever
+    combine the data then selects, so the grouping does not depend on the data."""
     in_out = weight_layout == "in_out"
     inter = w_down.shape[1] if in_out else w_down.shape[2]
     flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None or b_down is not None,
-                 in_out=in_out, save=save)
+                 in_out=in_out, save=save, accumulate=lnc_degree() == 1)
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, inter, sbuf_fn=sbuf_bytes, **flags)
     return inter, flags, block_size
 
@@ -501,7 +544,7 @@ def saved_grouping(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_
     the op's fake uses it); raises Unsupported where the forward kernel cannot serve the call."""
     inter, flags, block_size = _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate_up,
                                              b_down, activation, weight_layout, True)
-    counts = dict(top_k=topk_weights.shape[1], n_blocks=block_expert.shape[0], **flags)
+    counts = dict(top_k=topk_weights.shape[1], n_blocks=planned_blocks(block_expert.shape[0]), **flags)
     blocks = group_blocks(x.shape[1], inter, block_size, x.element_size(), **counts)
     n_groups = group_count(block_expert.shape[0], w_gate_up.shape[0], blocks, 0)
     return blocks, saved_shape(n_groups, blocks * block_size, inter)
@@ -514,19 +557,24 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
     the exact widening of the routing weights to fp32). ``weight_layout`` "in_out": w_gate_up
     (E, H, 2I), w_down (E, I, H), multiplied as they are (no weight transposes on chip).
     ``save_activations``: the kernel also returns the pre-activation g and u in the layout
-    :func:`saved_shape` (for the backward, which then does not recompute them)."""
+    :func:`saved_shape` (for the backward, which then does not recompute them). The combine
+    (:func:`combine_mode`): "accumulate" on one core unless a group's slots name a token twice;
+    its routing weights are per slot (:func:`slot_weights`)."""
     inter, flags, block_size = _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate_up,
                                              b_down, activation, weight_layout, save_activations)
     top_k = topk_weights.shape[1]
     hidden, itemsize = x.shape[1], x.element_size()
-    counts = dict(top_k=top_k, n_blocks=block_expert.shape[0], **flags)
+    counts = dict(top_k=top_k, n_blocks=planned_blocks(block_expert.shape[0]), **flags)
     blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
     group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
     h_chunk, y_cols, defer, gu_cols, wd_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
-                                                      n_blocks=group_expert.shape[0], **flags)
+                                                      n_blocks=planned_groups(group_expert.shape[0], blocks), **flags)
+    tokens = slot_tokens(group_slots, top_k)
+    combine = combine_mode(lnc_degree(), flags["accumulate"] and repeats_a_token(tokens, group_expert.shape[0]))
+    weights = slot_weights(topk_weights, group_slots) if combine == "accumulate" else routing_weights(topk_weights)
     return KernelLaunch(moe_experts_fwd_kernel,
-                        (x.contiguous(), routing_weights(topk_weights), group_expert, slot_tokens(group_slots, top_k),
+                        (x.contiguous(), weights, group_expert, tokens,
                          group_slots, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
                          activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols, defer, gu_cols,
-                         wd_cols, save_activations),
+                         wd_cols, save_activations, combine),
                         grid=lnc_degree())

@@ -3,24 +3,60 @@
 The kernel dtypes and the PSUM slot-tile bound, the SBUF bytes of the block flags, the k-sum tail
 and staged rows, the tiling choice over an SBUF budget, the eligibility check that raises
 ``Unsupported`` with a reason, the host-side preparation of slot tokens and routing weights
-(plain torch ops, charged as host ops by the whole-op estimate), and the backward's launch for
-in_out weights (host transposes to the layout its kernel takes).
+(plain torch ops, charged as host ops by the whole-op estimate), the backward's launch for
+in_out weights (host transposes to the layout its kernel takes), and :func:`plan_tiling_for`:
+the launchers' tiling chosen for a larger plan than the one launched (the bench's two-point rule
+simulates a few experts of a problem with the real problem's tiling).
 """
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from dataclasses import replace
 
 import torch
 
 from nki_lib._nki import nl
 from nki_lib.dispatch import KernelLaunch, Unsupported
+from nki_lib.moe.kernels.moe_experts_groups import group_count
 from nki_lib.moe.kernels.moe_experts_steps import reduce_chunk
 from nki_lib.sizes import ceil_div
+from nki_lib.validation import has_values
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 MAX_PSUM_SLOT_TILES = 4   # slot tiles whose down-projection accumulators are live at once
+
+_TILING_PLAN: ContextVar = ContextVar("moe_experts_tiling_plan", default=None)   # (blocks, experts) or None
+
+
+@contextlib.contextmanager
+def plan_tiling_for(n_blocks, n_experts):
+    """Inside the block the expert-MLP launchers choose what depends on the plan's size (the
+    eligibility check, blocks per group, the SBUF estimates, which count the plan's blocks and
+    groups) for a plan of ``n_blocks`` blocks over ``n_experts`` experts when that is larger than
+    the plan they launch, and launch the plan they are given. The bench's two-point rule
+    (nki_lib/bench/harness.py) simulates a few experts of a larger problem: with this its
+    simulated kernels take the real problem's tiling."""
+    token = _TILING_PLAN.set((n_blocks, n_experts))
+    try:
+        yield
+    finally:
+        _TILING_PLAN.reset(token)
+
+
+def planned_blocks(n_blocks):
+    """Plan blocks the launchers' tiling is chosen for (:func:`plan_tiling_for`; else ``n_blocks``)."""
+    plan = _TILING_PLAN.get()
+    return n_blocks if plan is None else max(n_blocks, plan[0])
+
+
+def planned_groups(n_groups, group_blocks):
+    """Groups the launchers' SBUF estimates count (:func:`plan_tiling_for`: those of its plan at
+    ``group_blocks`` blocks per group; else ``n_groups``)."""
+    plan = _TILING_PLAN.get()
+    return n_groups if plan is None else max(n_groups, group_count(plan[0], plan[1], group_blocks, 0))
 
 
 def tail_sbuf_bytes(hidden, top_k, itemsize):
@@ -98,7 +134,7 @@ def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sb
     if block_size > max_block:
         raise Unsupported(f"block_size {block_size} > {max_block}")
     need = sbuf_fn(x.shape[1], inter, block_size, x.element_size(), top_k=topk_weights.shape[1],
-                   n_blocks=block_expert.shape[0], **flags)
+                   n_blocks=planned_blocks(block_expert.shape[0]), **flags)
     if need > nl.tile_size.total_available_sbuf_size:
         raise Unsupported(f"SBUF: {need} bytes per partition needed for H={x.shape[1]}, I={inter}, "
                           f"block_size={block_size}, > {nl.tile_size.total_available_sbuf_size}")
@@ -119,9 +155,23 @@ def routing_weights(topk_weights):
 def slot_weights(topk_weights, group_slots):
     """Index metadata for the backward: (NG*S,) fp32 routing weight of each slot (0 for padding),
     in slot order, so the kernel loads them with its slot ids instead of gathering them (each
-    indirect DMA costs GpSimd a descriptor per row)."""
+    indirect DMA costs GpSimd a descriptor per row). The forward's "accumulate" combine loads
+    them the same way and scales each slot's output row by its weight."""
     flat = routing_weights(topk_weights).reshape(-1)
     return torch.where(group_slots >= 0, flat[group_slots.clamp(min=0).long()], 0.0).contiguous()
+
+
+def repeats_a_token(slot_token, n_groups):
+    """True when one group's slots name a token twice (a top-k list naming an expert twice), or
+    when the plan has no values (traced): the forward's "accumulate" combine adds a slot tile's
+    rows with one read-modify-write DMA, whose row indices must be distinct (docs/perf-log.md
+    §14.2), so such a plan takes the "sum" combine. ``slot_token`` (NG*S,): token ids, -1 padding."""
+    if not has_values(slot_token):
+        return True
+    if slot_token.numel() == 0:
+        return False
+    ids = torch.sort(slot_token.reshape(n_groups, -1), dim=1).values
+    return bool(((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any())
 
 
 def in_layout_backward(launch_bwd, args, weight_layout, **flags):

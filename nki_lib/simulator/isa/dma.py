@@ -168,6 +168,7 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
         total = f if total is None else total + f
     if total is not None:
         dst._scatter(cast_to(total, dst._dtype), c.opcode, "dst", skip=skip)
-    c.record("dma", tuple(srcs), (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
+    offsets = tuple(v._dyn[1] for v in (*srcs, dst) if v._dyn is not None and isinstance(v._dyn[1], NkiTensor))
+    c.record("dma", tuple(srcs) + offsets, (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
              _attrs(srcs[0], dst, num_srcs=len(srcs)))
     return INSTRUCTION
