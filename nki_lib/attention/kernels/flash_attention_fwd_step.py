@@ -33,10 +33,11 @@ PT_DVE_SHARE = 0.42  # share of a section's P^T blocks evicted by VectorE, the r
                       # (16-bit PSUM at 2x): 0.42 balances them at 4096 causal with the last
                       # steps' blocks all on VectorE (flash_attention_fwd.DRAIN_STEPS;
                       # docs/perf-log.md §12.4)
-PT_DVE_SHARE_DMA_PT = 0.40  # the same when some long sections' P^T go by DMA transpose
-                            # (flash_attention_fwd_plan.dma_transposed_steps): 0.38 / 0.42 measured
-                            # 111.0 / 108.5 and 110.8 / 108.0 at 4096 causal, 0.42 worse at
-                            # dma_chunk_floor_ns=178 (123.0 against 122.4; docs/perf-log.md §14.4)
+PT_DVE_SHARE_DMA_PT = 0.43  # the same when some long sections' P^T go by DMA transpose
+                            # (flash_attention_fwd_plan.dma_transposed_steps) and the first V run is
+                            # padded (the rows 0-6 blocks): 0.37 / 0.40 / 0.45 measured 112.1 /
+                            # 109.6, 112.0 / 109.4, 112.4 / 109.6 at 4096 causal against 111.8 /
+                            # 108.8, corners no better (docs/perf-log.md §14.4)
 PT_DVE_SHARE_SOFTCAP = 1.0  # softcap adds a tanh pass (1.7 us per section) on ScalarE, which then
                             # stays the busier engine with every P^T block on VectorE
 
