@@ -365,3 +365,30 @@ def test_column_tiled_packs(b, hq, hkv, sq, d, cap, lengths, window_left, dtype,
     pack_out = [e for e in report.trace if e.opcode == "dma_copy" and e.shape == (pack * hq // hkv, sq * d)]
     assert len(pack_out) == units // pack
     _units_stay_apart(sample, lengths, sq, window_left)
+
+
+@pytest.mark.parametrize("hq, sq, d, cap, window_left, reads", [
+    (4, 2, 64, 256, -1, True), (4, 2, 64, 256, 3, False),      # packed units
+    (8, 1, 128, 2048, -1, True),                                 # one unit per chunk
+])
+def test_single_chunk_kernel_reads_the_lengths(hq, sq, d, cap, window_left, reads):
+    """A contiguous single-chunk cache without a window or cache start: the launcher builds no split
+    bounds or key windows (the kernel reads L_b and derives [0, L_b) and its one edge range on chip,
+    one register per unit instead of four); full and partial chunks, NaN past L_b never reaches
+    the output."""
+    lengths = [cap, 3, cap - 56, cap - 1]
+    sample = make_sample(4, hq, 1, sq, d, lengths, torch.bfloat16, capacity_=cap, sinks=True,
+                         window_left=window_left)
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    launch = decode_attention_fwd_plan.launch_decode_attention_fwd(q, k, v, seqlens, table, sinks, scale=None,
+                                                                  window_left=window_left, softcap=0.0,
+                                                                  num_splits=1, grid=1)
+    assert (launch.args[4] is None) == reads
+    pos = torch.arange(cap)[None, None, :, None]
+    keep = pos < torch.tensor(lengths)[:, None, None, None]
+    poisoned = Sample((q, k, _poison(v, keep), seqlens, table, sinks), sample.kwargs, sample.label + " poisoned")
+    outs, report = _launch(poisoned, num_splits=1)
+    _judge(poisoned, outs)
+    if d == 64:                                 # the packed path reads no key registers
+        registers = [e for e in report.trace if e.opcode == "register_load"]
+        assert len(registers) == len(lengths) * (1 if reads else 4)

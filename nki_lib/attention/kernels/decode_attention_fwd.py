@@ -116,7 +116,11 @@ int32 unit ids of kv head 0;
 split_bounds (B, S, 4) int32: start <= lo <= hi <= stop in unit columns, the ranges [start, lo),
 [lo, hi), [hi, stop); key_window (B, S, 2) float32 [first, L_b) relative to the split's first key
 (row r's visible keys: ``[max(pos_r - window_left, first), pos_r]``, ``pos_r = L_b - Sq + t_r``);
-sink_rows (Hkv, R) float32 or None; ``window_left`` (static int, -1 unbounded).
+sink_rows float32 or None: (Hkv, G) per query head when R <= 128 (broadcast over the tokens on
+chip), else (Hkv, R) per row; ``window_left`` (static int, -1 unbounded). On the
+single-chunk path of a contiguous cache with first = 0 (``reads_lengths``) split_bounds is None and
+key_window is cache_seqlens (B,) int32: the windows [0, L_b) are built on chip and the only edge
+range is [L_b, C) (no host tables).
 Outputs: out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32.
 Dimension legend: B batch, Hq/Hkv heads, G = Hq/Hkv, Sq new tokens, D head dim, R = G*Sq rows,
 rn rows of a row tile (<= 128), dc head-dim chunk (<= 128), M keys per partition of a chunk,
@@ -138,6 +142,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_chunks import chunk_plan, ru
 from nki_lib.attention.kernels.decode_attention_fwd_io import (
     CHUNK_BUFFER_BUDGET,
     DIRECT_PIECE_SLOTS,
+    DMA_ENGINE_PARTITIONS,
     OUT_STORE_LAG,
     load_q_t,
     load_sink,
@@ -157,7 +162,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_steps import (
 from nki_lib.attention.kernels.tiles import MAX_INDEX, STAT_INIT
 from nki_lib.sizes import spans
 
-__all__ = ["decode_attention_fwd_kernel", "single_chunk_path"]
+__all__ = ["decode_attention_fwd_kernel", "reads_lengths", "single_chunk_path"]
 
 INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
 SINGLE_CHUNK_KEYS = 8192          # capacities up to this (one chunk, one split) load their chunk
@@ -169,7 +174,10 @@ LOAD_GROUP_PARTITIONS = 16        # single-chunk contiguous loads skip groups of
 class _BatchMeta(nl.NKIObject):
     """Runtime metadata of every (b, split), each loaded by one DMA at the kernel start."""
     bounds: object     # (1, B*S*4) int32: per (b, s) the unit columns start | lo | hi | stop of its
-                       # three chunk ranges (edge [start, lo), interior [lo, hi), edge [hi, stop))
+                       # three chunk ranges (edge [start, lo), interior [lo, hi), edge [hi, stop));
+                       # None when the kernel reads the lengths instead (single chunk, first = 0)
+    lengths: object    # (1, B) int32 L_b when ``bounds`` is None, else None
+    chunk_keys: int    # keys of a chunk (128*M)
     window: object     # (128, B*S*2) float32: per (b, s) [first, L_b) relative to the split's first key
     window_pm: object  # (128, B*S*2) float32: ``window`` - p*M on partition p
     row_pos: object    # (128, R) float32: t_r - Sq for row r = g*Sq + t_r (its position minus L_b)
@@ -177,34 +185,85 @@ class _BatchMeta(nl.NKIObject):
     sq: int            # new tokens per sequence
 
 
-def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left):
-    """The batch's split bounds (one partition) and key windows (every partition), one DMA each,
-    and the rows' positions relative to L_b (an iota)."""
+def _broadcast_column(col_sb, window_sb):
+    """(n, 1) float32 column -> every partition of ``window_sb`` (128, n): a PE transpose of its
+    stride-0 view (fp32 transposes are bit-exact) and a copy."""
     pmax = nl.tile_size.pmax
-    n_bounds = split_bounds.shape[0] * split_bounds.shape[1] * split_bounds.shape[2]
-    bounds_sb = nl.ndarray((1, n_bounds), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=bounds_sb, src=split_bounds.ap([[n_bounds, 1], [1, n_bounds]]))
-    n_window = key_window.shape[0] * key_window.shape[1] * key_window.shape[2]
-    window_sb = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
-    if n_window <= pmax:            # one row (one descriptor), made a column and broadcast to the
-        window_row = nl.ndarray((1, n_window), dtype=nl.float32, buffer=nl.sbuf)   # partitions by two PE
-        nisa.dma_copy(dst=window_row, src=key_window.ap([[n_window, 1], [1, n_window]]))   # transposes (exact)
-        col_psum = nl.ndarray((n_window, 1), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_transpose(dst=col_psum, data=window_row)
-        window_col = nl.ndarray((n_window, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=window_col, src=col_psum, engine=nisa.engine.scalar)
-        window_psum = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_transpose(dst=window_psum, data=window_col.broadcast(1, pmax))
-        nisa.tensor_copy(dst=window_sb, src=window_psum)
+    window_psum = nl.ndarray((pmax, col_sb.shape[0]), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=window_psum, data=col_sb.broadcast(1, pmax))
+    nisa.tensor_copy(dst=window_sb, src=window_psum)
+
+
+def _row_to_column(row_sb):
+    """(1, n) float32 row -> (n, 1) SBUF column: one PE transpose and a ScalarE copy."""
+    n = row_sb.shape[1]
+    col_psum = nl.ndarray((n, 1), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=col_psum, data=row_sb)
+    col_sb = nl.ndarray((n, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=col_sb, src=col_psum, engine=nisa.engine.scalar)
+    return col_sb
+
+
+def _load_lengths(lengths, window_sb):
+    """The lengths (B,) int32 as one (1, B) row (the stream registers) and the key windows [0, L_b)
+    of every partition in ``window_sb`` (128, B*2): the L_b column loads as B rows when the windows'
+    2B rows fit one DMA engine (``DMA_ENGINE_PARTITIONS``: no more latency than one row, and the
+    fewest hops), else it is made from the row by a PE transpose (one descriptor instead of B)."""
+    pmax = nl.tile_size.pmax
+    n_seq = lengths.shape[0]
+    lengths_sb = nl.ndarray((1, n_seq), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=lengths_sb, src=lengths.ap([[n_seq, 1], [1, n_seq]]))
+    if 2 * n_seq <= DMA_ENGINE_PARTITIONS:      # the windows' column would fit one DMA engine (as below)
+        col_i = nl.ndarray((n_seq, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=col_i, src=lengths.ap([[1, n_seq], [1, 1]]))
+        col_sb = nl.ndarray((n_seq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=col_sb, src=col_i, engine=nisa.engine.gpsimd)
     else:
-        nisa.dma_copy(dst=window_sb, src=key_window.ap([[0, pmax], [1, n_window]]))
+        length_f = nl.ndarray((1, n_seq), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=length_f, src=lengths_sb, engine=nisa.engine.gpsimd)
+        col_sb = _row_to_column(length_f)
+    pairs = window_sb.reshape((pmax, n_seq, 2))
+    nisa.memset(dst=pairs[:, :, 0], value=0.0, engine=nisa.engine.gpsimd)
+    _broadcast_column(col_sb, pairs[:, :, 1])
+    return lengths_sb
+
+
+def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left, chunk_keys):
+    """The batch's split bounds (one partition) and key windows (every partition), one DMA each,
+    and the rows' positions relative to L_b (an iota). Without split bounds (None) ``key_window``
+    is the lengths (B,) int32 (one chunk per sequence, first = 0; ``_load_lengths``): the windows
+    [0, L_b) are built from them on chip."""
+    pmax = nl.tile_size.pmax
+    lengths_sb, bounds_sb = None, None
+    if split_bounds is None:
+        n_window = 2 * key_window.shape[0]
+        if n_window > pmax:
+            raise ValueError(f"key_window: the lengths of at most {pmax // 2} sequences (see reads_lengths)")
+        window_sb = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
+        lengths_sb = _load_lengths(key_window, window_sb)
+    else:
+        n_bounds = split_bounds.shape[0] * split_bounds.shape[1] * split_bounds.shape[2]
+        bounds_sb = nl.ndarray((1, n_bounds), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=bounds_sb, src=split_bounds.ap([[n_bounds, 1], [1, n_bounds]]))
+        n_window = key_window.shape[0] * key_window.shape[1] * key_window.shape[2]
+        window_sb = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
+        if n_window <= DMA_ENGINE_PARTITIONS:     # one column of n rows (one DMA engine), broadcast
+            col_sb = nl.ndarray((n_window, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=col_sb, src=key_window.ap([[1, n_window], [1, 1]]))
+            _broadcast_column(col_sb, window_sb)
+        elif n_window <= pmax:                      # one row (one descriptor) made the column on chip
+            row_sb = nl.ndarray((1, n_window), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=row_sb, src=key_window.ap([[n_window, 1], [1, n_window]]))
+            _broadcast_column(_row_to_column(row_sb), window_sb)
+        else:
+            nisa.dma_copy(dst=window_sb, src=key_window.ap([[0, pmax], [1, n_window]]))
     window_pm = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=window_pm, data=window_sb, op0=nl.subtract, operand0=part_keys)
     row_pos = nl.ndarray((pmax, rows // sq, sq), dtype=nl.float32, buffer=nl.sbuf)
     nisa.iota(dst=row_pos, pattern=[[0, rows // sq], [1, sq]], offset=-sq)
     reach = float(window_left) if window_left >= 0 else float(MAX_INDEX)
-    return _BatchMeta(bounds=bounds_sb, window=window_sb, window_pm=window_pm,
-                      row_pos=row_pos.reshape((pmax, rows)), reach=reach, sq=sq)
+    return _BatchMeta(bounds=bounds_sb, lengths=lengths_sb, chunk_keys=chunk_keys, window=window_sb,
+                      window_pm=window_pm, row_pos=row_pos.reshape((pmax, rows)), reach=reach, sq=sq)
 
 
 def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None, fold=None):
@@ -355,9 +414,8 @@ def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
         _load_needed_groups(v_units, v_chunk, seq_offset + hk * head_offset, m, _key_registers(setup))
     else:
         _gather_chunk(v_units, idx_sb, hk * head_offset, unit_keys, v_chunk)
-    regs = setup.regs
-    for r in range(0, len(regs) - 1, 2):                # the edge ranges [start, lo) and [hi, stop)
-        for _ in nl.dynamic_range(regs[r], regs[r + 1], unit_table_width(m, unit_keys)):
+    for start, stop, step in setup.edges:              # the edge ranges [start, lo) and [hi, stop)
+        for _ in nl.dynamic_range(start, stop, step):
             zero_invisible_rows(v_chunk, key_slots, setup.window)
 
 
@@ -406,6 +464,14 @@ def single_chunk_path(n_split, n_units, n_prog, capacity, chunk_keys, head_keys)
             and chunk_keys <= SINGLE_CHUNK_KEYS and whole)
 
 
+def reads_lengths(single, paged, first_is_zero, batch):
+    """Whether the launcher passes the lengths instead of split bounds and key windows: the
+    single-chunk path of a contiguous cache with first = 0 (no window, no cache start), whose only
+    metadata are L_b (key windows [0, L_b), one edge range [L_b, C)), for at most 64 sequences
+    (their windows fit one row of 128)."""
+    return single and not paged and first_is_zero and 2 * batch <= nl.tile_size.pmax
+
+
 @nki.jit
 def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, sink_rows,
                   n_kv_heads, head_offset, seq_units, unit_keys, keys_per_partition, scale, softcap, window_left):
@@ -414,7 +480,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     batch, n_q_heads, sq, d = q.shape
     group = n_q_heads // n_kv_heads
     rows = group * sq
-    n_split = split_bounds.shape[1]
+    n_split = 1 if split_bounds is None else split_bounds.shape[1]
     m = keys_per_partition
     dtype = q.dtype
     row_spans = spans(rows, pmax)
@@ -429,7 +495,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     nisa.memset(dst=ones_col, value=1.0)
     warm = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)   # the exp table loads while ScalarE
     nisa.activation(dst=warm, op=nl.exp, data=ones_col)             # idles, not in the first softmax
-    meta = _load_meta(split_bounds, key_window, rows, sq, key_slots[:, 0:1], window_left)
+    meta = _load_meta(split_bounds, key_window, rows, sq, key_slots[:, 0:1], window_left, m * pmax)
     pair_bytes = m * d * (k_units.itemsize + v_units.itemsize)
     budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
     n_pairs = max(1, min(batch * n_kv_heads * n_split, budget // pair_bytes))
@@ -471,7 +537,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
         if sink_rows is not None:
             for t in my_tiles:
                 if (hk, t) not in sinks:
-                    sinks[(hk, t)] = load_sink(sink_rows, hk, *row_spans[t])
+                    sinks[(hk, t)] = load_sink(sink_rows, hk, *row_spans[t], sq)
         engine = nisa.engine.gpsimd if single and seq_units is not None else None   # no swdge gathers
         fold = single and plan[0] == m              # one softmax step: the sink folds into it
         if fold and sink_rows is not None:
@@ -484,7 +550,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                          states=[[_init_state(meta, b * n_split + s, r0, rn, d, plan[0], single, engine,
                                               (sinks.get((hk, t)), neg_sinks.get((hk, t))) if fold else None)
                                   for t, (r0, rn) in enumerate(row_spans)] for s in my_splits],
-                         setups=[stream_setup(meta, b * n_split + s, single) for s in my_splits])
+                         setups=[stream_setup(meta, b * n_split + s, single, unit_table_width(m, unit_keys))
+                                 for s in my_splits])
 
     pending_out = []                                # (out rows, first row) awaiting their store
 

@@ -20,7 +20,8 @@ the transposed per-partition maxima), so the merge is L = l + exp(sink - m), out
       out^T (D, Sq, U, G) = O^T * (1/L) in the output dtype (one VectorE pass, O^T read from PSUM)
       out (U*G, Sq*D) <- Sq PE transposes of the (D, U*G) blocks of one token, copied to SBUF
 
-Shapes: q (B, Hq, Sq, D) read as (B*Hq*Sq, D) rows; q^T (D, n*R); sinks (R, 1) float32 token-major;
+Shapes: q (B, Hq, Sq, D) read as (B*Hq*Sq, D) rows; q^T (D, n*R); sinks (Hkv, G) float32 in HBM,
+(R, 1) token-major on chip;
 per pack one PSUM tile (128, 2*U*R + U) fp32 = [O^T of each unit | 1/L broadcast | row sums];
 out tile (U*G, Sq*D). Dimension legend as in ``decode_attention_fwd`` and
 ``decode_attention_fwd_packed`` (U units per pack, P = 128/U partitions per unit).
@@ -79,14 +80,15 @@ def load_q_t_token_major(q, unit0, n, rows, sq, dtype):
 
 def load_sink_token_major(sink_rows, hk, sq):
     """Sink logits (R, 1) of kv head ``hk`` in token-major order (row r' = t*G + g holds head g's
-    sink): one DMA of the (1, R) row (one descriptor) and a PE transpose of its (t, g)-ordered view
-    (fp32 transposes are bit-exact), copied to SBUF on ScalarE."""
-    rows = sink_rows.shape[1]
-    group = rows // sq
-    row_sb = nl.ndarray((1, rows), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=row_sb, src=sink_rows.ap([[rows, 1], [1, rows]], offset=hk * rows))
+    sink) from the per-head sinks (Hkv, G): one DMA of the (1, G) row (one descriptor) and a PE
+    transpose of its view broadcast over the Sq tokens, t outermost (fp32 transposes are
+    bit-exact), copied to SBUF on ScalarE."""
+    group = sink_rows.shape[1]
+    rows = group * sq
+    row_sb = nl.ndarray((1, group), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=row_sb, src=sink_rows.ap([[group, 1], [1, group]], offset=hk * group))
     sink_psum = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_transpose(dst=sink_psum, data=row_sb.reshape((1, group, sq)).permute((0, 2, 1)))
+    nisa.nc_transpose(dst=sink_psum, data=row_sb.expand_dim(1).broadcast(1, sq))
     sink_sb = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=sink_sb, src=sink_psum, engine=nisa.engine.scalar)
     return sink_sb

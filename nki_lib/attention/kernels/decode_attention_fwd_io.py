@@ -22,7 +22,7 @@ from nki_lib._nki import nisa, nl
 from nki_lib.sizes import spans
 
 __all__ = ["StreamSetup", "load_q_t", "load_sink", "store_out", "stream_setup", "unit_table_width",
-           "zero_invisible_rows", "RANGE_BOUNDS", "DIRECT_PIECE_SLOTS", "Q_LOAD_ROW_BYTES", "OUT_STORE_LAG",
+           "zero_invisible_rows", "DMA_ENGINE_PARTITIONS", "RANGE_BOUNDS", "DIRECT_PIECE_SLOTS", "Q_LOAD_ROW_BYTES", "OUT_STORE_LAG",
            "CHUNK_BUFFER_BUDGET"]
 
 RANGE_BOUNDS = 4                  # split_bounds per split: start, lo, hi, stop (3 ranges)
@@ -73,10 +73,21 @@ def load_q_t(q, row0, rn, d_spans, dtype):
     return q_t
 
 
-def load_sink(sink_rows, hk, r0, rn):
-    """Sink logits (rn, 1) of rows r0 .. r0 + rn of kv head ``hk``."""
+def load_sink(sink_rows, hk, r0, rn, sq=1):
+    """Sink logits (rn, 1) of rows r0 .. r0 + rn (r = g*Sq + t) of kv head ``hk``. ``sink_rows`` holds
+    one logit per row (Hkv, R), or per query head (Hkv, G) when the rows fit one tile: then one DMA
+    of the (1, G) row (one descriptor) and a PE transpose of its view broadcast over the Sq tokens
+    (fp32 transposes are bit-exact), copied to SBUF on ScalarE."""
     sink_sb = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=sink_sb, src=sink_rows.ap([[1, rn], [1, 1]], offset=hk * sink_rows.shape[1] + r0))
+    heads = sink_rows.shape[1]
+    if heads * sq != rn or sq == 1:
+        nisa.dma_copy(dst=sink_sb, src=sink_rows.ap([[1, rn], [1, 1]], offset=hk * heads + r0))
+        return sink_sb
+    row_sb = nl.ndarray((1, heads), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=row_sb, src=sink_rows.ap([[heads, 1], [1, heads]], offset=hk * heads))
+    sink_psum = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=sink_psum, data=row_sb.expand_dim(2).broadcast(2, sq))
+    nisa.tensor_copy(dst=sink_sb, src=sink_psum, engine=nisa.engine.scalar)
     return sink_sb
 
 
@@ -112,12 +123,21 @@ class StreamSetup(nl.NKIObject):
     regs: object       # 4 registers: unit columns start, lo, hi, stop of the edge, interior, edge ranges
     window: object     # (128, 2) float32 [first, L_b) relative to the current chunk, every partition
     key_regs: object   # single-chunk path: registers of first and L_b (from ``window``), or None
+    edges: object      # static: (start, stop, step) of the device loop over each edge range (0 or 1 trips
+                       # on the single-chunk path: the chunk needs its V rows outside [first, L_b) zeroed)
 
 
-def stream_setup(meta, ws, static=False):
+def stream_setup(meta, ws, static=False, width=1):
     """Registers of the split's chunk ranges (split ``ws`` of the flattened (b, s)) and a copy of
     its key window (moved chunk by chunk; ``static``: the single-chunk path, whose window never
-    moves, takes a view of the batch's)."""
+    moves, takes a view of the batch's, and ``edges`` its edge ranges, ``width`` unit columns a
+    chunk). Without split bounds (``meta.bounds`` None: one chunk, first = 0, the kernel read the
+    lengths) the only edge range is [L_b, C) in keys: one register, a loop of one trip iff L_b < C."""
+    if meta.bounds is None:
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, meta.lengths[0:1, ws:ws + 1])
+        return StreamSetup(regs=[reg], window=meta.window[:, 2 * ws:2 * ws + 2], key_regs=None,
+                           edges=[(reg, meta.chunk_keys, meta.chunk_keys)])
     n_bounds = RANGE_BOUNDS
     regs = []
     for i in range(n_bounds):
@@ -125,7 +145,8 @@ def stream_setup(meta, ws, static=False):
         nisa.register_load(reg, meta.bounds[0:1, ws * n_bounds + i:ws * n_bounds + i + 1])
         regs.append(reg)
     if static:
-        return StreamSetup(regs=regs, window=meta.window[:, 2 * ws:2 * ws + 2], key_regs=None)
+        return StreamSetup(regs=regs, window=meta.window[:, 2 * ws:2 * ws + 2], key_regs=None,
+                           edges=[(regs[r], regs[r + 1], width) for r in range(0, n_bounds - 1, 2)])
     window_sb = nl.ndarray((nl.tile_size.pmax, 2), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=window_sb, src=meta.window[:, 2 * ws:2 * ws + 2])
-    return StreamSetup(regs=regs, window=window_sb, key_regs=None)
+    return StreamSetup(regs=regs, window=window_sb, key_regs=None, edges=None)

@@ -61,7 +61,6 @@ from nki_lib.attention.kernels.decode_attention_fwd_io import (
     DIRECT_PIECE_SLOTS,
     OUT_STORE_LAG,
     Q_LOAD_ROW_BYTES,
-    RANGE_BOUNDS,
     load_q_t,
     load_sink,
     store_out,
@@ -238,12 +237,12 @@ def packed_path(q, k_units, v_units, sink_rows, out, lse, meta, pack, cfg, colum
         for k in group:
             ws = [(k * pack + u) // n_kv_heads for u in range(pack)]
             state, window_pm = _packed_state(meta, ws, pack_keys, rows, d, slots, nisa.engine.gpsimd, columns)
-            works.append((pack_q_t(k), state, window_pm, [stream_setup(meta, w, static=True).regs for w in ws]))
+            works.append((pack_q_t(k), state, window_pm, [stream_setup(meta, w, True, width).edges for w in ws]))
             for u in range(pack):
                 hk = (k * pack + u) % n_kv_heads
                 if sink_rows is not None and hk not in sinks:
                     sinks[hk] = (load_sink_token_major(sink_rows, hk, sq) if columns
-                                 else load_sink(sink_rows, hk, 0, rows))
+                                 else load_sink(sink_rows, hk, 0, rows, sq))
             if columns:                             # the sinks fold into the max; -M and L go to the lse tile
                 state.unit_sinks = None if sink_rows is None else [sinks[(k * pack + u) % n_kv_heads]
                                                                    for u in range(pack)]
@@ -254,11 +253,11 @@ def packed_path(q, k_units, v_units, sink_rows, out, lse, meta, pack, cfg, colum
         for i, k in enumerate(group):
             v_chunk = bufs[i][1]
             _load_packed_chunk(v_units, v_chunk, k * pack * unit_stride, slots)
-            window_pm, regs = works[i][2], works[i][3]
+            window_pm, edges = works[i][2], works[i][3]
             for u in range(pack):
                 ps = slice(u * part, (u + 1) * part)
-                for r in range(0, RANGE_BOUNDS - 1, 2):     # the unit's edge ranges
-                    for _ in nl.dynamic_range(regs[u][r], regs[u][r + 1], width):
+                for start, stop, step in edges[u]:          # the unit's edge ranges
+                    for _ in nl.dynamic_range(start, stop, step):
                         zero_invisible_rows(v_chunk[ps], slot_index[ps], window_pm[ps])
         run_chunks([([work[1]], [work[0]]) + bufs[i] for i, work in enumerate(works)], plan, d_spans, slots,
                 ones_col, k_units.dtype, scale, softcap, dtype, fresh=True)

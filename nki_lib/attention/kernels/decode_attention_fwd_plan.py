@@ -16,9 +16,12 @@ Host work here is layout glue and small index metadata only (no attention math):
 * ``key_window`` (B, S, 2) float32: ``[first, L_b)`` relative to the split's first key (edge
   chunks zero the V rows of keys outside it; the kernel derives each query row's visible key
   interval from it, its position ``L_b - Sq + t`` and ``window_left``);
-* ``sink_rows`` (Hkv, R) float32: the sink logit of each query row (an expand of ``sinks``).
+* ``sink_rows`` float32: the sinks as (Hkv, G) (a view) when the R rows fit one tile, else the sink
+  logit of each query row (Hkv, R) (an expand of ``sinks``).
 
-All of it is computed with tensor ops from ``cache_seqlens`` (no host synchronisation).
+All of it is computed with tensor ops from ``cache_seqlens`` (no host synchronisation). On the
+single-chunk path of a contiguous cache without a window or cache start (``reads_lengths``) none of
+it is built: the kernel takes ``cache_seqlens`` itself (int32) and derives the rest on chip.
 Dimension legend as in ``kernels/decode_attention_fwd.py``.
 """
 
@@ -30,7 +33,11 @@ import torch
 
 from nki_lib._nki import nl
 from nki_lib.attention.attention_args import resolve_scale
-from nki_lib.attention.kernels.decode_attention_fwd import decode_attention_fwd_kernel, single_chunk_path
+from nki_lib.attention.kernels.decode_attention_fwd import (
+    decode_attention_fwd_kernel,
+    reads_lengths,
+    single_chunk_path,
+)
 from nki_lib.attention.kernels.tiles import MAX_INDEX
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch, Unsupported
@@ -140,12 +147,15 @@ def _first_keys(lengths, sq, window_left, cache_start):
 
 
 def _sink_rows(sinks, hkv, sq):
-    """(Hkv, R) float32 sink logit of each query row, R = (Hq/Hkv) * Sq (a view when Sq = 1)."""
+    """float32 sinks for the kernel: (Hkv, G) per query head (a view; the kernel broadcasts them over
+    the Sq tokens) when the R = G * Sq rows fit one tile, else (Hkv, R) per query row (a copy)."""
     if sinks is None:
         return None
     group = sinks.shape[0] // hkv
-    rows = sinks.to(torch.float32).reshape(hkv, group, 1).expand(hkv, group, sq)
-    return rows.reshape(hkv, group * sq).contiguous()
+    heads = sinks.to(torch.float32).reshape(hkv, group)
+    if group * sq <= nl.tile_size.pmax:
+        return heads
+    return heads.reshape(hkv, group, 1).expand(hkv, group, sq).reshape(hkv, group * sq).contiguous()
 
 
 def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, scale, window_left,
@@ -185,7 +195,16 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
     grid = grid or lnc_degree()
     n_split = (_cores_share(num_splits, b * hkv, grid) if num_splits
                else plan_splits(b, hkv, ceil_div(cap, chunk), grid))
-    if not paged and single_chunk_path(n_split, b * hkv, grid, n_cols_pad * unit_keys, chunk, head_offset // d):
+    single = not paged and single_chunk_path(n_split, b * hkv, grid, n_cols_pad * unit_keys, chunk, head_offset // d)
+    sink_rows = _sink_rows(sinks, hkv, sq)
+    if reads_lengths(single, paged, isinstance(first, int), b):   # the kernel takes L_b: no tables
+        unit_table = torch.empty((b, n_cols_pad), dtype=torch.int32, device=q.device)   # never read
+        return KernelLaunch(decode_attention_fwd_kernel,
+                            (q.contiguous(), k_units, v_units, unit_table, None, lengths, sink_rows,
+                             hkv, head_offset, n_rows // b, unit_keys, m,
+                             resolve_scale(scale, d), float(softcap), int(window_left)),
+                            grid=grid)
+    if single:
         unit_table = torch.empty((b, n_cols_pad), dtype=torch.int32, device=q.device)   # never read
     else:
         ids = _unit_ids(block_table, b, n_rows // b, n_cols_pad, q.device)
@@ -204,7 +223,6 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
               else torch.stack([first, lengths], dim=-1))                          # (B, 2) [first, L_b)
     key_window = torch.empty((b, n_split, 2), dtype=torch.float32, device=q.device)
     torch.add(window[:, None, :], edges[:, :-1, None], alpha=-chunk, out=key_window)  # minus the split's key 0
-    sink_rows = _sink_rows(sinks, hkv, sq)
 
     return KernelLaunch(decode_attention_fwd_kernel,
                         (q.contiguous(), k_units, v_units, unit_table, split_bounds, key_window, sink_rows,
