@@ -281,25 +281,53 @@ def test_streamed_values_parity(monkeypatch, case):
     _assert_parity(case)
 
 
+def _pt_blocks(report, case):
+    """(P^T blocks by TensorE transposes, by SBUF -> SBUF DMA transposes, P @ V matmuls)."""
+    pmax = simulator.tile_size.pmax
+    on_chip = [e for e in report.trace if e.opcode == "dma_transpose" and e.reads[0].memory == "sbuf"]
+    pe = sum(1 for e in report.trace if e.opcode == "nc_transpose" and e.engine == "tensor"
+             and e.reads[0].shape == (pmax, pmax))
+    pv = sum(1 for e in report.trace if e.opcode == "nc_matmul" and e.attrs["K"] == pmax
+             and e.attrs["N"] == case.d)
+    return pe, sum(e.writes[0].shape[2] for e in on_chip), pv
+
+
 def test_long_sections_transpose_p_by_dma():
-    """Causal bf16 rows whose section has at least DMA_PT_MIN_BLOCKS blocks (V in natural
-    blocks): the steps ``dma_transposed_steps`` picks get P^T from one SBUF -> SBUF DMA transpose
-    each, in place of their TensorE transposes and PSUM evictions; same parity."""
-    from nki_lib.attention.kernels import flash_attention_fwd_plan as fwd_plan
+    """Causal bf16 rows whose section has at least DMA_PT_MIN_BLOCKS blocks: the steps
+    ``dma_transposed_steps`` picks get the P^T of their natural V blocks from one SBUF -> SBUF DMA
+    transpose each, in place of TensorE transposes and PSUM evictions; same parity."""
     case = Case(hq=1, sq=2048, sk=2048, d=64, causal=True)
     report = _trace_of(case)
-    on_chip = [e for e in report.trace if e.opcode == "dma_transpose" and e.reads[0].memory == "sbuf"]
     pmax = simulator.tile_size.pmax
+    on_chip = [e for e in report.trace if e.opcode == "dma_transpose" and e.reads[0].memory == "sbuf"]
     assert len(on_chip) >= 1
     for e in on_chip:
         rows, _, blocks, cols = e.writes[0].shape
-        assert (rows, cols) == (pmax, pmax) and blocks >= fwd_plan.DMA_PT_MIN_BLOCKS
-    # every 128-key block of P^T comes from exactly one of the two paths
-    pe_blocks = sum(1 for e in report.trace if e.opcode == "nc_transpose" and e.engine == "tensor"
-                    and e.reads[0].shape == (pmax, pmax))
-    dma_blocks = sum(e.writes[0].shape[2] for e in on_chip)
-    assert pe_blocks + dma_blocks == _tile_pairs(case)[2] // pmax
+        assert (rows, cols) == (pmax, pmax) and blocks >= 1
+    pe_blocks, dma_blocks, pv_blocks = _pt_blocks(report, case)
+    assert dma_blocks > 0 and pe_blocks + dma_blocks == pv_blocks    # one path per block
     _assert_parity(case)
+
+
+@pytest.mark.parametrize("case", [
+    Case(hq=1, sq=1024, sk=1024, d=64, causal=True),
+    Case(hq=2, hkv=2, sq=384, sk=600, d=32, dtype=torch.float16, causal=True),
+], ids=["one-run", "tail"])
+def test_first_run_padded_for_short_causal_rows(case):
+    """One head per pass, no softcap: the short causal rows use the kv head's first V run
+    interleaved (one long DMA row per partition) with P zero-padded to the run end, so their
+    P^T blocks outnumber the visible ones; V is still read once; same parity. With softcap the
+    rows keep natural blocks (exactly the visible blocks)."""
+    report = _trace_of(case)
+    pe_blocks, dma_blocks, pv_blocks = _pt_blocks(report, case)
+    visible_blocks = _tile_pairs(case)[2] // simulator.tile_size.pmax
+    assert pe_blocks + dma_blocks == pv_blocks > visible_blocks * case.hq
+    assert _value_bytes(report, case) == case.b * case.hkv * case.sk * case.d * 2
+    _assert_parity(case)
+    capped = Case(hq=case.hq, hkv=case.hkv, sq=case.sq, sk=case.sk, d=case.d, dtype=case.dtype,
+                  causal=True, softcap=30.0)
+    pe_blocks, dma_blocks, pv_blocks = _pt_blocks(_trace_of(capped), capped)
+    assert pv_blocks == pe_blocks + dma_blocks == visible_blocks * case.hq
 
 
 def test_gqa_loads_each_kv_tile_once_per_group():

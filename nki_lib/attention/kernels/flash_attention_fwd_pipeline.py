@@ -10,15 +10,15 @@ from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.flash_attention_fwd_plan import section_span
 from nki_lib.attention.kernels.flash_attention_fwd_state import add_lse, init_state, store_out
 from nki_lib.attention.kernels.flash_attention_fwd_step import (
-    dma_transposable,
     dma_transpose_p,
     evict_pt,
+    natural_suffix,
     p_times_v,
     section_scores,
     softmax_step,
     transpose_p,
 )
-from nki_lib.attention.kernels.flash_attention_fwd_values import cached_v, load_v
+from nki_lib.attention.kernels.flash_attention_fwd_values import cached_v, load_v, padded_width
 from nki_lib.attention.kernels.flash_attention_transposed_loads import load_transposed
 from nki_lib.attention.kernels.tiles import row_bounds
 
@@ -93,6 +93,8 @@ class Work(nl.NKIObject):
     p_sb: object           # probabilities (qn, slen)
     alpha: object          # (qn, 1) rescale of the previous state
     rowsum: object         # (qn, 1) section row sums
+    p_width: int           # columns of P (the section, or a padded V run's end)
+    pt_cols: int           # P columns transposed on TensorE (the rest by DMA)
     pt_psum: object        # P^T in PSUM
     pt_sb: object          # P^T in SBUF
     o_psum: object         # P V (qn, D) in PSUM
@@ -122,8 +124,10 @@ def stage_softmax(groups, steps, work, s, p_dtype, exp_scale):
     if real(steps, s):
         gi, _, hi = steps[s]
         w = work[s]
+        gi, si, hi = steps[s]
+        width = padded_width(groups[gi].v[si], w.s_sb.shape[1])
         w.p_sb, w.alpha, w.rowsum = softmax_step(groups[gi].states[hi], w.s_sb, w.rowmax,
-                                                 p_dtype, exp_scale)
+                                                 p_dtype, exp_scale, width)
         w.s_sb, w.rowmax = None, None
 
 
@@ -135,10 +139,15 @@ def stage_transpose(groups, steps, work, s, dma_pt=False):
         gi, si, _ = steps[s]
         v_blocks = groups[gi].v[si]
         w = work[s]
-        if dma_pt and dma_transposable(w.p_sb.dtype, v_blocks, w.p_sb.shape[1]):
-            w.pt_sb = dma_transpose_p(w.p_sb)
-        else:
-            w.pt_psum = transpose_p(w.p_sb, v_blocks)
+        width = w.p_sb.shape[1]
+        j0 = natural_suffix(w.p_sb.dtype, v_blocks, width) if dma_pt else len(v_blocks)
+        w.pt_cols = width
+        if j0 < len(v_blocks):
+            w.pt_sb = dma_transpose_p(w.p_sb, j0)
+            w.pt_cols = j0 * nl.tile_size.pmax
+        if j0 > 0:
+            w.pt_psum = transpose_p(w.p_sb, v_blocks[:j0])
+        w.p_width = width
         w.p_sb = None
 
 
@@ -148,7 +157,7 @@ def stage_evict_pt(groups, steps, work, s, dve_share):
         gi, si, _ = steps[s]
         w = work[s]
         if w.pt_psum is not None:
-            w.pt_sb = evict_pt(w.pt_psum, section_span(groups[gi], si)[1], dve_share)
+            w.pt_sb = evict_pt(w.pt_psum, w.pt_cols, dve_share, w.pt_sb)
         w.pt_psum = None
 
 

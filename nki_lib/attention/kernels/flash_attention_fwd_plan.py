@@ -20,12 +20,13 @@ DMA_PT_FROM = 0.6        # P^T by DMA transpose only in the last 40 % of the ste
                          # rows: K^T and V are resident by then, the DMA queues carry only the
                          # output stores), where TensorE transposes and their PSUM evictions
                          # are the ScalarE/VectorE work that binds (docs/perf-log.md §14.4)
-DMA_PT_EVERY = 3         # of the eligible steps there, every DMA_PT_EVERY-th (from the
-DMA_PT_FIRST = 0          # DMA_PT_FIRST-th) is transposed by DMA: more makes DMA the busier
+DMA_PT_EVERY = 2         # of the eligible steps there, every DMA_PT_EVERY-th (from the
+DMA_PT_FIRST = 0         # DMA_PT_FIRST-th) is transposed by DMA: more makes DMA the busier
                          # engine at dma_chunk_floor_ns=178
-DMA_PT_MIN_BLOCKS = 12   # eligible sections have at least this many 128-key blocks: 2-byte P rows of
-                         # >= 3 KiB per partition, 267 ns at half the 23 B/ns engine rate, above the
-                         # top of the chunk floor's documented range (178 ns, docs/cost-model.md §7.9)
+DMA_PT_MIN_BLOCKS = 12   # eligible sections have at least this many 128-key blocks; their natural
+                         # blocks (all but an interleaved first run, <= 8) then give 2-byte P rows
+                         # of >= 2 KiB per partition, 178 ns at half the 23 B/ns engine rate, not
+                         # under the top of the chunk floor's range (178 ns, docs/cost-model.md §7.9)
 
 
 class Ctx(nl.NKIObject):

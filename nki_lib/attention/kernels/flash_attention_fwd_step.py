@@ -20,7 +20,7 @@ from nki_lib.attention.kernels.tiles import key_blocks, key_tile_width, mask_sco
 from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 
 __all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_DMA_PT", "PT_DVE_SHARE_SOFTCAP", "warm_table", "section_scores", "softmax_step", "transpose_p", "evict_pt",
-           "dma_transposable", "dma_transpose_p", "p_times_v"]
+           "natural_suffix", "dma_transpose_p", "p_times_v"]
 
 EVICT_RUN_TILES = 2  # unmasked score tiles evicted together (2 fp32 PSUM banks, 1024 keys; an
                      # engine operand may read 4K PSUM elements per partition,
@@ -33,10 +33,11 @@ PT_DVE_SHARE = 0.42  # share of a section's P^T blocks evicted by VectorE, the r
                       # (16-bit PSUM at 2x): 0.42 balances them at 4096 causal with the last
                       # steps' blocks all on VectorE (flash_attention_fwd.DRAIN_STEPS;
                       # docs/perf-log.md §12.4)
-PT_DVE_SHARE_DMA_PT = 0.40  # the same when some long sections' P^T go by DMA transpose
-                            # (flash_attention_fwd_plan.dma_transposed_steps): 0.38 / 0.42 measured
-                            # 111.0 / 108.5 and 110.8 / 108.0 at 4096 causal, 0.42 worse at
-                            # dma_chunk_floor_ns=178 (123.0 against 122.4; docs/perf-log.md §14.4)
+PT_DVE_SHARE_DMA_PT = 0.43  # the same when some long sections' P^T go by DMA transpose
+                            # (flash_attention_fwd_plan.dma_transposed_steps) and the first V run is
+                            # padded (the rows 0-6 blocks): 0.37 / 0.40 / 0.45 measured 112.1 /
+                            # 109.6, 112.0 / 109.4, 112.4 / 109.6 at 4096 causal against 111.8 /
+                            # 108.8, corners no better (docs/perf-log.md §14.4)
 PT_DVE_SHARE_SOFTCAP = 1.0  # softcap adds a tanh pass (1.7 us per section) on ScalarE, which then
                             # stays the busier engine with every P^T block on VectorE
 
@@ -122,7 +123,7 @@ def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
     return s_sb, rowmax
 
 
-def softmax_step(state, s_sb, rowmax, p_dtype, exp_scale):
+def softmax_step(state, s_sb, rowmax, p_dtype, exp_scale, p_width=None):
     """Update neg_m = min(neg_m, -exp_scale * rowmax) with the section (GpSimd; ``exp_scale`` is
     the softmax scale when the scores are kept unscaled, see ``flash_attention_fwd.RAW_SCALE_MIN``, else 1);
     returns
@@ -137,9 +138,12 @@ def softmax_step(state, s_sb, rowmax, p_dtype, exp_scale):
     if not state.fresh:
         alpha = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=alpha, op=nl.exp, data=state.neg_m, scale=-1.0, bias=neg_m_new)
-    p_sb = nl.ndarray((qn, slen), dtype=p_dtype, buffer=nl.sbuf)
+    width = slen if p_width is None else p_width
+    p_sb = nl.ndarray((qn, width), dtype=p_dtype, buffer=nl.sbuf)
+    if width > slen:    # columns of a padded V run past the section: P = 0 there
+        nisa.memset(dst=p_sb[:, slen:width], value=0.0, engine=nisa.engine.gpsimd)
     rowsum = nl.ndarray((qn, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=p_sb, op=nl.exp, data=s_sb, scale=exp_scale, bias=neg_m_new,
+    nisa.activation(dst=p_sb[:, 0:slen], op=nl.exp, data=s_sb, scale=exp_scale, bias=neg_m_new,
                     reduce_op=nl.add,
                     reduce_res=rowsum, reduce_cmd=nisa.reduce_cmd.reset_reduce)
     state.neg_m = neg_m_new
@@ -152,53 +156,67 @@ def transpose_p(p_sb, v_blocks):
     key columns in the order its V block holds them (``v_blocks``, see
     ``flash_attention_fwd_values``); blocks are grouped into PSUM tiles of one bank each.
     Returns ``((first block, pt_psum (128, blocks, qn)), ...)``."""
-    qn, slen = p_sb.shape
+    qn = p_sb.shape[0]
     pmax = nl.tile_size.pmax
-    blocks = key_blocks(slen)
     p_bytes = FP32_BYTES if p_sb.dtype == nl.float32 else HALF_BYTES
     per_bank = max(1, nl.tile_size.psum_fmax * FP32_BYTES // (pmax * p_bytes))
     pt_tiles = []
-    for j0 in range(0, len(blocks), per_bank):
-        nb = min(per_bank, len(blocks) - j0)
+    for j0 in range(0, len(v_blocks), per_bank):
+        nb = min(per_bank, len(v_blocks) - j0)
         pt_psum = nl.ndarray((pmax, nb, qn), dtype=p_sb.dtype, buffer=nl.psum)
         for j in range(j0, j0 + nb):
             c0, c1, step = v_blocks[j][1]
-            nisa.nc_transpose(dst=pt_psum[0:blocks[j][1], j - j0, :], data=p_sb[:, c0:c1:step],
-                              engine=nisa.engine.tensor)
+            nisa.nc_transpose(dst=pt_psum[0:v_blocks[j][0].shape[0], j - j0, :],
+                              data=p_sb[:, c0:c1:step], engine=nisa.engine.tensor)
         pt_tiles.append((j0, pt_psum))
     return pt_tiles
 
 
-def dma_transposable(p_dtype, v_blocks, slen):
-    """P^T of a section can come from one SBUF -> SBUF DMA transpose: 2-byte P, whole 128-key
-    blocks, and V in natural blocks (the transpose gives each block's keys in order)."""
+def natural_suffix(p_dtype, v_blocks, width):
+    """First block of the section's trailing run of whole natural V blocks whose P columns end at
+    ``width`` (P's columns for them are then contiguous and in key order, so one SBUF -> SBUF DMA
+    transpose gives their P^T); ``len(v_blocks)`` when there is none or P is fp32."""
     pmax = nl.tile_size.pmax
-    return (p_dtype != nl.float32 and slen % pmax == 0
-            and all(blk[1][2] == 1 for blk in v_blocks))
+    j = len(v_blocks)
+    if p_dtype == nl.float32:
+        return j
+    end = width
+    while j > 0:
+        v_blk, (c0, c1, step) = v_blocks[j - 1]
+        if step != 1 or v_blk.shape[0] != pmax or c1 != end or c1 - c0 != pmax:
+            break
+        end = c0
+        j -= 1
+    return j
 
 
-def dma_transpose_p(p_sb):
-    """P^T (128, blocks, qn) in SBUF by one DMA transpose of P (qn, slen): each partition moves
-    one contiguous run of ``slen`` 2-byte elements (4 KiB for a 2048-key section), no TensorE
-    transpose and no PSUM eviction (docs/cost-model.md §2.6: 50 % of DMA throughput SBUF -> SBUF)."""
-    qn, slen = p_sb.shape
+def dma_transpose_p(p_sb, j0):
+    """P^T (128, blocks, qn) in SBUF with its blocks ``j0..`` by one DMA transpose of P's columns
+    ``[128 j0, width)`` (whole natural blocks, :func:`natural_suffix`): each partition moves one
+    contiguous run of ``2 * (width - 128 j0)`` bytes (4 KiB for 2048 keys), no TensorE transpose
+    and no PSUM eviction (docs/cost-model.md §2.6: 50 % of DMA throughput SBUF -> SBUF); blocks
+    ``< j0`` are left to :func:`transpose_p` and :func:`evict_pt`."""
+    qn, width = p_sb.shape
     pmax = nl.tile_size.pmax
-    nb = slen // pmax
+    nb = width // pmax
     pt4_sb = nl.ndarray((pmax, 1, nb, qn), dtype=p_sb.dtype, buffer=nl.sbuf)
-    nisa.dma_transpose(dst=pt4_sb, src=p_sb.reshape((qn, 1, nb, pmax)))
+    nisa.dma_transpose(dst=pt4_sb[:, :, j0:nb, :],
+                       src=p_sb.reshape((qn, 1, nb, pmax))[:, :, j0:nb, :])
     return pt4_sb[:, 0, :, :]
 
 
-def evict_pt(pt_tiles, slen, dve_share):
+def evict_pt(pt_tiles, slen, dve_share, pt_sb=None):
     """P^T to SBUF (128, blocks, qn), one instruction per PSUM tile and engine: the first full
     blocks of the section on ScalarE, the last ``round(dve_share * blocks)`` on VectorE (the
-    remainder block, only its rows, on ScalarE)."""
+    remainder block, only its rows, on ScalarE). ``slen``: P columns transposed on TensorE;
+    ``pt_sb``: the tile to fill (its later blocks came by DMA, :func:`dma_transpose_p`)."""
     pmax = nl.tile_size.pmax
     n_blocks = len(key_blocks(slen))
     n_full = slen // pmax
     cut = n_full - min(n_full, int(dve_share * n_blocks + 0.5))   # first block on VectorE
     qn = pt_tiles[0][1].shape[2]
-    pt_sb = nl.ndarray((pmax, n_blocks, qn), dtype=pt_tiles[0][1].dtype, buffer=nl.sbuf)
+    if pt_sb is None:
+        pt_sb = nl.ndarray((pmax, n_blocks, qn), dtype=pt_tiles[0][1].dtype, buffer=nl.sbuf)
     for j0, pt_psum in pt_tiles:
         full_end = min(n_full, j0 + pt_psum.shape[1])
         act_end = max(j0, min(cut, full_end))

@@ -33,9 +33,16 @@ from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.tiles import key_blocks
 from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 
-__all__ = ["MAX_READ_STRIDE_BYTES", "interleave_blocks", "load_v", "ValueCache", "cache_bytes",
-           "cached_v"]
+__all__ = ["PADDED_RUNS", "MAX_READ_STRIDE_BYTES", "interleave_blocks", "load_v", "ValueCache",
+           "cache_bytes", "cached_v", "padded_width"]
 
+PADDED_RUNS = 1  # with one query head per pass and no softcap, the first run(s) of a kv head are
+                 # used interleaved even by a section that covers them in part (its P zero-padded
+                 # to the run end, ``padded_width``): in causal order those are the shortest rows,
+                 # the DMA-bound start, where natural blocks cost one 256 B row per key per block.
+                 # The zero blocks cost every head their transposes and evictions, so several
+                 # heads per pass (GQA) or softcap (ScalarE-bound) keep natural blocks
+                 # (docs/perf-log.md §14.4)
 MAX_READ_STRIDE_BYTES = 16  # innermost read stride above which an engine port runs at half
                             # bandwidth (docs/cost-model.md §2.5, NC-v2 arch guide)
 
@@ -92,6 +99,7 @@ class ValueCache(nl.NKIObject):
     """V of one (batch, kv head) in SBUF: natural blocks by global block index and interleaved
     runs by global run index, filled on demand, dropped when the kv head changes."""
     owner: object          # (b, hk) or None
+    padded_runs: int       # runs of a kv head used interleaved even when covered in part
     natural: dict          # J -> (128, D) block tile view
     runs: dict             # r -> (run tile (128, c, D), c)
 
@@ -142,7 +150,7 @@ def cached_v(v, cache, b, hk, s0, slen):
         r = j // il
         g0 = r * il
         c = min(il, n_full - g0)
-        covers = j == g0 and c > 0 and j_end >= g0 + c
+        covers = j == g0 and c > 0 and (j_end >= g0 + c or r < cache.padded_runs)
         if covers and (r in cache.runs or all(g not in cache.natural for g in range(g0, g0 + c))):
             if r not in cache.runs:
                 cache.runs[r] = (_load_run(v, b, hk, g0 * pmax, c), c)
@@ -156,3 +164,9 @@ def cached_v(v, cache, b, hk, s0, slen):
             desc.append((cache.natural[g][0:bn, :], (g * pmax - s0, g * pmax - s0 + bn, 1)))
         j = stop
     return tuple(desc)
+
+
+def padded_width(v_blocks, slen):
+    """Columns P needs for a section's V blocks: ``slen``, or the end of a padded interleaved run
+    (``ValueCache.padded_runs``) past it, whose columns past ``slen`` are zero."""
+    return max([slen] + [cols[1] for _, cols in v_blocks])
