@@ -530,14 +530,33 @@ def group_blocks(hidden, inter, block, itemsize, **counts):
 def _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate_up, b_down, activation,
                   weight_layout, save):
     """(inter, flags, block size) of a forward launch; raises Unsupported as the launcher does. The
-    SBUF figures count the "accumulate" combine's buffers on one core (``accumulate``), whichever
-    combine the data then selects, so the grouping does not depend on the data."""
+    SBUF figures count the "accumulate" combine's buffers (``accumulate``) when the launch may take
+    it: on one core, where they still fit and leave the output rows staged whole
+    (:func:`_accumulate_fits`), whichever combine the data then selects, so the grouping does not
+    depend on the data."""
     in_out = weight_layout == "in_out"
     inter = w_down.shape[1] if in_out else w_down.shape[2]
     flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None or b_down is not None,
-                 in_out=in_out, save=save, accumulate=lnc_degree() == 1)
+                 in_out=in_out, save=save, accumulate=False)
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, inter, sbuf_fn=sbuf_bytes, **flags)
+    shape = (x.shape[1], inter, block_size, x.element_size(), topk_weights.shape[1],
+             planned_blocks(block_expert.shape[0]), w_down.shape[0])
+    if lnc_degree() == 1 and _accumulate_fits(shape, dict(flags, accumulate=True)):
+        flags["accumulate"] = True
     return inter, flags, block_size
+
+
+def _accumulate_fits(shape, flags):
+    """Whether the forward with the "accumulate" combine's buffers counted (``flags``) fits SBUF
+    and stages its output rows whole; ``shape`` = (H, I, block size, itemsize, k, plan blocks,
+    experts)."""
+    hidden, inter, block_size, itemsize, top_k, n_blocks, n_experts = shape
+    fit = nl.tile_size.total_available_sbuf_size
+    if sbuf_bytes(hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=n_blocks, **flags) > fit:
+        return False
+    blocks = group_blocks(hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=n_blocks, **flags)
+    n_groups = group_count(n_blocks, n_experts, blocks, 0)
+    return tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k, n_blocks=n_groups, **flags)[1] >= hidden
 
 
 def saved_grouping(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None,
@@ -573,8 +592,8 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
     h_chunk, y_cols, defer, gu_cols, wd_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
                                                       n_blocks=planned_groups(group_expert.shape[0], blocks), **flags)
     tokens = slot_tokens(group_slots, top_k)
-    whole_rows = y_cols >= hidden
-    repeated = flags["accumulate"] and whole_rows and repeats_a_token(tokens, group_expert.shape[0])
+    whole_rows = flags["accumulate"] and y_cols >= hidden     # its buffers counted, rows staged whole
+    repeated = whole_rows and repeats_a_token(tokens, group_expert.shape[0])
     combine = combine_mode(lnc_degree(), repeated, whole_rows)
     weights = slot_weights(topk_weights, group_slots) if combine == "accumulate" else routing_weights(topk_weights)
     return KernelLaunch(moe_experts_fwd_kernel,

@@ -5,12 +5,12 @@ Two combines (chosen by the launcher, :func:`combine_mode`):
 
 - ``"sum"`` (LNC2, output rows staged in parts, or repeated tokens): every assignment's fp32
   row is scattered into the assignment-ordered scratch y_slots (N, H) in HBM, and after the last
-  group (and a core barrier)
-  :func:`~.moe_experts_steps.reduce_assignments` sums each token's k rows in the fixed order
-  j = 0..k-1, reading N x H x 4 bytes after the loop. The order does not depend on which core
-  made a row, so LNC2 is bitwise LNC1.
-- ``"accumulate"`` (LNC1, output rows staged whole): the PSUM eviction multiplies each slot's row by its routing weight
-  (ScalarE ``activation`` scale, a per-partition fp32 operand: slots sit on partitions), and the
+  group (and a core barrier) :func:`~.moe_experts_steps.reduce_assignments` sums each token's k
+  rows in the fixed order j = 0..k-1, reading N x H x 4 bytes after the loop. The order does not
+  depend on which core made a row, so LNC2 is bitwise LNC1.
+- ``"accumulate"`` (LNC1, output rows staged whole): the PSUM eviction multiplies each slot's
+  row by its routing weight (ScalarE ``activation`` scale, a per-partition fp32 operand: slots
+  sit on partitions), and the
   weighted row is added into a token-ordered accumulator (T, H) in HBM by the DMA engines'
   indexed read-modify-write (``nisa.dma_compute``, "Scatter RMW": dst(HBM)[indices] =
   dst(HBM)[indices] + src(SBUF), computed in fp32 inside the DMA and cast to dst's dtype;
@@ -20,10 +20,10 @@ Two combines (chosen by the launcher, :func:`combine_mode`):
   dtype, as PyTorch's own ``index_add_`` loop in that dtype does; no tail), or, with
   :data:`FP32_ACCUMULATOR`, an fp32 scratch and a tail that converts it to x's dtype
   (docs/perf-log.md §14.2 gives the cost and the error of both). Within one indirect DMA the
-  row indices are distinct (a token reaches an expert at most once); successive scatters touch
-  y_acc in program order (the HBM side of an indirect DMA covers the whole tensor for hazards),
-  so a token's terms are added in group order, which is fixed on one core: the result is
-  deterministic. On LNC2 the two cores would add into the same rows at once, a race that no
+  row indices are distinct (a plan whose group names a token twice takes "sum"); successive
+  scatters touch the accumulator in program order (the HBM side of an indirect DMA covers the
+  whole tensor for hazards), so a token's terms are added in group order, which is fixed on one
+  core: the result is deterministic. On LNC2 the two cores would add into the same rows at once, a race that no
   documented atomicity rules out, so LNC2 keeps ``"sum"``.
 
 Shapes (dimension legend): T tokens, H hidden, N = T * k assignments, NG groups, S slots per
@@ -35,8 +35,6 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nl
 from nki_lib.moe.kernels.moe_experts_steps import WEIGHT_SPAN, scatter_rows
 from nki_lib.sizes import spans
-
-COMBINES = ("sum", "accumulate")
 
 # The "accumulate" combine's accumulator for 16-bit x: False = y itself (x's dtype, no tail;
 # error about that of PyTorch's own loop in x's dtype, within the parity rule), True = an fp32
