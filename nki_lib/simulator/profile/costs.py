@@ -236,6 +236,13 @@ def _descriptor_generation(attrs, descriptors: int, hw: HardwareParams) -> tuple
     return None, hw.dma_issue_static_ns
 
 
+def _hbm_passes(entry) -> int:
+    """How many times a DMA's bytes cross HBM: once per HBM-side read and once per HBM-side write
+    (docs/cost-model.md §7.3): 1 for a load or a store, 2 for an HBM-to-HBM copy or a
+    read-modify-write of HBM (``dma_compute``'s scatter RMW reads its destination and writes it)."""
+    return max(1, sum(a.memory in _HBM for a in (*entry.reads, *entry.writes)))
+
+
 def _dma_cost(entry, hw: HardwareParams) -> InstrCost:
     attrs = entry.attrs
     on_chip = [a for a in (*entry.writes, *entry.reads) if a.memory in _ON_CHIP]
@@ -252,7 +259,8 @@ def _dma_cost(entry, hw: HardwareParams) -> InstrCost:
     rows_per_engine = math.ceil(rows / engines)
     memories = {a.memory for a in (*entry.reads, *entry.writes)} | {attrs.get("src_memory"), attrs.get("dst_memory")}
     hbm = bool(memories & set(_HBM))
-    bw = min(hw.dma_bw_per_engine, hw.hbm_bw_share / hw.dma_engines) if hbm else hw.dma_bw_per_engine
+    bw = min(hw.dma_bw_per_engine, hw.hbm_bw_share / hw.dma_engines / _hbm_passes(entry)) if hbm \
+        else hw.dma_bw_per_engine
     if entry.opcode == "dma_transpose":
         bw *= hw.dma_transpose_eff_hbm if hbm else hw.dma_transpose_eff_sbuf
     service = rows_per_engine * chunks_per_row * max(chunk / bw, hw.dma_chunk_floor_ns)
