@@ -343,6 +343,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     saved = output[1] if isinstance(output, tuple) else None     # the training forward's g/u
     if saved is not None:
         ctx.mark_non_differentiable(saved)
+    ctx.set_materialize_grads(False)    # no zero gradient built for the saved g/u (or an unused y)
     ctx.save_for_backward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *biases, saved)
     ctx.flags = dict(keyword_only_inputs)
 
