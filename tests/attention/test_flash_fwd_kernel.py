@@ -310,14 +310,15 @@ def test_long_sections_transpose_p_by_dma():
 
 
 @pytest.mark.parametrize("case", [
-    Case(hq=1, sq=1024, sk=1024, d=64, causal=True),
-    Case(hq=2, hkv=2, sq=384, sk=600, d=32, dtype=torch.float16, causal=True),
-], ids=["one-run", "tail"])
+    Case(hq=1, sq=4096, sk=4096, d=32, causal=True),
+    Case(hq=1, sq=4608, sk=4608, d=32, dtype=torch.float16, causal=True),
+], ids=["four-runs", "part-run"])
 def test_first_run_padded_for_short_causal_rows(case):
-    """One head per pass, no softcap: the short causal rows use the kv head's first V run
-    interleaved (one long DMA row per partition) with P zero-padded to the run end, so their
-    P^T blocks outnumber the visible ones; V is still read once; same parity. With softcap the
-    rows keep natural blocks (exactly the visible blocks)."""
+    """One head per pass, no softcap, at least PADDED_RUN_MIN_RUNS V runs (1024-key runs):
+    the short causal rows use the kv head's first V run interleaved (one long DMA row per
+    partition) with P zero-padded to the run end, so their P^T blocks outnumber the visible ones;
+    V is still read once; same parity. With softcap the rows keep natural blocks (exactly the
+    visible blocks)."""
     report = _trace_of(case)
     pe_blocks, dma_blocks, pv_blocks = _pt_blocks(report, case)
     visible_blocks = _tile_pairs(case)[2] // simulator.tile_size.pmax
@@ -328,6 +329,14 @@ def test_first_run_padded_for_short_causal_rows(case):
                   causal=True, softcap=30.0)
     pe_blocks, dma_blocks, pv_blocks = _pt_blocks(_trace_of(capped), capped)
     assert pv_blocks == pe_blocks + dma_blocks == visible_blocks * case.hq
+
+
+def test_few_runs_keep_natural_blocks():
+    """Under PADDED_RUN_MIN_RUNS runs (bf16 S = 1024: one run) the padding would cost more than it
+    saves, so every P^T block is a visible one."""
+    case = Case(hq=1, sq=1024, sk=1024, d=64, causal=True)
+    pe_blocks, dma_blocks, pv_blocks = _pt_blocks(_trace_of(case), case)
+    assert pe_blocks + dma_blocks == pv_blocks == _tile_pairs(case)[2] // simulator.tile_size.pmax
 
 
 def test_gqa_loads_each_kv_tile_once_per_group():

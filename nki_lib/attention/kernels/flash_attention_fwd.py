@@ -133,7 +133,13 @@ from nki_lib.attention.kernels.flash_attention_fwd_step import (
     PT_DVE_SHARE_SOFTCAP,
     warm_table,
 )
-from nki_lib.attention.kernels.flash_attention_fwd_values import PADDED_RUNS, ValueCache, cache_bytes
+from nki_lib.attention.kernels.flash_attention_fwd_values import (
+    PADDED_RUN_MIN_RUNS,
+    PADDED_RUNS,
+    ValueCache,
+    cache_bytes,
+    interleave_blocks,
+)
 from nki_lib.attention.kernels.flash_attention_transposed_loads import as_kernel_layout, on_chip
 from nki_lib.attention.kernels.tiles import (
     MAX_INDEX,
@@ -219,7 +225,8 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
     # V of the kv head stays too when K^T and V (both layouts) fit the same SBUF share
     v_fits = k_fits and (len(chunks) * sk * q_bytes + cache_bytes(sk, d, v.dtype)
                          <= nl.tile_size.total_available_sbuf_size // K_CACHE_SBUF_SHARE)
-    padded_runs = PADDED_RUNS if n_pass == 1 and softcap == 0 else 0
+    run_keys = interleave_blocks(v.dtype) * nl.tile_size.pmax
+    padded_runs = PADDED_RUNS if n_pass == 1 and softcap == 0 and sk >= PADDED_RUN_MIN_RUNS * run_keys else 0
     ctx.v_cache = (ValueCache(owner=None, natural={}, runs={}, padded_runs=padded_runs)
                    if v_fits else None)
     groups = program_share(plan_groups(mask, n_batch, n_kv_heads, group, n_pass, section_keys),

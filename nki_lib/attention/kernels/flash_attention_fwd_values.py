@@ -33,7 +33,7 @@ from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.tiles import key_blocks
 from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 
-__all__ = ["PADDED_RUNS", "MAX_READ_STRIDE_BYTES", "interleave_blocks", "load_v", "ValueCache",
+__all__ = ["PADDED_RUNS", "PADDED_RUN_MIN_RUNS", "MAX_READ_STRIDE_BYTES", "interleave_blocks", "load_v", "ValueCache",
            "cache_bytes", "cached_v", "padded_width"]
 
 PADDED_RUNS = 1  # with one query head per pass and no softcap, the first run(s) of a kv head are
@@ -43,6 +43,11 @@ PADDED_RUNS = 1  # with one query head per pass and no softcap, the first run(s)
                  # The zero blocks cost every head their transposes and evictions, so several
                  # heads per pass (GQA) or softcap (ScalarE-bound) keep natural blocks
                  # (docs/perf-log.md §14.4)
+PADDED_RUN_MIN_RUNS = 4  # ... and only when the kv head has at least this many runs: padding the
+                         # first run adds about (run / sk)^2 of a causal head's work (the rows under
+                         # one run padded to it), <= 1/16 here; with fewer runs it costs more than it
+                         # saves (S = 1024 D = 192 one head per pass +14 %, S = 2048 D = 64 +3 %,
+                         # docs/perf-log.md §14.6)
 MAX_READ_STRIDE_BYTES = 16  # innermost read stride above which an engine port runs at half
                             # bandwidth (docs/cost-model.md §2.5, NC-v2 arch guide)
 
