@@ -121,14 +121,28 @@ def _tracing(tensors) -> bool:
     return not has_values(*tensors)
 
 
+def _refusal(path: str, tensors) -> str | None:
+    """Why the NKI ``path`` cannot take a call with these tensors before any launch is planned, or None."""
+    if any(t.dtype == torch.float64 for t in tensors):
+        return "float64"
+    if path == "device" and not backend.device_available():
+        return "device: the real nki package is not available"
+    return None
+
+
+def kernel_path(tensors: Iterable[torch.Tensor | None]) -> str | None:
+    """The NKI path ("simulator" or "device") :func:`dispatch` would try for a call with these
+    tensors, or None when it goes to the reference without planning a launch (asked for, float64
+    inputs, no device). A launch may still raise :class:`Unsupported` on the path returned."""
+    tensors = [t for t in tensors if t is not None]
+    path = backend.requested_path(tensors)
+    return None if path == "reference" or _refusal(path, tensors) else path
+
+
 def _dispatch(op, tensors, launch, reference):
     path = backend.requested_path(tensors)
     if path != "reference":
-        reason = None
-        if any(t.dtype == torch.float64 for t in tensors):
-            reason = "float64"
-        elif path == "device" and not backend.device_available():
-            reason = "device: the real nki package is not available"
+        reason = _refusal(path, tensors)
         if reason is None:
             try:
                 planned = launch()

@@ -41,7 +41,7 @@ import torch
 from nki_lib import registry
 from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.autograd.autocast import follow_sdpa_autocast
-from nki_lib.dispatch import dispatch
+from nki_lib.dispatch import Unsupported, dispatch, kernel_path
 from nki_lib.moe import moe_experts_reference as reference
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.validation import FLOAT_DTYPES, check_same_device, check_same_dtype, has_values
@@ -216,13 +216,7 @@ def saved_grouping(args, flags):
     (``moe_experts_fwd.saved_grouping``) when a training forward will run it and can save them, else None (the reference path, float64,
     or a call the forward kernel cannot serve, or cannot serve while saving: the backward then
     recomputes g and u). Reads no data (the fake uses it)."""
-    from nki_lib import backend
-    from nki_lib.dispatch import Unsupported
-
-    tensors = [t for t in args[:2] + args[4:] if t is not None]
-    path = backend.requested_path(tensors)
-    if path == "reference" or any(t.dtype == torch.float64 for t in tensors) or \
-            (path == "device" and not backend.device_available()):
+    if kernel_path(args[:2] + args[4:]) is None:
         return None
     from nki_lib.moe.kernels import moe_experts_fwd
     try:
@@ -444,6 +438,7 @@ SPEC = registry.register(OpSpec(
     samples=_samples,
     report_samples=_report_samples,
     backward_name="moe_experts_backward",
+    variants=("moe_experts_train",),
     family="moe",
     launchers=(
         "nki_lib.moe.kernels.moe_experts_fwd.launch_moe_experts_fwd",
