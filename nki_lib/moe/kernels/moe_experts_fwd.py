@@ -546,6 +546,12 @@ def _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate
     return inter, flags, block_size
 
 
+def _launch_group_blocks(x, topk_weights, block_expert, inter, block_size, flags):
+    """Blocks per group of a forward launch (:func:`group_blocks` at the planned plan size)."""
+    return group_blocks(x.shape[1], inter, block_size, x.element_size(), top_k=topk_weights.shape[1],
+                        n_blocks=planned_blocks(block_expert.shape[0]), **flags)
+
+
 def _accumulate_fits(shape, flags):
     """Whether the forward with the "accumulate" combine's buffers counted (``flags``) fits SBUF
     and stages its output rows whole; ``shape`` = (H, I, block size, itemsize, k, plan blocks,
@@ -565,8 +571,7 @@ def saved_grouping(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_
     the op's fake uses it); raises Unsupported where the forward kernel cannot serve the call."""
     inter, flags, block_size = _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate_up,
                                              b_down, activation, weight_layout, True)
-    counts = dict(top_k=topk_weights.shape[1], n_blocks=planned_blocks(block_expert.shape[0]), **flags)
-    blocks = group_blocks(x.shape[1], inter, block_size, x.element_size(), **counts)
+    blocks = _launch_group_blocks(x, topk_weights, block_expert, inter, block_size, flags)
     n_groups = group_count(block_expert.shape[0], w_gate_up.shape[0], blocks, 0)
     return blocks, saved_shape(n_groups, blocks * block_size, inter)
 
@@ -586,8 +591,7 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
                                              b_down, activation, weight_layout, save_activations)
     top_k = topk_weights.shape[1]
     hidden, itemsize = x.shape[1], x.element_size()
-    counts = dict(top_k=top_k, n_blocks=planned_blocks(block_expert.shape[0]), **flags)
-    blocks = group_blocks(hidden, inter, block_size, itemsize, **counts)
+    blocks = _launch_group_blocks(x, topk_weights, block_expert, inter, block_size, flags)
     group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
     h_chunk, y_cols, defer, gu_cols, wd_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
                                                       n_blocks=planned_groups(group_expert.shape[0], blocks), **flags)
