@@ -44,6 +44,7 @@ class OpSpec:
     differentiable: bool = True
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     backward_name: str | None = None                  # torch.ops.nki.<backward_name>, if any
+    variants: tuple[str, ...] = ()                    # internal ops (torch.ops.nki.<variant>) serving this op's calls
     family: str = ""                                  # package under nki_lib: "attention", "moe"
     launchers: tuple[str, ...] = ()                   # dotted paths: ...kernels.<op>_fwd.launch_<op>_fwd, ...
     kernels: tuple[str, ...] = ()                     # dotted paths: ...kernels.<op>_fwd.<op>_fwd_kernel, ...

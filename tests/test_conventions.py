@@ -6,6 +6,7 @@ import pathlib
 import re
 
 import pytest
+import torch
 
 import nki_lib
 from nki_lib import registry
@@ -95,6 +96,9 @@ def test_op_pieces_follow_the_grammar(spec):
     assert (spec.backward_name is not None) == spec.differentiable
     if spec.backward_name is not None:
         assert spec.backward_name == f"{spec.name}_backward"
+    for variant in spec.variants:       # internal ops serving the op's calls: <op>_<role>, in its op module
+        assert variant.startswith(f"{spec.name}_") and variant != spec.backward_name, variant
+        assert hasattr(torch.ops.nki, variant), f"torch.ops.nki.{variant} is not registered"
     kernels_pkg = f"nki_lib.{spec.family}.kernels"
     directions = _directions(spec)
     assert len(spec.launchers) == len(spec.kernels) == len(directions), spec.name

@@ -104,16 +104,14 @@ def account(func, args, kwargs, result, op: str) -> HostOp | None:
 
 def owner_op(name: str) -> str:
     """The registered op (or backward op) an ``nki::`` custom op's host ops are charged to, the name
-    its kernel launches are recorded under: itself when registered, else the longest registered
-    op whose name prefixes it (an op's internal variant, e.g. ``moe_experts_train``, the training
-    forward of ``moe_experts``)."""
+    its kernel launches are recorded under: itself, or for an op's internal variant (its spec's
+    ``variants``, e.g. ``moe_experts_train``, the training forward of ``moe_experts``) that op."""
     from nki_lib import registry
 
-    names = {n for spec in registry.all_specs() for n in (spec.name, spec.backward_name) if n}
-    if name in names:
-        return name
-    owners = [n for n in names if name.startswith(n + "_")]
-    return max(owners, key=len) if owners else name
+    for spec in registry.all_specs():
+        if name in spec.variants:
+            return spec.name
+    return name
 
 
 def autograd_glue_op(node_name: str) -> str | None:
