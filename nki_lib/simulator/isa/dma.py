@@ -62,10 +62,12 @@ def _indirect_form(*views):
     return "vector" if "vector" in forms else ("scalar" if forms else None)
 
 
-def _reads(src, dst):
-    """``src`` plus the SBUF tensors holding either view's runtime offsets (the DMA reads those too)."""
-    offsets = tuple(v._dyn[1] for v in (src, dst) if v._dyn is not None and isinstance(v._dyn[1], NkiTensor))
-    return (src,) + offsets
+def _reads(srcs, dst):
+    """The source views ``srcs`` (one view or several) plus the SBUF tensors holding the runtime
+    offsets of any of them or of ``dst`` (the DMA reads those too)."""
+    srcs = tuple(srcs) if isinstance(srcs, (list, tuple)) else (srcs,)
+    offsets = tuple(v._dyn[1] for v in (*srcs, dst) if v._dyn is not None and isinstance(v._dyn[1], NkiTensor))
+    return srcs + offsets
 
 
 def dma_copy(dst, src, priority=None, oob_mode=_oob_mode.error, dge_mode=_dge_mode.unknown,
@@ -168,7 +170,6 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
         total = f if total is None else total + f
     if total is not None:
         dst._scatter(cast_to(total, dst._dtype), c.opcode, "dst", skip=skip)
-    offsets = tuple(v._dyn[1] for v in (*srcs, dst) if v._dyn is not None and isinstance(v._dyn[1], NkiTensor))
-    c.record("dma", tuple(srcs) + offsets, (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
+    c.record("dma", _reads(srcs, dst), (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
              _attrs(srcs[0], dst, num_srcs=len(srcs)))
     return INSTRUCTION
