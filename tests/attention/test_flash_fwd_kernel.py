@@ -191,14 +191,22 @@ def _tile_pairs(case: Case):
     Case(sq=700, sk=1500, d=32, window=(200, 100)),
     Case(sq=300, sk=1100, d=16),
 ], ids=["causal", "window", "unmasked"])
-def test_skips_invisible_tiles_and_masks_only_partial_tiles(case):
+def test_skips_invisible_tiles_and_masks_only_partial_tiles(case, monkeypatch):
+    unmasked = []   # widths of the unmasked evictions (range_select with all-key bounds)
+    evict = fwd_step.evict_unmasked
+
+    def spy(s_tile, *args):
+        unmasked.append(s_tile.shape[1])
+        return evict(s_tile, *args)
+
+    monkeypatch.setattr(fwd_step, "evict_unmasked", spy)
     report = _trace_of(case)
     opcodes = [e.opcode for e in report.trace]
     visible, partial, _ = _tile_pairs(case)
-    assert opcodes.count("range_select") == partial * case.hq
+    assert opcodes.count("range_select") == partial * case.hq + len(unmasked)
     # unmasked tiles are evicted alone or merged with their unmasked neighbours into runs of up
     # to EVICT_RUN_TILES tiles: every unmasked key exactly once per head, no run too wide
-    evicts = [e.shape[-1] for e in report.trace if e.opcode == "tensor_scalar_reduce"]
+    evicts = [e.shape[-1] for e in report.trace if e.opcode == "tensor_scalar_reduce"] + unmasked
     run_keys = fwd_step.EVICT_RUN_TILES * tiles.key_tile_width()
     assert sum(evicts) == _unmasked_keys(case) * case.hq
     assert max(evicts, default=0) <= run_keys

@@ -146,6 +146,7 @@ from nki_lib.attention.kernels.tiles import (
     STAT_INIT,
     KeyRows,
     MaskSpec,
+    all_key_bounds,
     bounds_layout,
     head_dim_chunks,
     heads_per_pass,
@@ -255,6 +256,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
     score_batch = SOFTCAP_BATCH if softcap > 0 else 1
     pt_dve_share = PT_DVE_SHARE_SOFTCAP if softcap > 0 else PT_DVE_SHARE_DMA_PT if dma_pt else PT_DVE_SHARE
     close_lag = CLOSE_LAG if n_pass == 1 else CLOSE_LAG_HEADS
+    all_keys = all_key_bounds() if softcap == 0 and exp_scale == scale else None
     seed_sb = None
     if softcap == 0:    # with softcap the first function is tanh
         seed_sb = warm_table(nl.exp)
@@ -269,7 +271,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
         if (it + SCORE_LEAD) % score_batch == 0:
             for s in range(it + SCORE_LEAD, it + SCORE_LEAD + score_batch):
                 load_k(ctx, groups, steps, s)
-                stage_scores(groups, steps, work, s, scale / exp_scale, softcap)
+                stage_scores(groups, steps, work, s, scale / exp_scale, softcap, all_keys)
         stage_pv(groups, steps, work, it - PV_LAG)
         stage_transpose(groups, steps, work, it, it in dma_pt)
         closing.append([])

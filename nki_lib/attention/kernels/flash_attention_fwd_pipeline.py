@@ -105,7 +105,7 @@ def real(steps, s):
     return 0 <= s < len(steps) and steps[s][1] >= 0
 
 
-def stage_scores(groups, steps, work, s, scale, softcap):
+def stage_scores(groups, steps, work, s, scale, softcap, all_keys=None):
     """A: final scores of step s in SBUF and their row max: per score tile QK^T into one PSUM
     bank [PE], then its evict/scale/mask/max [DVE/ACT]; drops K^T after the last head."""
     if real(steps, s):
@@ -113,7 +113,7 @@ def stage_scores(groups, steps, work, s, scale, softcap):
         grp = groups[gi]
         s0, _, sub_tiles = section_span(grp, si)
         s_sb, rowmax = section_scores(grp.q_tiles[hi], grp.k[si], sub_tiles, s0, scale,
-                                        softcap, grp.bounds)
+                                        softcap, grp.bounds, all_keys)
         work[s] = Work(s_sb=s_sb, rowmax=rowmax)
         if hi == len(grp.heads) - 1:
             grp.k[si] = None

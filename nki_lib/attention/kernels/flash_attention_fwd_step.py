@@ -22,7 +22,7 @@ from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 __all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_DMA_PT", "PT_DVE_SHARE_SOFTCAP", "warm_table", "section_scores", "softmax_step", "transpose_p", "evict_pt",
            "natural_suffix", "dma_transpose_p", "p_times_v"]
 
-EVICT_RUN_TILES = 2  # unmasked score tiles evicted together (2 fp32 PSUM banks, 1024 keys; an
+EVICT_RUN_TILES = 1  # unmasked score tiles evicted together (2 fp32 PSUM banks, 1024 keys; an
                      # engine operand may read 4K PSUM elements per partition,
                      # docs/nki-semantics.md §3.5): the 64-cycle cost of each VectorE
                      # tensor_scalar_reduce is paid once per run (-3.2 us VectorE at 4096 causal)
@@ -33,7 +33,7 @@ PT_DVE_SHARE = 0.42  # share of a section's P^T blocks evicted by VectorE, the r
                       # (16-bit PSUM at 2x): 0.42 balances them at 4096 causal with the last
                       # steps' blocks all on VectorE (flash_attention_fwd.DRAIN_STEPS;
                       # docs/perf-log.md §12.4)
-PT_DVE_SHARE_DMA_PT = 0.43  # the same when some long sections' P^T go by DMA transpose
+PT_DVE_SHARE_DMA_PT = 0.47  # the same when some long sections' P^T go by DMA transpose
                             # (flash_attention_fwd_plan.dma_transposed_steps) and the first V run is
                             # padded (the rows 0-6 blocks): 0.37 / 0.40 / 0.45 measured 112.1 /
                             # 109.6, 112.0 / 109.4, 112.4 / 109.6 at 4096 causal against 111.8 /
@@ -84,7 +84,17 @@ def evict_runs(sub_tiles):
     return tuple(runs)
 
 
-def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
+def evict_unmasked(s_tile, s_psum, k0, all_keys, rowmax, reduce_cmd):
+    """Unmasked raw scores (qn, kn) from PSUM to SBUF with their row max chained in the VectorE
+    accumulator: one ``range_select`` with bounds every key passes (``tiles.all_key_bounds``),
+    the instruction AWS documents for this attention step (max(64, N) cycles, without
+    ``tensor_scalar_reduce``'s 64-cycle extra, docs/cost-model.md §2.2)."""
+    qn = s_tile.shape[0]
+    mask_scores(s_tile, all_keys[0][:qn], all_keys[1][:qn], k0, rowmax, reduce_cmd=reduce_cmd,
+                src=s_psum)
+
+
+def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds, all_keys=None):
     """Final scores (qn, slen) fp32 in SBUF of a key section and their row max (qn, 1).
 
     Per score tile (``sub_tiles`` = ``((k0, kn, masked), ...)``; without softcap, runs of
@@ -117,6 +127,8 @@ def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds):
             else:
                 nisa.activation(dst=s_tile, op=nl.copy, data=src, scale=factor)
             mask_scores(s_tile, bounds[0], bounds[1], k0, res, reduce_cmd=cmd)
+        elif softcap == 0 and factor == 1.0 and all_keys is not None:
+            evict_unmasked(s_tile, src, k0, all_keys, res, cmd)
         else:
             nisa.tensor_scalar_reduce(dst=s_tile, data=src, op0=nl.multiply, operand0=factor,
                                       reduce_op=nl.maximum, reduce_res=res, reduce_cmd=cmd)

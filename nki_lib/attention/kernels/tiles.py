@@ -43,7 +43,7 @@ from nki_lib.sizes import spans
 __all__ = ["MASK_FILL", "STAT_INIT", "MAX_INDEX", "MaskSpec", "spans", "query_tiles", "key_tiles",
            "key_tile_width", "key_blocks", "head_dim_chunks", "plan_row", "heads_per_pass",
            "bounds_layout", "KeyRows", "BOUNDS_CHUNK_TILES",
-           "row_bounds", "mask_scores", "inf_max_rows"]
+           "all_key_bounds", "row_bounds", "mask_scores", "inf_max_rows"]
 
 MASK_FILL = -3.4028234663852886e38  # most negative finite float32 (range_select's only fill value)
 STAT_INIT = MASK_FILL / 2           # initial running max: finite, above MASK_FILL by ~1.7e38
@@ -176,6 +176,14 @@ def _constant_column(rows: int, value: float):
     col_sb = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=col_sb, value=float(value), engine=nisa.engine.gpsimd)   # DVE carries the scores
     return col_sb
+
+
+def all_key_bounds():
+    """``(lo_sb, hi_sb)``, each ``(pmax, 1)`` float32, that every key index passes (-1 and
+    MAX_INDEX): :func:`mask_scores` with them evicts an unmasked score tile and takes its row
+    max in one ``range_select`` (the instruction AWS documents for that attention step)."""
+    return (_constant_column(nl.tile_size.pmax, -1.0),
+            _constant_column(nl.tile_size.pmax, float(MAX_INDEX)))
 
 
 def row_bounds(mask: MaskSpec, q0: int, qn: int, key_rows: KeyRows | None = None, b: int = 0):
