@@ -22,10 +22,11 @@ from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 __all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_DMA_PT", "PT_DVE_SHARE_SOFTCAP", "warm_table", "section_scores", "softmax_step", "transpose_p", "evict_pt",
            "natural_suffix", "dma_transpose_p", "p_times_v"]
 
-EVICT_RUN_TILES = 1  # unmasked score tiles evicted together (2 fp32 PSUM banks, 1024 keys; an
-                     # engine operand may read 4K PSUM elements per partition,
-                     # docs/nki-semantics.md §3.5): the 64-cycle cost of each VectorE
-                     # tensor_scalar_reduce is paid once per run (-3.2 us VectorE at 4096 causal)
+EVICT_RUN_TILES = 1  # unmasked score tiles evicted together (fp32 PSUM banks; an engine operand
+                     # may read 4K PSUM elements per partition, docs/nki-semantics.md §3.5). Runs
+                     # of 2 paid tensor_scalar_reduce's 64-cycle extra once per 1024 keys; the
+                     # range_select eviction (evict_unmasked) has none, so one bank per eviction
+                     # (less PSUM held: 4096 causal 109.3 / 106.7 -> 108.7 / 106.4 us, §16.3)
 PT_DVE_SHARE = 0.42  # share of a section's P^T blocks evicted by VectorE, the rest by ScalarE.
                       # Per 2048-key bf16 section (trn2 rates) ScalarE has ~1.9 us fixed work
                       # (exp, the first section's acc copy) and VectorE ~2.4 us (score evicts +
@@ -35,9 +36,10 @@ PT_DVE_SHARE = 0.42  # share of a section's P^T blocks evicted by VectorE, the r
                       # docs/perf-log.md §12.4)
 PT_DVE_SHARE_DMA_PT = 0.47  # the same when some long sections' P^T go by DMA transpose
                             # (flash_attention_fwd_plan.dma_transposed_steps) and the first V run is
-                            # padded (the rows 0-6 blocks): 0.37 / 0.40 / 0.45 measured 112.1 /
-                            # 109.6, 112.0 / 109.4, 112.4 / 109.6 at 4096 causal against 111.8 /
-                            # 108.8, corners no better (docs/perf-log.md §14.4)
+                            # padded (the rows 0-6 blocks): 0.43 with tensor_scalar_reduce
+                            # evictions (docs/perf-log.md §14.4); 0.47 once the range_select
+                            # evictions took 4.3 us off VectorE (0.43 / 0.51: 109.6 / 107.2,
+                            # 109.4 / 106.8 against 109.3 / 106.7 us at 4096 causal, §16.3)
 PT_DVE_SHARE_SOFTCAP = 1.0  # softcap adds a tanh pass (1.7 us per section) on ScalarE, which then
                             # stays the busier engine with every P^T block on VectorE
 
@@ -100,7 +102,8 @@ def section_scores(q_tiles, k_tiles, sub_tiles, s0, scale, softcap, bounds, all_
     Per score tile (``sub_tiles`` = ``((k0, kn, masked), ...)``; without softcap, runs of
     consecutive unmasked tiles, :func:`evict_runs`): QK^T into one PSUM bank per tile, then one
     evict: scaled, capped, masked on partial tiles only; unmasked tiles (runs) take one VectorE
-    tensor_scalar_reduce (evict + scale + max). The row max is chained over the section's tiles
+    range_select with ``all_keys`` bounds (:func:`evict_unmasked`) when the scores need no
+    scale (``scale == 1``, no softcap), else one tensor_scalar_reduce (evict + scale + max). The row max is chained over the section's tiles
     in the VectorE accumulator (``reset_reduce`` on the first tile, ``reduce`` after it; no other
     accumulator instruction runs on VectorE in between) and read out once, by the last tile."""
     qn = q_tiles[0].shape[1]
