@@ -40,7 +40,9 @@ Per step (engines in brackets)::
     per score tile of the section:
       S (qn, kn) PSUM = sum over D chunks of matmul(q^T (dc, qn), k^T (dc, kn))          [PE]
       -> S_sec SBUF fp32 (+ tanh softcap on ACT) (+ mask, straight from PSUM), row max
-         chained over the section's tiles in the VectorE accumulator                    [DVE]
+         chained over the section's tiles in the VectorE accumulator: one range_select per
+         tile (all-key bounds when unmasked) with unscaled scores, else
+         tensor_scalar_reduce                                                           [DVE]
     neg_m = min(neg_m, -scale' * rowmax) [POOL]; alpha [ACT]; P = exp(scale' S_sec - m)
       (qn, slen) in the P dtype with the row sum fused                                  [ACT]
     P^T: one TensorE transpose per 128-key block into bank-sized PSUM tiles, evicted
