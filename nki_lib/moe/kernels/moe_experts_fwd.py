@@ -109,6 +109,14 @@ from nki_lib.moe.kernels.moe_experts_steps import (
 )
 from nki_lib.sizes import ceil_div, spans
 
+# H rows per partition of the in_out gate/up weight loads: w_gate_up[e] is (H, 2I) row-major, so
+# 2 consecutive H rows on one partition make one contiguous run of 4I elements (6 KiB at qwen3's
+# I = 768, bf16) instead of 2I (3 KiB): past the 4 KiB where a DMA saturates (docs/cost-model.md
+# §2.6), at every documented bound of the chunk floor. xT takes the same H order (its transposes
+# read x's columns with a step of 2 elements, 4 B for bf16: within the 16 B innermost stride of
+# full port bandwidth, §2.5).
+H_INTERLEAVE = 2
+
 # --------------------------------------------------------------------------- kernel
 
 
@@ -140,11 +148,11 @@ def _gate_up_weights(w_gate_up, expert_reg, h_tiles, inter, gu_cols):
     for span in (i_tiles[n:n + per_span] for n in range(0, len(i_tiles), per_span)):
         c0, ncols = span[0][0], span[-1][0] + span[-1][1] - span[0][0]
         if ncols == inter:
-            wg_sb = wu_sb = load_expert_cols(w_gate_up, expert_reg, h_tiles, 0, 2 * inter)
+            wg_sb = wu_sb = load_expert_cols(w_gate_up, expert_reg, h_tiles, 0, 2 * inter, interleave=H_INTERLEAVE)
             g0, u0 = 0, inter
         else:
-            wg_sb = load_expert_cols(w_gate_up, expert_reg, h_tiles, c0, ncols)
-            wu_sb = load_expert_cols(w_gate_up, expert_reg, h_tiles, inter + c0, ncols)
+            wg_sb = load_expert_cols(w_gate_up, expert_reg, h_tiles, c0, ncols, interleave=H_INTERLEAVE)
+            wu_sb = load_expert_cols(w_gate_up, expert_reg, h_tiles, inter + c0, ncols, interleave=H_INTERLEAVE)
             g0 = u0 = -c0
         for i0, isz in span:
             yield i0, isz, wg_sb, g0 + i0, wu_sb, u0 + i0
@@ -296,13 +304,14 @@ def _gather_group(x, slot_tiles, trips_reg):
     return x_rows
 
 
-def _transpose_group(x_t, slot_tiles, x_rows, trips_reg):
+def _transpose_group(x_t, slot_tiles, x_rows, trips_reg, interleave=1):
     """xT[:, :, slots] = x rows^T per live slot tile (a function, so that no loop variable keeps a
-    row tile alive after the caller releases the rows)."""
+    row tile alive after the caller releases the rows); ``interleave``: the H tiles in the order
+    of the gate/up weight tiles (:data:`H_INTERLEAVE` with the in_out layout)."""
     for _ in nl.dynamic_range(0, trips_reg):
         for (s0, _, _, live_reg, _, _), rows_sb in zip(slot_tiles, x_rows):
             for _ in nl.dynamic_range(0, live_reg):
-                transpose_rows(x_t, rows_sb, s0)
+                transpose_rows(x_t, rows_sb, s0, interleave)
 
 
 def store_saved(gu_saved, g, slot_tiles, saved, trips_reg):
@@ -338,7 +347,7 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, ti
     h_tiles, i_tiles = spans(x.shape[1], pmax), spans(inter, pmax)
     x_t = nl.ndarray((pmax, len(h_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
     h_t = nl.ndarray((pmax, len(i_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
-    _transpose_group(x_t, slot_tiles, x_rows, trips_reg)
+    _transpose_group(x_t, slot_tiles, x_rows, trips_reg, H_INTERLEAVE if gu_cols else 1)
     x_rows.clear()                      # last use of this group's x rows
     saved = None if gu_saved is None else [nl.ndarray((pmax, 2 * len(i_tiles), ps), dtype=x.dtype, buffer=nl.sbuf)
                                             for _, ps, *_ in slot_tiles]

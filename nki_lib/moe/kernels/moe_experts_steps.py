@@ -88,13 +88,32 @@ def scatter_rows(dst, ids_sb, rows_sb, col0):
                   src=rows_sb, oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
 
 
-def transpose_rows(dst_t, rows_sb, col0):
-    """rows (ps, C) -> dst_t[:, c_tile, col0 : col0 + ps] (C on partitions, tiled by 128)."""
+def interleaved_blocks(tiles, interleave):
+    """``tiles`` (spans of at most 128 rows or columns) in blocks (first tile, tiles m, first row):
+    ``interleave`` consecutive full tiles make one block whose rows are interleaved (tile t0 + r of
+    the block holds, on partition p, row r0 + m p + r: m consecutive rows per partition, one
+    contiguous run of m rows for a DMA); the others, and the rest, one tile each (natural)."""
+    pmax, blocks, t = nl.tile_size.pmax, [], 0
+    while t < len(tiles):
+        block = tiles[t:t + interleave]
+        m = interleave if len(block) == interleave and all(n == pmax for _, n in block) else 1
+        blocks.append((t, m, tiles[t][0]))
+        t += m
+    return blocks
+
+
+def transpose_rows(dst_t, rows_sb, col0, interleave=1):
+    """rows (ps, C) -> dst_t[:, c_tile, col0 : col0 + ps] (C on partitions, tiled by 128); with
+    ``interleave`` > 1 the column tiles in the order of :func:`interleaved_blocks` (tile t0 + r
+    of a block holds column c0 + m p + r on partition p: a strided read of m elements' step)."""
     ps, cols = rows_sb.shape
-    for ct, (c0, cs) in enumerate(spans(cols, nl.tile_size.pmax)):
-        tr_psum = nl.ndarray((cs, ps), dtype=rows_sb.dtype, buffer=nl.psum)
-        nisa.nc_transpose(dst=tr_psum, data=rows_sb[:, c0:c0 + cs])
-        nisa.tensor_copy(dst=dst_t[:cs, ct, col0:col0 + ps], src=tr_psum)
+    tiles = spans(cols, nl.tile_size.pmax)
+    for t0, m, c0 in interleaved_blocks(tiles, interleave):
+        cs = tiles[t0][1]
+        for r in range(m):
+            tr_psum = nl.ndarray((cs, ps), dtype=rows_sb.dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=tr_psum, data=rows_sb[:, c0 + r:c0 + m * cs:m])
+            nisa.tensor_copy(dst=dst_t[:cs, t0 + r, col0:col0 + ps], src=tr_psum)
 
 
 def block_flags(block_expert):
@@ -116,15 +135,18 @@ def block_registers(expert_sb, valid_sb, b):
     return expert_reg, trips_reg
 
 
-def load_expert_cols(w, expert_reg, row_tiles, col0, ncols, w_sb=None):
+def load_expert_cols(w, expert_reg, row_tiles, col0, ncols, w_sb=None, interleave=1):
     """(P, RT, ncols) tile of w[e, rows, col0 : col0 + ncols] (w (E, R, C) in HBM, natural layout),
-    into ``w_sb`` when given (allocated by the caller, e.g. outside a guard)."""
+    into ``w_sb`` when given (allocated by the caller, e.g. outside a guard). ``interleave`` > 1:
+    the row tiles in the order of :func:`interleaved_blocks`, one DMA per block (with all C
+    columns, a contiguous run of m rows per partition instead of one)."""
     cols = w.shape[2]
     if w_sb is None:
         w_sb = nl.ndarray((nl.tile_size.pmax, len(row_tiles), ncols), dtype=w.dtype, buffer=nl.sbuf)
-    for rt, (r0, rs) in enumerate(row_tiles):
-        nisa.dma_copy(dst=w_sb[:rs, rt, :],
-                      src=w.ap([[cols, rs], [1, ncols]], offset=r0 * cols + col0,
+    for rt, m, r0 in interleaved_blocks(row_tiles, interleave):
+        rs = row_tiles[rt][1]
+        nisa.dma_copy(dst=w_sb[:rs, rt:rt + m, :],
+                      src=w.ap([[m * cols, rs], [cols, m], [1, ncols]], offset=r0 * cols + col0,
                                scalar_offset=expert_reg, indirect_dim=0))
     return w_sb
 
