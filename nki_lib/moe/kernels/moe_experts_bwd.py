@@ -31,7 +31,10 @@ gather, matmul or write -- the first tile is always computed, its padding rows a
      :func:`chunk_widths`; the next chunk's weights prefetched before this chunk's gradient
      stores): W_gate^T/W_up^T columns (rows loaded, then
      PE-transposed to H on partitions) and W_down columns (natural layout: H already on
-     partitions), selected by the expert register; per slot tile g, u, dhy (slots on
+     partitions), selected by the expert register -- or, where SBUF has room (``down_group``),
+     the group's whole W_down in rows of I, the next group's loaded by this group's last I chunk
+     ahead of its weight-gradient stores and dx scatters (DMAs start in program order, and a
+     store or scatter waiting for its data holds the DMA engines); per slot tile g, u, dhy (slots on
      partitions, I chunk free) in fp32 PSUM (contraction over H tiles), then on ScalarE/VectorE:
      act, act' (silu_dx / gelu_dx; the tanh-GELU derivative composed from nl.tanh and VectorE
      ops), h, the partial d topk_weights, dg, du; PE-transpose dg/du into dgT/duT (I on
@@ -61,14 +64,19 @@ blocks (groups), B block (group) size S. Kernel inputs (HBM): dy, x (T, H); topk
 padding: ``moe_experts_host.slot_weights``);
 block_expert (NB,), slot_token, slot_assignment (NB*B,) int32 (the groups' experts and slots);
 w_gate_up (E, 2I, H); w_down (E, H, I) (nn.Linear layouts as given); gu_saved (NB, ST, P, 2 IT ps)
-or None (``moe_experts_fwd.saved_shape``); compile-time activation, top_k, i_chunk, dx_cols, prefetch_weights. Outputs: dx (T, H),
+or None (``moe_experts_fwd.saved_shape``); compile-time activation, top_k, i_chunk, dx_cols, prefetch_weights,
+dx_span, down_rows, down_group. Outputs: dx (T, H),
 dtopk (N, 1) fp32, dw_gate_up (E, 2I, H), dw_down (E, H, I).
 
 Limits: as the forward (bf16/fp16/fp32, B <= 512, LNC1) with the SBUF estimate :func:`sbuf_bytes`
-(x, do rows and xT, dyT, dgT, duT of one block are resident, plus one I chunk of three weight
-column tiles, plus the next block's gathered rows during step 3); every assignment appears
-exactly once in the plan and each expert's blocks are consecutive (validated by the op); the
-mode guards nest dynamic loops inside the block guard (NKI >= 0.6). HBM scratch: dx_slots N x (H + 1)
+(per phase of a group, the tiles live in it by the simulator's first-to-last-use rule: rows
+loading; I chunks with x, do rows, dyT [xT], dgT, duT, the chunk's weights and the larger of one
+slot tile's fp32 temporaries and one weight-gradient row piece; dx with dgT, duT, the dx W rows,
+the staged dx rows and the next group's gathered rows); every assignment appears exactly once
+in the plan and each expert's blocks are consecutive (validated by the op), and unused groups
+(expert -1) come after the used ones (``merge_blocks``: a group not run has no next group to
+prefetch); the mode guards nest dynamic loops inside the block guard (NKI >= 0.6). HBM scratch:
+dx_slots N x (H + 1)
 fp32, fp32 weight-gradient accumulators 3 x E x H x I (touched only by experts with several
 blocks).
 
@@ -87,7 +95,7 @@ from functools import partial
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.kernels.moe_experts_bwd_accum import ACC_MODES, accumulation_modes, mode_registers, zero_idle_experts
-from nki_lib.moe.kernels.moe_experts_bwd_blocks import block_bwd
+from nki_lib.moe.kernels.moe_experts_bwd_blocks import block_bwd, group_down_tile, load_group_down
 from nki_lib.moe.kernels.moe_experts_bwd_grads import FP32_TEMPS, FP32_TEMPS_CLAMPED
 from nki_lib.moe.kernels.moe_experts_bwd_rows import block_rows, gather_block, saved_cols
 from nki_lib.moe.kernels.moe_experts_bwd_wgrads import ROW_BANKS
@@ -120,7 +128,7 @@ from nki_lib.sizes import ceil_div
 @nki.jit
 def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
                            b_down, activation, swiglu_alpha, swiglu_limit, top_k, i_chunk, dx_cols,
-                           prefetch_weights, dx_span, gu_saved=None, down_rows=False):
+                           prefetch_weights, dx_span, gu_saved=None, down_rows=False, down_group=False):
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
     dx = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
@@ -147,16 +155,20 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
     inter = w_down.shape[2]
     regs = block_registers(expert_sb, valid_sb, 0)
     rows = block_rows(x, dy, ids, 0, block, saved_cols(gu_saved, inter))
+    down_sb = None
+    if down_group:                      # the first group's whole W_down (then each group loads the next one's)
+        down_sb = group_down_tile(w_down)
+        load_group_down(w_down, regs, down_sb)
     for _ in nl.dynamic_range(0, regs[1]):
         gather_block(x, dy, *rows, saved=None if gu_saved is None else (gu_saved, 0))
     # Blocks in order (weight-gradient accumulation), statically unrolled: block b's body also
-    # issues block b + 1's gathers.
+    # issues block b + 1's gathers (and, with down_group, its W_down).
     for b in range(n_blocks):
         mode_regs = mode_registers(modes_sb, b)
         next_regs = block_registers(expert_sb, valid_sb, b + 1) if b + 1 < n_blocks else None
-        rows = block_bwd(dy, x, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
-                          block, (activation, swiglu_alpha, swiglu_limit), i_chunk, (dx_cols, dx_span), grad_bufs,
-                          dx_slots, prefetch_weights, gu_saved, down_rows)
+        rows, down_sb = block_bwd(dy, x, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
+                                  block, (activation, swiglu_alpha, swiglu_limit), i_chunk, (dx_cols, dx_span),
+                                  grad_bufs, dx_slots, prefetch_weights, gu_saved, down_rows, down_sb)
         regs = next_regs
     reduce_assignments(dx_slots, dx, top_k)
     if bias is None:
@@ -184,38 +196,53 @@ def _bias_context(b_gate_up, b_down, dtype):
 
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_blocks, clamped=False,
-                  biases=False, overlap=True, dx_span=None, saved=False, down_rows=False):
+                  biases=False, overlap=True, dx_span=None, saved=False, down_rows=False, down_group=False):
     """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` and dx staging
-    width ``dx_cols`` (upper bound): the block's resident tiles plus the largest of its three
-    phases (loading rows, I chunks, dx), whose tiles are freed before the next phase; the clamped
-    swiglu's temporaries and the bias rows, ones and bias column when asked (``overlap``, the
-    next I chunk's prefetched weight columns, takes the place of this chunk's); the dx phase's W
-    rows ``dx_span`` wide (default gemm_moving_fmax). ``saved``: the forward's g/u are loaded
-    (2 IT columns per slot, for this block and the next) in place of xT and the W_gate^T/W_up^T
-    columns of the recompute. ``down_rows``: h of every I chunk kept until the last chunk (dW_down
-    in whole rows of I)."""
+    width ``dx_cols`` (an upper bound by the simulator's liveness rule, docs/nki-semantics.md:
+    a tile is live from its first to its last instruction in program order). A group runs three
+    phases, each with the tiles live in it:
+
+    * load: x, dy, do rows, dyT [, xT], this group's saved g/u [and W_down];
+    * I chunks: x, do rows, dyT [, xT], saved g/u, dgT/duT, h/dg/du per slot tile (and, with
+      ``down_rows``, h of the earlier chunks), the chunk's weights, and the larger of the
+      elementwise step (one slot tile's fp32 temporaries: the next tile's start after its last
+      use) and the weight-gradient step (one row piece's accumulate rows: ``accumulate_rows``
+      stores a piece before the next is evicted; with ``overlap``, the next chunk's prefetched
+      weights, allocated after this chunk's are released, or the dx phase's first W rows);
+    * dx: dgT/duT, the dx phase's W rows ``dx_span`` wide (default gemm_moving_fmax), the staged
+      dx rows, and the next group's x, dy rows and saved g/u [and W_down].
+
+    ``saved``: the forward's g/u are loaded (2 IT columns per slot) in place of xT and the
+    W_gate^T/W_up^T columns of the recompute. ``down_group``: W_down is loaded whole once per
+    group (the next group's by the last chunk, in place of this group's) instead of per I chunk.
+    The clamped swiglu's temporaries and the bias rows, ones and bias column when asked."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
-    slot_tiles = st * (2 * hidden * itemsize + 4 * 4)            # x, do rows; ids, weight, d weight
-    resident = ((1 if saved else 2) * ht + 2 * it) * block * itemsize   # [xT,] dyT, dgT, duT
-    resident += 2 * (2 * it * block * itemsize) if saved else 0  # saved g/u (P, 2 IT, ps) of this and the next block
-    load = st * hidden * itemsize                               # phase 1: dy rows (until scaled/transposed)
-    staging = 0 if saved else 2 * min(hidden, WEIGHT_SPAN) * itemsize   # natural W rows before transposes
-    # W_gate^T, W_up^T, W_down of one chunk: the next chunk's (prefetched with ``overlap``) are
-    # allocated after this chunk's are released (``_i_chunk``), so one generation either way
-    # (with ``overlap``, the last chunk prefetches the dx phase's first W rows in their place)
-    streamed = max((1 if saved else 3) * ht * i_chunk, 2 * it * (dx_span or fmax) if overlap else 0) * itemsize \
-        + staging
+    rows = st * hidden * itemsize                                # one (S, H) set of rows: x, dy or do
+    small = st * 4 * 4                                           # per slot tile: d weight column and the like
+    transposed = (1 if saved else 2) * ht * block * itemsize     # dyT [, xT]
+    gu = 2 * it * block * itemsize                               # dgT, duT (and the saved g/u: the same size)
+    this_saved = gu if saved else 0
+    down = ht * inter * itemsize if down_group else 0            # the group's W_down
+    # per-chunk weight columns: W_down (unless down_group) [, W_gate^T, W_up^T and their natural rows]
+    cols = ((0 if down_group else 1) + (0 if saved else 2)) * ht * i_chunk * itemsize
+    staging = 0 if saved else 2 * min(hidden, WEIGHT_SPAN) * itemsize
+    dx_w = 2 * it * (dx_span or fmax) * itemsize
+    load = 3 * rows + transposed + this_saved + down
     temps = FP32_TEMPS_CLAMPED if clamped else FP32_TEMPS
-    chunk = (st + 1) * 3 * i_chunk * itemsize + 2 * temps * i_chunk * 4   # h, dg, du; fp32 temps
-    chunk += st * max(0, inter - i_chunk) * itemsize if down_rows else 0   # h of the earlier chunks
+    per_tile = (st + 1) * 3 * i_chunk * itemsize                # h, dg, du (one tile pipelined behind)
+    per_tile += st * max(0, inter - i_chunk) * itemsize if down_rows else 0   # h of the earlier chunks
     if biases:                                                  # g/u bias rows, ones row/column, b_down column
-        chunk += 2 * (2 * i_chunk + pmax) * itemsize + (ht + 1) * itemsize
-    chunks = streamed + chunk + 2 * ROW_BANKS * fmax * (4 + itemsize)   # phase 2, with the accumulate rows
-    dx = 2 * it * (dx_span or fmax) * itemsize + staged_bytes(dx_cols, hidden, st)   # phase 3: W rows, dx rows
-    dx += st * (2 * hidden * itemsize + 4)                      # and the next block's x, dy rows, weights
-    body = slot_tiles + resident + max(load, chunks, dx)
-    modes = len(ACC_MODES) * n_blocks * 4 + (3 if saved else 2) * n_blocks * st * 4   # modes, live [dead] flags, weights
+        per_tile += 2 * (2 * i_chunk + pmax) * itemsize + (ht + 1) * itemsize
+    elementwise = cols + temps * i_chunk * 4
+    accumulate = ROW_BANKS * fmax * (4 + max(4, itemsize))      # one row piece: fp32 accumulator rows in and out
+    prefetched = max(cols + staging, dx_w) if overlap else 0
+    wgrads = accumulate + prefetched
+    chunks = 2 * rows + transposed + this_saved + gu + down + per_tile + max(elementwise + staging, wgrads)
+    dx = gu + dx_w + staged_bytes(dx_cols, hidden, st) + 2 * rows + this_saved + down   # + the next group's
+    body = small + max(load, chunks, dx)
+    # modes; routing weights (P, ST, NB) fp32; live [and dead] flags (P, NBT, ST)
+    modes = len(ACC_MODES) * n_blocks * 4 + st * n_blocks * 4 + (2 if saved else 1) * ceil_div(n_blocks, pmax) * st * 4
     setup = max(4 * n_blocks * 4, 2 * n_blocks * 4 + fmax * itemsize)   # edges; idle-expert count, zeros
     return flags_sbuf_bytes(n_blocks, block) + modes + max(body, setup, tail_sbuf_bytes(hidden, top_k, itemsize))
 
@@ -297,18 +324,27 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
     blocks = blocks or group_blocks(hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=plan_blocks, **flags)
     group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
     counts = dict(top_k=top_k, n_blocks=planned_groups(group_expert.shape[0], blocks), **flags)
-    i_chunk, dx_cols, prefetch = tiling(hidden, inter, blocks * block_size, itemsize, **counts)
-    span = dx_span(hidden, inter, blocks * block_size, itemsize, i_chunk, dx_cols, prefetch, **counts)
+    slots = blocks * block_size
+    i_chunk, dx_cols, prefetch = tiling(hidden, inter, slots, itemsize, **counts)
+    span = dx_span(hidden, inter, slots, itemsize, i_chunk, dx_cols, prefetch, **counts)
     fit = nl.tile_size.total_available_sbuf_size
     down_rows = i_chunk < inter <= ROW_BANKS * nl.tile_size.gemm_moving_fmax and sbuf_bytes_at(
-        hidden, inter, blocks * block_size, itemsize, i_chunk, dx_cols, overlap=prefetch, dx_span=span,
+        hidden, inter, slots, itemsize, i_chunk, dx_cols, overlap=prefetch, dx_span=span,
         down_rows=True, **counts) <= fit
+    # W_down whole once per group (the next group's loaded ahead of this one's stores and
+    # scatters) when it fits at the narrowest dx span; then the widest span that fits with it
+    down_group = sbuf_bytes_at(hidden, inter, slots, itemsize, i_chunk, dx_cols, overlap=prefetch,
+                               dx_span=min(span, nl.tile_size.gemm_moving_fmax), down_rows=down_rows,
+                               down_group=True, **counts) <= fit
+    if down_group:
+        span = dx_span(hidden, inter, slots, itemsize, i_chunk, dx_cols, prefetch, down_rows=down_rows,
+                       down_group=True, **counts)
     return KernelLaunch(
         moe_experts_bwd_kernel,
         (dy.contiguous(), x.contiguous(), slot_weights(topk_weights, group_slots), group_expert,
          slot_tokens(group_slots, top_k), group_slots, w_gate_up.contiguous(),
          w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha), float(swiglu_limit), top_k,
-         i_chunk, dx_cols, prefetch, span, None if saved is None else saved[0], down_rows),
+         i_chunk, dx_cols, prefetch, span, None if saved is None else saved[0], down_rows, down_group),
         unpack=partial(_unpack_grads, x, topk_weights, b_gate_up, b_down))
 
 

@@ -2,7 +2,8 @@
 
 Algorithm: per block (group), under its 0/1 guard: xT, dyT and do from the gathered rows; per I
 chunk: the weights W_gate^T / W_up^T (PE-transposed) and W_down columns (:func:`chunk_weights`,
-the next chunk's prefetched before this chunk's gradient stores); per live slot tile g, u, dhy in
+the next chunk's prefetched before this chunk's gradient stores; or W_down whole per group,
+:func:`load_group_down`, the next group's by the last chunk's prefetch); per live slot tile g, u, dhy in
 fp32 PSUM (contraction over H tiles, the gate/up biases first as ones^T x bias_row), the
 elementwise gradients, dg/du PE-transposed into dgT/duT (software-pipelined one tile behind the
 matmuls); the chunk's weight gradients. Then the next block's gathers (GpSimd issues DMAs in
@@ -33,16 +34,31 @@ from nki_lib.moe.kernels.moe_experts_steps import (
 from nki_lib.sizes import spans
 
 
-def chunk_weights(w_gate_up, w_down, expert_reg, c0, cn, saved=False):
+def chunk_weights(w_gate_up, w_down, expert_reg, c0, cn, saved=False, down_sb=None):
     """The weights of one I chunk: W_gate^T and W_up^T columns (H on partitions; None with
-    ``saved`` g/u: not needed) and W_down columns."""
+    ``saved`` g/u: not needed) and W_down columns (loaded, or a view of ``down_sb``, the group's
+    W_down loaded whole by :func:`load_group_down`)."""
     inter = w_down.shape[2]
     h_tiles = spans(w_down.shape[1], nl.tile_size.pmax)
+    down = load_expert_cols(w_down, expert_reg, h_tiles, c0, cn) if down_sb is None else down_sb[:, :, c0:c0 + cn]
     if saved:
-        return [None, None, load_expert_cols(w_down, expert_reg, h_tiles, c0, cn)]
+        return [None, None, down]
     return [load_expert_t(w_gate_up, expert_reg, h_tiles, c0, cn),
             load_expert_t(w_gate_up, expert_reg, h_tiles, inter + c0, cn),
-            load_expert_cols(w_down, expert_reg, h_tiles, c0, cn)]
+            down]
+
+
+def group_down_tile(w_down):
+    """An SBUF tile for one group's whole W_down (P, ceil(H / P), I), filled by :func:`load_group_down`."""
+    return nl.ndarray((nl.tile_size.pmax, len(spans(w_down.shape[1], nl.tile_size.pmax)), w_down.shape[2]),
+                      dtype=w_down.dtype, buffer=nl.sbuf)
+
+
+def load_group_down(w_down, regs, down_sb):
+    """down_sb = W_down[e] of the group with registers ``regs`` (expert, 0/1 trips), whole rows of
+    I (one DMA per 128 rows of H), under the group's guard."""
+    for _ in nl.dynamic_range(0, regs[1]):
+        load_expert_cols(w_down, regs[0], spans(w_down.shape[1], nl.tile_size.pmax), 0, w_down.shape[2], w_sb=down_sb)
 
 
 def _saved_gu(tile, c0, cn):
@@ -130,14 +146,20 @@ def _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights, prefetch, expert_
 
 
 def block_bwd(dy, x, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b, block,
-               gate, i_chunk, dx_tiling, grad_bufs, dx_slots, prefetch, gu_saved=None, down_rows=False):
+               gate, i_chunk, dx_tiling, grad_bufs, dx_slots, prefetch, gu_saved=None, down_rows=False,
+               down_sb=None):
     """Block b in guarded phases: transposes, I chunks and weight gradients; then the gathers of
     block b + 1 into rows allocated here (``next_regs`` = its registers, or None; the rows are
     returned); then dx and d topk_weights. GpSimd issues DMAs in program order, so the next
     block's gathers must precede this block's scatters (which wait for its last matmul) to overlap
     this block's compute. ``gu_saved``: the forward's saved g/u (HBM), or None (recomputed).
     ``down_rows``: dW_down contracted after the last I chunk in whole rows of I (h of every chunk
-    kept; one store per H tile, runs of I elements) instead of per chunk."""
+    kept; one store per H tile, runs of I elements) instead of per chunk. ``down_sb``: this
+    group's whole W_down (already loaded), or None (W_down columns loaded per I chunk); with it,
+    the next group's is loaded by the last I chunk's prefetch, before its weight-gradient stores
+    and this group's dx scatters (DMAs start in program order), and returned second. Unused
+    groups (expert -1) come only after the used ones (``merge_blocks``), so a group not run has
+    no next group to load."""
     pmax = nl.tile_size.pmax
     inter = w_down.shape[2]
     expert_reg, trips_reg = regs
@@ -147,9 +169,11 @@ def block_bwd(dy, x, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b
     du_t = nl.ndarray((pmax, n_it, block), dtype=x.dtype, buffer=nl.sbuf)
     dw_accs = [nl.ndarray((tile.ps, 1), dtype=nl.float32, buffer=nl.sbuf) for tile in slot_tiles]
     dx_first = []                       # the dx phase's first W rows, loaded with the last chunk
+    next_down = group_down_tile(w_down) if down_sb is not None and next_regs is not None else None
+    downs = (down_sb, next_down, next_regs)
     for _ in nl.dynamic_range(0, trips_reg):
         _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg, mode_regs, block,
-                     gate, (i_chunk, prefetch, dx_tiling, dx_first, down_rows), dg_t, du_t, grad_bufs)
+                     gate, (i_chunk, prefetch, dx_tiling, dx_first, down_rows, downs), dg_t, du_t, grad_bufs)
     next_rows = None
     if next_regs is not None:
         next_rows = block_rows(x, dy, ids, b + 1, block, saved_cols(gu_saved, inter))
@@ -158,19 +182,25 @@ def block_bwd(dy, x, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b
     for _ in nl.dynamic_range(0, trips_reg):
         dx_phase(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, dx_tiling,
             dx_first[0] if dx_first else None)
-    return next_rows
+    return next_rows, next_down
 
 
 def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg, mode_regs, block,
                  gate, chunking, dg_t, du_t, grad_bufs):
     """xT, dyT and do from the gathered rows, then the I chunks (weight gradients, dgT, duT), then
-    the down bias's share of d topk_weights. ``chunking`` = (I chunk, prefetch): with prefetch the
-    next chunk's weights are loaded inside this chunk, else after it (see ``moe_experts_bwd.tiling``)."""
-    i_chunk, prefetch, dx_tiling, dx_first, down_rows = chunking
+    the down bias's share of d topk_weights. ``chunking`` = (I chunk, prefetch, dx tiling, dx
+    phase's first W rows (a list, filled here), down_rows, (this group's W_down tile, the next
+    group's, its registers)): with prefetch the next chunk's weights are loaded inside this chunk,
+    else after it (see ``moe_experts_bwd.tiling``); the next group's W_down always by the last chunk."""
+    i_chunk, prefetch, dx_tiling, dx_first, down_rows, (down_sb, next_down, next_regs) = chunking
 
     def last_prefetch():
-        # the dx phase's first W rows, before the last chunk's weight-gradient stores
-        dx_first.append(dx_first_weights(w_gate_up, expert_reg, dx_tiling))
+        # the dx phase's first W rows (with prefetch) and the next group's W_down, before the
+        # last chunk's weight-gradient stores
+        if prefetch:
+            dx_first.append(dx_first_weights(w_gate_up, expert_reg, dx_tiling))
+        if next_down is not None:
+            load_group_down(w_down, next_regs, next_down)
     pmax = nl.tile_size.pmax
     saved = slot_tiles[0].saved is not None         # xT only feeds the recompute of g and u
     x_t = None if saved else nl.ndarray((pmax, len(spans(x.shape[1], pmax)), block), dtype=x.dtype, buffer=nl.sbuf)
@@ -179,19 +209,19 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
             transpose_rows(x_t, tile.x_rows, tile.s0)
     do_rows, dy_t = load_grad_rows(dy_rows, slot_tiles, block)
     chunks = spans(w_down.shape[2], i_chunk)
-    weights = chunk_weights(w_gate_up, w_down, expert_reg, *chunks[0], saved)
+    weights = chunk_weights(w_gate_up, w_down, expert_reg, *chunks[0], saved, down_sb)
     h_chunks = [] if down_rows else None        # dW_down in whole rows of I, after the last chunk
     for n, (c0, cn) in enumerate(chunks):
         # the next chunk's weights are loaded before this chunk's weight-gradient stores (DMAs
         # start in program order; the stores wait for their PSUM evictions)
         following = chunks[n + 1] if n + 1 < len(chunks) else None
         weights = _i_chunk(x_t, dy_t, slot_tiles, do_rows, dw_accs, weights,
-                           (last_prefetch if prefetch else (lambda: None)) if following is None else
+                           last_prefetch if following is None else
                            (lambda: None) if not prefetch else
-                           (lambda c=following: chunk_weights(w_gate_up, w_down, expert_reg, *c, saved)),
+                           (lambda c=following: chunk_weights(w_gate_up, w_down, expert_reg, *c, saved, down_sb)),
                            expert_reg, c0, cn, gate, dg_t, du_t, grad_bufs, mode_regs, h_chunks)
         if following is not None and not prefetch:
-            weights = chunk_weights(w_gate_up, w_down, expert_reg, *following, saved)
+            weights = chunk_weights(w_gate_up, w_down, expert_reg, *following, saved, down_sb)
     if h_chunks is not None:
         down_weight_grads(slot_tiles, do_rows, h_chunks, grad_bufs, mode_regs, expert_reg)
     if grad_bufs[2] is not None:
