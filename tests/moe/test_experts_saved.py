@@ -130,9 +130,18 @@ def test_down_gradient_rows_across_groups(monkeypatch):
     assert _down_rows_stored(bwd, 2 * 256 + 40)
 
 
-def _group_down_loaded(bwd):
-    """W_down loaded whole per group (``load_group_down``), not in I-chunk columns."""
-    return _ran(bwd, moe_experts_bwd_blocks.load_group_down, "dma_copy")
+def _spy_group_down(monkeypatch):
+    """Counts the calls of ``load_group_down`` (W_down loaded whole per group) in the kernel."""
+    from nki_lib.moe.kernels import moe_experts_bwd
+    calls = []
+    real = moe_experts_bwd_blocks.load_group_down
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(moe_experts_bwd_blocks, "load_group_down", spy)
+    monkeypatch.setattr(moe_experts_bwd, "load_group_down", spy)
+    return calls
 
 
 def test_down_weights_loaded_once_per_group(monkeypatch):
@@ -140,23 +149,27 @@ def test_down_weights_loaded_once_per_group(monkeypatch):
     several groups and experts, several I chunks, with the saved g/u and without them (the
     recompute's W_gate^T/W_up^T columns still per chunk), with parity."""
     from nki_lib.moe.kernels import moe_experts_bwd
+    calls = _spy_group_down(monkeypatch)
     for s in (sample(13, 24, 2 * 256 + 40, 3, 2, 4, torch.bfloat16, topk_ids=torch.tensor([[1, 0]] * 13)),
               sample(30, 200, 136, 4, 2, 130, torch.bfloat16, "gelu_tanh")):
-        _, bwd = _traces(s)
-        assert _group_down_loaded(bwd), s.label
+        calls.clear()
+        _traces(s)
+        assert len(calls) > 1, s.label          # the first group's, then one per following group
     monkeypatch.setattr(moe_experts_op, "saved_grouping", lambda *a, **k: None)   # recompute, groups of one block
     monkeypatch.setattr(moe_experts_bwd, "group_blocks", lambda *a, **k: 1)
-    _, bwd = _traces(sample(13, 24, 2 * 256 + 40, 3, 2, 4, torch.bfloat16, "clamped_swiglu", biases=True,
-                            swiglu_limit=0.5, topk_ids=torch.tensor([[1, 0]] * 13)))
-    assert _group_down_loaded(bwd)
+    calls.clear()
+    _traces(sample(13, 24, 2 * 256 + 40, 3, 2, 4, torch.bfloat16, "clamped_swiglu", biases=True, swiglu_limit=0.5,
+                   topk_ids=torch.tensor([[1, 0]] * 13)))
+    assert len(calls) > 1
 
 
 def test_down_weights_per_chunk_when_the_group_does_not_fit(monkeypatch):
     """Where the SBUF estimate has no room for a whole W_down per group, its columns are loaded
     per I chunk (as before), with parity."""
     from nki_lib.moe.kernels import moe_experts_bwd
+    calls = _spy_group_down(monkeypatch)
     real = moe_experts_bwd.sbuf_bytes_at
     monkeypatch.setattr(moe_experts_bwd, "sbuf_bytes_at",
                         lambda *a, down_group=False, **k: 1 << 40 if down_group else real(*a, **k))
-    _, bwd = _traces(sample(13, 24, 2 * 256 + 40, 3, 2, 4, torch.bfloat16, topk_ids=torch.tensor([[1, 0]] * 13)))
-    assert not _group_down_loaded(bwd)
+    _traces(sample(13, 24, 2 * 256 + 40, 3, 2, 4, torch.bfloat16, topk_ids=torch.tensor([[1, 0]] * 13)))
+    assert not calls
