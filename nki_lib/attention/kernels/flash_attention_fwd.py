@@ -63,7 +63,9 @@ the P^T of ``it - 1``, issues the softmax of ``it + 1``, QK^T and scores of ``it
 (with softcap: of SOFTCAP_BATCH steps every SOFTCAP_BATCH iterations, so the tanh/exp table
 switches happen once per batch), P @ V of ``it - PV_LAG``, the transposes of ``it`` and the
 acc update of ``it - ACC_LAG``; a group's output is stored ``CLOSE_LAG`` (``CLOSE_LAG_HEADS`` with several heads per pass) iterations after its
-last acc update. The last ``DRAIN_STEPS`` steps evict all their P^T blocks on VectorE. Every tile is a fresh allocation, so loads of later steps overlap compute
+last acc update. The last ``DRAIN_STEPS`` steps evict all their P^T blocks on VectorE; with P^T by DMA for some
+long sections the steps of the first ``PT_EARLY_UNTIL`` of the program evict a larger share
+(``PT_DVE_SHARE_EARLY``) on VectorE than the later ones. Every tile is a fresh allocation, so loads of later steps overlap compute
 (multi-buffering). lse is gathered column by column as groups close and finished in batches of
 ``LSE_BATCH`` (one ScalarE log per batch, a TensorE transpose so each row is stored
 contiguously).
@@ -132,7 +134,9 @@ from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, load_
 from nki_lib.attention.kernels.flash_attention_fwd_step import (
     PT_DVE_SHARE,
     PT_DVE_SHARE_DMA_PT,
+    PT_DVE_SHARE_EARLY,
     PT_DVE_SHARE_SOFTCAP,
+    PT_EARLY_UNTIL,
     warm_table,
 )
 from nki_lib.attention.kernels.flash_attention_fwd_values import (
@@ -257,6 +261,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
     # switches between the tanh and exp tables twice per batch instead of twice per step
     score_batch = SOFTCAP_BATCH if softcap > 0 else 1
     pt_dve_share = PT_DVE_SHARE_SOFTCAP if softcap > 0 else PT_DVE_SHARE_DMA_PT if dma_pt else PT_DVE_SHARE
+    pt_dve_early = PT_DVE_SHARE_EARLY if dma_pt else pt_dve_share
     close_lag = CLOSE_LAG if n_pass == 1 else CLOSE_LAG_HEADS
     all_keys = all_key_bounds() if softcap == 0 and exp_scale == scale else None
     seed_sb = None
@@ -268,7 +273,8 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
         load_k(ctx, groups, steps, it + SCORE_LEAD + score_batch)
         load_v_of(ctx, groups, steps, it + 1)
         stage_evict_pt(groups, steps, work, it - 1,
-                       1.0 if it - 1 >= n_steps - DRAIN_STEPS else pt_dve_share)
+                       1.0 if it - 1 >= n_steps - DRAIN_STEPS
+                       else pt_dve_early if it - 1 < PT_EARLY_UNTIL * n_steps else pt_dve_share)
         stage_softmax(groups, steps, work, it + 1, v.dtype, exp_scale)
         if (it + SCORE_LEAD) % score_batch == 0:
             for s in range(it + SCORE_LEAD, it + SCORE_LEAD + score_batch):

@@ -19,7 +19,7 @@ from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.tiles import key_blocks, key_tile_width, mask_scores
 from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 
-__all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_DMA_PT", "PT_DVE_SHARE_SOFTCAP", "warm_table", "section_scores", "softmax_step", "transpose_p", "evict_pt",
+__all__ = ["PT_DVE_SHARE", "PT_DVE_SHARE_DMA_PT", "PT_DVE_SHARE_EARLY", "PT_EARLY_UNTIL", "PT_DVE_SHARE_SOFTCAP", "warm_table", "section_scores", "softmax_step", "transpose_p", "evict_pt",
            "natural_suffix", "dma_transpose_p", "p_times_v"]
 
 EVICT_RUN_TILES = 1  # unmasked score tiles evicted together (fp32 PSUM banks; an engine operand
@@ -34,12 +34,19 @@ PT_DVE_SHARE = 0.42  # share of a section's P^T blocks evicted by VectorE, the r
                       # (16-bit PSUM at 2x): 0.42 balances them at 4096 causal with the last
                       # steps' blocks all on VectorE (flash_attention_fwd.DRAIN_STEPS;
                       # docs/perf-log.md §12.4)
-PT_DVE_SHARE_DMA_PT = 0.47  # the same when some long sections' P^T go by DMA transpose
+PT_DVE_SHARE_DMA_PT = 0.42  # the same when some long sections' P^T go by DMA transpose
                             # (flash_attention_fwd_plan.dma_transposed_steps) and the first V run is
-                            # padded (the rows 0-6 blocks): 0.43 with tensor_scalar_reduce
-                            # evictions (docs/perf-log.md §14.4); 0.47 once the range_select
-                            # evictions took 4.3 us off VectorE (0.43 / 0.51: 109.6 / 107.2,
-                            # 109.4 / 106.8 against 109.3 / 106.7 us at 4096 causal, §16.3)
+                            # padded (the rows 0-6 blocks), for the steps after PT_EARLY_UNTIL:
+                            # 0.43 with tensor_scalar_reduce evictions (docs/perf-log.md §14.4);
+                            # 0.47 for every step once the range_select evictions took 4.3 us off
+                            # VectorE, then 0.55 / 0.42 before / after PT_EARLY_UNTIL (§16.3)
+PT_DVE_SHARE_EARLY = 0.55   # ... and for the steps of the first PT_EARLY_UNTIL of the program: in
+PT_EARLY_UNTIL = 0.5        # causal order those are mostly the single-section rows, whose steps
+                            # all carry a first-section acc = O copy on ScalarE and no acc add on
+                            # VectorE, so there VectorE waited on ScalarE's exps (4096 causal:
+                            # 108.7 / 106.4 -> 107.5 / 105.3 us; 0.5 / 0.6 early, 0.40 / 0.44
+                            # late, 0.4 / 0.6 of the program: 108.2, 107.7, 108.4, 107.6, 108.0,
+                            # 107.7 in order, §16.3)
 PT_DVE_SHARE_SOFTCAP = 1.0  # softcap adds a tanh pass (1.7 us per section) on ScalarE, which then
                             # stays the busier engine with every P^T block on VectorE
 
