@@ -173,3 +173,33 @@ def test_down_weights_per_chunk_when_the_group_does_not_fit(monkeypatch):
                         lambda *a, down_group=False, **k: 1 << 40 if down_group else real(*a, **k))
     _traces(sample(13, 24, 2 * 256 + 40, 3, 2, 4, torch.bfloat16, topk_ids=torch.tensor([[1, 0]] * 13)))
     assert not calls
+
+
+def _interleaved_down(bwd, inter, itemsize):
+    """(W_down loaded DOWN_INTERLEAVE rows of H per partition, dW_down stored 2 rows per partition)."""
+    from nki_lib.moe.kernels import moe_experts_bwd_accum, moe_experts_steps
+    m = moe_experts_bwd_blocks.DOWN_INTERLEAVE
+    loads = _sources(moe_experts_steps.load_expert_cols)
+    stores = _sources(moe_experts_bwd_accum._store) | _sources(moe_experts_bwd_accum._add_store)
+    return (any(e.opcode == "dma_copy" and e.source in loads and e.attrs.get("contiguous_bytes") == m * inter * itemsize
+                for e in bwd.trace),
+            any(e.opcode == "dma_copy" and e.source in stores and e.shape[-1] == 2 * inter for e in bwd.trace))
+
+
+def test_down_weights_and_gradient_rows_interleaved(monkeypatch):
+    """H of 4 full 128-row tiles and a partial one, I of two chunks of one PSUM bank each: the
+    group's W_down loaded DOWN_INTERLEAVE rows of H per partition (one run per partition), dyT and
+    the b_down column in that order, and dW_down stored 2 rows per partition, in the only mode,
+    then with groups of one block (first / middle / last modes, the fp32 accumulators), with
+    biases, with parity."""
+    from nki_lib.moe.kernels import moe_experts_bwd
+    inter = 2 * 256 + 40
+    s = sample(13, 4 * 128 + 8, inter, 3, 2, 4, torch.bfloat16, topk_ids=torch.tensor([[1, 0]] * 13))
+    _, bwd = _traces(s)
+    assert _interleaved_down(bwd, inter, 2) == (True, True)
+    monkeypatch.setattr(moe_experts_op, "saved_grouping", lambda *a, **k: None)
+    monkeypatch.setattr(moe_experts_bwd, "group_blocks", lambda *a, **k: 1)
+    s = sample(13, 4 * 128 + 8, inter, 3, 2, 4, torch.bfloat16, "clamped_swiglu", biases=True, swiglu_limit=0.5,
+               topk_ids=torch.tensor([[1, 0]] * 13))
+    _, bwd = _traces(s)
+    assert _interleaved_down(bwd, inter, 2) == (True, True)

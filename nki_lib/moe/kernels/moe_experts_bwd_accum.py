@@ -84,17 +84,21 @@ def _add_store(dst_view, acc_view, parts, dtype):
     nisa.dma_copy(dst=dst_view, src=out_sb)
 
 
-def accumulate_rows(acc, out, mode_regs, expert_reg, r0, c0, parts):
+def accumulate_rows(acc, out, mode_regs, expert_reg, r0, c0, parts, row_step=1):
     """Add the parts (PSUM tiles (rs, cn_j), side by side: (rs, cn) in all) into the expert's
     gradient rows [r0 : r0 + rs, c0 : c0 + cn], by the block's mode (dynamic loops of 0/1
     trips): only -> out = part; first -> acc = part; middle -> acc += part; last -> out = acc +
     part (acc fp32 in HBM, out in the weights' dtype). One DMA per direction for the whole row
-    piece (long contiguous runs). An expert with one block never touches the fp32 accumulator."""
+    piece (long contiguous runs). An expert with one block never touches the fp32 accumulator.
+    ``row_step`` > 1: partition p holds the whole rows r0 + row_step p ... + row_step - 1 side by
+    side (c0 = 0, cn = row_step x the rows' length: one contiguous run per partition)."""
     rs, cn = parts[0].shape[0], sum(p.shape[1] for p in parts)
     cols = acc.shape[2]
+    assert row_step == 1 or (c0 == 0 and cn == row_step * cols), "row_step: whole rows only"
 
     def rows(t):
-        return t.ap([[cols, rs], [1, cn]], offset=r0 * cols + c0, scalar_offset=expert_reg, indirect_dim=0)
+        return t.ap([[row_step * cols, rs], [1, cn]], offset=r0 * cols + c0, scalar_offset=expert_reg,
+                    indirect_dim=0)
 
     only_reg, first_reg, middle_reg, last_reg = mode_regs
     for _ in nl.dynamic_range(0, only_reg):

@@ -33,6 +33,13 @@ from nki_lib.moe.kernels.moe_experts_steps import (
 )
 from nki_lib.sizes import spans
 
+# Rows of H per partition in the group's W_down tile (:func:`load_group_down`): runs of 4 I
+# elements per partition (6 KiB at qwen3's I = 768 in bf16, past the cost model's 178 ns chunk
+# floor at 23 B/ns), while dyT's transposes read dy's columns with a step of 4 elements, 8 B in
+# bf16 and 16 B in fp32: within the 16 B innermost stride of full port bandwidth
+# (docs/cost-model.md §2.5).
+DOWN_INTERLEAVE = 4
+
 
 def chunk_weights(w_gate_up, w_down, expert_reg, c0, cn, saved=False, down_sb=None):
     """The weights of one I chunk: W_gate^T and W_up^T columns (H on partitions; None with
@@ -55,10 +62,13 @@ def group_down_tile(w_down):
 
 
 def load_group_down(w_down, regs, down_sb):
-    """down_sb = W_down[e] of the group with registers ``regs`` (expert, 0/1 trips), whole rows of
-    I (one DMA per 128 rows of H), under the group's guard."""
+    """down_sb = W_down[e] of the group with registers ``regs`` (expert, 0/1 trips), under the
+    group's guard: whole rows of I, DOWN_INTERLEAVE rows per partition (the H tiles in the order
+    of ``moe_experts_steps.interleaved_blocks``: one DMA per DOWN_INTERLEAVE x 128 rows, one
+    contiguous run of DOWN_INTERLEAVE x I elements per partition)."""
     for _ in nl.dynamic_range(0, regs[1]):
-        load_expert_cols(w_down, regs[0], spans(w_down.shape[1], nl.tile_size.pmax), 0, w_down.shape[2], w_sb=down_sb)
+        load_expert_cols(w_down, regs[0], spans(w_down.shape[1], nl.tile_size.pmax), 0, w_down.shape[2], w_sb=down_sb,
+                         interleave=DOWN_INTERLEAVE)
 
 
 def _saved_gu(tile, c0, cn):
@@ -207,7 +217,8 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
     for tile in slot_tiles if not saved else ():
         for _ in if_live(tile):
             transpose_rows(x_t, tile.x_rows, tile.s0)
-    do_rows, dy_t = load_grad_rows(dy_rows, slot_tiles, block)
+    interleave = 1 if down_sb is None else DOWN_INTERLEAVE      # dyT's H tiles in W_down's order
+    do_rows, dy_t = load_grad_rows(dy_rows, slot_tiles, block, interleave)
     chunks = spans(w_down.shape[2], i_chunk)
     weights = chunk_weights(w_gate_up, w_down, expert_reg, *chunks[0], saved, down_sb)
     h_chunks = [] if down_rows else None        # dW_down in whole rows of I, after the last chunk
@@ -225,4 +236,4 @@ def _block_grads(x, slot_tiles, dy_rows, dw_accs, w_gate_up, w_down, expert_reg,
     if h_chunks is not None:
         down_weight_grads(slot_tiles, do_rows, h_chunks, grad_bufs, mode_regs, expert_reg)
     if grad_bufs[2] is not None:
-        dtopk_bias(dy_t, slot_tiles, dw_accs, grad_bufs[2], expert_reg)
+        dtopk_bias(dy_t, slot_tiles, dw_accs, grad_bufs[2], expert_reg, interleave)

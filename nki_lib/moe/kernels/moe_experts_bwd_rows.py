@@ -110,8 +110,9 @@ def load_saved(saved_sb, gu_saved, g, st):
                                                 offset=(g * st_len + st) * pmax * row))
 
 
-def load_grad_rows(dy_rows, slot_tiles, block):
-    """Per slot tile: dy rows scaled by the routing weight (do); and dyT (P, HT, B)."""
+def load_grad_rows(dy_rows, slot_tiles, block, interleave=1):
+    """Per slot tile: dy rows scaled by the routing weight (do); and dyT (P, HT, B), its H tiles
+    in the order of ``moe_experts_steps.interleaved_blocks`` with ``interleave`` (W_down's)."""
     pmax = nl.tile_size.pmax
     hidden = dy_rows[0].shape[1]
     dy_t = nl.ndarray((pmax, len(spans(hidden, pmax)), block), dtype=dy_rows[0].dtype, buffer=nl.sbuf)
@@ -119,7 +120,7 @@ def load_grad_rows(dy_rows, slot_tiles, block):
     for tile, dy_sb in zip(slot_tiles, dy_rows):
         do_sb = nl.ndarray((tile.ps, hidden), dtype=dy_sb.dtype, buffer=nl.sbuf)
         for _ in if_live(tile):
-            transpose_rows(dy_t, dy_sb, tile.s0)
+            transpose_rows(dy_t, dy_sb, tile.s0, interleave)
             nisa.tensor_scalar(dst=do_sb, data=dy_sb, op0=nl.multiply, operand0=tile.w_col)
         do_rows.append(do_sb)
     dy_rows.clear()                     # last use of the dy rows

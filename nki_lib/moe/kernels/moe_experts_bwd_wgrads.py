@@ -21,6 +21,7 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nl
 from nki_lib.moe.kernels.moe_experts_bwd_accum import accumulate_rows
 from nki_lib.moe.kernels.moe_experts_bwd_rows import if_live
+from nki_lib.moe.kernels.moe_experts_steps import interleaved_blocks
 from nki_lib.sizes import spans
 
 ROW_BANKS = 4       # PSUM banks (fmax fp32 columns each) of one weight-gradient row piece, stored with one DMA
@@ -51,17 +52,19 @@ def _bias_grads(slot_tiles, do_rows, chunk, bias, mode_regs, expert_reg, c0, int
             accumulate_rows(acc_bgu, db_gate_up, mode_regs, expert_reg, row0 + i0, 0, [part_psum])
 
 
-def dtopk_bias(dy_t, slot_tiles, dw_accs, bias, expert_reg):
+def dtopk_bias(dy_t, slot_tiles, dw_accs, bias, expert_reg, interleave=1):
     """d topk_weights[a] += <dy_t, b_down[e]>: contraction over H tiles of dyT against the bias
-    column (H on partitions)."""
+    column (H on partitions, the tiles in dyT's order: ``interleave``, as
+    ``moe_experts_steps.interleaved_blocks``)."""
     pmax = nl.tile_size.pmax
     b_down = bias[1]
     hidden = b_down.shape[1]
     h_tiles = spans(hidden, pmax)
     col_sb = nl.ndarray((pmax, len(h_tiles), 1), dtype=b_down.dtype, buffer=nl.sbuf)
-    for ht, (h0, hs) in enumerate(h_tiles):
-        nisa.dma_copy(dst=col_sb[:hs, ht, :], src=b_down.ap([[1, hs], [1, 1]], offset=h0, scalar_offset=expert_reg,
-                                                            indirect_dim=0))
+    for ht, m, h0 in interleaved_blocks(h_tiles, interleave):
+        hs = h_tiles[ht][1]
+        nisa.dma_copy(dst=col_sb[:hs, ht:ht + m, :], src=b_down.ap([[m, hs], [1, m], [1, 1]], offset=h0,
+                                                                   scalar_offset=expert_reg, indirect_dim=0))
     for tile, dw_acc in zip(slot_tiles, dw_accs):
         s0, ps = tile.s0, tile.ps
         for _ in if_live(tile):
@@ -75,19 +78,29 @@ def dtopk_bias(dy_t, slot_tiles, dw_accs, bias, expert_reg):
 def down_weight_grads(slot_tiles, do_rows, chunks, grad_bufs, mode_regs, expert_reg, c0=0):
     """dW_down[:, c0 : c0 + sum of the chunks' widths] += do^T h over the slots; ``chunks``: the
     per-slot-tile (h, dg, du) entries of consecutive I chunks (one PSUM piece each, side by side:
-    with several chunks a row piece spans them, one DMA per H tile with longer runs)."""
-    pmax = nl.tile_size.pmax
+    with several chunks a row piece spans them, one DMA per H tile with longer runs). When the
+    chunks cover whole rows of I, m = ROW_BANKS // (PSUM banks of one row) rows per partition
+    (``moe_experts_steps.interleaved_blocks``: do's columns read with a step of m) make one row
+    piece and one DMA, a contiguous run of m I elements per partition."""
+    pmax, bank = nl.tile_size.pmax, nl.tile_size.psum_fmax
     acc_d, dw_down = grad_bufs[1]
-    for h0, hs in spans(acc_d.shape[1], pmax):
+    hidden, inter = acc_d.shape[1], acc_d.shape[2]
+    widths = [chunk[0][0].shape[1] for chunk in chunks]
+    whole = c0 == 0 and sum(widths) == inter
+    per_row = sum(-(-w // bank) for w in widths)               # PSUM banks of one row
+    h_tiles = spans(hidden, pmax)
+    for t0, m, r0 in interleaved_blocks(h_tiles, max(1, ROW_BANKS // per_row) if whole else 1):
+        hs = h_tiles[t0][1]
         parts = []
-        for chunk in chunks:
-            part_psum = nl.ndarray((hs, chunk[0][0].shape[1]), dtype=nl.float32, buffer=nl.psum)
-            for st, (tile, do_sb, grads) in enumerate(zip(slot_tiles, do_rows, chunk)):
-                for _ in if_live(tile):
-                    nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, h0:h0 + hs], moving=grads[0],
-                                   accumulate=st > 0)
-            parts.append(part_psum)
-        accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, h0, c0, parts)
+        for r in range(m):
+            for chunk in chunks:
+                part_psum = nl.ndarray((hs, chunk[0][0].shape[1]), dtype=nl.float32, buffer=nl.psum)
+                for st, (tile, do_sb, grads) in enumerate(zip(slot_tiles, do_rows, chunk)):
+                    for _ in if_live(tile):
+                        nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, r0 + r:r0 + m * hs:m], moving=grads[0],
+                                       accumulate=st > 0)
+                parts.append(part_psum)
+        accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, r0, c0, parts, row_step=m)
 
 
 def chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter, down=True):
