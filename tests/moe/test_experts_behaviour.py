@@ -185,13 +185,40 @@ def test_sbuf_estimates_bound_the_measured_peak(shape, weight_layout):
     counts = dict(top_k=k, n_blocks=s.args[2].numel())
     itemsize = s.args[0].element_size()
     in_out = dict(in_out=weight_layout == "in_out", save=True)     # a training call: g/u saved
-    blocks = moe_experts_fwd.group_blocks(h, inter, block, itemsize, **counts, **in_out)
+    blocks = moe_experts_fwd.group_blocks(h, inter, block, itemsize, routed=(t * k, e), **counts, **in_out)
     group = block * blocks                                            # slots per group
     assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd.sbuf_bytes(h, inter, group, itemsize, **counts, **in_out)
     saved = moe_experts_bwd._saved_blocks((None, blocks), h, inter, block, itemsize, **counts) is not None
     bwd_group = group if saved else block * moe_experts_bwd.group_blocks(h, inter, block, itemsize, **counts)
     assert 0 < bwd.peak_sbuf_bytes <= moe_experts_bwd.sbuf_bytes(h, inter, bwd_group, itemsize, saved=saved,
                                                                  **counts)
+
+
+@pytest.mark.parametrize("t,h,inter,e,k,save,blocks", [
+    (1024, 7168, 2048, 256, 8, False, 1),    # deepseek-v3 prefill: 32 tokens per expert
+    (2560, 7168, 2048, 16, 1, True, 4),      # deepseek-v3 expert parallel, 160: a training forward keeps 4
+    (2560, 7168, 2048, 16, 1, "accumulate", 2),   # inference, the accumulate combine's buffers counted
+    (2560, 7168, 2048, 16, 1, False, 4),      # without them 4 blocks stage whole (128-column chunks)
+    (1024, 2048, 768, 128, 8, True, 4),      # qwen3-30b-a3b: rows staged whole at 4 blocks already
+    (8192, 2048, 768, 128, 8, True, 4),
+], ids=["deepseek-prefill", "deepseek-ep-train", "deepseek-ep", "deepseek-ep-sum", "qwen3-1k", "qwen3-8k"])
+def test_forward_groups_shrink_to_stage_the_output_rows_whole(t, h, inter, e, k, save, blocks):
+    """The forward takes fewer blocks per group than fit, down to an expert's blocks on balanced
+    routing, only when those stage the output rows whole and the most that fit do not (one
+    indirect write per live slot tile instead of one per column group), and only when it saves
+    no g/u (the backward reads them in the forward's groups); otherwise the most that fit (a
+    launch choice, plain arithmetic; no time is asserted)."""
+    from nki_lib.moe.kernels import moe_experts_fwd
+    from nki_lib.moe.moe_plan_reference import num_blocks
+
+    counts = dict(top_k=k, n_blocks=num_blocks(t * k, e, 128), save=save is True, accumulate=save == "accumulate")
+    most = moe_experts_fwd.group_blocks(h, inter, 128, 2, **counts)
+    got = moe_experts_fwd.group_blocks(h, inter, 128, 2, routed=moe_experts_fwd._routed(t * k, e, counts), **counts)
+    assert got == blocks <= most
+    if got < most:
+        assert got >= moe_experts_fwd.filled_group_blocks(t * k, e, 128)
+        assert moe_experts_fwd._stages_whole(h, inter, 128, 2, got, e, counts)
+        assert not moe_experts_fwd._stages_whole(h, inter, 128, 2, most, e, counts)
 
 
 # --------------------------------------------------------------------------- plan data checks

@@ -70,6 +70,37 @@ def test_recompute_path_when_nothing_is_saved(monkeypatch):
     assert not _ran(bwd, moe_experts_bwd_blocks._saved_gu, "nc_transpose")
 
 
+def test_forward_saves_only_what_the_backward_reads(monkeypatch):
+    """The training forward saves g/u only where the backward's launch would read them at the
+    forward's groups (``moe_experts_bwd.reads_saved``); where it would recompute them, nothing is
+    saved (and the backward recomputes, with parity)."""
+    from nki_lib.moe.kernels import moe_experts_bwd
+    monkeypatch.setattr(moe_experts_bwd, "_saved_blocks", lambda *a, **k: None)
+    s = sample(30, 200, 136, 4, 2, 130, torch.bfloat16, "gelu")
+    assert moe_experts_op.saved_grouping(s.args + (None, None), dict(activation="gelu", weight_layout="out_in")) is None
+    fwd, bwd = _traces(s)
+    assert not _ran(fwd, moe_experts_fwd.store_saved, "dma_copy")
+    assert not _ran(bwd, moe_experts_bwd_rows.load_saved, "dma_copy")
+
+
+def test_deepseek_expert_parallel_forward_saves_nothing():
+    """At deepseek-v3's expert-parallel shape (T=2560 rows, H=7168, I=2048, 16 local experts, k=1)
+    the backward's SBUF estimate does not fit saved g/u at the forward's groups, so the training
+    forward does not save them (meta tensors: a launch decision, no data read)."""
+    import pytest
+
+    from nki_lib.bench.inputs import _plan
+    from nki_lib.dispatch import Unsupported
+
+    t, h, i, e, k = 2560, 7168, 2048, 16, 1
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    block_expert, slots, _ = _plan((torch.arange(t * k, dtype=torch.int32) % e).reshape(t, k), e, 128)
+    args = (torch.empty(t, h, **meta), torch.full((t, k), 1.0), block_expert, slots,
+            torch.empty(e, 2 * i, h, **meta), torch.empty(e, h, i, **meta))
+    with pytest.raises(Unsupported, match="recompute"):
+        moe_experts_fwd.saved_grouping(*args, activation="silu")
+
+
 def test_inference_saves_nothing():
     s = sample(20, 64, 40, 3, 2, 16, torch.bfloat16)
     args = [a.detach() for a in s.args]

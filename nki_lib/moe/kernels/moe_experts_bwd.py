@@ -301,6 +301,17 @@ def _saved_blocks(saved, hidden, inter, block_size, itemsize, **counts):
     return blocks if fits <= nl.tile_size.total_available_sbuf_size else None
 
 
+def reads_saved(x, topk_weights, block_expert, slot_assignment, inter, blocks, *, activation, biases):
+    """Whether the backward launch of this plan reads the forward's saved g/u grouped ``blocks``
+    blocks per group (:func:`_saved_blocks`, as :func:`launch_moe_experts_bwd` decides), or
+    recomputes them. Reads no data: the training forward asks it before it saves them, so that
+    it saves nothing the backward would not read (docs/perf-log.md §16.4)."""
+    block_size = slot_assignment.shape[0] // max(1, block_expert.shape[0])
+    counts = dict(top_k=topk_weights.shape[1], n_blocks=planned_blocks(block_expert.shape[0]),
+                  clamped=activation == "clamped_swiglu", biases=biases)
+    return _saved_blocks((None, blocks), x.shape[1], inter, block_size, x.element_size(), **counts) is not None
+
+
 def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
                            b_down=None, *, activation, swiglu_alpha, swiglu_limit, saved=None):
     """Launch the backward kernel (host side: index metadata, views, the exact widening of the

@@ -2,8 +2,10 @@
 
 Algorithm (one kernel launch, docs/contract.md §4.3 ``moe_experts``):
 host (index metadata only, :mod:`.moe_experts_groups`): up to G consecutive blocks of one expert are
-  merged into a group of S = G*B slots (S <= 512, the largest whose SBUF estimate fits), so every
-  weight tile is loaded and transposed once per group instead of once per block; per group the
+  merged into a group of S = G*B slots (S <= 512, the largest whose SBUF estimate fits, or fewer,
+  down to an expert's blocks on balanced routing, when only those stage the output rows whole:
+  :func:`group_blocks`), so every weight tile is loaded and transposed once per group instead of
+  once per block; per group the
   expert id, per slot the assignment id a and the token id a // k (-1 = padding).
 once: the slot token and assignment ids are loaded with one contiguous DMA per 128 groups each and
   PE-transposed so that slots sit on partitions; on VectorE the group flags valid[g] =
@@ -69,7 +71,7 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.backend import lnc_degree
-from nki_lib.dispatch import KernelLaunch
+from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.kernels.moe_experts_fwd_combine import (
     GroupSink,
     accumulate_sbuf_bytes,
@@ -530,10 +532,40 @@ def sbuf_bytes(hidden, inter, block, itemsize, *, in_out=False, **counts):
                          gu_cols=gu_cols or None, wd_cols=wd_cols, **counts)
 
 
-def group_blocks(hidden, inter, block, itemsize, **counts):
+def group_blocks(hidden, inter, block, itemsize, *, routed=None, **counts):
     """Blocks per group (see :mod:`.moe_experts_groups`): the most, up to MAX_PSUM_SLOT_TILES * 128
-    slots, whose SBUF estimate fits (1 when no larger group does)."""
-    return group_blocks_fitting(sbuf_bytes, hidden, inter, block, itemsize, **counts)
+    slots, whose SBUF estimate fits (1 when no larger group does). With ``routed`` = (assignments
+    N, experts E) of the plan: fewer blocks, down to :func:`filled_group_blocks`, when those stage
+    the output rows whole and the most that fit do not. A group larger than an expert's blocks
+    holds only padding slot tiles past them (skipped, no work), yet its SBUF estimate counts them:
+    at H = 7168 (deepseek-v3) four 128-slot tiles stage y in 14 column groups of 512, so each live
+    slot tile makes 14 indirect writes (14 software-DGE descriptors per row instead of one;
+    docs/perf-log.md §16.4), while an expert holds 1 block (prefill, 32 tokens) or 2 (expert
+    parallelism, 160)."""
+    blocks = group_blocks_fitting(sbuf_bytes, hidden, inter, block, itemsize, **counts)
+    if routed is None:
+        return blocks
+    fewer = min(blocks, filled_group_blocks(*routed, block))
+    if fewer < blocks and _stages_whole(hidden, inter, block, itemsize, fewer, routed[1], counts) and \
+            not _stages_whole(hidden, inter, block, itemsize, blocks, routed[1], counts):
+        return fewer
+    return blocks
+
+
+def filled_group_blocks(n_assignments, n_experts, block):
+    """Blocks of one expert when the routing is balanced, ceil(N / (E B)), rounded up to a power of
+    two (the group sizes :func:`group_blocks` takes): a larger group only adds padding slot tiles."""
+    per_expert, blocks = ceil_div(n_assignments, max(1, n_experts) * block), 1
+    while blocks < per_expert:
+        blocks *= 2
+    return blocks
+
+
+def _stages_whole(hidden, inter, block, itemsize, blocks, n_experts, counts):
+    """Whether the forward's tiling at ``blocks`` blocks per group stages the output rows whole
+    (``counts`` with the plan's blocks; its groups as the launcher counts them)."""
+    n_groups = planned_groups(group_count(counts["n_blocks"], n_experts, blocks, 0), blocks)
+    return tiling(hidden, inter, blocks * block, itemsize, **dict(counts, n_blocks=n_groups))[1] >= hidden
 
 
 def _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate_up, b_down, activation,
@@ -549,27 +581,40 @@ def _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate
                  in_out=in_out, save=save, accumulate=False)
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, inter, sbuf_fn=sbuf_bytes, **flags)
     shape = (x.shape[1], inter, block_size, x.element_size(), topk_weights.shape[1],
-             planned_blocks(block_expert.shape[0]), w_down.shape[0])
+             planned_blocks(block_expert.shape[0]), w_down.shape[0], topk_weights.numel())
     if lnc_degree() == 1 and _accumulate_fits(shape, dict(flags, accumulate=True)):
         flags["accumulate"] = True
     return inter, flags, block_size
 
 
-def _launch_group_blocks(x, topk_weights, block_expert, inter, block_size, flags):
-    """Blocks per group of a forward launch (:func:`group_blocks` at the planned plan size)."""
+def _launch_group_blocks(x, topk_weights, block_expert, inter, block_size, flags, n_experts):
+    """Blocks per group of a forward launch (:func:`group_blocks` at the planned plan size; fewer
+    for its assignments and experts only without saved g/u, see :func:`_routed`)."""
     return group_blocks(x.shape[1], inter, block_size, x.element_size(), top_k=topk_weights.shape[1],
-                        n_blocks=planned_blocks(block_expert.shape[0]), **flags)
+                        n_blocks=planned_blocks(block_expert.shape[0]),
+                        routed=_routed(topk_weights.numel(), n_experts, flags), **flags)
+
+
+def _routed(n_assignments, n_experts, flags):
+    """``routed`` of :func:`group_blocks` for a launch: (N, E), or None when the launch saves g/u.
+    The backward reads saved g/u grouped as the forward grouped them, and at deepseek-v3's expert-
+    parallel shape (H = 7168, I = 2048, 2 blocks per group) its launcher then takes dW_down in whole
+    rows of 128-column I chunks, whose PSUM pieces overflow the 8 banks (the simulator's rule,
+    moe_experts_bwd_wgrads.py:84; docs/perf-log.md §16.4): the training forward keeps the groups
+    the backward was built and tested with."""
+    return None if flags.get("save") else (n_assignments, n_experts)
 
 
 def _accumulate_fits(shape, flags):
     """Whether the forward with the "accumulate" combine's buffers counted (``flags``) fits SBUF
     and stages its output rows whole; ``shape`` = (H, I, block size, itemsize, k, plan blocks,
-    experts)."""
-    hidden, inter, block_size, itemsize, top_k, n_blocks, n_experts = shape
+    experts, assignments)."""
+    hidden, inter, block_size, itemsize, top_k, n_blocks, n_experts, n_assignments = shape
     fit = nl.tile_size.total_available_sbuf_size
     if sbuf_bytes(hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=n_blocks, **flags) > fit:
         return False
-    blocks = group_blocks(hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=n_blocks, **flags)
+    blocks = group_blocks(hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=n_blocks,
+                          routed=_routed(n_assignments, n_experts, flags), **flags)
     n_groups = group_count(n_blocks, n_experts, blocks, 0)
     return tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k, n_blocks=n_groups, **flags)[1] >= hidden
 
@@ -577,10 +622,19 @@ def _accumulate_fits(shape, flags):
 def saved_grouping(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None,
                    *, activation, weight_layout="out_in"):
     """(blocks per group, saved_shape) of a forward launch with ``save_activations`` (no data read:
-    the op's fake uses it); raises Unsupported where the forward kernel cannot serve the call."""
+    the op's fake uses it); raises Unsupported where the forward kernel cannot serve the call, or
+    where the backward would not read the saved g/u at these groups (its SBUF estimate does not
+    fit them: it recomputes g and u, and saving them would only cost the forward their SBUF, which
+    at deepseek-v3's H = 7168 stages the output rows in 14 column groups, and their stores;
+    docs/perf-log.md §16.4)."""
+    from nki_lib.moe.kernels.moe_experts_bwd import reads_saved
+
     inter, flags, block_size = _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate_up,
                                              b_down, activation, weight_layout, True)
-    blocks = _launch_group_blocks(x, topk_weights, block_expert, inter, block_size, flags)
+    blocks = _launch_group_blocks(x, topk_weights, block_expert, inter, block_size, flags, w_down.shape[0])
+    if not reads_saved(x, topk_weights, block_expert, slot_assignment, inter, blocks, activation=activation,
+                       biases=flags["biases"]):
+        raise Unsupported("the backward would recompute g and u at these groups (its SBUF estimate)")
     n_groups = group_count(block_expert.shape[0], w_gate_up.shape[0], blocks, 0)
     return blocks, saved_shape(n_groups, blocks * block_size, inter)
 
@@ -600,7 +654,7 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
                                              b_down, activation, weight_layout, save_activations)
     top_k = topk_weights.shape[1]
     hidden, itemsize = x.shape[1], x.element_size()
-    blocks = _launch_group_blocks(x, topk_weights, block_expert, inter, block_size, flags)
+    blocks = _launch_group_blocks(x, topk_weights, block_expert, inter, block_size, flags, w_down.shape[0])
     group_expert, group_slots = merge_blocks(block_expert, slot_assignment, blocks, w_down.shape[0])
     h_chunk, y_cols, defer, gu_cols, wd_cols = tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k,
                                                       n_blocks=planned_groups(group_expert.shape[0], blocks), **flags)
