@@ -244,7 +244,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
         grp.q_sec.users += 1
     steps = plan_steps(groups)
     n_steps = len(steps)
-    dma_pt = (dma_transposed_steps(groups, steps, DRAIN_STEPS) if q_bytes == HALF_BYTES and softcap == 0
+    dma_pt = (dma_transposed_steps(groups, steps, DRAIN_STEPS, padded_runs if v_fits else 0) if q_bytes == HALF_BYTES and softcap == 0
               else frozenset())
     work = [None] * n_steps
     lse_batch = new_lse_batch(lse, LSE_BATCH)

@@ -27,6 +27,13 @@ DMA_PT_MIN_BLOCKS = 12   # eligible sections have at least this many 128-key blo
                          # blocks (all but an interleaved first run, <= 8) then give 2-byte P rows
                          # of >= 2 KiB per partition, 178 ns at half the 23 B/ns engine rate, not
                          # under the top of the chunk floor's range (178 ns, docs/cost-model.md §7.9)
+DMA_PT_FROM_PADDED = 0.4       # the same when the kv head's first two V runs are interleaved
+DMA_PT_MIN_BLOCKS_PADDED = 8   # (``flash_attention_fwd_values.PADDED_RUNS`` >= 2): a long row's
+                               # first section then has no natural block, its second section is
+                               # all natural blocks (>= 8: 2 KiB rows, 180 ns at the SBUF -> SBUF
+                               # rate), and the DMA freed by the interleaved run 1 takes them from
+                               # 40 % of the program on (4096 causal: 110.0 / 107.4 -> 108.4 /
+                               # 106.0 us, docs/perf-log.md §16.3)
 
 
 class Ctx(nl.NKIObject):
@@ -168,14 +175,18 @@ def section_span(grp, si):
     return s0, grp.plan[last][0] + grp.plan[last][1] - s0, grp.plan[first:last + 1]
 
 
-def dma_transposed_steps(groups, steps, drain_steps):
+def dma_transposed_steps(groups, steps, drain_steps, padded_runs=0):
     """Steps whose P^T comes from one SBUF -> SBUF DMA transpose instead of TensorE transposes
     and PSUM evictions (``flash_attention_fwd_step.dma_transpose_p``; 2-byte P only, checked by
     the caller; the step still falls back to TensorE when its V is not in natural blocks): of the
     steps from ``DMA_PT_FROM`` of the program on whose section has at least ``DMA_PT_MIN_BLOCKS``
-    blocks, every ``DMA_PT_EVERY``-th from the ``DMA_PT_FIRST``-th. Returns a frozenset of step indices."""
+    blocks (``DMA_PT_FROM_PADDED`` / ``DMA_PT_MIN_BLOCKS_PADDED`` with ``padded_runs`` >= 2 padded
+    V runs), every ``DMA_PT_EVERY``-th from the ``DMA_PT_FIRST``-th. Returns a frozenset of step
+    indices."""
     pmax = nl.tile_size.pmax
-    eligible = [s for s in range(int(DMA_PT_FROM * len(steps)), len(steps) - drain_steps)
+    start, min_blocks = ((DMA_PT_FROM_PADDED, DMA_PT_MIN_BLOCKS_PADDED) if padded_runs >= 2
+                         else (DMA_PT_FROM, DMA_PT_MIN_BLOCKS))
+    eligible = [s for s in range(int(start * len(steps)), len(steps) - drain_steps)
                 if steps[s][1] >= 0
-                and section_span(groups[steps[s][0]], steps[s][1])[1] >= DMA_PT_MIN_BLOCKS * pmax]
+                and section_span(groups[steps[s][0]], steps[s][1])[1] >= min_blocks * pmax]
     return frozenset(eligible[DMA_PT_FIRST::DMA_PT_EVERY])

@@ -36,16 +36,19 @@ from nki_lib.sizes import FP32_BYTES, HALF_BYTES
 __all__ = ["PADDED_RUNS", "PADDED_RUN_MIN_RUNS", "MAX_READ_STRIDE_BYTES", "interleave_blocks", "load_v", "ValueCache",
            "cache_bytes", "cached_v", "padded_width"]
 
-PADDED_RUNS = 1  # with one query head per pass and no softcap, the first run(s) of a kv head are
+PADDED_RUNS = 2  # with one query head per pass and no softcap, the first run(s) of a kv head are
                  # used interleaved even by a section that covers them in part (its P zero-padded
                  # to the run end, ``padded_width``): in causal order those are the shortest rows,
                  # the DMA-bound start, where natural blocks cost one 256 B row per key per block.
                  # The zero blocks cost every head their transposes and evictions, so several
                  # heads per pass (GQA) or softcap (ScalarE-bound) keep natural blocks
-                 # (docs/perf-log.md §14.4)
-PADDED_RUN_MIN_RUNS = 4  # ... and only when the kv head has at least this many runs: padding the
-                         # first run adds about (run / sk)^2 of a causal head's work (the rows under
-                         # one run padded to it), <= 1/16 here; with fewer runs it costs more than it
+                 # (docs/perf-log.md §14.4). 2: run 1 too (rows 8-14 padded), which frees the
+                 # DMA of its natural blocks at dma_chunk_floor_ns=178 (4096 causal worst corner
+                 # 117.1 -> 111.0 us in order, nominal 107.5 -> 108.4 with the P^T by DMA of
+                 # flash_attention_fwd_plan.DMA_PT_FROM_PADDED, docs/perf-log.md §16.3)
+PADDED_RUN_MIN_RUNS = 4  # ... and only when the kv head has at least this many runs: padding a
+                         # run adds about (run / sk)^2 of a causal head's work (the rows under
+                         # it padded to its end), <= 1/16 per run here; with fewer runs it costs more than it
                          # saves (S = 1024 D = 192 one head per pass +14 %, S = 2048 D = 64 +3 %,
                          # docs/perf-log.md §14.6)
 MAX_READ_STRIDE_BYTES = 16  # innermost read stride above which an engine port runs at half
