@@ -19,11 +19,19 @@ from nki_lib.attention.kernels.flash_attention_fwd_step import (
     transpose_p,
 )
 from nki_lib.attention.kernels.flash_attention_fwd_values import cached_v, load_v, padded_width
-from nki_lib.attention.kernels.flash_attention_transposed_loads import load_transposed
+from nki_lib.attention.kernels.flash_attention_transposed_loads import load_transposed, load_transposed_into
 from nki_lib.attention.kernels.tiles import row_bounds
 
 __all__ = ["load_k", "section_k", "load_v_of", "stage_scores", "stage_softmax", "stage_transpose",
            "stage_evict_pt", "stage_pv", "stage_acc", "close_group"]
+
+
+FIRST_K_KEYS = 512  # with two padded V runs (flash_attention_fwd_values.PADDED_RUNS: one long
+                   # single-head kv head, whose start waits for its first loads) the kernel's first
+                   # K^T span is loaded by two DMA transposes, its first FIRST_K_KEYS keys first, so
+                   # the first QK^T waits for a quarter of the span (4096 causal 108.4 / 106.0 ->
+                   # 107.6 / 105.3 us, every corner better; elsewhere the extra DMA chunk per
+                   # partition cost more than it saved, docs/perf-log.md §16.3)
 
 
 def load_k(ctx, groups, steps, s):
@@ -57,10 +65,12 @@ def section_k(ctx, grp, s0, slen):
 
     With ``ctx.k_cache`` (K^T of the whole key range fits its SBUF budget) K^T is loaded once
     per (batch, kv head) in aligned spans of ``ctx.section_keys`` keys, one DMA per span and
-    chunk, and every query tile and head of that kv head slices it; the cache is dropped when
-    the kv head changes. Without it, each group loads its own sections."""
+    chunk (the kernel's first span in two, ``FIRST_K_KEYS`` first, with two padded V runs), and
+    every query tile and head of that kv head slices it; the cache is dropped when the kv head
+    changes. Without it, each group loads its own sections."""
     if ctx.k_cache is None:
         return load_transposed(ctx.k, ctx.natural, grp.b, grp.hk, s0, slen, ctx.chunks)
+    first_load = ctx.k_owner is None
     if ctx.k_owner != (grp.b, grp.hk):
         ctx.k_cache = [None] * len(ctx.k_cache)
         ctx.k_owner = (grp.b, grp.hk)
@@ -68,7 +78,18 @@ def section_k(ctx, grp, s0, slen):
     a0 = a * ctx.section_keys
     if ctx.k_cache[a] is None:
         span = min(ctx.mask.sk, a0 + ctx.section_keys) - a0
-        ctx.k_cache[a] = load_transposed(ctx.k, ctx.natural, grp.b, grp.hk, a0, span, ctx.chunks)
+        split = (first_load and ctx.v_cache is not None and ctx.v_cache.padded_runs >= 2
+                 and s0 - a0 < FIRST_K_KEYS < span)
+        if not split:
+            ctx.k_cache[a] = load_transposed(ctx.k, ctx.natural, grp.b, grp.hk, a0, span, ctx.chunks)
+            return [k_sb[:, s0 - a0:s0 - a0 + slen] for k_sb in ctx.k_cache[a]]
+        ctx.k_cache[a] = []
+        for c0, dc in ctx.chunks:   # the kernel's first span in two DMAs: its head comes first
+            k_sb = nl.ndarray((dc, span), dtype=ctx.k.dtype, buffer=nl.sbuf)
+            for h0, h1 in ((0, FIRST_K_KEYS), (FIRST_K_KEYS, span)):
+                load_transposed_into(k_sb[:, h0:h1], ctx.k, ctx.natural, grp.b, grp.hk,
+                                     a0 + h0, h1 - h0, c0, dc)
+            ctx.k_cache[a].append(k_sb)
     return [k_sb[:, s0 - a0:s0 - a0 + slen] for k_sb in ctx.k_cache[a]]
 
 
