@@ -221,6 +221,28 @@ def test_forward_groups_shrink_to_stage_the_output_rows_whole(t, h, inter, e, k,
         assert not moe_experts_fwd._stages_whole(h, inter, 128, 2, most, e, counts)
 
 
+def test_sbuf_estimate_with_the_prefetch_bounds_the_measured_peak():
+    """An in_out training forward that loads each next group's gate/up weights during the current
+    group (``prefetch_gu``, chosen only when ``sbuf_bytes_at(..., prefetch=True)`` fits): that
+    estimate bounds the simulator's peak."""
+    from nki_lib.moe.kernels import moe_experts_fwd
+    from nki_lib.moe.kernels.moe_experts_groups import group_count
+    s = sample(t=48, h=1024, inter=256, e=3, k=2, block=32, weight_layout="in_out")
+    with collect_runs() as runs:
+        run_with_grads(s)
+    (_, fwd), _ = runs
+    h, inter, block, itemsize = 1024, 256, 32, s.args[0].element_size()
+    flags = dict(in_out=True, save=True, accumulate=True, top_k=2)
+    blocks = moe_experts_fwd.group_blocks(h, inter, block, itemsize, n_blocks=s.args[2].numel(), **flags)
+    counts = dict(flags, n_blocks=group_count(s.args[2].numel(), 3, blocks, 0))
+    tiles = moe_experts_fwd.tiling(h, inter, blocks * block, itemsize, **counts)
+    assert moe_experts_fwd._prefetch_fits((h, inter, blocks * block, itemsize), tiles, counts)
+    h_chunk, y_cols, overlap, gu_cols, wd_cols = tiles
+    assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd.sbuf_bytes_at(
+        h, inter, blocks * block, itemsize, h_chunk, y_cols, overlap=overlap, gu_cols=gu_cols, wd_cols=wd_cols,
+        prefetch=True, **counts)
+
+
 # --------------------------------------------------------------------------- plan data checks
 
 def _plan_ok(experts, slots, n, e):
@@ -264,12 +286,17 @@ def test_plan_value_checks_match_the_contract(n_blocks, block, e, n, dtype, data
 # --------------------------------------------------------------------------- weight layouts
 
 @pytest.mark.parametrize("shape", [dict(), dict(t=40, h=200, inter=136, e=3, block=64, activation="clamped_swiglu",
-                                                biases=True, swiglu_limit=0.5)], ids=["small", "tiled-biases"])
+                                                biases=True, swiglu_limit=0.5),
+                                   dict(t=48, h=1024, inter=256, e=3, k=2, block=32)],
+                         ids=["small", "tiled-biases", "paired-h"])
 def test_in_out_layout_is_bitwise_the_out_in_layout(shape):
     """The same weights given transposed (``weight_layout="in_out"``): the forward kernel loads W^T
     tiles instead of transposing weight rows on TensorE (a bit-exact transpose), so y is bitwise
     equal; every gradient is bitwise equal too, the weight gradients transposed (the backward
-    launch transposes the weights on the host)."""
+    launch transposes the weights on the host). "paired-h": H = 1024 takes its H tiles in pairs
+    with two rows per partition (``H_INTERLEAVE``) in both layouts (``tiled-biases``: one natural
+    tile), and the in_out forward loads each next group's gate/up weights during the current group
+    (``prefetch_gu``)."""
     out_in = sample(**shape)
     in_out = sample(**shape, weight_layout="in_out")
     for i in (4, 5):

@@ -21,8 +21,11 @@ for each group g of this program (static loop, in order; LNC2: the two cores tak
      register; nn.Linear layout, long contiguous runs) PE-transposed to W^T tiles (H on
      partitions; evictions alternate VectorE/ScalarE) -- or, with the in_out weight layout
      (``gu_cols`` > 0), the W^T tiles loaded as they are, per span of ``gu_cols`` I columns (gate
-     and up columns in one run of 2I per H row when the span is all of I), no transposes; per
-     live slot tile gT/uT = W^T-tile x xT
+     and up columns in one run of 2I per H row when the span is all of I; two consecutive H rows
+     per partition, ``H_INTERLEAVE``, so one run of 4I, with xT and out_in's W^T tiles in the same
+     H order), no transposes; when the span is all of I and SBUF allows (``prefetch_gu``), the
+     next group's tile is loaded during this group, between the deferred writes and the next
+     gathers (see the group loop below); per live slot tile gT/uT = W^T-tile x xT
      into fp32 PSUM (contraction over H tiles; an expert bias enters first as bias_row^T x ones,
      a contraction of size 1); hT = act(gT) * uT, or gpt-oss's clamped swiglu
      (:mod:`.moe_experts_gate`), -> SBUF (I on partitions).
@@ -43,6 +46,12 @@ order j = 0..k-1 (contiguous loads in token order, no gather; fp32 sum), cast to
 row is computed by the same instructions on either core, so LNC2 is bitwise LNC1's "sum".
 "accumulate": nothing (y is the accumulator), or the fp32 accumulator's conversion to x's dtype.
 
+With ``prefetch_gu`` each group body issues, one slot tile at a time, the previous group's
+write, a share of the next group's gate/up weight blocks and the next group's gather: GpSimd
+(descriptors) and the DMA queues take instructions in program order, and the writes form a
+chain (each waits for the previous one), so the gathers' descriptors are made while a write is
+in flight and the weight loads fill the queues meanwhile (docs/perf-log.md §16.1).
+
 Loop structure: ids; groups (static) > guard (dynamic, 0/1 trips) > {slot tiles (guarded);
 I tiles > slot tiles (guarded) > H tiles; staging groups > H chunks > I spans > slot tiles
 (guarded) > I tiles}; then (barrier) token tiles > H chunks > j.
@@ -56,7 +65,8 @@ slot_assignment (NG*S,) int32 (a // k and a, or -1), w_gate_up
 (E, H, 2I) and (E, I, H), b_gate_up (E, 2I) and
 b_down (E, H) or None; compile-time activation, swiglu_alpha, swiglu_limit, top_k, h_chunk,
 y_cols, defer_scatters, gu_cols and wd_cols (0: the out_in layout), combine ("sum" or
-"accumulate"). Output y (T, H) in x's dtype; scratch y_slots (N, H) fp32 ("sum") or the fp32
+"accumulate"), prefetch_gu (in_out, one gate/up span: the next group's weights loaded during the
+current group). Output y (T, H) in x's dtype; scratch y_slots (N, H) fp32 ("sum") or the fp32
 accumulator (T, H) ("accumulate" with FP32_ACCUMULATOR) in shared HBM.
 
 Limits: x and weights bf16/fp16/fp32 (one dtype); B <= 512 and S <= 512 (one PSUM bank per slot
@@ -102,6 +112,7 @@ from nki_lib.moe.kernels.moe_experts_steps import (
     block_flags,
     block_registers,
     gather_rows_into,
+    interleaved_blocks,
     load_all_ids,
     load_expert_cols,
     load_expert_t,
@@ -116,7 +127,8 @@ from nki_lib.sizes import ceil_div, spans
 # I = 768, bf16) instead of 2I (3 KiB): past the 4 KiB where a DMA saturates (docs/cost-model.md
 # §2.6), at every documented bound of the chunk floor. xT takes the same H order (its transposes
 # read x's columns with a step of 2 elements, 4 B for bf16: within the 16 B innermost stride of
-# full port bandwidth, §2.5).
+# full port bandwidth, §2.5), and so do the out_in layout's W^T tiles (transposes of its natural
+# rows with the same step), so that both layouts sum the same products in the same order.
 H_INTERLEAVE = 2
 
 # --------------------------------------------------------------------------- kernel
@@ -134,23 +146,25 @@ def gate_into(h_dst, g_psum, u_psum, gate):
     nisa.tensor_tensor(dst=h_dst, data1=act_sb, data2=u_psum, op=nl.multiply)
 
 
-def _gate_up_weights(w_gate_up, expert_reg, h_tiles, inter, gu_cols):
+def _gate_up_weights(w_gate_up, expert_reg, h_tiles, inter, gu_cols, prefetched=None):
     """Per I tile: (i0, isz, W_gate^T tile, its column, W_up^T tile, its column), the tiles
     (P, HT, cols) with H on partitions. out_in (``gu_cols`` 0): the tile's weight rows loaded
     and PE-transposed (:func:`load_expert_t`). in_out: the weights are already W^T, loaded as
     they are (:func:`load_expert_cols`) per span of at most ``gu_cols`` I columns, gate and up
-    columns in one DMA per H tile when the span is all of I (runs of 2I elements)."""
+    columns in one DMA per H block when the span is all of I (runs of 2I elements), or, for that
+    one span, the ``prefetched`` tile (loaded during the previous group, :func:`_next_group_dmas`)."""
     i_tiles = spans(inter, nl.tile_size.pmax)
     if not gu_cols:
         for i0, isz in i_tiles:
-            yield (i0, isz, load_expert_t(w_gate_up, expert_reg, h_tiles, i0, isz), 0,
-                   load_expert_t(w_gate_up, expert_reg, h_tiles, inter + i0, isz), 0)
+            yield (i0, isz, load_expert_t(w_gate_up, expert_reg, h_tiles, i0, isz, H_INTERLEAVE), 0,
+                   load_expert_t(w_gate_up, expert_reg, h_tiles, inter + i0, isz, H_INTERLEAVE), 0)
         return
     per_span = max(1, gu_cols // nl.tile_size.pmax)
     for span in (i_tiles[n:n + per_span] for n in range(0, len(i_tiles), per_span)):
         c0, ncols = span[0][0], span[-1][0] + span[-1][1] - span[0][0]
         if ncols == inter:
-            wg_sb = wu_sb = load_expert_cols(w_gate_up, expert_reg, h_tiles, 0, 2 * inter, interleave=H_INTERLEAVE)
+            wg_sb = wu_sb = prefetched if prefetched is not None else \
+                load_expert_cols(w_gate_up, expert_reg, h_tiles, 0, 2 * inter, interleave=H_INTERLEAVE)
             g0, u0 = 0, inter
         else:
             wg_sb = load_expert_cols(w_gate_up, expert_reg, h_tiles, c0, ncols, interleave=H_INTERLEAVE)
@@ -161,14 +175,15 @@ def _gate_up_weights(w_gate_up, expert_reg, h_tiles, inter, gu_cols):
 
 
 def _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h_t, ones_sb, inter, gu_cols,
-             saved=None):
+             saved=None, prefetched=None):
     """hT[:, it, slots] = gate(W_gate x + b_gate, W_up x + b_up) per I tile (I on partitions, slots
     free); the W^T tiles are shared by all live slot tiles, each slot tile is computed under its
     guard. A bias enters the PSUM first, as bias_row^T x ones (a contraction of size 1).
     ``saved``: per slot tile a (P, 2 IT, ps) tile that receives gT (I tile it) and uT (IT + it)
-    in x's dtype, for the backward (:func:`store_saved`), or None."""
+    in x's dtype, for the backward (:func:`store_saved`), or None. ``prefetched``: the in_out
+    gate/up tile of all of I, already loaded (see :func:`_gate_up_weights`), or None."""
     for it, (i0, isz, wg_sb, gc, wu_sb, uc) in enumerate(_gate_up_weights(w_gate_up, expert_reg, h_tiles, inter,
-                                                                           gu_cols)):
+                                                                           gu_cols, prefetched)):
         rows = (None, None)
         if b_gate_up is not None:
             rows = (bias_row(b_gate_up, expert_reg, i0, isz), bias_row(b_gate_up, expert_reg, inter + i0, isz))
@@ -309,7 +324,7 @@ def _gather_group(x, slot_tiles, trips_reg):
 def _transpose_group(x_t, slot_tiles, x_rows, trips_reg, interleave=1):
     """xT[:, :, slots] = x rows^T per live slot tile (a function, so that no loop variable keeps a
     row tile alive after the caller releases the rows); ``interleave``: the H tiles in the order
-    of the gate/up weight tiles (:data:`H_INTERLEAVE` with the in_out layout)."""
+    of the gate/up weight tiles (:data:`H_INTERLEAVE`)."""
     for _ in nl.dynamic_range(0, trips_reg):
         for (s0, _, _, live_reg, _, _), rows_sb in zip(slot_tiles, x_rows):
             for _ in nl.dynamic_range(0, live_reg):
@@ -329,8 +344,54 @@ def store_saved(gu_saved, g, slot_tiles, saved, trips_reg):
                               src=save_sb)
 
 
+def _next_group_dmas(x, w_gate_up, next_group, deferred, h_tiles, prefetch):
+    """The DMAs of a group body that serve other groups: the previous group's ``deferred`` y
+    writes, the next group's x-row gathers and (``prefetch``) its in_out gate/up weights (one
+    (P, HT, 2I) tile, loaded per block of :data:`H_INTERLEAVE` H tiles). Returns (the next
+    group's x rows, its gate/up tile or None); (None, None) without a next group.
+
+    Without ``prefetch``: all gathers, then all writes (the next group's weights load in its own
+    body). With it, one slot tile at a time: a read-modify-write, a share of the next group's
+    weight blocks, a gather. The read-modify-writes form a chain (each waits for the previous
+    one's completion, whole-tensor hazard, then for its descriptors on GpSimd) and GpSimd and the
+    DMA queues take their instructions in program order: with the gathers interleaved, GpSimd
+    generates a gather's descriptors while a write is in flight instead of after the chain, and
+    the weight loads (hardware DGE, ready at once) fill the DMA queues meanwhile, so the next
+    group's weights have landed when TensorE reaches it (docs/perf-log.md §16.1)."""
+    if next_group is None:
+        scatter_deferred(deferred)
+        return None, None
+    (next_expert, next_trips), next_tiles = next_group
+    if not prefetch:
+        next_rows = _gather_group(x, next_tiles, next_trips)
+        scatter_deferred(deferred)
+        return next_rows, None
+    inter = w_gate_up.shape[2] // 2
+    next_rows = [nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf) for _, ps, *_ in next_tiles]
+    next_gu = nl.ndarray((nl.tile_size.pmax, len(h_tiles), 2 * inter), dtype=w_gate_up.dtype, buffer=nl.sbuf)
+    blocks = interleaved_blocks(h_tiles, H_INTERLEAVE)
+    writes = [] if deferred is None else deferred[1]
+    steps = max(len(next_tiles), len(writes))
+    per_step = ceil_div(len(blocks), steps)
+    for st in range(steps):
+        if st < len(writes):
+            scatter_deferred([deferred[0], writes[st:st + 1], deferred[2][st:st + 1], *deferred[3:]])
+        for t0, m, _ in blocks[st * per_step:(st + 1) * per_step]:
+            for _ in nl.dynamic_range(0, next_trips):
+                load_expert_cols(w_gate_up, next_expert, h_tiles[t0:t0 + m], 0, 2 * inter,
+                                 next_gu[:, t0:t0 + m, :], interleave=H_INTERLEAVE)
+        if st < len(next_tiles):
+            _, _, tok_sb, live_reg, _, partial_reg = next_tiles[st]
+            for _ in nl.dynamic_range(0, next_trips):
+                for _ in nl.dynamic_range(0, live_reg):
+                    gather_rows_into(next_rows[st], x, tok_sb, fill_reg=partial_reg)
+    if deferred is not None:
+        deferred[2].clear()
+    return next_rows, next_gu
+
+
 def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, tiles, sink, ones_sb,
-               deferred, defer, gu_saved=None, group_index=0):
+               deferred, defer, gu_saved=None, group_index=0, prefetch=(False, None)):
     """Group body in guarded phases: xT (then the x rows are released), h (gate/up; then xT is
     released), the gather of the next group's rows (``next_group`` = (registers, slot tiles) or
     None), the previous group's ``deferred`` y scatters, the down projection and the writes of y
@@ -340,7 +401,9 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, ti
     g/u (HBM, see :func:`saved_shape`), written for group ``group_index`` after the gate/up
     projections, or None. GpSimd issues DMAs in program order, so the next gather is issued before this
     group's last matmul; the releases keep the x rows of two groups and xT from being live at
-    once (SBUF: see :func:`sbuf_bytes_at`)."""
+    once (SBUF: see :func:`sbuf_bytes_at`). ``prefetch`` = (whether the in_out gate/up weights
+    of the next group are loaded in this body, this group's tile loaded so or None), see
+    :func:`_next_group_dmas`; the third value returned is the next group's tile or None."""
     pmax = nl.tile_size.pmax
     w_gate_up, w_down, b_gate_up, b_down = weights
     expert_reg, trips_reg = regs
@@ -349,22 +412,19 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, ti
     h_tiles, i_tiles = spans(x.shape[1], pmax), spans(inter, pmax)
     x_t = nl.ndarray((pmax, len(h_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
     h_t = nl.ndarray((pmax, len(i_tiles), group), dtype=x.dtype, buffer=nl.sbuf)
-    _transpose_group(x_t, slot_tiles, x_rows, trips_reg, H_INTERLEAVE if gu_cols else 1)
+    _transpose_group(x_t, slot_tiles, x_rows, trips_reg, H_INTERLEAVE)
     x_rows.clear()                      # last use of this group's x rows
     saved = None if gu_saved is None else [nl.ndarray((pmax, 2 * len(i_tiles), ps), dtype=x.dtype, buffer=nl.sbuf)
                                             for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
         _gate_up(x_t, w_gate_up, b_gate_up, expert_reg, slot_tiles, h_tiles, gate, h_t, ones_sb, inter, gu_cols,
-                 saved)
+                 saved, prefetch[1])
     del x_t                             # last use of xT
     hidden = x.shape[1]
     one_block = tiles[3] >= hidden and tiles[1] >= hidden     # in_out: W_down rows H wide, staged whole
     preloaded = _preload_down(w_down, expert_reg, i_tiles, hidden, trips_reg) if one_block else None
-    next_rows = None
-    if next_group is not None:
-        (_, next_trips), next_tiles = next_group
-        next_rows = _gather_group(x, next_tiles, next_trips)
-    scatter_deferred(deferred)              # the previous group's last scatters (own guard)
+    # the next group's gathers (and weights), the previous group's last writes (own guards)
+    next_rows, next_gu = _next_group_dmas(x, w_gate_up, next_group, deferred, h_tiles, prefetch[0])
     last_cols = spans(x.shape[1], tiles[1])[-1][1]
     last_rows = [nl.ndarray((ps, last_cols), dtype=nl.float32, buffer=nl.sbuf) for _, ps, *_ in slot_tiles]
     for _ in nl.dynamic_range(0, trips_reg):
@@ -378,13 +438,13 @@ def _group_fwd(x, slot_tiles, x_rows, weights, regs, next_group, group, gate, ti
     if not defer:
         scatter_deferred(last)
         last = None
-    return next_rows, last
+    return next_rows, last, next_gu
 
 
 @nki.jit
 def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
                            b_down, activation, swiglu_alpha, swiglu_limit, top_k, h_chunk, y_cols, defer_scatters,
-                           gu_cols, wd_cols, save_gu=False, combine="sum"):
+                           gu_cols, wd_cols, save_gu=False, combine="sum", prefetch_gu=False):
     t_len, hidden = x.shape
     n_groups = group_expert.shape[0]
     group = slot_token.shape[0] // n_groups
@@ -412,7 +472,7 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
         x_rows = _gather_group(x, current[1], current[0][1])
     if combine == "accumulate":
         zero_rows(out)                 # before the first read-modify-write (program order)
-    deferred = None
+    deferred = next_gu = None
     # Static unroll (compile-time Python loop): each group's body also issues the next one's gather
     # and the previous one's last y scatters.
     for n, g in enumerate(mine):
@@ -421,9 +481,9 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
             following = (block_registers(expert_sb, valid_sb, mine[n + 1]),
                          _group_tiles(ids, live_sb, mine[n + 1], group))
         sink = GroupSink(combine, out, slot_w_sb, g)
-        x_rows, deferred = _group_fwd(x, current[1], x_rows, weights, current[0], following, group, gate,
+        x_rows, deferred, next_gu = _group_fwd(x, current[1], x_rows, weights, current[0], following, group, gate,
                                       (h_chunk, y_cols, gu_cols, wd_cols), sink, ones_sb, deferred, defer_scatters,
-                                      gu_saved, g)
+                                      gu_saved, g, (prefetch_gu, next_gu))
         current = following
     scatter_deferred(deferred)
     if combine == "accumulate":
@@ -451,7 +511,8 @@ def saved_shape(n_groups, group, inter):
 
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_blocks, clamped=False,
-                  biases=False, overlap=True, in_out=False, gu_cols=None, wd_cols=0, save=False, accumulate=False):
+                  biases=False, overlap=True, in_out=False, gu_cols=None, wd_cols=0, save=False, accumulate=False,
+                  prefetch=False):
     """Peak SBUF bytes per partition of the forward kernel at down-projection H chunk ``h_chunk``
     and y staging width ``y_cols`` (upper bound: two generations of every streamed tile; with the
     clamped swiglu's three more fp32 temporaries and the bias rows and ones when asked; with
@@ -463,7 +524,9 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     the launch may take the "accumulate" combine (:mod:`.moe_experts_fwd_combine`): its slot
     weights and its other buffers are counted (:func:`accumulate_sbuf_bytes`), and the tail is the
     larger of its own and the k-sum's (the "sum" combine serves the same plan when a group names a
-    token twice)."""
+    token twice). ``prefetch``: the next group's in_out gate/up tile (all of I) is loaded during
+    the down projection (:func:`_next_group_dmas`) and counted there; W_down, then preloaded
+    whole once per group after the gate/up projections, is counted once in that phase."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     rows = st * hidden * itemsize                                # x rows of one group
@@ -480,6 +543,8 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, h_chunk, y_cols, *, top_k, n_b
     span_tiles = min(it, WEIGHT_SPAN // pmax)
     wd_bytes = it * wd_cols if in_out and wd_cols else span_tiles * h_chunk       # W_down^T: all I tiles, or a span
     down = 2 * wd_bytes * itemsize + staged_bytes(y_cols, hidden, st)            # W_down^T, o rows
+    if prefetch:                                                # one W_down^T block, the next gate/up tile
+        down += 2 * ht * inter * itemsize - wd_bytes * itemsize
     phases = (rows + x_t + h_t,                                 # transposes: x rows -> xT
               x_t + h_t + staging + gate_up + bias + (2 * it * block * itemsize if save else 0),  # gate/up (+ saved g/u)
               rows + h_t + staging + down + bias + (2 * it * block * itemsize if save else 0))   # down, next rows
@@ -619,6 +684,22 @@ def _accumulate_fits(shape, flags):
     return tiling(hidden, inter, blocks * block_size, itemsize, top_k=top_k, n_blocks=n_groups, **flags)[1] >= hidden
 
 
+def _prefetch_fits(shape, tiles, counts):
+    """Whether the forward loads each next group's in_out gate/up weights during the current group
+    (kernel flag ``prefetch_gu``): with the in_out layout, one gate/up span of all of I, W_down
+    preloaded whole and the output rows staged whole, when the SBUF estimate with that tile
+    counted (``sbuf_bytes_at(..., prefetch=True)``) fits at the tiling already chosen
+    (``tiles`` = (h_chunk, y_cols, overlap, gu_cols, wd_cols); ``shape`` = (H, I, S, itemsize);
+    ``counts``: the launch's flags and counts), so the tiling never depends on it."""
+    hidden, inter, group, itemsize = shape
+    h_chunk, y_cols, overlap, gu_cols, wd_cols = tiles
+    if not counts.get("in_out") or gu_cols < inter or wd_cols < hidden or y_cols < hidden:
+        return False
+    need = sbuf_bytes_at(hidden, inter, group, itemsize, h_chunk, y_cols, overlap=overlap, gu_cols=gu_cols,
+                         wd_cols=wd_cols, prefetch=True, **counts)
+    return need <= nl.tile_size.total_available_sbuf_size
+
+
 def saved_grouping(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None,
                    *, activation, weight_layout="out_in"):
     """(blocks per group, saved_shape) of a forward launch with ``save_activations`` (no data read:
@@ -663,9 +744,12 @@ def launch_moe_experts_fwd(x, topk_weights, block_expert, slot_assignment, w_gat
     repeated = whole_rows and repeats_a_token(tokens, group_expert.shape[0])
     combine = combine_mode(lnc_degree(), repeated, whole_rows)
     weights = slot_weights(topk_weights, group_slots) if combine == "accumulate" else routing_weights(topk_weights)
+    n_groups = planned_groups(group_expert.shape[0], blocks)
+    prefetch = _prefetch_fits((hidden, inter, blocks * block_size, itemsize), (h_chunk, y_cols, defer, gu_cols, wd_cols),
+                              dict(flags, top_k=top_k, n_blocks=n_groups))
     return KernelLaunch(moe_experts_fwd_kernel,
                         (x.contiguous(), weights, group_expert, tokens,
                          group_slots, w_gate_up.contiguous(), w_down.contiguous(), b_gate_up, b_down,
                          activation, float(swiglu_alpha), float(swiglu_limit), top_k, h_chunk, y_cols, defer, gu_cols,
-                         wd_cols, save_activations, combine),
+                         wd_cols, save_activations, combine, prefetch),
                         grid=lnc_degree())

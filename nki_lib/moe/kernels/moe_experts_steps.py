@@ -102,18 +102,23 @@ def interleaved_blocks(tiles, interleave):
     return blocks
 
 
+def tile_columns(tiles, interleave):
+    """Per tile of ``tiles``, in the order of :func:`interleaved_blocks`, (first column, step):
+    tile t0 + r of a block of m tiles holds columns c0 + r, c0 + r + m, ... (its transposes read
+    them with that step)."""
+    return [(c0 + r, m) for _, m, c0 in interleaved_blocks(tiles, interleave) for r in range(m)]
+
+
 def transpose_rows(dst_t, rows_sb, col0, interleave=1):
     """rows (ps, C) -> dst_t[:, c_tile, col0 : col0 + ps] (C on partitions, tiled by 128); with
     ``interleave`` > 1 the column tiles in the order of :func:`interleaved_blocks` (tile t0 + r
     of a block holds column c0 + m p + r on partition p: a strided read of m elements' step)."""
     ps, cols = rows_sb.shape
     tiles = spans(cols, nl.tile_size.pmax)
-    for t0, m, c0 in interleaved_blocks(tiles, interleave):
-        cs = tiles[t0][1]
-        for r in range(m):
-            tr_psum = nl.ndarray((cs, ps), dtype=rows_sb.dtype, buffer=nl.psum)
-            nisa.nc_transpose(dst=tr_psum, data=rows_sb[:, c0 + r:c0 + m * cs:m])
-            nisa.tensor_copy(dst=dst_t[:cs, t0 + r, col0:col0 + ps], src=tr_psum)
+    for ct, ((c0, step), (_, cs)) in enumerate(zip(tile_columns(tiles, interleave), tiles)):
+        tr_psum = nl.ndarray((cs, ps), dtype=rows_sb.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=tr_psum, data=rows_sb[:, c0:c0 + step * (cs - 1) + 1:step])
+        nisa.tensor_copy(dst=dst_t[:cs, ct, col0:col0 + ps], src=tr_psum)
 
 
 def block_flags(block_expert):
@@ -157,9 +162,11 @@ def weight_spans(col_tiles):
     return [col_tiles[i:i + per_span] for i in range(0, len(col_tiles), per_span)]
 
 
-def load_expert_t(w, expert_reg, col_tiles, row0, nrows):
+def load_expert_t(w, expert_reg, col_tiles, row0, nrows, interleave=1):
     """(P, CT, nrows) tile of w[e, row0 : row0 + nrows, cols]^T: the contraction dim (w's
     contiguous last dim, tiled by 128 as ``col_tiles``) on partitions. w (E, R, C) natural layout.
+    ``interleave``: the column tiles in the order of :func:`tile_columns` (the in_out layout's
+    order of H, so that both layouts sum the same products in the same order).
 
     Per 128 rows and column span: one DMA with long contiguous runs, then TensorE transposes
     (bit-exact transpose mode) of its 128 x 128 blocks, several blocks per PSUM bank and one
@@ -168,6 +175,7 @@ def load_expert_t(w, expert_reg, col_tiles, row0, nrows):
     per_bank = nl.tile_size.psum_fmax // pmax            # transposed blocks per PSUM bank (fp32 bound)
     cols = w.shape[2]
     w_t = nl.ndarray((pmax, len(col_tiles), nrows), dtype=w.dtype, buffer=nl.sbuf)
+    columns = dict(zip(col_tiles, tile_columns(col_tiles, interleave)))
     evictions = 0
     for r0, rs in spans(nrows, pmax):
         ct0 = 0
@@ -184,8 +192,9 @@ def load_expert_t(w, expert_reg, col_tiles, row0, nrows):
             for g0, group in groups:
                 cs = group[0][1]
                 tr_psum = nl.ndarray((cs, len(group), rs), dtype=w.dtype, buffer=nl.psum)
-                for gi, (c0, _) in enumerate(group):
-                    nisa.nc_transpose(dst=tr_psum[:, gi, :], data=nat_sb[:, c0 - c_start:c0 - c_start + cs])
+                for gi, tile in enumerate(group):
+                    c0, step = columns[tile]
+                    nisa.nc_transpose(dst=tr_psum[:, gi, :], data=nat_sb[:, c0 - c_start:c0 - c_start + step * (cs - 1) + 1:step])
                 nisa.tensor_copy(dst=w_t[:cs, ct0 + g0:ct0 + g0 + len(group), r0:r0 + rs], src=tr_psum,
                                  engine=EVICTION_ENGINES[evictions % len(EVICTION_ENGINES)])
                 evictions += 1
