@@ -201,3 +201,39 @@ def test_access_byte_ranges_and_dma_chunks_of_strided_views():
     strided = copy.writes[0]
     assert strided.partitions == (0, 32) and strided.byte_range == (4 * 4, (32 + 1) * 4)
     assert dma_out.attrs["contiguous_bytes"] == 4  # every 4th fp32 element: 4-byte chunks
+
+
+def _scalar_tile_operands(x, lo, hi):
+    """range_select with (P, 1) bound tiles and tensor_scalar_reduce with a (P, 1) operand tile."""
+    out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+    x_sb = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+    lo_sb = nl.ndarray(lo.shape, dtype=nl.float32, buffer=nl.sbuf)
+    hi_sb = nl.ndarray(hi.shape, dtype=nl.float32, buffer=nl.sbuf)
+    for dst, src in ((x_sb, x), (lo_sb, lo), (hi_sb, hi)):
+        nisa.dma_copy(dst=dst, src=src)
+    sel_sb = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+    row_max = nl.ndarray(lo.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.range_select(dst=sel_sb, on_true_tile=x_sb, comp_op0=nl.greater_equal, comp_op1=nl.less,
+                      bound0=lo_sb, bound1=hi_sb, reduce_res=row_max, reduce_op=nl.maximum)
+    scaled_sb = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar_reduce(dst=scaled_sb, data=sel_sb, op0=nl.multiply, operand0=row_max,
+                              reduce_op=nl.add, reduce_res=lo_sb)
+    nisa.dma_copy(dst=out, src=scaled_sb)
+    return out
+
+
+def test_per_partition_scalar_tiles_are_recorded_as_reads():
+    """A (P, 1) tile given where an immediate could go (range_select's bounds, tensor_scalar_reduce's
+    operand0) is a read of that tile: the trace names it, so the schedule waits for its writer."""
+    p, n = 16, 8
+    x = np.arange(p * n, dtype=np.float32).reshape(p, n)
+    lo = np.full((p, 1), 2.0, np.float32)
+    hi = np.full((p, 1), 6.0, np.float32)
+    simulate(jit(_scalar_tile_operands))(x, lo, hi)
+    trace = last_run().trace
+    by_op = {e.opcode: e for e in trace}
+    lo_w, hi_w = (trace[i].writes[0].buffer_id for i in (1, 2))
+    select = by_op["range_select"]
+    assert {lo_w, hi_w} <= {a.buffer_id for a in select.reads}
+    max_w = select.writes[1].buffer_id
+    assert max_w in {a.buffer_id for a in by_op["tensor_scalar_reduce"].reads}

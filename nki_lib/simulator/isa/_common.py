@@ -105,6 +105,13 @@ def write(c: Program, t: NkiTensor, values, operand: str = "dst", matmul: bool =
     t._scatter(out, c.opcode, operand, matmul=matmul)
 
 
+def tile_operands(*operands) -> tuple:
+    """The operands that are tiles (an immediate scalar is not a read of any memory): what an
+    instruction with scalar-or-tile operands records as reads beside its data tiles, so the trace's
+    dependencies (and the cost model's schedule) see every tile it reads."""
+    return tuple(x for x in operands if isinstance(x, NkiTensor))
+
+
 def scalar_operand(c: Program, x, p: int, operand: str, allow_tile=True):
     """An fp32 immediate, or a (P, 1) per-partition tile as a (P, 1) fp32 array."""
     if isinstance(x, NkiTensor):

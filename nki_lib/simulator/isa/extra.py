@@ -26,9 +26,19 @@ import numpy as np
 
 from ..dtypes import is_float, is_int
 from ..ops import OPS
-from ..tensor import NkiTensor
 from ._accum import accumulate
-from ._common import INSTRUCTION, as_op, begin, onchip, read_f32, read_raw, same_pf, scalar_operand, write
+from ._common import (
+    INSTRUCTION,
+    as_op,
+    begin,
+    onchip,
+    read_f32,
+    read_raw,
+    same_pf,
+    scalar_operand,
+    tile_operands,
+    write,
+)
 from .constants import reduce_cmd as _reduce_cmd
 from .pe import _psum_dst, _psum_write
 
@@ -105,7 +115,7 @@ def tensor_scalar_cumulative(dst, src, op0, op1, imm0, imm1=None, reduce_cmd=_re
     write(c, dst, out)
     if reduce_cmd != _reduce_cmd.idle and pf[1] > 0:
         c.vector_acc[:p] = out[:, -1]
-    _record(c, "vector", [src] + [x for x in (imm0, imm1) if isinstance(x, NkiTensor)], (dst,),
+    _record(c, "vector", (src,) + tile_operands(imm0, imm1), (dst,),
             {"op0": a0.name, "op1": a1.name, "reduce_cmd": reduce_cmd.name})
     return INSTRUCTION
 
@@ -128,7 +138,7 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
         r = _apply(a1, _apply(a0, x0[:, i:i + 1], r, reverse0), x1[:, i:i + 1], reverse1)
         out[:, i:i + 1] = r
     write(c, dst, out)
-    reads = (data0, data1) + ((initial,) if isinstance(initial, NkiTensor) else ())
+    reads = (data0, data1) + tile_operands(initial)
     _record(c, "vector", reads, (dst,), {"op0": a0.name, "op1": a1.name})
     return INSTRUCTION
 
@@ -157,7 +167,7 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
     out = np.where(mask, read_f32(c, on_true, "on_true", pf), scalar_operand(c, on_false, pf[0], "on_false"))
     write(c, dst, out)
     accumulate(c, c.vector_acc, reduce_cmd, red, out.max(axis=1), pf[0], reduce_res)
-    reads = (predicate, on_true) + ((on_false,) if isinstance(on_false, NkiTensor) else ())
+    reads = (predicate, on_true) + tile_operands(on_false)
     _record(c, "vector", reads, (dst,) if reduce_res is None else (dst, reduce_res),
             {"reduce_cmd": reduce_cmd.name})
     return INSTRUCTION
@@ -252,7 +262,7 @@ def exponential(dst, src, max_value=0.0, reduce_res=None, reduce_cmd=_reduce_cmd
     init = scalar_operand(c, reduce_init, pf[0], "reduce_init")
     accumulate(c, c.vector_acc, reduce_cmd, OPS["add"], y.sum(axis=1, dtype=np.float32), pf[0], reduce_res,
                init=None if reduce_cmd != _reduce_cmd.load_reduce else np.asarray(init).reshape(-1))
-    reads = (src,) + ((max_value,) if isinstance(max_value, NkiTensor) else ())
+    reads = (src,) + tile_operands(max_value, reduce_init)
     _record(c, "vector", reads, (dst,) if reduce_res is None else (dst, reduce_res),
             {"func": "exp", "reduce_cmd": reduce_cmd.name})
     return INSTRUCTION
@@ -292,7 +302,7 @@ def activate2(dst, op, data, imm0=0.0, imm1=0.0, op0=None, op1=None, relu_param=
         c.check(red.name in ("add", "maximum", "minimum") + tuple(_ABS_REDUCE_IDENTITY), "reduce_op",
                 "reduce_op must be add, maximum, minimum, abs_max or abs_min")
         _reduce_abs_aware(c, red, reduce_cmd, y, pf[0], reduce_res)
-    reads = [data] + [x for x in (imm0, imm1) if isinstance(x, NkiTensor)]
+    reads = (data,) + tile_operands(imm0, imm1)
     _record(c, "scalar", reads, (dst,) if reduce_res is None else (dst, reduce_res),
             {"func": func.name, "reduce": reduce_op is not None})
     return INSTRUCTION

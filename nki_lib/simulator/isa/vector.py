@@ -13,7 +13,19 @@ from ..dtypes import is_float, is_int
 from ..hw import QUADRANT, SHUFFLE_KEEP, TOPK_MAX_FREE, TOPK_WIDTH
 from ..tensor import NkiTensor
 from ._accum import accumulate
-from ._common import INSTRUCTION, as_op, begin, engine_name, onchip, read_f32, read_raw, same_pf, scalar_operand, write
+from ._common import (
+    INSTRUCTION,
+    as_op,
+    begin,
+    engine_name,
+    onchip,
+    read_f32,
+    read_raw,
+    same_pf,
+    scalar_operand,
+    tile_operands,
+    write,
+)
 from .constants import engine as _engine
 from .constants import reduce_cmd as _reduce_cmd
 
@@ -159,7 +171,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     if a1 is not None and a1.unary:
         c.check(operand1 is None or (not isinstance(operand1, NkiTensor) and operand1 == 0), "operand1",
                 f"unary op1 {a1!r} takes operand1=None (or 0)")
-    reads = [data] + [x for x in (operand0, operand1) if isinstance(x, NkiTensor)]
+    reads = (data,) + tile_operands(operand0, operand1)
     if a0.bitvec:
         c.check(is_int(data._dtype) and is_int(dst._dtype), "data", "bitvec ops need integer tiles")
         t = read_raw(c, data, "data").reshape(pf).astype(np.int64)
@@ -198,7 +210,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     o1 = read_f32(c, operand1, "operand1", pf)
     t = a1.alu(o1, t) if reverse1 else a1.alu(t, o1)
     write(c, dst, t)
-    reads = (data, operand1) + ((operand0,) if isinstance(operand0, NkiTensor) else ())
+    reads = (data, operand1) + tile_operands(operand0)
     _rec(c, "vector", reads, dst, {"op0": a0.name, "op1": a1.name})
     return INSTRUCTION
 
@@ -271,7 +283,8 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     accumulate(c, c.vector_acc, reduce_cmd, red, red.alu.reduce(t, axis=1), pf[0], reduce_res,
                reduce_init, reduce_res_negate)
     writes = (dst,) if reduce_res is None else (dst, reduce_res)
-    c.record("vector", (data,), writes, dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
+    reads = (data,) + tile_operands(operand0, reduce_init)
+    c.record("vector", reads, writes, dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
              {"op0": a0.name, "reduce_op": red.name, "reduce_cmd": reduce_cmd.name})
     return INSTRUCTION
 
@@ -400,7 +413,8 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
     write(c, dst, out)
     accumulate(c, c.vector_acc, reduce_cmd, red, out.max(axis=1), pf[0], reduce_res)
     writes = (dst,) if reduce_res is None else (dst, reduce_res)
-    c.record("vector", (on_true_tile,), writes, dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize)
+    reads = (on_true_tile,) + tile_operands(bound0, bound1)
+    c.record("vector", reads, writes, dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize)
     return INSTRUCTION
 
 
