@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import nki_lib
 import nki_lib.moe  # noqa: F401  (registers the ops)
@@ -87,7 +90,6 @@ def test_deepseek_expert_parallel_forward_saves_nothing():
     """At deepseek-v3's expert-parallel shape (T=2560 rows, H=7168, I=2048, 16 local experts, k=1)
     the backward's SBUF estimate does not fit saved g/u at the forward's groups, so the training
     forward does not save them (meta tensors: a launch decision, no data read)."""
-    import pytest
 
     from nki_lib.bench.inputs import _plan
     from nki_lib.dispatch import Unsupported
@@ -234,3 +236,65 @@ def test_down_weights_and_gradient_rows_interleaved(monkeypatch):
                topk_ids=torch.tensor([[1, 0]] * 13))
     _, bwd = _traces(s)
     assert _interleaved_down(bwd, inter, 2) == (True, True)
+
+
+def _chunk_width(bwd):
+    """The backward's I chunk, from the trace: the widest g/u/dhy PSUM result of a slot tile."""
+    return max(e.shape[-1] for e in bwd.trace
+               if e.opcode == "nc_matmul" and e.source in _sources(moe_experts_bwd_blocks._slot_tile_grads))
+
+
+def test_down_rows_psum_at_narrow_chunks():
+    """The smallest natural shape found whose backward picks 128-column I chunks at I = 1536 (fp32,
+    H = 3072): dW_down in whole rows of I would hold 12 PSUM banks (one per chunk) of the 8 there
+    are (the simulator rejected it: "PSUM capacity exceeded: 9 banks"), so the launcher keeps it
+    per chunk; the kernel runs with parity (strict, no fallback)."""
+    from nki_lib.moe.kernels import moe_experts_bwd
+    s = sample(4, 3072, 1536, 1, 1, 32, torch.float32, topk_ids=torch.zeros(4, 1, dtype=torch.int64))
+    _, bwd = _traces(s)
+    assert _chunk_width(bwd) == 128 and not moe_experts_bwd.down_rows_fit(1536, 128)
+    assert not _down_rows_stored(bwd, 1536)
+
+
+def _expected_down_rows(inter, i_chunk):
+    """Independent of the helpers: whole rows of I hold one PSUM bank per chunk (each <= 512
+    fp32 columns), at most 4 banks of SBUF row (I <= 2048), and PSUM has 8 banks."""
+    chunks = -(-inter // i_chunk)
+    return 1 < chunks <= 8 and inter <= 4 * 512
+
+
+@settings(max_examples=4)   # each example is a forward and a backward simulator launch
+@given(inter=st.sampled_from([1536, 2048, 2560]), i_chunk=st.sampled_from([128, 256, 384, 512]),
+       saved=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@example(inter=2048, i_chunk=128, saved=True, dtype=torch.bfloat16)     # h16m's case: 16 banks
+@example(inter=2048, i_chunk=256, saved=True, dtype=torch.bfloat16)     # 8 banks: all of PSUM, whole rows
+@example(inter=2048, i_chunk=384, saved=False, dtype=torch.float32)     # 6 banks (5 x 384 + 128)
+@example(inter=1536, i_chunk=128, saved=False, dtype=torch.float32)     # 12 banks: per chunk
+@example(inter=1536, i_chunk=256, saved=True, dtype=torch.float32)      # 6 banks: whole rows
+@example(inter=2560, i_chunk=512, saved=True, dtype=torch.bfloat16)     # I > 4 banks of row: per chunk
+def test_down_rows_only_where_psum_fits(inter, i_chunk, saved, dtype):
+    """At I near the whole-row edge, with the I chunk forced (small H): dW_down in whole rows of I
+    runs only where its PSUM banks fit (and the launcher's SBUF estimate with them), else per
+    chunk; saved and recomputed g/u; parity either way, and the trace shows which path ran."""
+    from nki_lib.moe.kernels import moe_experts_bwd
+    real_tiling, real_sbuf = moe_experts_bwd.tiling, moe_experts_bwd.sbuf_bytes_at
+    sbuf_rows = []          # the launcher's SBUF verdicts on whole rows (asked only where PSUM fits)
+
+    def sbuf_spy(*a, **k):
+        out = real_sbuf(*a, **k)
+        if k.get("down_rows") and not k.get("down_group"):
+            sbuf_rows.append(out <= nki_lib.simulator.tile_size.total_available_sbuf_size)
+        return out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe_experts_bwd, "tiling", lambda *a, **k: (i_chunk,) + tuple(real_tiling(*a, **k)[1:]))
+        mp.setattr(moe_experts_bwd, "sbuf_bytes_at", sbuf_spy)
+        if not saved:
+            mp.setattr(moe_experts_op, "saved_grouping", lambda *a, **k: None)
+        s = sample(6, 24, inter, 2, 1, 8, dtype, topk_ids=torch.tensor([[1]] * 3 + [[0]] * 3))
+        fwd, bwd = _traces(s)
+    forward_saved = _ran(fwd, moe_experts_fwd.store_saved, "dma_copy")
+    assert forward_saved <= saved and _saved_path_ran(fwd, bwd) == forward_saved, s.label
+    assert _chunk_width(bwd) == i_chunk, s.label                                 # the forced chunk ran
+    psum_fits = _expected_down_rows(inter, i_chunk)
+    assert psum_fits == bool(sbuf_rows), (s.label, sbuf_rows)
+    assert _down_rows_stored(bwd, inter) == (psum_fits and sbuf_rows[-1]), s.label

@@ -98,7 +98,7 @@ from nki_lib.moe.kernels.moe_experts_bwd_accum import ACC_MODES, accumulation_mo
 from nki_lib.moe.kernels.moe_experts_bwd_blocks import block_bwd, group_down_tile, load_group_down
 from nki_lib.moe.kernels.moe_experts_bwd_grads import FP32_TEMPS, FP32_TEMPS_CLAMPED
 from nki_lib.moe.kernels.moe_experts_bwd_rows import block_rows, gather_block, saved_cols
-from nki_lib.moe.kernels.moe_experts_bwd_wgrads import ROW_BANKS
+from nki_lib.moe.kernels.moe_experts_bwd_wgrads import ROW_BANKS, down_piece
 from nki_lib.moe.kernels.moe_experts_gate import ones_row
 from nki_lib.moe.kernels.moe_experts_groups import merge_blocks
 from nki_lib.moe.kernels.moe_experts_host import (
@@ -120,7 +120,7 @@ from nki_lib.moe.kernels.moe_experts_steps import (
     load_all_ids,
     reduce_assignments,
 )
-from nki_lib.sizes import ceil_div
+from nki_lib.sizes import ceil_div, spans
 
 # --------------------------------------------------------------------------- kernel
 
@@ -312,6 +312,17 @@ def reads_saved(x, topk_weights, block_expert, slot_assignment, inter, blocks, *
     return _saved_blocks((None, blocks), x.shape[1], inter, block_size, x.element_size(), **counts) is not None
 
 
+def down_rows_fit(inter, i_chunk):
+    """Whether dW_down can be contracted after the last I chunk in whole rows of I (``down_rows``):
+    I over more than one chunk, one SBUF row of at most ROW_BANKS banks of fp32, and the PSUM banks
+    of one row piece (``moe_experts_bwd_wgrads.down_piece``: a bank per chunk narrower than one,
+    the only PSUM tiles live in that step) within PSUM's banks."""
+    fmax = nl.tile_size.gemm_moving_fmax
+    if not i_chunk < inter <= ROW_BANKS * fmax:
+        return False
+    return down_piece([cn for _, cn in spans(inter, i_chunk)], True)[1] <= nl.tile_size.psum_num_banks
+
+
 def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
                            b_down=None, *, activation, swiglu_alpha, swiglu_limit, saved=None):
     """Launch the backward kernel (host side: index metadata, views, the exact widening of the
@@ -339,7 +350,7 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
     i_chunk, dx_cols, prefetch = tiling(hidden, inter, slots, itemsize, **counts)
     span = dx_span(hidden, inter, slots, itemsize, i_chunk, dx_cols, prefetch, **counts)
     fit = nl.tile_size.total_available_sbuf_size
-    down_rows = i_chunk < inter <= ROW_BANKS * nl.tile_size.gemm_moving_fmax and sbuf_bytes_at(
+    down_rows = down_rows_fit(inter, i_chunk) and sbuf_bytes_at(
         hidden, inter, slots, itemsize, i_chunk, dx_cols, overlap=prefetch, dx_span=span,
         down_rows=True, **counts) <= fit
     # W_down whole once per group (the next group's loaded ahead of this one's stores and

@@ -13,7 +13,10 @@ chunk > row pieces of ROW_BANKS * 512 columns > banks > slot tiles (guarded); th
 Shapes (dimension legend): H hidden, I intermediate, E experts, S slots of the block (group), ps <= 128 slots of one slot tile, P = 128 partitions, cn <= 512 columns of one I chunk, per slot tile: do and x rows (ps, H), h, dg, du (ps, cn); gradients
 (E, 2I, H) and (E, H, I), bias gradients (E, 2I, 1) and (E, H, 1); PSUM pieces (<= 128, <= 512) fp32.
 
-Limits: one row piece is at most ROW_BANKS fp32 PSUM banks (evicted into one SBUF row, one DMA).
+Limits: one row piece is at most ROW_BANKS fp32 PSUM banks (evicted into one SBUF row, one DMA),
+but a dW_down piece over several I chunks holds a bank per chunk narrower than one bank
+(:func:`down_piece`: 16 at I = 2048 in 128-column chunks); the launcher takes whole rows of I
+only where those banks fit PSUM (no other PSUM tile is live in that step).
 """
 
 from __future__ import annotations
@@ -75,6 +78,16 @@ def dtopk_bias(dy_t, slot_tiles, dw_accs, bias, expert_reg, interleave=1):
             nisa.tensor_tensor(dst=dw_acc, data1=dw_acc, data2=part_psum, op=nl.add)
 
 
+def down_piece(widths, whole):
+    """(m, banks) of one dW_down row piece of :func:`down_weight_grads` over I chunks of these
+    widths: m rows of H per partition (> 1 only for ``whole`` rows of I of at most ROW_BANKS // 2
+    banks) and the PSUM banks it holds (one fp32 piece per chunk and row, each a whole bank or more)."""
+    bank = nl.tile_size.psum_fmax
+    per_row = sum(-(-w // bank) for w in widths)               # PSUM banks of one row
+    m = max(1, ROW_BANKS // per_row) if whole else 1
+    return m, m * per_row
+
+
 def down_weight_grads(slot_tiles, do_rows, chunks, grad_bufs, mode_regs, expert_reg, c0=0):
     """dW_down[:, c0 : c0 + sum of the chunks' widths] += do^T h over the slots; ``chunks``: the
     per-slot-tile (h, dg, du) entries of consecutive I chunks (one PSUM piece each, side by side:
@@ -82,14 +95,12 @@ def down_weight_grads(slot_tiles, do_rows, chunks, grad_bufs, mode_regs, expert_
     chunks cover whole rows of I, m = ROW_BANKS // (PSUM banks of one row) rows per partition
     (``moe_experts_steps.interleaved_blocks``: do's columns read with a step of m) make one row
     piece and one DMA, a contiguous run of m I elements per partition."""
-    pmax, bank = nl.tile_size.pmax, nl.tile_size.psum_fmax
+    pmax = nl.tile_size.pmax
     acc_d, dw_down = grad_bufs[1]
     hidden, inter = acc_d.shape[1], acc_d.shape[2]
     widths = [chunk[0][0].shape[1] for chunk in chunks]
-    whole = c0 == 0 and sum(widths) == inter
-    per_row = sum(-(-w // bank) for w in widths)               # PSUM banks of one row
     h_tiles = spans(hidden, pmax)
-    for t0, m, r0 in interleaved_blocks(h_tiles, max(1, ROW_BANKS // per_row) if whole else 1):
+    for t0, m, r0 in interleaved_blocks(h_tiles, down_piece(widths, c0 == 0 and sum(widths) == inter)[0]):
         hs = h_tiles[t0][1]
         parts = []
         for r in range(m):
