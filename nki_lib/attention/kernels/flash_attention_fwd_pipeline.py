@@ -80,13 +80,11 @@ def section_k(ctx, grp, s0, slen):
         span = min(ctx.mask.sk, a0 + ctx.section_keys) - a0
         split = (first_load and ctx.v_cache is not None and ctx.v_cache.padded_runs >= 2
                  and s0 - a0 < FIRST_K_KEYS < span)
-        if not split:
-            ctx.k_cache[a] = load_transposed(ctx.k, ctx.natural, grp.b, grp.hk, a0, span, ctx.chunks)
-            return [k_sb[:, s0 - a0:s0 - a0 + slen] for k_sb in ctx.k_cache[a]]
+        cuts = (0, FIRST_K_KEYS, span) if split else (0, span)   # split: the span's head comes first
         ctx.k_cache[a] = []
-        for c0, dc in ctx.chunks:   # the kernel's first span in two DMAs: its head comes first
+        for c0, dc in ctx.chunks:
             k_sb = nl.ndarray((dc, span), dtype=ctx.k.dtype, buffer=nl.sbuf)
-            for h0, h1 in ((0, FIRST_K_KEYS), (FIRST_K_KEYS, span)):
+            for h0, h1 in zip(cuts, cuts[1:]):
                 load_transposed_into(k_sb[:, h0:h1], ctx.k, ctx.natural, grp.b, grp.hk,
                                      a0 + h0, h1 - h0, c0, dc)
             ctx.k_cache[a].append(k_sb)

@@ -301,15 +301,20 @@ def _saved_blocks(saved, hidden, inter, block_size, itemsize, **counts):
     return blocks if fits <= nl.tile_size.total_available_sbuf_size else None
 
 
-def reads_saved(x, topk_weights, block_expert, slot_assignment, inter, blocks, *, activation, biases):
-    """Whether the backward launch of this plan reads the forward's saved g/u grouped ``blocks``
-    blocks per group (:func:`_saved_blocks`, as :func:`launch_moe_experts_bwd` decides), or
-    recomputes them. Reads no data: the training forward asks it before it saves them, so that
-    it saves nothing the backward would not read (docs/perf-log.md §16.4)."""
-    block_size = slot_assignment.shape[0] // max(1, block_expert.shape[0])
+def reads_saved(x, topk_weights, block_expert, block_size, inter, blocks, *, activation, biases):
+    """Whether the backward launch of this plan (``block_size`` slots per plan block) reads the
+    forward's saved g/u grouped ``blocks`` blocks per group (:func:`_saved_blocks`, as
+    :func:`launch_moe_experts_bwd` decides), or recomputes them. Reads no data: the training
+    forward asks it before it saves them, so that it saves nothing the backward would not read
+    (docs/perf-log.md §16.4)."""
     counts = dict(top_k=topk_weights.shape[1], n_blocks=planned_blocks(block_expert.shape[0]),
-                  clamped=activation == "clamped_swiglu", biases=biases)
+                  **_flags(activation, biases))
     return _saved_blocks((None, blocks), x.shape[1], inter, block_size, x.element_size(), **counts) is not None
+
+
+def _flags(activation, biases):
+    """The launch flags of the backward's SBUF estimate that come from the call."""
+    return dict(clamped=activation == "clamped_swiglu", biases=biases)
 
 
 def down_rows_fit(inter, i_chunk):
@@ -332,7 +337,7 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
     S x H x I products, the W_gate^T/W_up^T transposes and xT), when its SBUF estimate fits."""
     if (b_gate_up is None) != (b_down is None):
         raise Unsupported("only one of b_gate_up / b_down (the kernel takes both or neither)")
-    flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None)
+    flags = _flags(activation, b_gate_up is not None)
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
                                  sbuf_fn=sbuf_bytes, **flags)
     top_k = topk_weights.shape[1]

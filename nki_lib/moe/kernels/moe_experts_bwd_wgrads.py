@@ -25,7 +25,7 @@ from nki_lib._nki import nisa, nl
 from nki_lib.moe.kernels.moe_experts_bwd_accum import accumulate_rows
 from nki_lib.moe.kernels.moe_experts_bwd_rows import if_live
 from nki_lib.moe.kernels.moe_experts_steps import interleaved_blocks
-from nki_lib.sizes import spans
+from nki_lib.sizes import ceil_div, spans
 
 ROW_BANKS = 4       # PSUM banks (fmax fp32 columns each) of one weight-gradient row piece, stored with one DMA
 
@@ -83,7 +83,7 @@ def down_piece(widths, whole):
     widths: m rows of H per partition (> 1 only for ``whole`` rows of I of at most ROW_BANKS // 2
     banks) and the PSUM banks it holds (one fp32 piece per chunk and row, each a whole bank or more)."""
     bank = nl.tile_size.psum_fmax
-    per_row = sum(-(-w // bank) for w in widths)               # PSUM banks of one row
+    per_row = sum(ceil_div(w, bank) for w in widths)           # PSUM banks of one row
     m = max(1, ROW_BANKS // per_row) if whole else 1
     return m, m * per_row
 

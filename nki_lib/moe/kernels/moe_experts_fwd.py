@@ -370,12 +370,12 @@ def _next_group_dmas(x, w_gate_up, next_group, deferred, h_tiles, prefetch):
     next_rows = [nl.ndarray((ps, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf) for _, ps, *_ in next_tiles]
     next_gu = nl.ndarray((nl.tile_size.pmax, len(h_tiles), 2 * inter), dtype=w_gate_up.dtype, buffer=nl.sbuf)
     blocks = interleaved_blocks(h_tiles, H_INTERLEAVE)
-    writes = [] if deferred is None else deferred[1]
-    steps = max(len(next_tiles), len(writes))
+    trips_w, tiles_w, rows_w, g0_w, sink_w = deferred if deferred is not None else (None, [], [], 0, None)
+    steps = max(len(next_tiles), len(tiles_w))
     per_step = ceil_div(len(blocks), steps)
     for st in range(steps):
-        if st < len(writes):
-            scatter_deferred([deferred[0], writes[st:st + 1], deferred[2][st:st + 1], *deferred[3:]])
+        if st < len(tiles_w):           # one slot tile's write of the previous group
+            scatter_deferred([trips_w, tiles_w[st:st + 1], rows_w[st:st + 1], g0_w, sink_w])
         for t0, m, _ in blocks[st * per_step:(st + 1) * per_step]:
             for _ in nl.dynamic_range(0, next_trips):
                 load_expert_cols(w_gate_up, next_expert, h_tiles[t0:t0 + m], 0, 2 * inter,
@@ -385,8 +385,7 @@ def _next_group_dmas(x, w_gate_up, next_group, deferred, h_tiles, prefetch):
             for _ in nl.dynamic_range(0, next_trips):
                 for _ in nl.dynamic_range(0, live_reg):
                     gather_rows_into(next_rows[st], x, tok_sb, fill_reg=partial_reg)
-    if deferred is not None:
-        deferred[2].clear()
+    rows_w.clear()                      # the previous group's staged rows are released
     return next_rows, next_gu
 
 
@@ -662,11 +661,11 @@ def _launch_group_blocks(x, topk_weights, block_expert, inter, block_size, flags
 
 def _routed(n_assignments, n_experts, flags):
     """``routed`` of :func:`group_blocks` for a launch: (N, E), or None when the launch saves g/u.
-    The backward reads saved g/u grouped as the forward grouped them, and at deepseek-v3's expert-
-    parallel shape (H = 7168, I = 2048, 2 blocks per group) its launcher then takes dW_down in whole
-    rows of 128-column I chunks, whose PSUM pieces overflow the 8 banks (the simulator's rule,
-    moe_experts_bwd_wgrads.py:84; docs/perf-log.md §16.4): the training forward keeps the groups
-    the backward was built and tested with."""
+    The backward reads saved g/u grouped as the forward grouped them, so a saving forward keeps
+    the groups the backward was measured with: the smaller groups were measured only without
+    saved g/u (docs/perf-log.md §16.4; the first try with them, at deepseek-v3's expert-parallel
+    shape, met the backward's PSUM overflow that ``moe_experts_bwd.down_rows_fit`` now rules out,
+    and was not re-measured)."""
     return None if flags.get("save") else (n_assignments, n_experts)
 
 
@@ -713,7 +712,7 @@ def saved_grouping(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_
     inter, flags, block_size = _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate_up,
                                              b_down, activation, weight_layout, True)
     blocks = _launch_group_blocks(x, topk_weights, block_expert, inter, block_size, flags, w_down.shape[0])
-    if not reads_saved(x, topk_weights, block_expert, slot_assignment, inter, blocks, activation=activation,
+    if not reads_saved(x, topk_weights, block_expert, block_size, inter, blocks, activation=activation,
                        biases=flags["biases"]):
         raise Unsupported("the backward would recompute g and u at these groups (its SBUF estimate)")
     n_groups = group_count(block_expert.shape[0], w_gate_up.shape[0], blocks, 0)
