@@ -6,7 +6,8 @@ Forward:  flash_attention(q, k, v, sinks=None, cu_seqlens=None, cu_seqlens_k=Non
 Backward: flash_attention_backward(dout, dlse, q, k, v, out, lse, sinks=None, cu_seqlens=None,
                                    cu_seqlens_k=None, attn_mask=None, *, causal, scale,
                                    window_left, window_right, softcap) -> (dq, dk, dv, dsinks)
-Semantics: docs/contract.md §3.1. Shapes: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), lse (B, Hq, Sq).
+``dlse`` may be None (no gradient reached lse: the kernel takes delta = rowsum(dO * O), no
+zeros tensor). Semantics: docs/contract.md §3.1. Shapes: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), lse (B, Hq, Sq).
 ``sinks`` (Hq,) in any floating dtype (math in fp32, gradient in the sinks' dtype);
 ``cu_seqlens`` / ``cu_seqlens_k`` int32 or int64 (N+1,) document offsets of the packed queries /
 keys (B == 1; without ``cu_seqlens_k`` the keys share the query offsets and Sq == Sk);
@@ -200,7 +201,7 @@ def _(q, k, v, sinks=None, cu_seqlens=None, cu_seqlens_k=None, attn_mask=None, *
 # --------------------------------------------------------------------------- backward op
 
 @torch.library.custom_op("nki::flash_attention_backward", mutates_args=())
-def flash_attention_backward_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor,
+def flash_attention_backward_op(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor,
                                 k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                                 lse: torch.Tensor, sinks: torch.Tensor | None = None,
                                 cu_seqlens: torch.Tensor | None = None,
@@ -242,12 +243,13 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sinks, cu_seqlens, cu_seqlens_k, attn_mask)
     ctx.flags = dict(keyword_only_inputs)
+    ctx.set_materialize_grads(False)   # an unused lse's gradient stays None (no zeros tensor, kernel flag)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, sinks, cu_seqlens, cu_seqlens_k, attn_mask = ctx.saved_tensors
     dq, dk, dv, dsinks = torch.ops.nki.flash_attention_backward(
-        zeros_if_none(dout, out), zeros_if_none(dlse, lse), q, k, v, out, lse, sinks, cu_seqlens,
+        zeros_if_none(dout, out), None if dlse is None else dlse.contiguous(), q, k, v, out, lse, sinks, cu_seqlens,
         cu_seqlens_k, attn_mask, **ctx.flags)
     dsinks = None if sinks is None else dsinks.to(sinks.dtype)
     return masked_grads(ctx.needs_input_grad, (dq, dk, dv, dsinks, None, None, None))

@@ -413,15 +413,18 @@ def flash_attention_backward(dout, dlse, q, k, v, out, lse, sinks=None, cu_seqle
                              cu_seqlens_k=None, attn_mask=None, *, causal=False, scale=None,
                              window_left=-1, window_right=-1, softcap=0.0):
     """Gradients ``(dq, dk, dv, dsinks)`` of ``flash_attention``, including the gradient arriving
-    through ``lse``: ``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O) - dlse``.
+    through ``lse``: ``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O) - dlse`` (``dlse``
+    None: no gradient through lse).
     ``dsinks`` is float32 (Hq,) (zeros when ``sinks`` is None)."""
     rules = Rules(causal, window_left, window_right, float(softcap), resolve_scale(scale, q.shape[-1]))
     sq, sk = q.shape[2], k.shape[2]
     cdt = _compute_dtype(q.dtype)
-    fused = _fusable(q, rules) and not bool(dlse.any())
+    fused = _fusable(q, rules) and (dlse is None or not bool(dlse.any()))
     delta = None
     if sinks is not None or not fused:   # the fused kernel forms its own delta
-        delta = (dout.to(cdt) * out.to(cdt)).sum(-1) - dlse.to(cdt)      # [B,Hq,Sq]
+        delta = (dout.to(cdt) * out.to(cdt)).sum(-1)      # [B,Hq,Sq]
+        if dlse is not None:
+            delta = delta - dlse.to(cdt)
     grad = _FusedGrad(rules) if fused else _ExplicitGrad(rules, delta)
     segs = segments(sq, sk, cu_seqlens, cu_seqlens_k)
     if len(segs) == 1 and segs[0] == (0, sq, 0, sk):

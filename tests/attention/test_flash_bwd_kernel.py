@@ -120,6 +120,20 @@ def test_bitwise_deterministic():
         assert torch.equal(_bits(a), _bits(b))
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+def test_absent_dlse_equals_zero_dlse(sinks):
+    """dlse None (no gradient reaches lse: delta = rowsum(dO * O) without a zeros tensor) gives
+    the bits of an all-zero dlse."""
+    sample = make_sample(1, 2, 1, 150, 200, 32, torch.bfloat16, causal=True, sinks=sinks)
+    grads, args = _backward(sample)
+    zero = (args[0], torch.zeros_like(args[1]), *args[2:])
+    with nki_lib.use_backend("simulator"), nki_lib.strict(True):
+        with_zeros = torch.ops.nki.flash_attention_backward(*zero, **sample.kwargs)
+        absent = torch.ops.nki.flash_attention_backward(args[0], None, *args[2:], **sample.kwargs)
+    for a, b in zip(with_zeros, absent):
+        assert torch.equal(_bits(a), _bits(b))
+
+
 def _naive_grads(args, flags, dtype, wrt):
     """Plain PyTorch (``naive``) gradients in ``dtype`` of sum(out * dout) + sum(lse * dlse)."""
     dout, dlse, q, k, v, _, _, sinks, cu = args

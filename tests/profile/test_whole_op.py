@@ -74,8 +74,9 @@ def test_only_ops_inside_nki_ops_are_recorded():
 
 
 def test_autograd_glue_is_charged_to_the_backward_op():
-    """The autograd formula's own ops around the backward op (here the zero gradient of the
-    unused lse output, and the cast of d sinks to the sinks' dtype) are host ops of the backward."""
+    """The autograd formula's own ops around the backward op (here the cast of d sinks to the
+    sinks' dtype) are host ops of the backward; the unused lse output's gradient stays None (no
+    zeros: the kernel takes delta without dlse)."""
     import nki_lib
 
     assert autograd_glue_op("GeneratedBackwardFor_nki_flash_attention_defaultBackward") == "flash_attention_backward"
@@ -90,7 +91,7 @@ def test_autograd_glue_is_charged_to_the_backward_op():
         out, _ = torch.ops.nki.flash_attention(q, k, v, sinks, causal=True)
         torch.autograd.grad(out, (q, k, v, sinks), torch.ones_like(out))
     glue = {o.name for o in ops if o.op == "flash_attention_backward"}
-    assert {"aten.zeros.default", "aten._to_copy.default"} <= glue
+    assert "aten._to_copy.default" in glue and "aten.zeros.default" not in glue
 
 
 def test_estimate_call_adds_the_host_ops_beside_the_kernels():

@@ -95,7 +95,8 @@ Shapes (HBM; the row layouts are layout glue, one host op each): q_rows
 (B, Hq, NG, pmax, 3, per, D) (Q, dO and O rows in row-group layout, ``query_rows``: [.., g, p, i, s, :] = row
 (g * per + s) * pmax + p of input i, zero rows past Sq); q_src, do_src (B, Hq, Sq, D), k_src,
 v_src (B, Hkv, Sk, D) natural (``natural``), else their (B, H, D, S) transposes;
-k_rows (B, Hkv, NKT, pmax, per, D) (``row_groups``); lse, dlse (B, Hq, Sq) fp32; sinks (Hq,) fp32;
+k_rows (B, Hkv, NKT, pmax, per, D) (``row_groups``); lse (B, Hq, Sq) fp32; dlse the same, or None
+when no gradient reaches lse (delta is then rowsum(dO * O): no zeros tensor); sinks (Hq,) fp32;
 doc (B, pmax, NT, 2) fp32 per-row key bounds [lo, hi] (``nki_lib.attention.key_bounds``:
 documents, key padding, the causal/window rules intersected; ``tiles.bounds_layout``) or None.
 Outputs dq (B, Hq, NG, pmax, per, D) and
@@ -226,7 +227,7 @@ def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, key_bounds,
               window_right, softcap):
     """The launch of the backward kernel (``key_bounds`` (B, 2, Sq) float32 or None and the flags
     from ``key_bounds.plan``); it returns ``(dq, dk, dv, dsinks)`` (dsinks float32 (Hq,),
-    zeros without sinks). Raises :class:`Unsupported` when the kernel cannot serve the call."""
+    zeros without sinks); ``dlse`` None: no gradient through lse. Raises :class:`Unsupported` when the kernel cannot serve the call."""
     if q.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {q.dtype} (the backward kernel handles bfloat16, float16, float32)")
     if q.shape[-1] > MAX_HEAD_DIM:
@@ -241,7 +242,7 @@ def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, key_bounds,
     srcs = [as_kernel_layout(x, natural) for x in (q, dout, k, v)]
     return KernelLaunch(
         flash_attention_bwd_kernel,
-        (query_rows(q, dout, out), srcs[0], srcs[1], dlse.contiguous(), row_groups(k), srcs[2], srcs[3],
+        (query_rows(q, dout, out), srcs[0], srcs[1], None if dlse is None else dlse.contiguous(), row_groups(k), srcs[2], srcs[3],
          lse.contiguous(), None if sinks is None else sinks.contiguous(),
          None if key_bounds is None else tiles.bounds_layout(key_bounds)),
         dict(causal=bool(causal), scale=float(scale), window_left=int(window_left), window_right=int(window_right),

@@ -14,6 +14,7 @@ head begins (``(pmax, NT)`` columns: row t * pmax + p on partition p, column t):
   :func:`group_stats` when the pass first loads the group (its O and dO rows, one DMA in the
   row-group layout, prefetched by :func:`prefetch_group`): VectorE product, row sums and
   subtract -- one engine, so no other in-order engine queue of the pipeline waits on the chain.
+  Without dlse (None: no gradient reaches lse) the row sums are negated in the reduce itself.
   Stored negated so the main loop subtracts delta as the bias of its ScalarE eviction of dP.
 * ``lo``, ``hi``: the visible-key interval of the row (the host's per-row key bounds: causal,
   window, documents and key padding together), one DMA per (b, h) from the partition-major
@@ -24,7 +25,7 @@ head begins (``(pmax, NT)`` columns: row t * pmax + p on partition p, column t):
   accumulator; :func:`finish` sums across partitions with a ones-vector matmul on TensorE.
   Without sinks, dsinks is zero-filled (:func:`start`).
 
-lse and dlse arrive per (h, b) as contiguous rows of up to pmax query tiles per DMA, put on
+lse and dlse (when given) arrive per (h, b) as contiguous rows of up to pmax query tiles per DMA, put on
 partitions by TensorE transposes. Rows past Sq hold 0 (zero rows of the row-group copies,
 zero-filled lse/dlse columns). The statistics never leave SBUF.
 
@@ -32,8 +33,8 @@ Output (SBUF, per (b, h)): stats (pmax, NT, NSTAT) fp32: [p, t, s] = statistic s
 t * pmax + p.
 
 Shapes: od_rows (B, Hq, NG, pmax, 3, per, D) (Q, dO and O rows, ``flash_attention_bwd.query_rows``; phase 0
-reads dO and O, the main loop takes Q and dO from the same tile); lse, dlse (B, Hq, Sq)
-fp32; sinks (Hq,) fp32; doc (B, pmax, NT, 2) fp32 per-row key bounds [lo, hi]
+reads dO and O, the main loop takes Q and dO from the same tile); lse (B, Hq, Sq) fp32, dlse
+the same or None; sinks (Hq,) fp32; doc (B, pmax, NT, 2) fp32 per-row key bounds [lo, hi]
 (``tiles.bounds_layout``) or None.
 Dimension legend: B batch, Hq query heads, Sq query length, D head dim, NT = ceil(Sq / pmax),
 NG query groups of ``per`` tiles, NSTAT statistics per row (2, or 4 with key bounds).
@@ -70,6 +71,10 @@ def _group_neg_delta(prep, hs, gid):
     od_grp = hs.od.pop(gid)
     prod_sb = nl.ndarray((pmax, per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=prod_sb, data1=od_grp[:, 2, :, :], data2=od_grp[:, 1, :, :], op=nl.multiply)
+    if hs.dlse_cols is None:   # no gradient through lse: -rowsum in one negated reduce
+        nisa.tensor_reduce(dst=hs.stats_sb[:, t0:t1, NEG_DELTA], op=nl.add, data=prod_sb[:, :t1 - t0, :], axis=2,
+                           negate=True)
+        return
     rowsum_sb = nl.ndarray((pmax, per), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=rowsum_sb, op=nl.add, data=prod_sb, axis=2)
     nisa.tensor_tensor(dst=hs.stats_sb[:, t0:t1, NEG_DELTA], data1=hs.dlse_cols[:, t0:t1],
@@ -197,7 +202,7 @@ def head_start(prep, b, h):
         nisa.dma_copy(dst=bounds_sb, src=prep.key_bounds[b])     # (contiguous: one run per partition)
         nisa.tensor_copy(dst=stats_sb[:, :, LO:HI + 1], src=bounds_sb, engine=nisa.engine.gpsimd)
     lse_cols = _columns(prep.lse[b, h], seqlen_q)
-    dlse_cols = _columns(prep.dlse[b, h], seqlen_q)
+    dlse_cols = None if prep.dlse is None else _columns(prep.dlse[b, h], seqlen_q)
     _neg_lse(stats_sb, lse_cols, prep.zeros_sb)
     return HeadStats(b, h, stats_sb, lse_cols, dlse_cols)
 
