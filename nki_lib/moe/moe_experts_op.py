@@ -203,8 +203,8 @@ def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: to
     args = _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down))
 
     def launch():
-        from nki_lib.moe.kernels import moe_experts_fwd
-        return moe_experts_fwd.launch_moe_experts_fwd(*args, **flags)
+        from nki_lib.moe.kernels import moe_experts_fwd_launch
+        return moe_experts_fwd_launch.launch_moe_experts_fwd(*args, **flags)
 
     y = dispatch("moe_experts", args[:2] + args[4:], launch=launch,
                  reference=lambda: reference.moe_experts(*args, **flags))
@@ -213,15 +213,15 @@ def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expert: to
 
 def saved_grouping(args, flags):
     """(blocks per group, shape) of the g/u the forward kernel saves for the backward
-    (``moe_experts_fwd.saved_grouping``) when a training forward will run it and can save them, else None (the reference path, float64,
+    (``moe_experts_fwd_launch.saved_grouping``) when a training forward will run it and can save them, else None (the reference path, float64,
     or a call the forward kernel cannot serve, or cannot serve while saving: the backward then
     recomputes g and u). Reads no data (the fake uses it)."""
     if kernel_path(args[:2] + args[4:]) is None:
         return None
-    from nki_lib.moe.kernels import moe_experts_fwd
+    from nki_lib.moe.kernels import moe_experts_fwd_launch
     try:
-        return moe_experts_fwd.saved_grouping(*args, activation=flags["activation"],
-                                              weight_layout=flags["weight_layout"])
+        return moe_experts_fwd_launch.saved_grouping(*args, activation=flags["activation"],
+                                                     weight_layout=flags["weight_layout"])
     except Unsupported:
         return None
 
@@ -246,8 +246,8 @@ def moe_experts_train_op(x: torch.Tensor, topk_weights: torch.Tensor, block_expe
     save = saved_grouping(args, flags) is not None
 
     def launch():
-        from nki_lib.moe.kernels import moe_experts_fwd
-        return moe_experts_fwd.launch_moe_experts_fwd(*args, **flags, save_activations=save)
+        from nki_lib.moe.kernels import moe_experts_fwd_launch
+        return moe_experts_fwd_launch.launch_moe_experts_fwd(*args, **flags, save_activations=save)
 
     out = dispatch("moe_experts", args[:2] + args[4:], launch=launch,
                    reference=lambda: (reference.moe_experts(*args, **flags), x.new_empty(0)))
@@ -441,7 +441,7 @@ SPEC = registry.register(OpSpec(
     variants=("moe_experts_train",),
     family="moe",
     launchers=(
-        "nki_lib.moe.kernels.moe_experts_fwd.launch_moe_experts_fwd",
+        "nki_lib.moe.kernels.moe_experts_fwd_launch.launch_moe_experts_fwd",
         "nki_lib.moe.kernels.moe_experts_bwd.launch_moe_experts_bwd",
     ),
     kernels=(

@@ -176,7 +176,7 @@ def test_bad_inputs_name_the_argument(change, error, name):
                                    (40, 64, 64, 4, 3, 512, torch.float16)], ids=["bf16", "fp32", "fp16-B512"])
 def test_sbuf_estimates_bound_the_measured_peak(shape, weight_layout):
     """The launchers' SBUF budgets (used to refuse oversize calls) are upper bounds of the simulator's peak."""
-    from nki_lib.moe.kernels import moe_experts_bwd, moe_experts_fwd
+    from nki_lib.moe.kernels import moe_experts_bwd, moe_experts_fwd_launch
     t, h, inter, e, k, block, dtype = shape
     s = moe_experts_op.make_sample(t, h, inter, e, k, block, dtype, True, weight_layout=weight_layout)
     with collect_runs() as runs:
@@ -185,9 +185,9 @@ def test_sbuf_estimates_bound_the_measured_peak(shape, weight_layout):
     counts = dict(top_k=k, n_blocks=s.args[2].numel())
     itemsize = s.args[0].element_size()
     in_out = dict(in_out=weight_layout == "in_out", save=True)     # a training call: g/u saved
-    blocks = moe_experts_fwd.group_blocks(h, inter, block, itemsize, routed=(t * k, e), **counts, **in_out)
+    blocks = moe_experts_fwd_launch.group_blocks(h, inter, block, itemsize, routed=(t * k, e), **counts, **in_out)
     group = block * blocks                                            # slots per group
-    assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd.sbuf_bytes(h, inter, group, itemsize, **counts, **in_out)
+    assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd_launch.sbuf_bytes(h, inter, group, itemsize, **counts, **in_out)
     saved = moe_experts_bwd._saved_blocks((None, blocks), h, inter, block, itemsize, **counts) is not None
     bwd_group = group if saved else block * moe_experts_bwd.group_blocks(h, inter, block, itemsize, **counts)
     assert 0 < bwd.peak_sbuf_bytes <= moe_experts_bwd.sbuf_bytes(h, inter, bwd_group, itemsize, saved=saved,
@@ -208,24 +208,24 @@ def test_forward_groups_shrink_to_stage_the_output_rows_whole(t, h, inter, e, k,
     indirect write per live slot tile instead of one per column group), and only when it saves
     no g/u (the backward reads them in the forward's groups); otherwise the most that fit (a
     launch choice, plain arithmetic; no time is asserted)."""
-    from nki_lib.moe.kernels import moe_experts_fwd
+    from nki_lib.moe.kernels import moe_experts_fwd_launch
     from nki_lib.moe.moe_plan_reference import num_blocks
 
     counts = dict(top_k=k, n_blocks=num_blocks(t * k, e, 128), save=save is True, accumulate=save == "accumulate")
-    most = moe_experts_fwd.group_blocks(h, inter, 128, 2, **counts)
-    got = moe_experts_fwd.group_blocks(h, inter, 128, 2, routed=moe_experts_fwd._routed(t * k, e, counts), **counts)
+    most = moe_experts_fwd_launch.group_blocks(h, inter, 128, 2, **counts)
+    got = moe_experts_fwd_launch.group_blocks(h, inter, 128, 2, routed=moe_experts_fwd_launch._routed(t * k, e, counts), **counts)
     assert got == blocks <= most
     if got < most:
-        assert got >= moe_experts_fwd.filled_group_blocks(t * k, e, 128)
-        assert moe_experts_fwd._stages_whole(h, inter, 128, 2, got, e, counts)
-        assert not moe_experts_fwd._stages_whole(h, inter, 128, 2, most, e, counts)
+        assert got >= moe_experts_fwd_launch.filled_group_blocks(t * k, e, 128)
+        assert moe_experts_fwd_launch._stages_whole(h, inter, 128, 2, got, e, counts)
+        assert not moe_experts_fwd_launch._stages_whole(h, inter, 128, 2, most, e, counts)
 
 
 def test_sbuf_estimate_with_the_prefetch_bounds_the_measured_peak():
     """An in_out training forward that loads each next group's gate/up weights during the current
     group (``prefetch_gu``, chosen only when ``sbuf_bytes_at(..., prefetch=True)`` fits): that
     estimate bounds the simulator's peak."""
-    from nki_lib.moe.kernels import moe_experts_fwd
+    from nki_lib.moe.kernels import moe_experts_fwd_launch
     from nki_lib.moe.kernels.moe_experts_groups import group_count
     s = sample(t=48, h=1024, inter=256, e=3, k=2, block=32, weight_layout="in_out")
     with collect_runs() as runs:
@@ -233,12 +233,12 @@ def test_sbuf_estimate_with_the_prefetch_bounds_the_measured_peak():
     (_, fwd), _ = runs
     h, inter, block, itemsize = 1024, 256, 32, s.args[0].element_size()
     flags = dict(in_out=True, save=True, accumulate=True, top_k=2)
-    blocks = moe_experts_fwd.group_blocks(h, inter, block, itemsize, n_blocks=s.args[2].numel(), **flags)
+    blocks = moe_experts_fwd_launch.group_blocks(h, inter, block, itemsize, n_blocks=s.args[2].numel(), **flags)
     counts = dict(flags, n_blocks=group_count(s.args[2].numel(), 3, blocks, 0))
-    tiles = moe_experts_fwd.tiling(h, inter, blocks * block, itemsize, **counts)
-    assert moe_experts_fwd._prefetch_fits((h, inter, blocks * block, itemsize), tiles, counts)
+    tiles = moe_experts_fwd_launch.tiling(h, inter, blocks * block, itemsize, **counts)
+    assert moe_experts_fwd_launch._prefetch_fits((h, inter, blocks * block, itemsize), tiles, counts)
     h_chunk, y_cols, overlap, gu_cols, wd_cols = tiles
-    assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd.sbuf_bytes_at(
+    assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd_launch.sbuf_bytes_at(
         h, inter, blocks * block, itemsize, h_chunk, y_cols, overlap=overlap, gu_cols=gu_cols, wd_cols=wd_cols,
         prefetch=True, **counts)
 

@@ -71,9 +71,9 @@ def test_zero_fill_in_column_spans(monkeypatch):
 def test_rows_staged_in_parts_take_the_sum_combine(monkeypatch):
     """Output rows staged in column groups (y_cols < H) keep the "sum" combine."""
     from nki_lib._nki import nl
-    from nki_lib.moe.kernels import moe_experts_fwd
+    from nki_lib.moe.kernels import moe_experts_fwd_launch
     pmax = nl.tile_size.pmax
-    monkeypatch.setattr(moe_experts_fwd, "tiling", lambda *a, **k: (pmax, pmax, True, 0, 0))
+    monkeypatch.setattr(moe_experts_fwd_launch, "tiling", lambda *a, **k: (pmax, pmax, True, 0, 0))
     s = moe_experts_op.make_sample(12, 300, 40, 3, 2, 8, torch.bfloat16, False, seed=6)
     opcodes = _forward_opcodes(s)
     assert "dma_compute" not in opcodes and "scalar_tensor_tensor" in opcodes

@@ -44,9 +44,9 @@ def _forward(sample):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_lnc2_matches_lnc1(monkeypatch, name):
     sample = _sample(CASES[name], False)
-    from nki_lib.moe.kernels import moe_experts_fwd
+    from nki_lib.moe.kernels import moe_experts_fwd_launch
 
-    monkeypatch.setattr(moe_experts_fwd, "combine_mode", lambda *args: "sum")
+    monkeypatch.setattr(moe_experts_fwd_launch, "combine_mode", lambda *args: "sum")
     outs = []
     for lnc in ("1", "2"):
         monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", lnc)

@@ -101,11 +101,11 @@ def test_narrow_tilings(monkeypatch, overlap, weight_layout):
     weight prefetch), and (in_out) gate/up weight spans of one I tile: the same results through
     those code paths."""
     from nki_lib._nki import nl
-    from nki_lib.moe.kernels import moe_experts_bwd, moe_experts_fwd
+    from nki_lib.moe.kernels import moe_experts_bwd, moe_experts_fwd_launch
     pmax = nl.tile_size.pmax
     narrow = (pmax, pmax, overlap)
     gu_cols = pmax if weight_layout == "in_out" else 0
-    monkeypatch.setattr(moe_experts_fwd, "tiling", lambda *a, **k: (*narrow, gu_cols, 0))
+    monkeypatch.setattr(moe_experts_fwd_launch, "tiling", lambda *a, **k: (*narrow, gu_cols, 0))
     monkeypatch.setattr(moe_experts_bwd, "tiling", lambda *a, **k: narrow)
     check(sample(6, 300, 2 * 128 + 44, 3, 2, 8, torch.bfloat16, "gelu_tanh", weight_layout=weight_layout))
 
@@ -114,9 +114,9 @@ def test_in_out_wide_down_rows_with_narrow_chunks(monkeypatch):
     """in_out, W_down rows loaded 2 pmax columns wide for all I tiles and shared by H chunks of
     pmax columns (a partial last block and chunk at H = 300), staged in groups of 2 pmax columns."""
     from nki_lib._nki import nl
-    from nki_lib.moe.kernels import moe_experts_fwd
+    from nki_lib.moe.kernels import moe_experts_fwd_launch
     pmax = nl.tile_size.pmax
-    monkeypatch.setattr(moe_experts_fwd, "tiling", lambda *a, **k: (pmax, 2 * pmax, True, pmax, 2 * pmax))
+    monkeypatch.setattr(moe_experts_fwd_launch, "tiling", lambda *a, **k: (pmax, 2 * pmax, True, pmax, 2 * pmax))
     check(sample(6, 300, 2 * 128 + 44, 3, 2, 8, torch.bfloat16, "clamped_swiglu", biases=True, swiglu_limit=0.5,
                  weight_layout="in_out"))
 

@@ -18,7 +18,12 @@ import nki_lib
 import nki_lib.moe  # noqa: F401  (registers the ops)
 from nki_lib.dispatch import collect_runs
 from nki_lib.moe import moe_experts_op
-from nki_lib.moe.kernels import moe_experts_bwd_blocks, moe_experts_bwd_rows, moe_experts_fwd
+from nki_lib.moe.kernels import (
+    moe_experts_bwd_blocks,
+    moe_experts_bwd_rows,
+    moe_experts_fwd_dmas,
+    moe_experts_fwd_launch,
+)
 from nki_lib.numerics.oppar import op_parity
 
 
@@ -43,7 +48,7 @@ def _traces(s):
 
 
 def _saved_path_ran(fwd, bwd):
-    return (_ran(fwd, moe_experts_fwd.store_saved, "dma_copy") and _ran(bwd, moe_experts_bwd_rows.load_saved,
+    return (_ran(fwd, moe_experts_fwd_dmas.store_saved, "dma_copy") and _ran(bwd, moe_experts_bwd_rows.load_saved,
                                                                          "dma_copy")
             and _ran(bwd, moe_experts_bwd_blocks._saved_gu, "nc_transpose"))
 
@@ -68,7 +73,7 @@ def test_recompute_path_when_nothing_is_saved(monkeypatch):
     monkeypatch.setattr(moe_experts_op, "saved_grouping", lambda *a, **k: None)
     s = sample(30, 200, 136, 4, 2, 130, torch.bfloat16, "clamped_swiglu", biases=True, swiglu_limit=0.5)
     fwd, bwd = _traces(s)
-    assert not _ran(fwd, moe_experts_fwd.store_saved, "dma_copy")
+    assert not _ran(fwd, moe_experts_fwd_dmas.store_saved, "dma_copy")
     assert not _ran(bwd, moe_experts_bwd_rows.load_saved, "dma_copy")
     assert not _ran(bwd, moe_experts_bwd_blocks._saved_gu, "nc_transpose")
 
@@ -82,7 +87,7 @@ def test_forward_saves_only_what_the_backward_reads(monkeypatch):
     s = sample(30, 200, 136, 4, 2, 130, torch.bfloat16, "gelu")
     assert moe_experts_op.saved_grouping(s.args + (None, None), dict(activation="gelu", weight_layout="out_in")) is None
     fwd, bwd = _traces(s)
-    assert not _ran(fwd, moe_experts_fwd.store_saved, "dma_copy")
+    assert not _ran(fwd, moe_experts_fwd_dmas.store_saved, "dma_copy")
     assert not _ran(bwd, moe_experts_bwd_rows.load_saved, "dma_copy")
 
 
@@ -100,7 +105,7 @@ def test_deepseek_expert_parallel_forward_saves_nothing():
     args = (torch.empty(t, h, **meta), torch.full((t, k), 1.0), block_expert, slots,
             torch.empty(e, 2 * i, h, **meta), torch.empty(e, h, i, **meta))
     with pytest.raises(Unsupported, match="recompute"):
-        moe_experts_fwd.saved_grouping(*args, activation="silu")
+        moe_experts_fwd_launch.saved_grouping(*args, activation="silu")
 
 
 def test_inference_saves_nothing():
@@ -111,7 +116,7 @@ def test_inference_saves_nothing():
         with nki_lib.use_backend("simulator"), nki_lib.strict(True), collect_runs() as runs, torch.no_grad():
             torch.ops.nki.moe_experts(*leaves, **s.kwargs)
         (_, fwd), = runs
-        assert not _ran(fwd, moe_experts_fwd.store_saved, "dma_copy")
+        assert not _ran(fwd, moe_experts_fwd_dmas.store_saved, "dma_copy")
 
 
 def test_first_slot_tile_of_a_group_is_padding():
@@ -292,7 +297,7 @@ def test_down_rows_only_where_psum_fits(inter, i_chunk, saved, dtype):
             mp.setattr(moe_experts_op, "saved_grouping", lambda *a, **k: None)
         s = sample(6, 24, inter, 2, 1, 8, dtype, topk_ids=torch.tensor([[1]] * 3 + [[0]] * 3))
         fwd, bwd = _traces(s)
-    forward_saved = _ran(fwd, moe_experts_fwd.store_saved, "dma_copy")
+    forward_saved = _ran(fwd, moe_experts_fwd_dmas.store_saved, "dma_copy")
     assert forward_saved <= saved and _saved_path_ran(fwd, bwd) == forward_saved, s.label
     assert _chunk_width(bwd) == i_chunk, s.label                                 # the forced chunk ran
     psum_fits = _expected_down_rows(inter, i_chunk)

@@ -201,7 +201,7 @@ def _launch_choices(dims: dict, tiling_plan=None) -> tuple:
     from nki_lib.bench.harness import tiling_context
     from nki_lib.bench.inputs import _plan
     from nki_lib.moe.kernels.moe_experts_bwd import launch_moe_experts_bwd
-    from nki_lib.moe.kernels.moe_experts_fwd import launch_moe_experts_fwd, saved_grouping
+    from nki_lib.moe.kernels.moe_experts_fwd_launch import launch_moe_experts_fwd, saved_grouping
 
     t, h, i, e, k, bs = (dims[x] for x in ("T", "H", "I", "E", "k", "block_size"))
     layout = dims.get("weight_layout", "out_in")
