@@ -76,6 +76,7 @@ EDGE = dict(b=1, hq=2, hkv=2, d=16, dtype="fp32", causal=False, window=(-1, -1),
 @example(dict(EDGE, sq=60, sk=20, window=(0, 0), sinks=True))                    # no key, but a sink
 @example(dict(EDGE, sq=33, sk=33, d=1))                                          # D = 1
 @example(dict(EDGE, sq=70, sk=90, d=256, dtype="bf16", causal=True))             # D = 256: two chunks
+@example(dict(EDGE, sq=200, sk=300, d=160, dtype="bf16", causal=True))           # D > 128: natural K rows by DMA
 @example(dict(EDGE, hq=4, hkv=1, sq=129, sk=129, dtype="bf16", window=(40, 8)))  # MQA, window
 @example(dict(EDGE, hq=2, hkv=1, sq=700, sk=1500, d=32, window=(300, 200)))   # dQ chain over 3 key tiles,
                                                                                # 2 query groups, partial tile

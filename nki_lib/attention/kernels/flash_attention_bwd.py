@@ -41,7 +41,8 @@ Loop structure (KV-outer, FlashAttention-2 backward; all loops unrolled at trace
             dq       dQ_part = dS K                  TensorE -> PSUM fp32
             acc      acc (+)= dQ_part                ScalarE (first visit) / VectorE
         loads run one unit ahead: a key tile's K^T, V^T (with the next key tile's: one DMA each
-        for two) (then its K rows) when the previous key tile starts; a query group's Q^T, dO^T
+        for two) when the previous key tile starts, its K rows (TensorE transposes of K^T, D <=
+        128; else a DMA of natural rows) behind its first scores; a query group's Q^T, dO^T
         (one DMA each, with the next group's when cached) and its Q, dO, O rows (one DMA,
         shared with phase 0) when the previous group starts, kept for the kv head's later key
         tiles when they fit (``q_cached``, else reloaded per visit); after a group's last pair:
@@ -71,11 +72,13 @@ Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile Tenso
 ScalarE the exp and the dP - delta eviction (854 ns); VectorE the dQ accumulation and, outside
 couples, the dS^T evictions (133 + 267 ns); GpSimd dS (427 ns) and the causal/window masks of
 diagonal tiles; DMA one 2 KiB-per-partition dS^T transpose per couple (1.42 us per two tiles).
-Busy times at Sq = Sk = 4096 causal: TensorE 146 us, DMA 122, ScalarE 124, GpSimd 69, VectorE
-34; estimated 169 us (81% of the engine-aware roofline; docs/perf-log.md §12.5).
+Busy times at Sq = Sk = 4096 causal: TensorE 147 us, ScalarE 124, DMA 116, GpSimd 69, VectorE
+36; estimated 170 us (80% of the engine-aware roofline; docs/perf-log.md §12.5, §18.2).
 Every streamed DMA moves one contiguous run of >= 1 KiB per partition (Q^T and dO^T 1 KiB
 each per group, 2 KiB per two groups when cached; Q/dO/O rows 3 KiB per group; K^T and V^T
-2 KiB per two key tiles; K rows 1 KiB and dK + dV 2 KiB per key tile; dS^T 2 KiB per couple).
+2 KiB per two key tiles; dK + dV 2 KiB per key tile; dS^T 2 KiB per couple). K rows: 4 TensorE
+transposes of the key tile's K^T (bit-exact, 0.2 us of TensorE) and one VectorE PSUM copy, no HBM
+traffic and no host copy (at D > 128 a DMA of the natural rows, one D-element run per block).
 Q^T, dO^T, K^T and V^T are DMA transposes of the natural (B, H, S, D) inputs for 2-byte dtypes
 with D <= 128 (``flash_attention_transposed_loads``; no host transposes), else rows of host transposes.
 
@@ -88,14 +91,15 @@ tile and query head of the GQA group (statistics, lse/dlse columns), plus, when 
 ``q_cached``, a group's Q^T, dO^T and Q, dO, O rows (5 KiB at D = 128, bf16) per query group and
 query head of the GQA group.
 PSUM: dK, dV (one bank each, two each for D in (128, 256]) and one S, dP, dS^T and dQ tile each
-(every PSUM tile is consumed one pipeline step after it is made): 6 banks at D <= 128, 8 at
+(every PSUM tile is consumed one pipeline step after it is made), plus at D <= 128 the K-row
+transposes' tile (one bank, from the transposes to their VectorE copy): 7 banks at D <= 128, 8 at
 D = 256.
 
 Shapes (HBM; the row layouts are layout glue, one host op each): q_rows
 (B, Hq, NG, pmax, 3, per, D) (Q, dO and O rows in row-group layout, ``query_rows``: [.., g, p, i, s, :] = row
 (g * per + s) * pmax + p of input i, zero rows past Sq); q_src, do_src (B, Hq, Sq, D), k_src,
 v_src (B, Hkv, Sk, D) natural (``natural``), else their (B, H, D, S) transposes;
-k_rows (B, Hkv, NKT, pmax, per, D) (``row_groups``); lse (B, Hq, Sq) fp32; dlse the same, or None
+k (B, Hkv, Sk, D) natural (K rows at D > 128; its shape otherwise); lse (B, Hq, Sq) fp32; dlse the same, or None
 when no gradient reaches lse (delta is then rowsum(dO * O): no zeros tensor); sinks (Hq,) fp32;
 doc (B, pmax, NT, 2) fp32 per-row key bounds [lo, hi] (``nki_lib.attention.key_bounds``:
 documents, key padding, the causal/window rules intersected; ``tiles.bounds_layout``) or None.
@@ -122,11 +126,12 @@ from nki_lib.attention.attention_args import MAX_HEAD_DIM
 from nki_lib.attention.kernels import flash_attention_bwd_prep, tiles
 from nki_lib.attention.kernels.flash_attention_bwd_groups import Streams, dq_resident, q_cached
 from nki_lib.attention.kernels.flash_attention_bwd_pipeline import kv_pass
-from nki_lib.attention.kernels.flash_attention_bwd_rows import from_row_groups, group_tiles, query_rows, row_groups
+from nki_lib.attention.kernels.flash_attention_bwd_rows import from_row_groups, group_tiles, query_rows
 from nki_lib.attention.kernels.flash_attention_bwd_tile import Config
 from nki_lib.attention.kernels.flash_attention_transposed_loads import as_kernel_layout, on_chip
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch, Unsupported
+from nki_lib.sizes import ceil_div
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -160,12 +165,11 @@ def dsinks_writers(batch, num_kv_heads, group, num_progs):
 
 
 @nki.jit
-def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k_rows, k_src, v_src, lse, sinks, doc, causal, scale,
+def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k, k_src, v_src, lse, sinks, doc, causal, scale,
                                window_left, window_right, softcap, natural):
     """Returns ``(dq, dkv, dsinks)`` (dq, dkv in row-group layout); see the module docstring."""
     batch, num_heads, seqlen_q = lse.shape
-    num_kv_heads, head_dim = k_rows.shape[1], k_rows.shape[5]
-    seqlen_k = k_src.shape[2] if natural else k_src.shape[3]
+    num_kv_heads, seqlen_k, head_dim = k.shape[1], k.shape[2], k.shape[3]
     qdo_rows = q_rows[:, :, :, :, 0:2]    # Q, dO (reloads of a group after its phase 0)
     group = num_heads // num_kv_heads
     pmax = nl.tile_size.pmax
@@ -184,12 +188,12 @@ def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k_rows, k_src, v_src
     split = head_split(batch, num_kv_heads, group, num_progs)
 
     dq = nl.ndarray(q_rows.shape[:4] + (per, head_dim), dtype=q_rows.dtype, buffer=nl.shared_hbm)
-    dkv_shape = k_rows.shape[:4] + (2,) + k_rows.shape[4:]   # dK and dV rows side by side
+    dkv_shape = (batch, num_kv_heads, ceil_div(seqlen_k, per * pmax), pmax, 2, per, head_dim)   # dK, dV rows side by side
     if split:   # one fp32 partial dK/dV per program, added by the launcher
         dkv = nl.ndarray((num_progs,) + dkv_shape, dtype=nl.float32, buffer=nl.shared_hbm)
         dkv_out = dkv[pid]
     else:
-        dkv = dkv_out = nl.ndarray(dkv_shape, dtype=k_rows.dtype, buffer=nl.shared_hbm)
+        dkv = dkv_out = nl.ndarray(dkv_shape, dtype=k.dtype, buffer=nl.shared_hbm)
     dsinks = nl.ndarray((writers, num_heads), dtype=nl.float32, buffer=nl.shared_hbm)
     resident = dq_resident(group, seqlen_q, head_dim)
     keep_q = q_cached(group, seqlen_q, head_dim, 4 if q_rows.dtype == nl.float32 else 2)
@@ -209,7 +213,7 @@ def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k_rows, k_src, v_src
         if resident:
             ins.dq_res = nl.ndarray((pmax, group, num_groups * per, head_dim), dtype=nl.float32, buffer=nl.sbuf)
         ins.q_cache = {} if keep_q else None
-        kv_pass(ins, (k_rows, k_src, v_src, dkv_out), prep, b, hk, group, gs, plans, cfg)
+        kv_pass(ins, (k, k_src, v_src, dkv_out), prep, b, hk, group, gs, plans, cfg)
         ins.dq_res = ins.q_cache = None
         for h in (hk * group + g for g in gs):
             for t, (q0, qn) in enumerate(q_tiles):
@@ -242,7 +246,8 @@ def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, key_bounds,
     srcs = [as_kernel_layout(x, natural) for x in (q, dout, k, v)]
     return KernelLaunch(
         flash_attention_bwd_kernel,
-        (query_rows(q, dout, out), srcs[0], srcs[1], None if dlse is None else dlse.contiguous(), row_groups(k), srcs[2], srcs[3],
+        (query_rows(q, dout, out), srcs[0], srcs[1], None if dlse is None else dlse.contiguous(), k.contiguous(), srcs[2],
+         srcs[3],
          lse.contiguous(), None if sinks is None else sinks.contiguous(),
          None if key_bounds is None else tiles.bounds_layout(key_bounds)),
         dict(causal=bool(causal), scale=float(scale), window_left=int(window_left), window_right=int(window_right),

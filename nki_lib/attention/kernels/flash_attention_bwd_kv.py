@@ -8,15 +8,17 @@ Per key tile ``[k0, k0 + kn)`` (kn <= 512 keys, ``nblocks`` 128-key blocks), a :
     load_kv          K^T, V^T (head dim on partitions) of the tile and, when adjacent and not
                      loaded yet, the next one (``kv_batch``): one DMA each per head-dim chunk
                      (DMA transposes of natural rows, or rows of the host transposes)
-    load_k_rows      K rows (keys on partitions), one DMA: needed last (the dQ stage)
+    transpose_k_rows K rows (keys on partitions), needed last (the dQ stage): TensorE transposes
+                     of K^T behind the tile's first scores (D <= 128, ``k_rows_on_chip``)
+    load_k_rows      else one DMA of the natural rows
     alloc_kv_grads   the dK, dV fp32 PSUM accumulators, when the first pair reaches its dV stage
     store_kv_grads   dK = scale * acc (ScalarE), dV = acc (VectorE) side by side in one SBUF tile,
                      one DMA into the row-group output after the last pair's dK stage; blocks no
                      query saw get zeros
 
 Shapes: K rows (pmax, nblocks, D); K^T, V^T (pmax, nchunks, kn); dK/dV PSUM accumulators
-(pmax, nblocks, stride) fp32 with stride the next power of two >= D; HBM k_rows
-(B, Hkv, NKT, pmax, per, D) and dkv (B, Hkv, NKT, pmax, 2, per, D) in row-group layout.
+(pmax, nblocks, stride) fp32 with stride the next power of two >= D; HBM k (B, Hkv, Sk, D)
+natural and dkv (B, Hkv, NKT, pmax, 2, per, D) in row-group layout.
 Dimension legend: B batch, Hkv kv heads, NKT key tiles, pmax partitions, per = nblocks of a full
 key tile (4), nchunks head-dim chunks of <= 128, D head dim, kn keys of the tile.
 Limits: D <= 256 (two chunks; a block's accumulator fits one 2 KiB PSUM bank); a partial last
@@ -42,18 +44,6 @@ def _full_blocks(blocks):
     return sum(1 for _, sn in blocks if sn == pmax)
 
 
-def _move_rows(hbm_rows, sb, blocks, to_sbuf):
-    """A key tile's rows in row-group layout ``(pmax, nblocks, D)`` between HBM and SBUF: one DMA for
-    the full blocks (one contiguous run per partition), one for a partial last block."""
-    nfull = _full_blocks(blocks)
-    pairs = [(hbm_rows[:, :nfull, :], sb[:, :nfull, :])] if nfull else []
-    if nfull < len(blocks):
-        sn = blocks[nfull][1]
-        pairs.append((hbm_rows[:sn, nfull, :], sb[:sn, nfull, :]))
-    for hbm, tile in pairs:
-        nisa.dma_copy(dst=tile if to_sbuf else hbm, src=hbm if to_sbuf else tile)
-
-
 class KeyTile(nl.NKIObject):
     """One key tile ``[k0, k0 + kn)`` of a kv head: K ``(pmax, nblocks, D)`` (keys on partitions),
     K^T and V^T ``(pmax, nchunks, kn)`` (head dim on partitions), and the dK/dV fp32 PSUM
@@ -76,7 +66,7 @@ def load_kv(kvs, k_src, v_src, natural, b, hk, head_dim):
     per head-dim chunk (DMA transposes of natural K/V rows, or rows of the launcher's transposes,
     ``flash_attention_transposed_loads``): each partition moves one run of up to 2 KiB, so two
     key tiles pay the per-chunk DMA floor once (docs/cost-model.md §2.6); each key tile gets its
-    view. The K rows follow (:func:`load_k_rows`)."""
+    view. The K rows follow (:func:`transpose_k_rows` or :func:`load_k_rows`)."""
     pmax = nl.tile_size.pmax
     chunks = tiles.head_dim_chunks(head_dim)
     k0, kn = kvs[0].k0, sum(kv.kn for kv in kvs)
@@ -100,11 +90,43 @@ def kv_batch(ktiles, m):
     return [kv]
 
 
-def load_k_rows(kv, k_rows, b, hk, head_dim):
-    """K rows (one DMA, row-group layout): needed last (dQ stage), so issued after the first
-    query group's loads."""
-    kv.k_sb = nl.ndarray((nl.tile_size.pmax, len(kv.blocks), head_dim), dtype=k_rows.dtype, buffer=nl.sbuf)
-    _move_rows(k_rows[b, hk, kv.kt], kv.k_sb, kv.blocks, True)
+def k_rows_on_chip(head_dim):
+    """Whether a key tile's K rows are TensorE transposes of its K^T (:func:`transpose_k_rows`):
+    at D <= pmax, where the transposes' PSUM tile (one bank) fits beside the pipeline's six; at
+    D > pmax (eight banks in use) they are a DMA of the natural rows (:func:`load_k_rows`)."""
+    return head_dim <= nl.tile_size.pmax
+
+
+def transpose_k_rows(kv, head_dim):
+    """K rows ``(pmax, nblocks, D)`` from the tile's K^T in SBUF: one TensorE transpose per
+    128-key block into one PSUM tile (bit-exact), one VectorE copy to SBUF; no HBM traffic."""
+    pmax = nl.tile_size.pmax
+    nblocks = len(kv.blocks)
+    k_psum = nl.ndarray((pmax, nblocks, head_dim), dtype=kv.kT_sb.dtype, buffer=nl.psum)
+    for c, (s0, sn) in enumerate(kv.blocks):
+        nisa.nc_transpose(dst=k_psum[:sn, c, :], data=kv.kT_sb[:head_dim, 0, s0:s0 + sn], engine=nisa.engine.tensor)
+    kv.k_sb = nl.ndarray((pmax, nblocks, head_dim), dtype=kv.kT_sb.dtype, buffer=nl.sbuf)
+    nfull = _full_blocks(kv.blocks)
+    if nfull:
+        nisa.tensor_copy(dst=kv.k_sb[:, :nfull, :], src=k_psum[:, :nfull, :], engine=nisa.engine.vector)
+    if nfull < nblocks:
+        sn = kv.blocks[nfull][1]
+        nisa.tensor_copy(dst=kv.k_sb[:sn, nfull, :], src=k_psum[:sn, nfull, :], engine=nisa.engine.vector)
+
+
+def load_k_rows(kv, k, b, hk, head_dim):
+    """K rows ``(pmax, nblocks, D)`` (keys on partitions) from the natural ``(B, Hkv, Sk, D)`` K:
+    one DMA for the full blocks (each partition moves one D-element run per block), one for a
+    partial last block. Used at D > pmax (:func:`k_rows_on_chip`)."""
+    pmax = nl.tile_size.pmax
+    kv.k_sb = nl.ndarray((pmax, len(kv.blocks), head_dim), dtype=k.dtype, buffer=nl.sbuf)
+    nfull = _full_blocks(kv.blocks)
+    if nfull:
+        rows = k[b, hk, kv.k0:kv.k0 + nfull * pmax, :]
+        nisa.dma_copy(dst=kv.k_sb[:, :nfull, :], src=rows.ap([[head_dim, pmax], [pmax * head_dim, nfull], [1, head_dim]]))
+    if nfull < len(kv.blocks):
+        s0, sn = kv.blocks[nfull]
+        nisa.dma_copy(dst=kv.k_sb[:sn, nfull, :], src=k[b, hk, kv.k0 + s0:kv.k0 + s0 + sn, :])
 
 
 def store_kv_grads(dkv, b, hk, kv, cfg):

@@ -8,7 +8,8 @@ NKI helpers, inlined at trace time). Loop structure:
     for step in range(len(pairs) + PIPELINE_LAG):
         for (lag, stage) in STAGES:            pair j's stage runs at step j + lag
             scores: loads one unit ahead (K/V of the next key tile, the next group's rows and
-                    phase 0), couples of interior neighbours (one dS^T DMA, ``DsCouple``)
+                    phase 0), couples of interior neighbours (one dS^T DMA, ``DsCouple``); a
+                    key tile's first: its K rows (TensorE transposes of K^T at D <= 128)
             probs, dscores, dv, dk (last pair of a key tile: dK/dV out), evict, dq,
             acc (last pair of a group: dq out / accumulators back)
 
@@ -17,7 +18,8 @@ query groups ``flash_attention_bwd_groups``; phase 0 ``flash_attention_bwd_prep`
 Shapes: pairs of a query tile (qn <= 128 rows) and a key tile (kn <= 512 keys); the scores stages
 compute up to the last 128-key block some row sees (``_seen_width``).
 Dimension legend: qn/kn rows/keys of the tile, D head dim.
-Limits: at most dK, dV, S, dP, dS^T and dQ PSUM tiles live (6 banks at D <= 128, 8 at D = 256);
+Limits: at most dK, dV, S, dP, dS^T and dQ PSUM tiles live, plus at D <= 128 the K-row
+transposes' (7 banks at D <= 128, 8 at D = 256);
 couples only for full interior pairs in a 2-byte dtype.
 """
 
@@ -31,10 +33,12 @@ from nki_lib.attention.kernels.flash_attention_bwd_groups import finish_group, g
 from nki_lib.attention.kernels.flash_attention_bwd_kv import (
     KeyTile,
     alloc_kv_grads,
+    k_rows_on_chip,
     kv_batch,
     load_k_rows,
     load_kv,
     store_kv_grads,
+    transpose_k_rows,
 )
 from nki_lib.attention.kernels.flash_attention_bwd_tile import (
     DsCouple,
@@ -80,7 +84,8 @@ def kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
     first pair is scored, the next query group's rows when a group's first pair is scored);
     a group finishes (dq out / accumulators back) after its last pair's accumulate stage, a key
     tile's dK/dV leave after its last pair's dK stage."""
-    k_rows, k_src, v_src, dkv = kvs
+    k, k_src, v_src, dkv = kvs
+    k_on_chip = k_rows_on_chip(cfg.head_dim)
     q_tiles = tiles.query_tiles(ins.seqlen_q)
     units = []   # (key tile, query head, group id, visits of the group, flags)
     order = []   # (unit, index in the unit)
@@ -117,8 +122,8 @@ def kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
             load_kv(kv_batch(ktiles, m), k_src, v_src, ins.natural, b, hk, cfg.head_dim)
 
     def ensure_rows(m):
-        if m < len(ktiles) and ktiles[m].k_sb is None:
-            load_k_rows(ktiles[m], k_rows, b, hk, cfg.head_dim)
+        if m < len(ktiles) and ktiles[m].k_sb is None and not k_on_chip:
+            load_k_rows(ktiles[m], k, b, hk, cfg.head_dim)
 
     def new_pair(j):
         n, i = order[j]
@@ -151,6 +156,8 @@ def kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
                     if all(_interior(p, kv, cfg) for p in pairs[j:j + 2]):
                         DsCouple(pairs[j:j + 2], loaded[n][0].dtype)
                 scores_stage(pairs[j], kv, k0, _seen_width(pairs[j], kv, cfg), cfg)
+                if kv.k_sb is None and k_on_chip:   # K rows on chip, behind the key tile's first scores (its K^T is in)
+                    transpose_k_rows(kv, cfg.head_dim)
             elif stage == "probs":
                 probs_stage(pairs[j], hstats[g].stats_sb, k0, _seen_width(pairs[j], kv, cfg), cfg)
             elif stage == "dscores":

@@ -1,13 +1,14 @@
 """Flash-attention backward: the row-group HBM layout (host layout glue and the group size).
 
 Used by the launcher ``flash_attention_bwd.launch_flash_attention_bwd`` (torch, one host op per
-tensor) and by the kernel's query-group and key-tile loads (``group_tiles``). Queries and keys
-share one layout: a group of ``per`` 128-row tiles, row ``(g * per + s) * pmax + p`` at
-``[.., g, p, s, :]``, so one DMA moves a group with one contiguous run per partition.
+tensor) and by the kernel's query-group and key-tile loads and stores (``group_tiles``). Queries
+and keys share one layout: a group of ``per`` 128-row tiles, row ``(g * per + s) * pmax + p`` at
+``[.., g, p, s, :]``, so one DMA moves a group with one contiguous run per partition (K rows
+need none: the kernel transposes K^T on chip, or reads natural rows at D > 128).
 
-    row_groups       (B, H, S, D) -> (B, H, NG, pmax, per, D), zero rows past S (one copy)
     query_rows       Q, dO, O -> (B, Hq, NG, pmax, 3, per, D) in one tensor (one host op)
-    from_row_groups  the inverse (drops the padding rows), cast in the same copy
+    from_row_groups  row groups (B, H, NG, pmax, per, D) -> (B, H, S, D) (drops the padding
+                     rows), cast in the same copy
 
 Shapes as above. Dimension legend: B batch, H heads, S rows (Sq or Sk), D head dim, NG groups
 (ceil(S / (per * pmax))), pmax partitions, per = 128-row tiles per group (= 128-key blocks per
@@ -25,7 +26,7 @@ from nki_lib.attention.kernels import tiles
 
 def group_tiles():
     """Query tiles per group: as many 128-row tiles as a key tile has 128-key blocks (queries and
-    keys share the row-group HBM layout of :func:`row_groups`)."""
+    the dk/dv outputs share the row-group HBM layout)."""
     return tiles.key_tile_width() // nl.tile_size.pmax
 
 
@@ -48,12 +49,6 @@ def _row_group_view(x):
     return _padded(x, 2).reshape(b, h, -1, per, pmax, d).transpose(3, 4)
 
 
-def row_groups(x):
-    """Layout glue: :func:`_row_group_view` as one contiguous copy, so one DMA moves a group of
-    ``per`` row tiles with one contiguous run per partition."""
-    return _row_group_view(x).contiguous()
-
-
 def query_rows(q, dout, out):
     """Layout glue: Q, dO and O rows in one ``(B, Hq, NG, pmax, 3, per, D)`` tensor (one host op):
     ``[.., g, p, i, s, :]`` = row ``(g * per + s) * pmax + p`` of (Q, dO, O)[i], so the kernel moves
@@ -63,7 +58,7 @@ def query_rows(q, dout, out):
 
 
 def from_row_groups(y, s, dtype=None):
-    """Inverse of :func:`row_groups` (drops the padding rows), cast to ``dtype`` in the same copy."""
+    """Inverse of :func:`_row_group_view` (drops the padding rows), cast to ``dtype`` in the same copy."""
     b, h, ng, pmax, per, d = y.shape
     rows = y.transpose(3, 4).to(dtype or y.dtype, memory_format=torch.contiguous_format)
     return rows.reshape(b, h, ng * per * pmax, d)[:, :, :s].contiguous()
