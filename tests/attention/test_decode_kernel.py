@@ -11,7 +11,7 @@ import nki_lib
 from nki_lib._nki import nl
 from nki_lib.attention import decode_attention_op
 from nki_lib.attention.decode_attention_op import make_sample
-from nki_lib.attention.kernels import decode_attention_fwd_packed, decode_attention_fwd_plan
+from nki_lib.attention.kernels import decode_attention_fwd, decode_attention_fwd_packed, decode_attention_fwd_plan
 from nki_lib.dispatch import NKIFallbackError, collect_runs, dispatch
 from nki_lib.numerics import parity
 from nki_lib.numerics.oppar import op_parity
@@ -392,3 +392,33 @@ def test_single_chunk_kernel_reads_the_lengths(hq, sq, d, cap, window_left, read
     if d == 64:                                 # the packed path reads no key registers
         registers = [e for e in report.trace if e.opcode == "register_load"]
         assert len(registers) == len(lengths) * (1 if reads else 4)
+
+
+@pytest.mark.parametrize("b, hq, hkv, d, cap, lengths, window_left, dtype, taken", [
+    (4, 8, 1, 128, 2048, [2048, 3, 1990, 700], -1, torch.bfloat16, True),    # the AWS shape, partial lengths
+    (2, 4, 2, 128, 2048, [1500, 2048], 300, torch.float16, True),            # two kv heads, a window
+    (1, 8, 1, 128, 1024, [1000], -1, torch.bfloat16, True),                   # one unit, M = 8
+    (4, 8, 1, 128, 4096, [4096, 3, 4000, 700], -1, torch.bfloat16, False),   # M = 32: PE transposes
+    (4, 8, 1, 128, 2048, [2048, 3, 1990, 700], -1, torch.float32, False),    # 4-byte K: PE transposes
+])
+def test_last_unit_k_by_dma_transpose(b, hq, hkv, d, cap, lengths, window_left, dtype, taken):
+    """The single-chunk path of a contiguous 2-byte cache with at most ``K_T_DMA_MAX_SLOTS`` keys per
+    partition loads the K of its last unit as K^T by one dma_transpose of the whole chunk (no PE
+    transposes of its keys); the other units keep their PE transposes. It reads keys past L_b and
+    before the window: NaN there (K and V, every unit) stays out of the result."""
+    sample = make_sample(b, hq, hkv, 1, d, lengths, dtype, capacity_=cap, sinks=True, window_left=window_left)
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    m = cap // nl.tile_size.pmax
+    assert decode_attention_fwd.k_by_transpose(cap, k.element_size(), d, m) == taken
+    pos = torch.arange(cap)[None, None, :, None]
+    length = torch.tensor(lengths)[:, None, None, None]
+    first = (length - 1 - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(length)
+    keep = (pos >= first) & (pos < length)
+    poisoned = Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
+                      sample.label + " poisoned")
+    outs, report = _launch(poisoned, num_splits=1)
+    _judge(poisoned, outs)
+    transposes = [e for e in report.trace if e.opcode == "dma_transpose"]
+    assert [e.shape for e in transposes] == ([(d, m, nl.tile_size.pmax)] if taken else [])
+    k_t = [e for e in report.trace if e.opcode == "nc_transpose" and e.shape == (d, nl.tile_size.pmax)]
+    assert len(k_t) == (b * hkv - taken) * m

@@ -89,6 +89,11 @@ in device loops of 0 or 1 trips too. Per group of units (as many as there are bu
 every unit, then V of every unit, then their compute in waves of up to ``LOCKSTEP_CHAINS`` chains,
 the instructions of the units' softmax, P @ V and merge chains interleaved phase by phase
 (``lockstep``), so the in-order engines pay each hop's latency once per wave, not once per unit.
+The last unit of the core's last group, whose K lands last, takes its K as K^T by one
+``dma_transpose`` of the whole chunk when the cache is contiguous, K 2-byte, D <= 128 and the chunk
+has at most ``K_T_DMA_MAX_SLOTS`` keys per partition (``k_by_transpose``): its scores then start
+when its K lands, without the PE transposes and K^T evictions that otherwise gate its wave's
+softmax (that one unit reads its whole chunk, whatever L_b).
 
 When a single-chunk unit has one softmax step, its sink is folded into that step (-m = min(-rowmax,
 -sink): the sink is a 129th column of the transposed per-partition maxima, and exp(sink - m) is
@@ -162,13 +167,16 @@ from nki_lib.attention.kernels.decode_attention_fwd_steps import (
 from nki_lib.attention.kernels.tiles import MAX_INDEX, STAT_INIT
 from nki_lib.sizes import spans
 
-__all__ = ["decode_attention_fwd_kernel", "reads_lengths", "single_chunk_path"]
+__all__ = ["decode_attention_fwd_kernel", "k_by_transpose", "reads_lengths", "single_chunk_path"]
 
 INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
 SINGLE_CHUNK_KEYS = 8192          # capacities up to this (one chunk, one split) load their chunk
                                   # statically, so the units' compute pipelines in program order
 LOAD_GROUP_PARTITIONS = 16        # single-chunk contiguous loads skip groups of this many partitions
                                   # that hold no key of [first, L_b) (2 DMA engines each: 16 groups in flight)
+K_T_DMA_MAX_SLOTS = 16            # single-chunk path: the last unit's K by dma_transpose up to this many keys
+                                  # per partition (measured, B=4 Hq=8 D=128: M = 16 -1.3 us in order,
+                                  # M = 32 +0.3, M = 64 +1.1: the V left after its K hides the hops)
 
 
 class _BatchMeta(nl.NKIObject):
@@ -372,6 +380,28 @@ def _load_needed_groups(cache_units, chunk_sb, base, m, key_regs):
                 for c0, n in spans(m, DIRECT_PIECE_SLOTS):
                     nisa.dma_copy(dst=chunk_sb[p0:p0 + pn, c0 * d:(c0 + n) * d],
                                   src=cache_units.ap([[m * d, pn], [1, n * d]], offset=base + (p0 * m + c0) * d))
+
+
+def k_by_transpose(seq_units, itemsize, d, m):
+    """Whether the single-chunk path loads the K of its last unit (the last of this core's last group)
+    as K^T by one ``dma_transpose`` (``_load_last_k_t``): a contiguous cache (one HBM run per
+    partition), 2-byte K (the DMA transpose's dtypes), D <= 128 (K^T's partitions) and at most
+    ``K_T_DMA_MAX_SLOTS`` keys per partition. That unit's K lands last; its PE transposes and K^T
+    evictions (~1.7 us of hops after its last K byte at M = 16) gate its scores, and with them the
+    softmax and P @ V of its whole wave, while the V transfer left after it is short (it grows with
+    M). The DMA transpose costs 1/0.9 of that unit's K transfer instead (docs/perf-log.md §18.5)."""
+    return seq_units is not None and itemsize == 2 and d <= nl.tile_size.pmax and m <= K_T_DMA_MAX_SLOTS
+
+
+def _load_last_k_t(k_units, base, m, d):
+    """K^T (D, M, 128) of a unit's only chunk by one ``dma_transpose`` (the 3-d form, permutation
+    (2, 1, 0)) of its keys viewed as (128 partitions, M slots, D): element [d, c, p] is key p*M + c,
+    the layout of the V chunk. It reads the whole chunk (the capacity, at most ``SINGLE_CHUNK_KEYS``
+    keys), whatever L_b: keys outside [first, L_b) only give masked scores."""
+    pmax = nl.tile_size.pmax
+    k_t = nl.ndarray((d, m, pmax), dtype=k_units.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=k_t, src=k_units.ap([[m * d, pmax], [d, m], [1, d]], offset=base))
+    return k_t
 
 
 def _key_registers(setup):
@@ -585,16 +615,24 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
         packed_path(q, k_units, v_units, sink_rows, out, lse, meta, max(pack, columns),
                      (n_kv_heads, m, unit_keys, d_spans, ones_col, scale, softcap), columns=columns > 1)
         return out, lse
+    last_k_t = k_by_transpose(seq_units, k_units.itemsize, d, m)
     if single:                                      # static chunk per unit, pipelined across units
         for g0 in range(0, len(mine), n_pairs):
             group = list(enumerate(mine))[g0:g0 + n_pairs]
             works = [prepare(u) for _, u in group]
             cache = (k_units, v_units, unit_table, key_slots, unit_keys, head_offset, plan)
-            idx = [_single_chunk_k(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][0], work.setups[0])
-                   for i, ((_, u), work) in enumerate(zip(group, works))]
+            k_bufs = [pair[0] for pair in chunk_bufs[:len(group)]]
+            idx = []
+            for i, ((_, u), work) in enumerate(zip(group, works)):
+                b, hk = units[u]
+                if last_k_t and g0 + n_pairs >= len(mine) and i == len(group) - 1:
+                    k_bufs[i] = _load_last_k_t(k_units, seq_offset(b) + hk * head_offset, m, d)
+                    idx.append(None)
+                else:
+                    idx.append(_single_chunk_k(cache, units[u], seq_offset(b), chunk_bufs[i][0], work.setups[0]))
             for i, ((_, u), work) in enumerate(zip(group, works)):
                 _single_chunk_v(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][1], idx[i], work.setups[0])
-            run_chunks([(work.states[0], work.q_t) + chunk_bufs[i] for i, work in enumerate(works)], plan, d_spans, m,
+            run_chunks([(work.states[0], work.q_t, k_bufs[i], chunk_bufs[i][1]) for i, work in enumerate(works)], plan, d_spans, m,
                     ones_col, k_units.dtype, scale, softcap, dtype, fresh=True)
             if plan[0] == m and g0 + n_pairs >= len(mine):   # folded merges need no exp: the log table
                 nisa.activation(dst=warm, op=nl.log, data=ones_col)   # loads behind P @ V and the merges

@@ -122,15 +122,19 @@ def state_views(packed, bounds=None, group_sq=None, g_bounds=None, pack=1, units
 
 class _EvictionRota:
     """Engines of consecutive K^T evictions across the units of a wave: every ``every``-th on ScalarE
-    (otherwise idle between exps), the rest on VectorE (the busiest engine at short rows)."""
+    (otherwise idle between exps), the rest on VectorE (the busiest engine at short rows). ``first``:
+    the first of every ``every`` on ScalarE instead of the last, so that a wave's last K^T block (the
+    last unit's, on the critical path: its eviction gates that unit's scores) leaves by the faster
+    VectorE copy (0.53 vs 0.85 us for a 16-bit (128, 1024) block)."""
 
-    def __init__(self, every):
+    def __init__(self, every, first=False):
         self.every = every
+        self.phase = 1 if first else 0
         self.count = 0
 
     def next(self):
         self.count += 1
-        return nisa.engine.scalar if self.count % self.every == 0 else nisa.engine.vector
+        return nisa.engine.scalar if self.count % self.every == self.phase % self.every else nisa.engine.vector
 
 
 def _tile_pack(state):
@@ -153,7 +157,8 @@ def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype
     pmax = nl.tile_size.pmax
     width = max(1, LOCKSTEP_CHAINS // (len(jobs[0][0]) * len(d_spans)))   # jobs per wave: PSUM bounds it
     packed = any(st.pack > 1 for st in jobs[0][0])
-    rota = _EvictionRota(KT_ACT_EVERY_PACKED if packed else KT_ACT_EVERY) if len(jobs) > 1 else None
+    rota = (_EvictionRota(KT_ACT_EVERY_PACKED) if packed else _EvictionRota(KT_ACT_EVERY, first=True)) \
+        if len(jobs) > 1 else None
     waves = [[(job, step) for job in jobs[j0:j0 + width]] for j0 in range(0, len(jobs), width)
              for step in spans(m, plan[0])]   # step-major within each wave of jobs
 

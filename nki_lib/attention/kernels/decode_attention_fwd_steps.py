@@ -86,8 +86,16 @@ class KtPipeline:
         self.taken = 0
 
     def add(self, k_chunk, step, plan, d_spans, m, kv_dtype, rota=None):
-        """Queue the K^T blocks of one step (slots ``step`` of ``k_chunk``)."""
+        """Queue the K^T blocks of one step (slots ``step`` of ``k_chunk``). A 3-d ``k_chunk`` is K^T
+        already, (D, M, 128) with element [d, c, p] the key on partition p of slot c (``dma_transpose``,
+        D <= 128): its blocks are views, no transposes."""
         c0, n = step
+        if len(k_chunk.shape) == 3:
+            pmax = nl.tile_size.pmax
+            k_t = k_chunk.reshape((k_chunk.shape[0], m * pmax))
+            for k0, kn in _kt_spans(n, plan):
+                self.thunks.append(lambda c=c0 + k0, kn=kn: [k_t[:, c * pmax:(c + kn) * pmax]])
+            return
         for k0, kn in _kt_spans(n, plan):
             engine = None if rota is not None else nisa.engine.vector
             self.thunks.append(lambda blk=(c0 + k0, kn), eng=engine:
