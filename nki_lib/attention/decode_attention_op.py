@@ -28,6 +28,7 @@ from nki_lib import registry
 from nki_lib.attention import decode_attention_reference
 from nki_lib.attention.attention_args import MAX_HEAD_DIM, lse_dtype
 from nki_lib.autograd.autocast import follow_sdpa_autocast
+from nki_lib.bench.whole_op import on_host
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.sizes import ceil_div
@@ -115,22 +116,29 @@ def validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, cache_start
 
 
 def validate_starts(q, cache_seqlens, cache_start):
-    """Data check of cache_start (real tensors only): ``0 <= start_b <= L_b - Sq``."""
-    starts = cache_start.to("cpu", torch.int64)
-    last = cache_seqlens.to("cpu", torch.int64) - q.shape[2]
-    bad = (starts < 0) | (starts > last)
-    if bool(bad.any()):
-        b = int(bad.nonzero()[0, 0])
-        raise ValueError(f"cache_start must lie in [0, cache_seqlens - Sq] (the new tokens are valid "
-                         f"cache positions), got cache_start[{b}] = {int(starts[b])} with "
-                         f"cache_seqlens[{b}] = {int(cache_seqlens[b])}, Sq = {q.shape[2]}")
+    """Data check of cache_start (real tensors only, on host copies: ``whole_op.on_host``):
+    ``0 <= start_b <= L_b - Sq``."""
+    with on_host(cache_start, cache_seqlens) as (starts, lengths):
+        starts, last = starts.to(torch.int64), lengths.to(torch.int64) - q.shape[2]
+        bad = (starts < 0) | (starts > last)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"cache_start must lie in [0, cache_seqlens - Sq] (the new tokens are valid "
+                             f"cache positions), got cache_start[{b}] = {int(starts[b])} with "
+                             f"cache_seqlens[{b}] = {int(lengths[b])}, Sq = {q.shape[2]}")
 
 
 def validate_values(q, k_cache, cache_seqlens, block_table):
-    """Data checks (real tensors only): lengths within [Sq, capacity], used block ids in range."""
+    """Data checks (real tensors only, on host copies: ``whole_op.on_host``): lengths within
+    [Sq, capacity], used block ids in range."""
+    with on_host(cache_seqlens, block_table) as (lengths, table):
+        _check_lengths_and_table(q, k_cache, lengths, table)
+
+
+def _check_lengths_and_table(q, k_cache, lengths, table):
+    """:func:`validate_values` on the host copies of cache_seqlens and block_table (or None)."""
     sq = q.shape[2]
-    cap = capacity(k_cache, block_table)
-    lengths = cache_seqlens.to("cpu")
+    cap = capacity(k_cache, table)
     if lengths.numel() == 0:
         return
     low, high = (int(x) for x in torch.aminmax(lengths))
@@ -139,10 +147,9 @@ def validate_values(q, k_cache, cache_seqlens, block_table):
                          f"got a length of {low}")
     if high > cap:
         raise ValueError(f"cache_seqlens must be <= the cache capacity {cap}, got a length of {high}")
-    if block_table is None:
+    if table is None:
         return
     block_size, num_blocks = k_cache.shape[2], k_cache.shape[0]
-    table = block_table.to("cpu")
     block_key0 = torch.arange(0, table.shape[1] * block_size, block_size)   # first key of each column
     bad = (block_key0[None, :] < lengths[:, None]) & (table.clamp(0, num_blocks - 1) != table)
     if bool(bad.any()):

@@ -41,6 +41,7 @@ import torch
 from nki_lib import registry
 from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.autograd.autocast import follow_sdpa_autocast
+from nki_lib.bench.whole_op import on_host
 from nki_lib.dispatch import Unsupported, dispatch, kernel_path
 from nki_lib.moe import moe_experts_reference as reference
 from nki_lib.registry import OpSpec, Sample
@@ -140,10 +141,14 @@ def _kernel_args(tensors):
 
 
 def validate_plan_values(block_expert, slot_assignment, *, num_assignments, num_experts):
-    """Data checks of the plan (real tensors only), in few tensor ops (each is a launch on a
-    device: the whole-op estimate charges them)."""
-    experts = block_expert.to("cpu")        # int32 or int64 as given: no widening copy
-    slots = slot_assignment.to("cpu")
+    """Data checks of the plan (real tensors only), on host copies (``whole_op.on_host``: the
+    whole-op estimate charges one transfer per tensor copied, and nothing for the checks)."""
+    with on_host(block_expert, slot_assignment) as (experts, slots):   # int32 or int64 as given
+        _check_plan(experts, slots, num_assignments, num_experts)
+
+
+def _check_plan(experts, slots, num_assignments, num_experts):
+    """:func:`validate_plan_values` on the host copies of block_expert and slot_assignment."""
     idle_blocks = padded = False
     if experts.numel():
         low, high = (int(v) for v in torch.aminmax(experts))

@@ -2,13 +2,23 @@
 
 Checked: the accounting of single aten ops (views and allocations move nothing; a copy reads and
 writes its bytes; a factory reads nothing; an in-place op writes its destination), that only ops
-inside ``nki::`` ops or their autograd formulas are recorded, and that an op call's launches and
-bytes add up. No time is asserted.
+inside ``nki::`` ops or their autograd formulas are recorded, that an op call's launches and
+bytes add up, and that data checks on host copies (``on_host``) are charged one transfer per tensor
+copied and nothing for their ops. No time is asserted.
 """
 
 import torch
 
-from nki_lib.bench.whole_op import account, autograd_glue_op, estimate_call, host_cost, owner_op, record_host_ops
+from nki_lib.bench.whole_op import (
+    TO_HOST,
+    account,
+    autograd_glue_op,
+    estimate_call,
+    host_cost,
+    on_host,
+    owner_op,
+    record_host_ops,
+)
 from nki_lib.simulator.profile import params
 
 HW = params("trn2")
@@ -143,3 +153,30 @@ def test_the_saved_activations_get_no_zero_gradient():
             _call("moe_experts", args, kwargs, "train")
     zeros = [o for o in ops if o.op == "moe_experts_backward" and o.name.startswith("aten.zeros")]
     assert all(o.bytes_written < saved.numel() * saved.element_size() for o in zeros)
+
+
+def _moe_call():
+    from nki_lib.bench.inputs import make_call
+
+    return make_call("moe_experts", dict(T=64, H=128, I=128, E=4, k=2, block_size=128), torch.bfloat16)
+
+
+def test_a_host_check_is_one_transfer_per_copied_tensor():
+    """Inside an nki op, each tensor ``on_host`` copies is one transfer (a launch, its bytes read
+    from HBM) and the ops run on the copies are not charged (here the plan's checks of
+    moe_experts); outside every nki op nothing is recorded."""
+    import nki_lib
+
+    ids = torch.tensor([0, 0, 1, -1], dtype=torch.int32)
+    with record_host_ops() as ops:
+        with on_host(ids, None) as (copy, absent):
+            torch.unique(copy)
+    assert ops == [] and absent is None
+    args, kwargs = _moe_call()
+    with nki_lib.use_backend("simulator"), nki_lib.strict(True), record_host_ops() as ops:
+        torch.ops.nki.moe_experts(*args, **kwargs)
+    transfers = [(o.op, o.bytes_read, o.bytes_written) for o in ops if o.name == TO_HOST]
+    assert transfers == [("moe_experts", t.numel() * t.element_size(), 0) for t in args[2:4]]
+    checks = {"aten.aminmax.default", "aten._unique2.default", "aten.amax.default"}
+    assert not checks & {o.name for o in ops}
+    assert host_cost(ops, HW)["launches"] == len(ops)      # a transfer is one launch like any host op
