@@ -17,9 +17,8 @@ bias gradients are empty (0,) tensors when the bias is absent. ``swiglu_alpha`` 
 ``swiglu_limit`` apply to ``activation="clamped_swiglu"`` (gpt-oss) only. ``weight_layout``:
 ``"out_in"`` (default, nn.Linear: the shapes above) or ``"in_out"`` (the contraction dim first:
 w_gate_up (E, H, 2I), w_down (E, I, H), gpt-oss's Hugging Face layout, which the forward kernel
-multiplies with no weight transposes; the backward kernel takes out_in, so its launch transposes
-the two weights on the host and the weight gradients back, charged as host ops); the weight
-gradients come back in the weights' layout.
+multiplies with no weight transposes; the backward kernel takes either layout as given, with no
+host copies); the weight gradients come back in the weights' layout.
 
 Autocast (SDPA's policy, :mod:`nki_lib.autograd.autocast`): under an enabled autocast region x, the
 weights and the biases are cast to the autocast dtype (y comes out in it); the routing weights

@@ -188,10 +188,11 @@ def test_sbuf_estimates_bound_the_measured_peak(shape, weight_layout):
     blocks = moe_experts_fwd_launch.group_blocks(h, inter, block, itemsize, routed=(t * k, e), **counts, **in_out)
     group = block * blocks                                            # slots per group
     assert 0 < fwd.peak_sbuf_bytes <= moe_experts_fwd_launch.sbuf_bytes(h, inter, group, itemsize, **counts, **in_out)
-    saved = moe_experts_bwd._saved_blocks((None, blocks), h, inter, block, itemsize, **counts) is not None
-    bwd_group = group if saved else block * moe_experts_bwd.group_blocks(h, inter, block, itemsize, **counts)
+    bwd_counts = dict(counts, in_out=in_out["in_out"])               # the backward takes either layout as given
+    saved = moe_experts_bwd._saved_blocks((None, blocks), h, inter, block, itemsize, **bwd_counts) is not None
+    bwd_group = group if saved else block * moe_experts_bwd.group_blocks(h, inter, block, itemsize, **bwd_counts)
     assert 0 < bwd.peak_sbuf_bytes <= moe_experts_bwd.sbuf_bytes(h, inter, bwd_group, itemsize, saved=saved,
-                                                                 **counts)
+                                                                 **bwd_counts)
 
 
 @pytest.mark.parametrize("t,h,inter,e,k,save,blocks", [
@@ -292,8 +293,11 @@ def test_plan_value_checks_match_the_contract(n_blocks, block, e, n, dtype, data
 def test_in_out_layout_is_bitwise_the_out_in_layout(shape):
     """The same weights given transposed (``weight_layout="in_out"``): the forward kernel loads W^T
     tiles instead of transposing weight rows on TensorE (a bit-exact transpose), so y is bitwise
-    equal; every gradient is bitwise equal too, the weight gradients transposed (the backward
-    launch transposes the weights on the host). "paired-h": H = 1024 takes its H tiles in pairs
+    equal; every gradient is bitwise equal too, the weight gradients transposed: the backward
+    kernel takes in_out natively (no host transposes), transposing on TensorE (bit-exact) the
+    tiles each layout lacks, and contracts each weight gradient over the same slots in the same
+    slot-tile order with its operands swapped (stationary and moving: the same products, summed
+    in the same order), stored in the weight's own rows. "paired-h": H = 1024 takes its H tiles in pairs
     with two rows per partition (``H_INTERLEAVE``) in both layouts (``tiled-biases``: one natural
     tile), and the in_out forward loads each next group's gate/up weights during the current group
     (``prefetch_gu``)."""
@@ -304,6 +308,38 @@ def test_in_out_layout_is_bitwise_the_out_in_layout(shape):
     a, b = run_with_grads(out_in), run_with_grads(in_out)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
     assert torch.equal(a[3], b[3].transpose(1, 2)) and torch.equal(a[4], b[4].transpose(1, 2))
+
+
+def test_in_out_backward_copies_no_weights_on_the_host():
+    """The in_out backward takes the weights as given and writes its weight gradients in their
+    layout: no host op of the backward moves a weight-sized tensor (the launcher's index metadata
+    and the routing weights' casts only), where the host transposes used to copy both weights and
+    both weight gradients."""
+    from nki_lib.bench.whole_op import record_host_ops
+    s = sample(t=16, h=256, inter=128, e=2, k=1, block=16, weight_layout="in_out")
+    weight_bytes = min(s.args[i].numel() * s.args[i].element_size() for i in (4, 5))
+    args = [a.detach().clone().requires_grad_(a.requires_grad) if a.is_floating_point() else a for a in s.args]
+    with nki_lib.use_backend("simulator"), nki_lib.strict(True), record_host_ops() as ops:
+        y = torch.ops.nki.moe_experts(*args, **s.kwargs)
+        torch.autograd.grad(y.sum(), [args[i] for i in (0, 1, 4, 5)])
+    backward = [o for o in ops if o.op == "moe_experts_backward"]
+    assert backward and all(o.bytes_written < weight_bytes for o in backward), [o.name for o in backward]
+
+
+def test_in_out_backward_transposes_its_weights_on_chip():
+    """The in_out backward's extra TensorE transposes are the weight blocks each group's products
+    lack in that layout: W_down^T (H on partitions) and W_gate/W_up^T (I on partitions, the dx
+    phase), one block per (H tile, I tile) each, less the W_gate^T/W_up^T blocks the out_in
+    recompute transposes (none: the backward reads the forward's saved g/u here)."""
+    counts = {}
+    for layout in moe_experts_reference.WEIGHT_LAYOUTS:
+        s = sample(t=16, h=256, inter=128, e=2, k=1, block=16, weight_layout=layout)
+        with collect_runs() as runs:
+            run_with_grads(s)
+        (_, _), (_, bwd) = runs
+        counts[layout] = sum(1 for e in bwd.trace if e.opcode == "nc_transpose")
+    h_tiles, i_tiles, experts = 2, 1, 2
+    assert counts["in_out"] - counts["out_in"] == experts * 3 * h_tiles * i_tiles
 
 
 def test_in_out_forward_transposes_no_weights():

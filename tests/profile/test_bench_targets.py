@@ -211,14 +211,15 @@ def _launch_choices(dims: dict, tiling_plan=None) -> tuple:
     weights = torch.full((t, k), 1.0 / k)
     flags = dict(activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0)
     w_gate_up, w_down = torch.empty(e, 2 * i, h, **meta), torch.empty(e, h, i, **meta)   # out_in
+    # the weights in the call's layout (both kernels take either as given)
     fwd_weights = (w_gate_up.transpose(1, 2), w_down.transpose(1, 2)) if layout == "in_out" else (w_gate_up, w_down)
     plan_args = (x, weights, block_expert, slots)
     with tiling_context(tiling_plan):
         blocks, saved_shape = saved_grouping(*plan_args, *fwd_weights, activation="silu", weight_layout=layout)
         fwd = launch_moe_experts_fwd(*plan_args, *fwd_weights, weight_layout=layout, save_activations=True, **flags)
         saved = (torch.empty(saved_shape, **meta), blocks)
-        bwd = launch_moe_experts_bwd(x, *plan_args, w_gate_up, w_down, saved=saved, **flags)
-        recompute = launch_moe_experts_bwd(x, *plan_args, w_gate_up, w_down, **flags)
+        bwd = launch_moe_experts_bwd(x, *plan_args, *fwd_weights, saved=saved, weight_layout=layout, **flags)
+        recompute = launch_moe_experts_bwd(x, *plan_args, *fwd_weights, weight_layout=layout, **flags)
 
     def choices(launch, groups, group_slots):   # statics, tensor arguments (saved g/u or not), slots per group
         static = [a for a in launch.args if not isinstance(a, torch.Tensor) and a is not None]

@@ -54,6 +54,14 @@ gather, matmul or write -- the first tile is always computed, its padding rows a
      column as a view).
 finally dx[t] = sum_j dx_slots[t * k + j] (fp32, fixed order).
 
+In the in_out layout (``in_out``; gpt-oss's, no host transposes) the same steps take the other
+weight tiles from TensorE: W_gate/W_up columns load natural (H already on partitions), W_down
+columns (or the group's whole W_down) and the dx phase's W_gate/W_up rows (I on partitions) are
+PE-transposed from natural rows (``load_expert_t``); the weight gradients are the same products
+with the operands swapped (dW_down^T = h^T do per I chunk in rows of H; dW_gate^T/dW_up^T =
+x^T dg / x^T du, with ``down_rows`` after the last I chunk in row pieces of 2I of at most
+ROW_BANKS banks, dg/du of every chunk kept), each in its weight's own rows.
+
 Loop structure: idle experts (static > dynamic guard); ids; blocks (static) > guard (dynamic) >
 {slot tiles (guarded); I chunks > (slot tiles (guarded) > H tiles) + weight-grad tiles > (slot
 tiles (guarded)) + mode guards (dynamic); staging groups > H chunks > I tiles > slot tiles
@@ -63,9 +71,10 @@ Shapes (dimension legend): T tokens, H hidden, I intermediate, E experts, k top-
 blocks (groups), B block (group) size S. Kernel inputs (HBM): dy, x (T, H); topk_w (NB*B,) fp32 (the routing weight of each slot, 0 for
 padding: ``moe_experts_host.slot_weights``);
 block_expert (NB,), slot_token, slot_assignment (NB*B,) int32 (the groups' experts and slots);
-w_gate_up (E, 2I, H); w_down (E, H, I) (nn.Linear layouts as given); gu_saved (NB, ST, P, 2 IT ps)
+w_gate_up (E, 2I, H); w_down (E, H, I) (nn.Linear layouts as given; with ``in_out``, the in_out
+layout (E, H, 2I), (E, I, H) as given, the weight gradients in it too); gu_saved (NB, ST, P, 2 IT ps)
 or None (``moe_experts_fwd.saved_shape``); compile-time activation, top_k, i_chunk, dx_cols, prefetch_weights,
-dx_span, down_rows, down_group. Outputs: dx (T, H),
+dx_span, down_rows, down_group, in_out. Outputs: dx (T, H),
 dtopk (N, 1) fp32, dw_gate_up (E, 2I, H), dw_down (E, H, I).
 
 Limits: as the forward (bf16/fp16/fp32, B <= 512, LNC1) with the SBUF estimate :func:`sbuf_bytes`
@@ -95,7 +104,7 @@ from functools import partial
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.kernels.moe_experts_bwd_accum import ACC_MODES, accumulation_modes, mode_registers, zero_idle_experts
-from nki_lib.moe.kernels.moe_experts_bwd_blocks import block_bwd, group_down_tile, load_group_down
+from nki_lib.moe.kernels.moe_experts_bwd_blocks import block_bwd, group_down_tile, load_group_down, mlp_dims
 from nki_lib.moe.kernels.moe_experts_bwd_grads import FP32_TEMPS, FP32_TEMPS_CLAMPED
 from nki_lib.moe.kernels.moe_experts_bwd_rows import block_rows, gather_block, saved_cols
 from nki_lib.moe.kernels.moe_experts_bwd_wgrads import ROW_BANKS, down_piece
@@ -128,7 +137,7 @@ from nki_lib.sizes import ceil_div, spans
 @nki.jit
 def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignment, w_gate_up, w_down, b_gate_up,
                            b_down, activation, swiglu_alpha, swiglu_limit, top_k, i_chunk, dx_cols,
-                           prefetch_weights, dx_span, gu_saved=None, down_rows=False, down_group=False):
+                           prefetch_weights, dx_span, gu_saved=None, down_rows=False, down_group=False, in_out=False):
     n_blocks = block_expert.shape[0]
     block = slot_token.shape[0] // n_blocks
     dx = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
@@ -152,13 +161,13 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
         dead_sb = nl.ndarray(live_sb.shape, dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=dead_sb, data=live_sb, op0=nl.multiply, operand0=-1, op1=nl.add, operand1=1)
         ids += (dead_sb,)   # ids[4]
-    inter = w_down.shape[2]
+    _, inter = mlp_dims(w_down, in_out)
     regs = block_registers(expert_sb, valid_sb, 0)
     rows = block_rows(x, dy, ids, 0, block, saved_cols(gu_saved, inter))
     down_sb = None
     if down_group:                      # the first group's whole W_down (then each group loads the next one's)
-        down_sb = group_down_tile(w_down)
-        load_group_down(w_down, regs, down_sb)
+        down_sb = group_down_tile(w_down, in_out)
+        load_group_down(w_down, regs, down_sb, in_out)
     for _ in nl.dynamic_range(0, regs[1]):
         gather_block(x, dy, *rows, saved=None if gu_saved is None else (gu_saved, 0))
     # Blocks in order (weight-gradient accumulation), statically unrolled: block b's body also
@@ -168,7 +177,7 @@ def moe_experts_bwd_kernel(dy, x, topk_w, block_expert, slot_token, slot_assignm
         next_regs = block_registers(expert_sb, valid_sb, b + 1) if b + 1 < n_blocks else None
         rows, down_sb = block_bwd(dy, x, ids, w_gate_up, w_down, regs, mode_regs, rows, next_regs, b,
                                   block, (activation, swiglu_alpha, swiglu_limit), i_chunk, (dx_cols, dx_span),
-                                  grad_bufs, dx_slots, prefetch_weights, gu_saved, down_rows, down_sb)
+                                  grad_bufs, dx_slots, prefetch_weights, gu_saved, down_rows, down_sb, in_out)
         regs = next_regs
     reduce_assignments(dx_slots, dx, top_k)
     if bias is None:
@@ -196,7 +205,8 @@ def _bias_context(b_gate_up, b_down, dtype):
 
 
 def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_blocks, clamped=False,
-                  biases=False, overlap=True, dx_span=None, saved=False, down_rows=False, down_group=False):
+                  biases=False, overlap=True, dx_span=None, saved=False, down_rows=False, down_group=False,
+                  in_out=False):
     """Peak SBUF bytes per partition of the backward kernel at I chunk ``i_chunk`` and dx staging
     width ``dx_cols`` (an upper bound by the simulator's liveness rule, docs/nki-semantics.md:
     a tile is live from its first to its last instruction in program order). A group runs three
@@ -215,7 +225,10 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     ``saved``: the forward's g/u are loaded (2 IT columns per slot) in place of xT and the
     W_gate^T/W_up^T columns of the recompute. ``down_group``: W_down is loaded whole once per
     group (the next group's by the last chunk, in place of this group's) instead of per I chunk.
-    The clamped swiglu's temporaries and the bias rows, ones and bias column when asked."""
+    ``in_out``: W_gate/W_up columns are loaded natural, and the PE transposes' staging rows are
+    those of W_down (each chunk's, the first group's in the load phase, or the next group's) and
+    of the dx phase's W rows (W_gate and W_up once each per span). The clamped swiglu's
+    temporaries and the bias rows, ones and bias column when asked."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
     ht, it, st = ceil_div(hidden, pmax), ceil_div(inter, pmax), ceil_div(block, pmax)
     rows = st * hidden * itemsize                                # one (S, H) set of rows: x, dy or do
@@ -226,20 +239,24 @@ def sbuf_bytes_at(hidden, inter, block, itemsize, i_chunk, dx_cols, *, top_k, n_
     down = ht * inter * itemsize if down_group else 0            # the group's W_down
     # per-chunk weight columns: W_down (unless down_group) [, W_gate^T, W_up^T and their natural rows]
     cols = ((0 if down_group else 1) + (0 if saved else 2)) * ht * i_chunk * itemsize
-    staging = 0 if saved else 2 * min(hidden, WEIGHT_SPAN) * itemsize
+    if in_out:                                                   # transposes' staging: W_down's, the dx W rows'
+        staging, dx_staging = (2 * min(n, WEIGHT_SPAN) * itemsize for n in (hidden, inter))
+    else:                                                        # W_gate/W_up's (the recompute)
+        staging, dx_staging = 0 if saved else 2 * min(hidden, WEIGHT_SPAN) * itemsize, 0
     dx_w = 2 * it * (dx_span or fmax) * itemsize
-    load = 3 * rows + transposed + this_saved + down
+    load = 3 * rows + transposed + this_saved + down + (staging if in_out and down_group else 0)
     temps = FP32_TEMPS_CLAMPED if clamped else FP32_TEMPS
     per_tile = (st + 1) * 3 * i_chunk * itemsize                # h, dg, du (one tile pipelined behind)
-    per_tile += st * max(0, inter - i_chunk) * itemsize if down_rows else 0   # h of the earlier chunks
+    # h (in_out: dg, du) of the earlier chunks
+    per_tile += (2 if in_out else 1) * st * max(0, inter - i_chunk) * itemsize if down_rows else 0
     if biases:                                                  # g/u bias rows, ones row/column, b_down column
         per_tile += 2 * (2 * i_chunk + pmax) * itemsize + (ht + 1) * itemsize
     elementwise = cols + temps * i_chunk * 4
     accumulate = ROW_BANKS * fmax * (4 + max(4, itemsize))      # one row piece: fp32 accumulator rows in and out
-    prefetched = max(cols + staging, dx_w) if overlap else 0
+    prefetched = max(cols + staging, dx_w + dx_staging) if overlap else 0
     wgrads = accumulate + prefetched
     chunks = 2 * rows + transposed + this_saved + gu + down + per_tile + max(elementwise + staging, wgrads)
-    dx = gu + dx_w + staged_bytes(dx_cols, hidden, st) + 2 * rows + this_saved + down   # + the next group's
+    dx = gu + dx_w + dx_staging + staged_bytes(dx_cols, hidden, st) + 2 * rows + this_saved + down   # + the next group's
     body = small + max(load, chunks, dx)
     # modes; routing weights (P, ST, NB) fp32; live [and dead] flags (P, NBT, ST)
     modes = len(ACC_MODES) * n_blocks * 4 + st * n_blocks * 4 + (2 if saved else 1) * ceil_div(n_blocks, pmax) * st * 4
@@ -301,20 +318,21 @@ def _saved_blocks(saved, hidden, inter, block_size, itemsize, **counts):
     return blocks if fits <= nl.tile_size.total_available_sbuf_size else None
 
 
-def reads_saved(x, topk_weights, block_expert, block_size, inter, blocks, *, activation, biases):
+def reads_saved(x, topk_weights, block_expert, block_size, inter, blocks, *, activation, biases,
+                weight_layout="out_in"):
     """Whether the backward launch of this plan (``block_size`` slots per plan block) reads the
     forward's saved g/u grouped ``blocks`` blocks per group (:func:`_saved_blocks`, as
     :func:`launch_moe_experts_bwd` decides), or recomputes them. Reads no data: the training
     forward asks it before it saves them, so that it saves nothing the backward would not read
     (docs/perf-log.md §16.4)."""
     counts = dict(top_k=topk_weights.shape[1], n_blocks=planned_blocks(block_expert.shape[0]),
-                  **_flags(activation, biases))
+                  **_flags(activation, biases, weight_layout))
     return _saved_blocks((None, blocks), x.shape[1], inter, block_size, x.element_size(), **counts) is not None
 
 
-def _flags(activation, biases):
+def _flags(activation, biases, weight_layout="out_in"):
     """The launch flags of the backward's SBUF estimate that come from the call."""
-    return dict(clamped=activation == "clamped_swiglu", biases=biases)
+    return dict(clamped=activation == "clamped_swiglu", biases=biases, in_out=weight_layout == "in_out")
 
 
 def down_rows_fit(inter, i_chunk):
@@ -329,19 +347,22 @@ def down_rows_fit(inter, i_chunk):
 
 
 def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None,
-                           b_down=None, *, activation, swiglu_alpha, swiglu_limit, saved=None):
+                           b_down=None, *, activation, swiglu_alpha, swiglu_limit, saved=None,
+                           weight_layout="out_in"):
     """Launch the backward kernel (host side: index metadata, views, the exact widening of the
     routing weights to fp32 and the cast of their gradient to their dtype). ``saved`` = (the
     forward kernel's saved g/u, its blocks per group) or None: with them the kernel groups the
     blocks as the forward did and reads g and u instead of recomputing them (two of its eight
-    S x H x I products, the W_gate^T/W_up^T transposes and xT), when its SBUF estimate fits."""
+    S x H x I products, xT [and, out_in, the W_gate^T/W_up^T transposes]), when its SBUF estimate
+    fits. ``weight_layout``: the weights' (and their gradients') layout, taken as given (out_in:
+    (E, 2I, H), (E, H, I); in_out: (E, H, 2I), (E, I, H)); no host transposes."""
     if (b_gate_up is None) != (b_down is None):
         raise Unsupported("only one of b_gate_up / b_down (the kernel takes both or neither)")
-    flags = _flags(activation, b_gate_up is not None)
-    block_size = check_supported(x, topk_weights, block_expert, slot_assignment, w_down.shape[2],
-                                 sbuf_fn=sbuf_bytes, **flags)
+    flags = _flags(activation, b_gate_up is not None, weight_layout)
+    hidden, inter = mlp_dims(w_down, flags["in_out"])
+    block_size = check_supported(x, topk_weights, block_expert, slot_assignment, inter, sbuf_fn=sbuf_bytes, **flags)
     top_k = topk_weights.shape[1]
-    hidden, inter, itemsize = x.shape[1], w_down.shape[2], x.element_size()
+    itemsize = x.element_size()
     plan_blocks = planned_blocks(block_expert.shape[0])
     blocks = _saved_blocks(saved, hidden, inter, block_size, itemsize, top_k=top_k, n_blocks=plan_blocks, **flags)
     if blocks is None:
@@ -355,7 +376,9 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
     i_chunk, dx_cols, prefetch = tiling(hidden, inter, slots, itemsize, **counts)
     span = dx_span(hidden, inter, slots, itemsize, i_chunk, dx_cols, prefetch, **counts)
     fit = nl.tile_size.total_available_sbuf_size
-    down_rows = down_rows_fit(inter, i_chunk) and sbuf_bytes_at(
+    # (in_out: dW_gate/up's rows in whole rows of 2I, in pieces of at most ROW_BANKS banks)
+    rows_fit = i_chunk < inter if flags["in_out"] else down_rows_fit(inter, i_chunk)
+    down_rows = rows_fit and sbuf_bytes_at(
         hidden, inter, slots, itemsize, i_chunk, dx_cols, overlap=prefetch, dx_span=span,
         down_rows=True, **counts) <= fit
     # W_down whole once per group (the next group's loaded ahead of this one's stores and
@@ -371,7 +394,8 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
         (dy.contiguous(), x.contiguous(), slot_weights(topk_weights, group_slots), group_expert,
          slot_tokens(group_slots, top_k), group_slots, w_gate_up.contiguous(),
          w_down.contiguous(), b_gate_up, b_down, activation, float(swiglu_alpha), float(swiglu_limit), top_k,
-         i_chunk, dx_cols, prefetch, span, None if saved is None else saved[0], down_rows, down_group),
+         i_chunk, dx_cols, prefetch, span, None if saved is None else saved[0], down_rows, down_group,
+         flags["in_out"]),
         unpack=partial(_unpack_grads, x, topk_weights, b_gate_up, b_down))
 
 

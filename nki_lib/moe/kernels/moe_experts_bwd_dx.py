@@ -22,37 +22,58 @@ from nki_lib._nki import nisa, nl
 from nki_lib.moe.kernels.moe_experts_bwd_rows import if_live
 from nki_lib.moe.kernels.moe_experts_steps import (
     load_expert_cols,
+    load_expert_t,
     scatter_rows,
 )
 from nki_lib.sizes import spans
 
 
-def _dx_row_tiles(w_gate_up):
-    """The (row, rows) tiles of W_gate then W_up (natural layout, I tiles of 128 rows)."""
-    inter = w_gate_up.shape[1] // 2
+def _gu_dims(w_gate_up, in_out):
+    """(H, I) from W_gate_up: (E, 2I, H) out_in, (E, H, 2I) in_out."""
+    return (w_gate_up.shape[1], w_gate_up.shape[2] // 2) if in_out else (w_gate_up.shape[2], w_gate_up.shape[1] // 2)
+
+
+def _dx_row_tiles(inter):
+    """The (row, rows) tiles of W_gate then W_up (I tiles of 128 rows, natural in out_in)."""
     i_tiles = spans(inter, nl.tile_size.pmax)
     return [*i_tiles, *((inter + i0, isz) for i0, isz in i_tiles)]
 
 
-def dx_first_weights(w_gate_up, expert_reg, dx_tiling):
+def dx_weights(w_gate_up, expert_reg, h0, wn, in_out=False):
+    """(P, 2 ceil(I / P), wn) tile of W_gate/W_up rows, I on partitions, H columns h0 : h0 + wn.
+    out_in: natural rows (one DMA per 128 rows); ``in_out``: W_gate and W_up columns transposed
+    on TensorE (``load_expert_t`` of rows h0 : h0 + wn, once each for W_gate and W_up, so a partial
+    I tile is always its call's last)."""
+    _, inter = _gu_dims(w_gate_up, in_out)
+    row_tiles = _dx_row_tiles(inter)
+    if not in_out:
+        return load_expert_cols(w_gate_up, expert_reg, row_tiles, h0, wn)
+    n_it = len(row_tiles) // 2
+    w_sb = nl.ndarray((nl.tile_size.pmax, len(row_tiles), wn), dtype=w_gate_up.dtype, buffer=nl.sbuf)
+    for first in (0, n_it):
+        load_expert_t(w_gate_up, expert_reg, row_tiles[first:first + n_it], h0, wn, w_t=w_sb[:, first:first + n_it, :])
+    return w_sb
+
+
+def dx_first_weights(w_gate_up, expert_reg, dx_tiling, in_out=False):
     """The dx phase's first span of W_gate/W_up rows (loaded early: see :func:`_block_grads`)."""
     dx_cols, dx_span = dx_tiling
-    wn = min(dx_cols, dx_span, w_gate_up.shape[2])
-    return load_expert_cols(w_gate_up, expert_reg, _dx_row_tiles(w_gate_up), 0, wn)
+    wn = min(dx_cols, dx_span, _gu_dims(w_gate_up, in_out)[0])
+    return dx_weights(w_gate_up, expert_reg, 0, wn, in_out)
 
 
-def dx_phase(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, dx_tiling, first_w=None):
+def dx_phase(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, dx_tiling, first_w=None,
+             in_out=False):
     """dx_slots[a, :H] = dg @ W_gate + du @ W_up: per H chunk, contraction over I tiles in PSUM;
     rows staged ``dx_cols`` wide in SBUF and scattered once per slot tile and group, the last
     group's rows with one more column, dx_slots[a, H] = d topk_weights[a] (``dw_accs``), so that
     no scatter of its own is needed (each indirect DMA costs GpSimd a descriptor per row). The natural
     W_gate/W_up rows of all I tiles are loaded once per ``dx_span`` columns (one DMA per 128 rows,
-    runs of dx_span elements), and the H chunks inside the span read them from SBUF."""
+    runs of dx_span elements; ``in_out``: PE-transposed, :func:`dx_weights`), and the H chunks
+    inside the span read them from SBUF."""
     dx_cols, dx_span = dx_tiling
-    inter = w_gate_up.shape[1] // 2
-    hidden = w_gate_up.shape[2]
+    hidden, inter = _gu_dims(w_gate_up, in_out)
     i_tiles = spans(inter, nl.tile_size.pmax)
-    row_tiles = _dx_row_tiles(w_gate_up)
     grads = [(dg_t, it, isz) for it, (_, isz) in enumerate(i_tiles)] + \
             [(du_t, it, isz) for it, (_, isz) in enumerate(i_tiles)]
     for g0, gn in spans(hidden, dx_cols):
@@ -60,7 +81,7 @@ def dx_phase(dg_t, du_t, w_gate_up, expert_reg, slot_tiles, dw_accs, dx_slots, d
         dx_rows = [nl.ndarray((tile.ps, gn + extra), dtype=nl.float32, buffer=nl.sbuf) for tile in slot_tiles]
         for w0, wn in spans(gn, dx_span):
             w_sb = first_w if first_w is not None and g0 + w0 == 0 else \
-                load_expert_cols(w_gate_up, expert_reg, row_tiles, g0 + w0, wn)
+                dx_weights(w_gate_up, expert_reg, g0 + w0, wn, in_out)
             for h0, hn in spans(wn, nl.tile_size.gemm_moving_fmax):
                 dx_psums = [nl.ndarray((tile.ps, hn), dtype=nl.float32, buffer=nl.psum) for tile in slot_tiles]
                 for rt, (grad_t, it, isz) in enumerate(grads):

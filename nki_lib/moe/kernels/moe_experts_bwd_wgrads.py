@@ -88,53 +88,104 @@ def down_piece(widths, whole):
     return m, m * per_row
 
 
-def down_weight_grads(slot_tiles, do_rows, chunks, grad_bufs, mode_regs, expert_reg, c0=0):
-    """dW_down[:, c0 : c0 + sum of the chunks' widths] += do^T h over the slots; ``chunks``: the
-    per-slot-tile (h, dg, du) entries of consecutive I chunks (one PSUM piece each, side by side:
-    with several chunks a row piece spans them, one DMA per H tile with longer runs). When the
-    chunks cover whole rows of I, m = ROW_BANKS // (PSUM banks of one row) rows per partition
-    (``moe_experts_steps.interleaved_blocks``: do's columns read with a step of m) make one row
-    piece and one DMA, a contiguous run of m I elements per partition."""
+def column_grads(slot_tiles, lhs_rows, sources, bufs, mode_regs, expert_reg, c0=0):
+    """grad[:, c0 : c0 + sum of the sources' widths] += lhs^T grads[which] over the slots (rows:
+    the columns of ``lhs_rows``, one (ps, R) tile per slot tile; ``bufs`` = (fp32 accumulator,
+    gradient) (E, R, C)); ``sources``: (chunk, which) pairs side by side from column c0, a chunk
+    being the per-slot-tile (h, dg, du) entries of one I chunk (one PSUM piece each: with several
+    sources a row piece spans them, one DMA per row tile with longer runs). When the chunks cover whole rows (C columns), m = ROW_BANKS //
+    (PSUM banks of one row) rows per partition (``moe_experts_steps.interleaved_blocks``: lhs's
+    columns read with a step of m) make one row piece and one DMA, a contiguous run of m rows per
+    partition. out_in dW_down = do^T h; in_out dW_gate / dW_up = x^T dg / x^T du."""
     pmax = nl.tile_size.pmax
-    acc_d, dw_down = grad_bufs[1]
-    hidden, inter = acc_d.shape[1], acc_d.shape[2]
-    widths = [chunk[0][0].shape[1] for chunk in chunks]
-    h_tiles = spans(hidden, pmax)
-    for t0, m, r0 in interleaved_blocks(h_tiles, down_piece(widths, c0 == 0 and sum(widths) == inter)[0]):
-        hs = h_tiles[t0][1]
+    acc, out = bufs
+    rows, cols = acc.shape[1], acc.shape[2]
+    widths = [chunk[0][which].shape[1] for chunk, which in sources]
+    r_tiles = spans(rows, pmax)
+    for t0, m, r0 in interleaved_blocks(r_tiles, down_piece(widths, c0 == 0 and sum(widths) == cols)[0]):
+        rs = r_tiles[t0][1]
         parts = []
         for r in range(m):
-            for chunk in chunks:
-                part_psum = nl.ndarray((hs, chunk[0][0].shape[1]), dtype=nl.float32, buffer=nl.psum)
-                for st, (tile, do_sb, grads) in enumerate(zip(slot_tiles, do_rows, chunk)):
+            for chunk, which in sources:
+                part_psum = nl.ndarray((rs, chunk[0][which].shape[1]), dtype=nl.float32, buffer=nl.psum)
+                for st, (tile, lhs_sb, grads) in enumerate(zip(slot_tiles, lhs_rows, chunk)):
                     for _ in if_live(tile):
-                        nisa.nc_matmul(dst=part_psum, stationary=do_sb[:, r0 + r:r0 + m * hs:m], moving=grads[0],
+                        nisa.nc_matmul(dst=part_psum, stationary=lhs_sb[:, r0 + r:r0 + m * rs:m], moving=grads[which],
                                        accumulate=st > 0)
                 parts.append(part_psum)
-        accumulate_rows(acc_d, dw_down, mode_regs, expert_reg, r0, c0, parts, row_step=m)
+        accumulate_rows(acc, out, mode_regs, expert_reg, r0, c0, parts, row_step=m)
 
 
-def chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter, down=True):
-    """dW_down[:, chunk] += do^T h (unless ``down`` is False: see :func:`down_weight_grads`);
-    dW_gate/up[chunk, :] += dg^T x / du^T x (over the slots)."""
+def down_weight_grads(slot_tiles, do_rows, chunks, grad_bufs, mode_regs, expert_reg, c0=0):
+    """out_in dW_down[:, c0 : c0 + sum of the chunks' widths] += do^T h over the slots
+    (:func:`column_grads`)."""
+    column_grads(slot_tiles, do_rows, [(chunk, 0) for chunk in chunks], grad_bufs[1], mode_regs, expert_reg, c0)
+
+
+def gate_up_grads(slot_tiles, chunks, grad_bufs, mode_regs, expert_reg, c0=0):
+    """in_out dW_gate/up[:, chunks' columns] += x^T dg / x^T du over the slots (:func:`column_grads`),
+    ``chunks`` consecutive I chunks from c0: the gate and up pieces in row pieces of consecutive
+    columns of at most ROW_BANKS PSUM banks (W_gate then W_up: whole rows of 2I when the chunks
+    cover I, one DMA per H tile with runs of 2I elements, where their banks fit)."""
+    bank = nl.tile_size.psum_fmax
+    inter = grad_bufs[0][0].shape[2] // 2
+    pieces = []                         # [first column, sources, banks, columns] of each row piece
+    for first, which in ((c0, 1), (inter + c0, 2)):
+        for chunk in chunks:
+            width = chunk[0][which].shape[1]
+            banks = ceil_div(width, bank)
+            last = pieces[-1] if pieces else None
+            if last is not None and last[0] + last[3] == first and last[2] + banks <= ROW_BANKS:
+                last[1].append((chunk, which))
+                last[2] += banks
+                last[3] += width
+            else:
+                pieces.append([first, [(chunk, which)], banks, width])
+            first += width
+    x_rows = [tile.x_rows for tile in slot_tiles]
+    for first, sources, _, _ in pieces:
+        column_grads(slot_tiles, x_rows, sources, grad_bufs[0], mode_regs, expert_reg, first)
+
+
+def row_grads(slot_tiles, rhs_rows, chunk, which, bufs, mode_regs, expert_reg, row0):
+    """grad[row0 : row0 + cn, :] += grads[which]^T rhs over the slots (``rhs_rows``: one (ps, C)
+    tile per slot tile; ``bufs`` = (fp32 accumulator, gradient) (E, R, C)), in whole rows of at
+    most ROW_BANKS PSUM banks per row piece. out_in dW_gate / dW_up = dg^T x / du^T x; in_out
+    dW_down = h^T do."""
     pmax, fmax = nl.tile_size.pmax, nl.tile_size.gemm_moving_fmax
-    (acc_gu, dw_gate_up), (acc_d, _), bias = grad_bufs
+    acc, out = bufs
+    cols = acc.shape[2]
+    for i0, isz in spans(chunk[0][which].shape[1], pmax):
+        for g0, gn in spans(cols, ROW_BANKS * fmax):          # whole rows (at most ROW_BANKS PSUM banks)
+            parts = []
+            for h0, hn in spans(gn, fmax):
+                part_psum = nl.ndarray((isz, hn), dtype=nl.float32, buffer=nl.psum)
+                for st, (tile, rhs_sb, grads) in enumerate(zip(slot_tiles, rhs_rows, chunk)):
+                    for _ in if_live(tile):
+                        nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
+                                       moving=rhs_sb[:, g0 + h0:g0 + h0 + hn], accumulate=st > 0)
+                parts.append(part_psum)
+            accumulate_rows(acc, out, mode_regs, expert_reg, row0 + i0, g0, parts)
+
+
+def chunk_weight_grads(slot_tiles, do_rows, chunk, grad_bufs, mode_regs, expert_reg, c0, inter, down=True,
+                       in_out=False):
+    """dW_down[:, chunk] += do^T h (unless ``down`` is False: see :func:`down_weight_grads`);
+    dW_gate/up[chunk, :] += dg^T x / du^T x (over the slots). ``in_out``: the transposed
+    gradients, dW_down[chunk, :] += h^T do and dW_gate/up[:, chunk] += x^T dg / x^T du (the
+    same products, operands swapped: each gradient stored in its weight's natural rows); there
+    ``down`` False leaves out dW_gate/up instead (:func:`gate_up_grads` after the last chunk, the
+    gradient whose rows are rows of I)."""
+    gu_bufs, d_bufs, bias = grad_bufs
     if bias is not None:
         _bias_grads(slot_tiles, do_rows, chunk, bias, mode_regs, expert_reg, c0, inter)
-    hidden = acc_d.shape[1]
-    cn = chunk[0][0].shape[1]
-    row_cols = ROW_BANKS * fmax
+    x_rows = [tile.x_rows for tile in slot_tiles]
+    if in_out:
+        row_grads(slot_tiles, do_rows, chunk, 0, d_bufs, mode_regs, expert_reg, c0)
+        if down:
+            gate_up_grads(slot_tiles, [chunk], grad_bufs, mode_regs, expert_reg, c0)
+        return
     if down:
         down_weight_grads(slot_tiles, do_rows, [chunk], grad_bufs, mode_regs, expert_reg, c0)
     for which, row0 in ((1, c0), (2, inter + c0)):
-        for i0, isz in spans(cn, pmax):
-            for g0, gn in spans(hidden, row_cols):          # whole rows (at most ROW_BANKS PSUM banks)
-                parts = []
-                for h0, hn in spans(gn, fmax):
-                    part_psum = nl.ndarray((isz, hn), dtype=nl.float32, buffer=nl.psum)
-                    for st, (tile, grads) in enumerate(zip(slot_tiles, chunk)):
-                        for _ in if_live(tile):
-                            nisa.nc_matmul(dst=part_psum, stationary=grads[which][:, i0:i0 + isz],
-                                           moving=tile.x_rows[:, g0 + h0:g0 + h0 + hn], accumulate=st > 0)
-                    parts.append(part_psum)
-                accumulate_rows(acc_gu, dw_gate_up, mode_regs, expert_reg, row0 + i0, g0, parts)
+        row_grads(slot_tiles, x_rows, chunk, which, gu_bufs, mode_regs, expert_reg, row0)

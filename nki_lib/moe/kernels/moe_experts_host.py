@@ -3,8 +3,8 @@
 The kernel dtypes and the PSUM slot-tile bound, the SBUF bytes of the block flags, the k-sum tail
 and staged rows, the tiling choice over an SBUF budget, the eligibility check that raises
 ``Unsupported`` with a reason, the host-side preparation of slot tokens and routing weights
-(plain torch ops, charged as host ops by the whole-op estimate), the backward's launch for
-in_out weights (host transposes to the layout its kernel takes), and :func:`plan_tiling_for`:
+(plain torch ops, charged as host ops by the whole-op estimate), the backward's launch in either
+weight layout, and :func:`plan_tiling_for`:
 the launchers' tiling chosen for a larger plan than the one launched (the bench's two-point rule
 simulates a few experts of a problem with the real problem's tiling).
 """
@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from dataclasses import replace
 
 import torch
 
 from nki_lib._nki import nl
-from nki_lib.dispatch import KernelLaunch, Unsupported
+from nki_lib.dispatch import Unsupported
 from nki_lib.moe.kernels.moe_experts_groups import group_count
 from nki_lib.moe.kernels.moe_experts_steps import reduce_chunk
 from nki_lib.sizes import ceil_div
@@ -175,22 +174,8 @@ def repeats_a_token(slot_token, n_groups):
 
 
 def in_layout_backward(launch_bwd, args, weight_layout, **flags):
-    """The backward kernel's launch (``launch_bwd(*args, **flags)``, args as the backward op's:
-    dy, x, topk_weights, plan, w_gate_up, w_down, biases) for weights in ``weight_layout``. The
-    kernel takes the out_in (nn.Linear) layout, so in_out weights are transposed on the host (one
-    copy each, charged as host ops by the whole-op estimate) and the two weight gradients are
-    transposed back to in_out after the kernel."""
-    if weight_layout == "out_in":
-        return launch_bwd(*args, **flags)
-    dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, *biases = args
-    launch = launch_bwd(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up.transpose(1, 2).contiguous(),
-                        w_down.transpose(1, 2).contiguous(), *biases, **flags)
-    if not isinstance(launch, KernelLaunch):
-        raise TypeError(f"in_layout_backward: expected one KernelLaunch, got {type(launch).__name__}")
-    unpack = launch.unpack or (lambda outs: outs)
-
-    def to_in_out(outs):
-        grads = tuple(unpack(outs))
-        return grads[:2] + tuple(g.transpose(1, 2).contiguous() for g in grads[2:4]) + grads[4:]
-
-    return replace(launch, unpack=to_in_out)
+    """The backward kernel's launch (``launch_bwd(*args, weight_layout=weight_layout, **flags)``,
+    args as the backward op's: dy, x, topk_weights, plan, w_gate_up, w_down, biases) for weights in
+    ``weight_layout``: the kernel takes both layouts as given and writes the weight gradients in
+    the weights' layout (in_out: no host transposes, docs/perf-log.md §18.3)."""
+    return launch_bwd(*args, weight_layout=weight_layout, **flags)

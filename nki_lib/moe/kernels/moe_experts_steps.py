@@ -162,11 +162,12 @@ def weight_spans(col_tiles):
     return [col_tiles[i:i + per_span] for i in range(0, len(col_tiles), per_span)]
 
 
-def load_expert_t(w, expert_reg, col_tiles, row0, nrows, interleave=1):
+def load_expert_t(w, expert_reg, col_tiles, row0, nrows, interleave=1, w_t=None):
     """(P, CT, nrows) tile of w[e, row0 : row0 + nrows, cols]^T: the contraction dim (w's
     contiguous last dim, tiled by 128 as ``col_tiles``) on partitions. w (E, R, C) natural layout.
     ``interleave``: the column tiles in the order of :func:`tile_columns` (the in_out layout's
-    order of H, so that both layouts sum the same products in the same order).
+    order of H, so that both layouts sum the same products in the same order). Into ``w_t`` when
+    given (allocated by the caller, e.g. outside a guard, or a view of a larger tile).
 
     Per 128 rows and column span: one DMA with long contiguous runs, then TensorE transposes
     (bit-exact transpose mode) of its 128 x 128 blocks, several blocks per PSUM bank and one
@@ -174,7 +175,8 @@ def load_expert_t(w, expert_reg, col_tiles, row0, nrows, interleave=1):
     pmax = nl.tile_size.pmax
     per_bank = nl.tile_size.psum_fmax // pmax            # transposed blocks per PSUM bank (fp32 bound)
     cols = w.shape[2]
-    w_t = nl.ndarray((pmax, len(col_tiles), nrows), dtype=w.dtype, buffer=nl.sbuf)
+    if w_t is None:
+        w_t = nl.ndarray((pmax, len(col_tiles), nrows), dtype=w.dtype, buffer=nl.sbuf)
     columns = dict(zip(col_tiles, tile_columns(col_tiles, interleave)))
     evictions = 0
     for r0, rs in spans(nrows, pmax):
