@@ -66,9 +66,11 @@ acc update of ``it - ACC_LAG``; a group's output is stored ``CLOSE_LAG`` (``CLOS
 last acc update. The last ``DRAIN_STEPS`` steps evict all their P^T blocks on VectorE; with P^T by DMA for some
 long sections the steps of the first ``PT_EARLY_UNTIL`` of the program evict a larger share
 (``PT_DVE_SHARE_EARLY``) on VectorE than the later ones. Every tile is a fresh allocation, so loads of later steps overlap compute
-(multi-buffering). lse is gathered column by column as groups close and finished in batches of
-``LSE_BATCH`` (one ScalarE log per batch, a TensorE transpose so each row is stored
-contiguously).
+(multi-buffering). lse is gathered column by column after each head's last l update and finished
+in batches of ``LSE_BATCH`` (one ScalarE log per batch, a TensorE transpose so each row is stored
+contiguously); the last batch at the last step, before its acc update, with its row stores after
+the last outputs, and the exp -> log table switch right after the last exp, so that the lse chain
+overlaps the drain.
 
 DMA layouts: q^T/k^T tiles (q^T one DMA per head and chunk for QUERY_SECTION_TILES consecutive
 query tiles, K^T one per aligned span) are DMA transposes of natural rows or contiguous rows of
@@ -117,6 +119,7 @@ from nki_lib.attention.kernels.flash_attention_fwd_pipeline import (
     load_v_of,
     stage_acc,
     stage_evict_pt,
+    stage_l,
     stage_pv,
     stage_scores,
     stage_softmax,
@@ -130,7 +133,7 @@ from nki_lib.attention.kernels.flash_attention_fwd_plan import (
     plan_steps,
     program_share,
 )
-from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, load_sinks, new_lse_batch
+from nki_lib.attention.kernels.flash_attention_fwd_state import flush_lse, load_sinks, new_lse_batch, store_lse_rows
 from nki_lib.attention.kernels.flash_attention_fwd_step import (
     PT_DVE_SHARE,
     PT_DVE_SHARE_DMA_PT,
@@ -269,6 +272,7 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
         seed_sb = warm_table(nl.exp)
     load_k(ctx, groups, steps, 0)
     closing = []
+    lse_rows = []   # the last lse batch's row stores, issued after the last outputs
     for it in nl.sequential_range(-SCORE_LEAD, n_steps + ACC_LAG + 1):   # + 1: the last closes
         load_k(ctx, groups, steps, it + SCORE_LEAD + score_batch)
         load_v_of(ctx, groups, steps, it + 1)
@@ -276,22 +280,30 @@ def flash_attention_fwd_kernel(q, k, v, sinks, doc, has_sinks, has_docs, causal,
                        1.0 if it - 1 >= n_steps - DRAIN_STEPS
                        else pt_dve_early if it - 1 < PT_EARLY_UNTIL * n_steps else pt_dve_share)
         stage_softmax(groups, steps, work, it + 1, v.dtype, exp_scale)
+        if it + 1 == n_steps - 1:   # ScalarE's last exp is issued: switch to log for the lse
+            warm_table(nl.log, seed_sb)
         if (it + SCORE_LEAD) % score_batch == 0:
             for s in range(it + SCORE_LEAD, it + SCORE_LEAD + score_batch):
                 load_k(ctx, groups, steps, s)
                 stage_scores(groups, steps, work, s, scale / exp_scale, softcap, all_keys)
         stage_pv(groups, steps, work, it - PV_LAG)
         stage_transpose(groups, steps, work, it, it in dma_pt)
+        lse_rows += stage_l(groups, steps, work, it - ACC_LAG, lse_batch)
+        if it - ACC_LAG == n_steps - 1:     # the last step (its lse batch finished): the groups
+            for pending in closing:         # finished before it are stored now, not after its
+                for grp in pending:         # acc update
+                    close_group(grp, out)
+            closing = []
         closing.append([])
         stage_acc(groups, steps, work, it - ACC_LAG, closing[-1], softcap == 0)
         if len(closing) > close_lag:
             for grp in closing.pop(0):
-                close_group(grp, out, lse_batch)
-    warm_table(nl.log, seed_sb)  # ScalarE's last exp is issued: switch to log for the last lse batch
+                close_group(grp, out)
     for pending in closing:
         for grp in pending:
-            close_group(grp, out, lse_batch)
-    flush_lse(lse_batch)
+            close_group(grp, out)
+    flush_lse(lse_batch)        # (empty unless the program has no step)
+    store_lse_rows(lse_rows)
     return out, lse
 
 

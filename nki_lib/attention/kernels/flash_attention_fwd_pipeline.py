@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.flash_attention_fwd_plan import section_span
-from nki_lib.attention.kernels.flash_attention_fwd_state import add_lse, init_state, store_out
+from nki_lib.attention.kernels.flash_attention_fwd_state import add_lse, flush_lse, init_state, store_out
 from nki_lib.attention.kernels.flash_attention_fwd_step import (
     dma_transpose_p,
     evict_pt,
@@ -23,7 +23,7 @@ from nki_lib.attention.kernels.flash_attention_transposed_loads import load_tran
 from nki_lib.attention.kernels.tiles import row_bounds
 
 __all__ = ["load_k", "section_k", "load_v_of", "stage_scores", "stage_softmax", "stage_transpose",
-           "stage_evict_pt", "stage_pv", "stage_acc", "close_group"]
+           "stage_evict_pt", "stage_pv", "stage_l", "stage_acc", "close_group"]
 
 
 FIRST_K_KEYS = 512  # with two padded V runs (flash_attention_fwd_values.PADDED_RUNS: one long
@@ -192,14 +192,14 @@ def stage_pv(groups, steps, work, s):
             grp.v[si] = None
 
 
-def stage_acc(groups, steps, work, s, closing, copy_on_scalar=True):
-    """B3: l = alpha * l + rowsum [GpSimd] and acc = alpha * acc [GpSimd] + O [DVE] of step s;
-    ``copy_on_scalar``: the first section's ``acc = O`` copy runs on ScalarE (else VectorE);
-    queues the group in ``closing`` after its last step (its outputs are stored one iteration
-    later, :func:`close_group`, so that the in-order GpSimd stream does not hold the next steps'
-    neg_m behind the output scaling, which waits for this acc update)."""
+def stage_l(groups, steps, work, s, lse_batch):
+    """B3a: l = alpha * l + rowsum of step s [GpSimd]; after a head's last section (every head of a
+    keyless group) its lse is queued in ``lse_batch`` (l and neg_m are final then), and at the
+    program's last step the batch is finished at once (``flush_lse`` with ``last``), so that the
+    lse chain overlaps the last P @ V and output instead of following them. Returns the lse row
+    stores left for after the last outputs (``flush_lse``), else []."""
     if s < 0 or s >= len(steps):
-        return
+        return []
     gi, si, hi = steps[s]
     grp = groups[gi]
     if si >= 0:
@@ -210,6 +210,26 @@ def stage_acc(groups, steps, work, s, closing, copy_on_scalar=True):
         else:
             nisa.tensor_scalar(dst=state.l, data=state.l, op0=nl.multiply, operand0=w.alpha,
                                op1=nl.add, operand1=w.rowsum, engine=nisa.engine.gpsimd)
+    last = s == len(steps) - 1
+    if si == len(grp.sections) - 1:
+        for i in (range(len(grp.heads)) if si < 0 else (hi,)):
+            add_lse(lse_batch, grp.states[i], grp.b, grp.heads[i], grp.q0, not last)
+    return flush_lse(lse_batch, last=True) if last else []
+
+
+def stage_acc(groups, steps, work, s, closing, copy_on_scalar=True):
+    """B3b: acc = alpha * acc [GpSimd] + O [DVE] of step s (after :func:`stage_l`);
+    ``copy_on_scalar``: the first section's ``acc = O`` copy runs on ScalarE (else VectorE);
+    queues the group in ``closing`` after its last step (its outputs are stored later,
+    :func:`close_group`, so that the in-order GpSimd stream does not hold the next steps' neg_m
+    behind the output scaling, which waits for this acc update)."""
+    if s < 0 or s >= len(steps):
+        return
+    gi, si, hi = steps[s]
+    grp = groups[gi]
+    if si >= 0:
+        w = work[s]
+        state = grp.states[hi]
         if si == 0 and copy_on_scalar:  # first section: acc is unset, alpha * 0 + O = O
             nisa.activation(dst=state.acc, op=nl.copy, data=w.o_psum)
         elif si == 0:   # (on VectorE when ScalarE is the busier engine: softcap's tanh)
@@ -223,11 +243,10 @@ def stage_acc(groups, steps, work, s, closing, copy_on_scalar=True):
         closing.append(grp)
 
 
-def close_group(grp, out, lse_batch):
-    """Store the group's outputs now; queue its lse (computed in batches, ``flash_attention_fwd_state.add_lse``)."""
+def close_group(grp, out):
+    """Store the group's outputs now (its lse was queued by :func:`stage_l`)."""
     for i in range(len(grp.heads)):
         store_out(grp.states[i], out, grp.b, grp.heads[i], grp.q0)
-        add_lse(lse_batch, grp.states[i], grp.b, grp.heads[i], grp.q0)
     grp.q_sec.users -= 1
     if grp.q_sec.users == 0:
         grp.q_sec.tiles = None

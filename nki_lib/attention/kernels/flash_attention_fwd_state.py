@@ -13,7 +13,7 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.tiles import inf_max_rows
 
-__all__ = ["RowState", "load_sinks", "init_state", "store_out", "new_lse_batch", "add_lse", "flush_lse"]
+__all__ = ["RowState", "load_sinks", "init_state", "store_out", "new_lse_batch", "add_lse", "flush_lse", "store_lse_rows"]
 
 
 class RowState(nl.NKIObject):
@@ -91,9 +91,10 @@ def new_lse_batch(lse, size):
     return LseBatch(lse=lse, size=size, l_all=None, neg_m_all=None, rows=[])
 
 
-def add_lse(batch, state, b, h, q0):
+def add_lse(batch, state, b, h, q0, flush_full=True):
     """Queue the lse of one (head, query tile): copy its l and neg_m columns now (GpSimd), so
-    that only the math is left for the flush; flushes a full batch."""
+    that only the math is left for the flush; flushes a full batch (unless ``flush_full`` is
+    False: the caller flushes it, :func:`flush_lse` with ``last``)."""
     gpsimd = nisa.engine.gpsimd
     pmax = nl.tile_size.pmax
     if batch.l_all is None:
@@ -106,18 +107,22 @@ def add_lse(batch, state, b, h, q0):
     nisa.tensor_copy(dst=batch.l_all[0:qn, i:i + 1], src=state.l, engine=gpsimd)
     nisa.tensor_copy(dst=batch.neg_m_all[0:qn, i:i + 1], src=state.neg_m, engine=gpsimd)
     batch.rows.append((qn, b, h, q0))
-    if len(batch.rows) == batch.size:
+    if len(batch.rows) == batch.size and flush_full:
         flush_lse(batch)
 
 
-def flush_lse(batch):
+def flush_lse(batch, last=False):
     """lse = log(max(l, 1)) + m for the queued pairs; rows with l = 0 get -inf, rows with m = +inf
     get +inf (both by predicated copies of an immediate). The (128, n) result is transposed on
     TensorE so that each (head, query tile) is stored as one contiguous row (a single-partition
-    DMA) instead of qn 4-byte pieces. Empties the batch."""
+    DMA) instead of qn 4-byte pieces. Empties the batch. ``last``: the kernel's last batch,
+    finished before the last acc update: the transpose is read out of PSUM on ScalarE (idle by
+    then; VectorE still has that update) and the row stores are returned as ``(dst, src)``
+    pairs for :func:`store_lse_rows` after the last outputs (the DMA queues run in program
+    order), else issued now."""
     n = len(batch.rows)
     if n == 0:
-        return
+        return []
     pmax = nl.tile_size.pmax
     gpsimd = nisa.engine.gpsimd
     l_all = batch.l_all[:, 0:n]
@@ -133,8 +138,20 @@ def flush_lse(batch):
     lse_t_psum = nl.ndarray((n, pmax), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=lse_t_psum, data=lse_all, engine=nisa.engine.tensor)
     lse_t = nl.ndarray((n, pmax), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=lse_t, src=lse_t_psum)
-    for i in range(n):
-        qn, b, h, q0 = batch.rows[i]
-        nisa.dma_copy(dst=batch.lse[b, h, q0:q0 + qn], src=lse_t[i:i + 1, 0:qn])
+    if last:
+        nisa.activation(dst=lse_t, op=nl.copy, data=lse_t_psum)
+    else:
+        nisa.tensor_copy(dst=lse_t, src=lse_t_psum)
+    rows = [(batch.lse[b, h, q0:q0 + qn], lse_t[i:i + 1, 0:qn])
+            for i, (qn, b, h, q0) in enumerate(batch.rows)]
     batch.l_all, batch.neg_m_all, batch.rows = None, None, []
+    if last:
+        return rows
+    store_lse_rows(rows)
+    return []
+
+
+def store_lse_rows(rows):
+    """Issue the lse row stores ``(dst, src)`` of :func:`flush_lse`, one single-partition DMA each."""
+    for dst, src in rows:
+        nisa.dma_copy(dst=dst, src=src)
