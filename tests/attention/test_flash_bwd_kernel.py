@@ -135,6 +135,18 @@ def test_absent_dlse_equals_zero_dlse(sinks):
         assert torch.equal(_bits(a), _bits(b))
 
 
+def test_q_rows_on_chip_match_host_rows(monkeypatch):
+    """Q rows made on chip (TensorE transposes of Q^T, cached groups) give the bits of the host's
+    row-group copy of Q (``q_rows_on_chip`` forced off)."""
+    sample = make_sample(1, 4, 2, 600, 520, 64, torch.bfloat16, causal=True, sinks=True)
+    assert flash_attention_bwd.q_rows_on_chip(sample.args[0], sample.args[1])
+    on_chip, _ = _backward(sample)
+    monkeypatch.setattr(flash_attention_bwd, "q_rows_on_chip", lambda q, k: False)
+    host, _ = _backward(sample)
+    for a, b in zip(on_chip, host):
+        assert torch.equal(_bits(a), _bits(b))
+
+
 def _naive_grads(args, flags, dtype, wrt):
     """Plain PyTorch (``naive``) gradients in ``dtype`` of sum(out * dout) + sum(lse * dlse)."""
     dout, dlse, q, k, v, _, _, sinks, cu = args

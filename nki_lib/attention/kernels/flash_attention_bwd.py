@@ -72,10 +72,11 @@ Engine balance (cost model, D = 128, bf16, trn2): per 128 x 512 score tile Tenso
 ScalarE the exp and the dP - delta eviction (854 ns); VectorE the dQ accumulation and, outside
 couples, the dS^T evictions (133 + 267 ns); GpSimd dS (427 ns) and the causal/window masks of
 diagonal tiles; DMA one 2 KiB-per-partition dS^T transpose per couple (1.42 us per two tiles).
-Busy times at Sq = Sk = 4096 causal: TensorE 147 us, ScalarE 124, DMA 116, GpSimd 69, VectorE
-36; estimated 170 us (80% of the engine-aware roofline; docs/perf-log.md §12.5, §18.2).
+Busy times at Sq = Sk = 4096 causal: TensorE 149 us, ScalarE 124, DMA 114, GpSimd 69, VectorE
+38; estimated 172 us (79% of the engine-aware roofline; docs/perf-log.md §12.5, §18.2).
 Every streamed DMA moves one contiguous run of >= 1 KiB per partition (Q^T and dO^T 1 KiB
-each per group, 2 KiB per two groups when cached; Q/dO/O rows 3 KiB per group; K^T and V^T
+each per group, 2 KiB per two groups when cached; Q/dO/O rows 3 KiB per group, dO/O rows 2 KiB
+when the Q rows are TensorE transposes of Q^T (``q_rows_on_chip``, once per group and pass); K^T and V^T
 2 KiB per two key tiles; dK + dV 2 KiB per key tile; dS^T 2 KiB per couple). K rows: 4 TensorE
 transposes of the key tile's K^T (bit-exact, 0.2 us of TensorE) and one VectorE PSUM copy, no HBM
 traffic and no host copy (at D > 128 a DMA of the natural rows, one D-element run per block).
@@ -84,20 +85,21 @@ with D <= 128 (``flash_attention_transposed_loads``; no host transposes), else r
 
 Working set (per partition; D <= 128, 16-bit inputs): SBUF: thirteen pairs with their
 couples' dS and dS^T tiles, three query groups and up to four key tiles' K^T/V^T in flight,
-phase-0 rows of the next group (84 KiB peak in all, the cached groups and resident dQ included,
+phase-0 rows of the next group (81 KiB peak in all, the cached groups and resident dQ included,
 at Sq = Sk = 4096 causal, G = 1, bf16; simulator report) plus 24 B per query
 tile and query head of the GQA group (statistics, lse/dlse columns), plus, when resident,
 4 * D B of fp32 dQ accumulator per query tile and query head of the GQA group, plus, when
 ``q_cached``, a group's Q^T, dO^T and Q, dO, O rows (5 KiB at D = 128, bf16) per query group and
 query head of the GQA group.
 PSUM: dK, dV (one bank each, two each for D in (128, 256]) and one S, dP, dS^T and dQ tile each
-(every PSUM tile is consumed one pipeline step after it is made), plus at D <= 128 the K-row
-transposes' tile (one bank, from the transposes to their VectorE copy): 7 banks at D <= 128, 8 at
-D = 256.
+(every PSUM tile is consumed one pipeline step after it is made), plus at D <= 128 the K-row or
+Q-row transposes' tile (one bank, from the transposes to their VectorE copy): at most 7 banks at
+D <= 128 (6 at peak at Sq = Sk = 4096 causal, simulator report), 8 at D = 256.
 
 Shapes (HBM; the row layouts are layout glue, one host op each): q_rows
-(B, Hq, NG, pmax, 3, per, D) (Q, dO and O rows in row-group layout, ``query_rows``: [.., g, p, i, s, :] = row
-(g * per + s) * pmax + p of input i, zero rows past Sq); q_src, do_src (B, Hq, Sq, D), k_src,
+(B, Hq, NG, pmax, R, per, D) (Q, dO and O rows in row-group layout, ``query_rows``: [.., g, p, i, s, :] = row
+(g * per + s) * pmax + p of input i, zero rows past Sq; R = 2, dO and O only, when the kernel makes
+the Q rows from Q^T: ``q_rows_on_chip``, natural inputs whose groups stay in SBUF); q_src, do_src (B, Hq, Sq, D), k_src,
 v_src (B, Hkv, Sk, D) natural (``natural``), else their (B, H, D, S) transposes;
 k (B, Hkv, Sk, D) natural (K rows at D > 128; its shape otherwise); lse (B, Hq, Sq) fp32; dlse the same, or None
 when no gradient reaches lse (delta is then rowsum(dO * O): no zeros tensor); sinks (Hq,) fp32;
@@ -170,7 +172,8 @@ def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k, k_src, v_src, lse
     """Returns ``(dq, dkv, dsinks)`` (dq, dkv in row-group layout); see the module docstring."""
     batch, num_heads, seqlen_q = lse.shape
     num_kv_heads, seqlen_k, head_dim = k.shape[1], k.shape[2], k.shape[3]
-    qdo_rows = q_rows[:, :, :, :, 0:2]    # Q, dO (reloads of a group after its phase 0)
+    q_on_chip = q_rows.shape[4] == 2   # (dO, O) rows: Q rows are transposes of Q^T (q_rows_on_chip)
+    qdo_rows = q_rows if q_on_chip else q_rows[:, :, :, :, 0:2]    # Q, dO (reloads of a group after its phase 0)
     group = num_heads // num_kv_heads
     pmax = nl.tile_size.pmax
     per = group_tiles()
@@ -198,7 +201,7 @@ def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k, k_src, v_src, lse
     resident = dq_resident(group, seqlen_q, head_dim)
     keep_q = q_cached(group, seqlen_q, head_dim, 4 if q_rows.dtype == nl.float32 else 2)
     dq_acc = None if resident else nl.ndarray(dq.shape, dtype=nl.float32, buffer=nl.private_hbm)
-    ins = Streams(qdo_rows, q_src, do_src, natural, dq, dq_acc, seqlen_q)
+    ins = Streams(qdo_rows, q_src, do_src, natural, dq, dq_acc, seqlen_q, q_on_chip)
 
     heads = sorted({hk * group + g for _, hk, gs in units for g in gs})
     prep = flash_attention_bwd_prep.Prep(q_rows, dlse, lse, sinks, doc, mask, cfg.num_stats)
@@ -227,6 +230,14 @@ def flash_attention_bwd_kernel(q_rows, q_src, do_src, dlse, k, k_src, v_src, lse
 
 # --------------------------------------------------------------------------- launcher
 
+def q_rows_on_chip(q, k):
+    """Whether the kernel makes a query group's Q rows from its Q^T (TensorE transposes, once
+    per kv head's pass) instead of reading host row-group copies: when the groups stay in SBUF
+    (``q_cached``), so each group is transposed once, not once per key tile visit."""
+    group = q.shape[1] // k.shape[1]
+    return q_cached(group, q.shape[2], q.shape[3], q.element_size())
+
+
 def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, key_bounds, *, causal, scale, window_left,
               window_right, softcap):
     """The launch of the backward kernel (``key_bounds`` (B, 2, Sq) float32 or None and the flags
@@ -246,7 +257,7 @@ def launch_flash_attention_bwd(dout, dlse, q, k, v, out, lse, sinks, key_bounds,
     srcs = [as_kernel_layout(x, natural) for x in (q, dout, k, v)]
     return KernelLaunch(
         flash_attention_bwd_kernel,
-        (query_rows(q, dout, out), srcs[0], srcs[1], None if dlse is None else dlse.contiguous(), k.contiguous(), srcs[2],
+        (query_rows(q, dout, out, natural and q_rows_on_chip(q, k)), srcs[0], srcs[1], None if dlse is None else dlse.contiguous(), k.contiguous(), srcs[2],
          srcs[3],
          lse.contiguous(), None if sinks is None else sinks.contiguous(),
          None if key_bounds is None else tiles.bounds_layout(key_bounds)),

@@ -9,6 +9,8 @@ helpers, inlined at trace time). A query group is ``per`` aligned 128-row query 
                      DMA), kept for the kv head's later key tiles when ``q_cached``; and the fp32
                      dQ accumulator: SBUF-resident for the pass (``dq_resident``), else loaded
                      from the fp32 HBM scratch for the tiles visited before (one DMA per run)
+    fill_q_rows      natural inputs with cached groups: the Q rows as TensorE transposes of Q^T
+                     (the host passes only dO and O rows), at the visit's first scores
     finish_group     after the group's last pair on this key tile: dq = scale * acc in the output
                      dtype for the tiles whose last key tile this is; the other accumulators go
                      back to the scratch when not resident
@@ -64,8 +66,10 @@ class Streams(nl.NKIObject):
     accumulators stay in SBUF), ``dq_res`` (the SBUF accumulators of the current kv head's query
     heads, or None)."""
 
-    def __init__(self, qdo_rows, q_src, do_src, natural, dq, dq_acc, seqlen_q):
+    def __init__(self, qdo_rows, q_src, do_src, natural, dq, dq_acc, seqlen_q, q_on_chip):
         self.qdo_rows = qdo_rows
+        self.q_on_chip = q_on_chip
+        self.q_todo = []
         self.q_src = q_src
         self.do_src = do_src
         self.natural = natural
@@ -94,10 +98,32 @@ def _load_q_group(ins, b, h, gid, head_dim, phase0_rows):
             ins.qT_ahead[(h, gid + 1)] = views[1]
     rows_sb = phase0_rows()
     if rows_sb is not None:
-        return qdoT_sb, rows_sb[:, 0:2, :, :]
-    qdo_sb = nl.ndarray((pmax, 2, per, head_dim), dtype=ins.qdo_rows.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=qdo_sb, src=ins.qdo_rows[b, h, gid])
+        qdo_sb = rows_sb[:, 0:2, :, :]
+    elif ins.q_on_chip:   # dO rows only; Q rows by fill_q_rows
+        qdo_sb = nl.ndarray((pmax, 2, per, head_dim), dtype=ins.qdo_rows.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=qdo_sb[:, 1, :, :], src=ins.qdo_rows[b, h, gid, :, 0, :, :])
+    else:
+        qdo_sb = nl.ndarray((pmax, 2, per, head_dim), dtype=ins.qdo_rows.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=qdo_sb, src=ins.qdo_rows[b, h, gid])
+    if ins.q_on_chip:
+        ins.q_todo.append((qdoT_sb, qdo_sb))
     return qdoT_sb, qdo_sb
+
+
+def fill_q_rows(ins, loaded, head_dim):
+    """Q rows of a freshly loaded group visit ``loaded`` (natural inputs): one TensorE transpose
+    of its Q^T per 128-row tile into one PSUM tile (bit-exact), one VectorE copy into the rows
+    tile; once, at the visit's first scores (its Q^T is in SBUF by then)."""
+    todo = [i for i, (_, rows) in enumerate(ins.q_todo) if rows is loaded[1]]
+    if not todo:
+        return
+    qdoT_sb, qdo_sb = ins.q_todo.pop(todo[0])
+    pmax, per = nl.tile_size.pmax, group_tiles()
+    q_psum = nl.ndarray((pmax, per, head_dim), dtype=qdoT_sb.dtype, buffer=nl.psum)
+    for s in range(per):
+        nisa.nc_transpose(dst=q_psum[:, s, :], data=qdoT_sb[:head_dim, 0, 0, s * pmax:(s + 1) * pmax],
+                          engine=nisa.engine.tensor)
+    nisa.tensor_copy(dst=qdo_sb[:, 0, :, :], src=q_psum, engine=nisa.engine.vector)
 
 
 def _load_qdoT(ins, b, h, gid, n, head_dim):

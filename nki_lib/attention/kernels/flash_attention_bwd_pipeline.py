@@ -9,7 +9,8 @@ NKI helpers, inlined at trace time). Loop structure:
         for (lag, stage) in STAGES:            pair j's stage runs at step j + lag
             scores: loads one unit ahead (K/V of the next key tile, the next group's rows and
                     phase 0), couples of interior neighbours (one dS^T DMA, ``DsCouple``); a
-                    key tile's first: its K rows (TensorE transposes of K^T at D <= 128)
+                    key tile's first: its K rows (TensorE transposes of K^T at D <= 128); a
+                    group visit's first, before the scores: its Q rows when on chip
             probs, dscores, dv, dk (last pair of a key tile: dK/dV out), evict, dq,
             acc (last pair of a group: dq out / accumulators back)
 
@@ -18,8 +19,8 @@ query groups ``flash_attention_bwd_groups``; phase 0 ``flash_attention_bwd_prep`
 Shapes: pairs of a query tile (qn <= 128 rows) and a key tile (kn <= 512 keys); the scores stages
 compute up to the last 128-key block some row sees (``_seen_width``).
 Dimension legend: qn/kn rows/keys of the tile, D head dim.
-Limits: at most dK, dV, S, dP, dS^T and dQ PSUM tiles live, plus at D <= 128 the K-row
-transposes' (7 banks at D <= 128, 8 at D = 256);
+Limits: at most dK, dV, S, dP, dS^T and dQ PSUM tiles live, plus at D <= 128 one K-row or
+Q-row transposes' tile (at most 7 banks at D <= 128, 8 at D = 256);
 couples only for full interior pairs in a 2-byte dtype.
 """
 
@@ -29,7 +30,13 @@ from functools import partial
 
 from nki_lib._nki import nl
 from nki_lib.attention.kernels import flash_attention_bwd_prep, tiles
-from nki_lib.attention.kernels.flash_attention_bwd_groups import finish_group, group_flags, load_group, q_groups
+from nki_lib.attention.kernels.flash_attention_bwd_groups import (
+    fill_q_rows,
+    finish_group,
+    group_flags,
+    load_group,
+    q_groups,
+)
 from nki_lib.attention.kernels.flash_attention_bwd_kv import (
     KeyTile,
     alloc_kv_grads,
@@ -155,6 +162,7 @@ def kv_pass(ins, kvs, prep, b, hk, group, gs, plans, cfg):
                     pairs[j + 1] = new_pair(j + 1)
                     if all(_interior(p, kv, cfg) for p in pairs[j:j + 2]):
                         DsCouple(pairs[j:j + 2], loaded[n][0].dtype)
+                fill_q_rows(ins, loaded[n], cfg.head_dim)
                 scores_stage(pairs[j], kv, k0, _seen_width(pairs[j], kv, cfg), cfg)
                 if kv.k_sb is None and k_on_chip:   # K rows on chip, behind the key tile's first scores (its K^T is in)
                     transpose_k_rows(kv, cfg.head_dim)

@@ -33,7 +33,9 @@ Output (SBUF, per (b, h)): stats (pmax, NT, NSTAT) fp32: [p, t, s] = statistic s
 t * pmax + p.
 
 Shapes: od_rows (B, Hq, NG, pmax, 3, per, D) (Q, dO and O rows, ``flash_attention_bwd.query_rows``; phase 0
-reads dO and O, the main loop takes Q and dO from the same tile); lse (B, Hq, Sq) fp32, dlse
+reads dO and O, the main loop takes Q and dO from the same tile), or (.., 2, per, D) (dO and O:
+loaded into channels 1 and 2 of the same (pmax, 3, per, D) tile, whose channel 0 the main loop
+fills with TensorE transposes of Q^T, ``flash_attention_bwd_groups.fill_q_rows``); lse (B, Hq, Sq) fp32, dlse
 the same or None; sinks (Hq,) fp32; doc (B, pmax, NT, 2) fp32 per-row key bounds [lo, hi]
 (``tiles.bounds_layout``) or None.
 Dimension legend: B batch, Hq query heads, Sq query length, D head dim, NT = ceil(Sq / pmax),
@@ -216,7 +218,7 @@ def prefetch_group(prep, hs, gid):
     if gid not in hs.od:
         per, head_dim = prep.od_rows.shape[5], prep.od_rows.shape[6]
         rows_sb = nl.ndarray((nl.tile_size.pmax, 3, per, head_dim), dtype=prep.od_rows.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=rows_sb, src=prep.od_rows[hs.b, hs.h, gid])
+        nisa.dma_copy(dst=rows_sb[:, 3 - prep.od_rows.shape[4]:, :, :], src=prep.od_rows[hs.b, hs.h, gid])
         hs.od[gid] = rows_sb
     return hs.od[gid]
 

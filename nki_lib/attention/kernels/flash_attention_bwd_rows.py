@@ -6,7 +6,8 @@ and keys share one layout: a group of ``per`` 128-row tiles, row ``(g * per + s)
 ``[.., g, p, s, :]``, so one DMA moves a group with one contiguous run per partition (K rows
 need none: the kernel transposes K^T on chip, or reads natural rows at D > 128).
 
-    query_rows       Q, dO, O -> (B, Hq, NG, pmax, 3, per, D) in one tensor (one host op)
+    query_rows       Q, dO, O -> (B, Hq, NG, pmax, 3, per, D) in one tensor (one host op); dO,
+                     O only -> (.., 2, per, D) when the kernel makes the Q rows on chip
     from_row_groups  row groups (B, H, NG, pmax, per, D) -> (B, H, S, D) (drops the padding
                      rows), cast in the same copy
 
@@ -49,12 +50,13 @@ def _row_group_view(x):
     return _padded(x, 2).reshape(b, h, -1, per, pmax, d).transpose(3, 4)
 
 
-def query_rows(q, dout, out):
+def query_rows(q, dout, out, q_on_chip=False):
     """Layout glue: Q, dO and O rows in one ``(B, Hq, NG, pmax, 3, per, D)`` tensor (one host op):
     ``[.., g, p, i, s, :]`` = row ``(g * per + s) * pmax + p`` of (Q, dO, O)[i], so the kernel moves
     a group's Q and dO rows (``[.., 0:2, :, :]``) or its dO and O rows (``[.., 1:3, :, :]``) with one
-    2 KiB contiguous run per partition."""
-    return torch.stack([_row_group_view(x) for x in (q, dout, out)], dim=4)
+    2 KiB contiguous run per partition. ``q_on_chip``: dO and O only (``[.., 0:2, :, :]``), the
+    kernel transposes Q^T into the Q rows (``flash_attention_bwd.q_rows_on_chip``)."""
+    return torch.stack([_row_group_view(x) for x in ((dout, out) if q_on_chip else (q, dout, out))], dim=4)
 
 
 def from_row_groups(y, s, dtype=None):
