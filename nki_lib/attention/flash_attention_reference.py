@@ -11,8 +11,10 @@ computes only what some query can see:
   which also returns the logsumexp, in the inputs' dtype (fp32 accumulation inside), and its
   backward; GQA is native. Full and top-left-causal segments take one call; windows, offsets and
   user masks take chunks of ``_FUSED_CHUNK_ROWS`` query rows, each over the key span its rows can
-  see, with a small additive chunk mask. A chunk whose lse comes out NaN (an +inf score meeting a
-  -inf mask entry) is recomputed on the explicit path, which gives the contract's ``lse = +inf``.
+  see, with a small additive chunk mask. A call or chunk whose lse comes out NaN (an +inf score
+  meeting a -inf mask entry, or a row of +inf scores, whose lse the CPU kernel gives as NaN on some
+  CPUs and +inf on others) is recomputed on the explicit path, which gives the contract's
+  ``lse = +inf``.
 * **Explicit path.** Otherwise (softcap; float64; a gradient arriving through ``lse``) queries
   are taken in chunks of about ``_CHUNK_ELEMS`` scores; each chunk scores only the key span its
   rows can see (causal/window chunks skip every fully masked key), the G query heads of a kv
@@ -187,12 +189,13 @@ def _attend(q, k, v, attn_mask, offset, rules):
         out, lse = _fused_fwd(q, k, v, 0.0, one_call, attn_mask=_key_additive(attn_mask, q.dtype),
                               scale=rules.scale)
         lse = lse.to(lse_dtype(q.dtype))
-        if attn_mask is None:
-            return out, lse
-        lse = lse.masked_fill(_keyless_rows(attn_mask, sq, one_call), -math.inf)
+        if attn_mask is not None:
+            lse = lse.masked_fill(_keyless_rows(attn_mask, sq, one_call), -math.inf)
         if not bool(torch.isnan(lse).any()):
             return out, lse
-        fused = False   # an +inf score met a -inf mask entry: the explicit path gives lse = +inf
+        # an +inf score met a -inf mask entry, or a row of +inf scores (the CPU kernel's lse is
+        # NaN there on some CPUs, +inf on others): the explicit path gives lse = +inf
+        fused = False
     out = q.new_zeros(q.shape)
     lse = torch.full(q.shape[:3], -math.inf, dtype=lse_dtype(q.dtype), device=q.device)
     if not fused:
