@@ -214,14 +214,15 @@ def _row_to_column(row_sb):
 
 def _load_lengths(lengths, window_sb):
     """The lengths (B,) int32 as one (1, B) row (the stream registers) and the key windows [0, L_b)
-    of every partition in ``window_sb`` (128, B*2): the L_b column loads as B rows when the windows'
-    2B rows fit one DMA engine (``DMA_ENGINE_PARTITIONS``: no more latency than one row, and the
-    fewest hops), else it is made from the row by a PE transpose (one descriptor instead of B)."""
+    of every partition in ``window_sb`` (128, B*2): for one sequence the L_b column is its one-row
+    load (one descriptor either way), else it is made from the row by a PE transpose (one
+    descriptor instead of B: each partition row of a DMA pays the per-descriptor floor, and the
+    windows are first read by the mask, behind the K loads)."""
     pmax = nl.tile_size.pmax
     n_seq = lengths.shape[0]
     lengths_sb = nl.ndarray((1, n_seq), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=lengths_sb, src=lengths.ap([[n_seq, 1], [1, n_seq]]))
-    if 2 * n_seq <= DMA_ENGINE_PARTITIONS:      # the windows' column would fit one DMA engine (as below)
+    if n_seq == 1:
         col_i = nl.ndarray((n_seq, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=col_i, src=lengths.ap([[1, n_seq], [1, 1]]))
         col_sb = nl.ndarray((n_seq, 1), dtype=nl.float32, buffer=nl.sbuf)

@@ -75,12 +75,13 @@ def load_q_t(q, row0, rn, d_spans, dtype):
 
 def load_sink(sink_rows, hk, r0, rn, sq=1):
     """Sink logits (rn, 1) of rows r0 .. r0 + rn (r = g*Sq + t) of kv head ``hk``. ``sink_rows`` holds
-    one logit per row (Hkv, R), or per query head (Hkv, G) when the rows fit one tile: then one DMA
-    of the (1, G) row (one descriptor) and a PE transpose of its view broadcast over the Sq tokens
-    (fp32 transposes are bit-exact), copied to SBUF on ScalarE."""
+    one logit per row (Hkv, R), or per query head (Hkv, G) when the rows fit one tile (Sq = 1
+    included): then one DMA of the (1, G) row (one descriptor, not G at the per-descriptor floor)
+    and a PE transpose of its view broadcast over the Sq tokens (fp32 transposes are bit-exact),
+    copied to SBUF on ScalarE."""
     sink_sb = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     heads = sink_rows.shape[1]
-    if heads * sq != rn or sq == 1:
+    if heads * sq != rn:
         nisa.dma_copy(dst=sink_sb, src=sink_rows.ap([[1, rn], [1, 1]], offset=hk * heads + r0))
         return sink_sb
     row_sb = nl.ndarray((1, heads), dtype=nl.float32, buffer=nl.sbuf)
