@@ -71,3 +71,19 @@ def test_non_consecutive_blocks_and_idle_blocks():
     slot_assignment[3] = -1
     group_expert = check_groups(block_expert, slot_assignment, 2, 3)
     assert group_expert.tolist()[:5] == [1, 0, 1, 1, 2]
+
+
+@given(slots=st.lists(st.integers(-1, 23), min_size=1, max_size=40), k=st.integers(1, 4),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_slot_tables_per_slot(slots, k, dtype):
+    """The launchers' per-slot tables (``moe_experts_host``): the token id a // k and the routing
+    weight of each slot's assignment a, -1 and 0 for padding (a = -1)."""
+    from nki_lib.moe.kernels.moe_experts_host import slot_tokens, slot_weights
+
+    group_slots = torch.tensor(slots, dtype=torch.int32)
+    topk_weights = torch.rand(6, 4).to(dtype)
+    flat = topk_weights.reshape(-1).float().tolist()
+    tokens, weights = slot_tokens(group_slots, k), slot_weights(topk_weights, group_slots)
+    assert tokens.dtype == torch.int32 and weights.dtype == torch.float32
+    assert tokens.tolist() == [a // k if a >= 0 else -1 for a in slots]
+    assert weights.tolist() == [flat[a] if a >= 0 else 0.0 for a in slots]

@@ -35,27 +35,29 @@ def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
     ``group_blocks`` blocks, in plan order; a group's slots are its blocks' slots in order, then -1
     padding (the kernel derives each slot tile's live flag from them on chip). Blocks with
     expert -1 are dropped; unused groups have expert -1 and no live tiles. Static shapes: dropped
-    blocks are scattered into one spare row past the end (cut off), so the ops trace with fixed
-    shapes; only the run count that sizes NG for a plan with more runs than experts reads data."""
+    blocks get the spare group NG past the end (one row of group_expert, one group of slots, cut
+    off), so the ops trace with fixed shapes; only the run count that sizes NG for a plan with more
+    runs than experts reads data. Each line is one torch op where it can be (each is a launch on a
+    device: the whole-op estimate charges them)."""
     n_blocks = block_expert.numel()
     block = slot_assignment.numel() // max(n_blocks, 1)
     group_slots_n = group_blocks * block
     dev = block_expert.device
     idx = torch.arange(n_blocks, device=dev)
     valid = block_expert >= 0
-    prev = torch.cat([torch.full((1,), -2, dtype=block_expert.dtype, device=dev), block_expert[:-1]])
+    prev = torch.nn.functional.pad(block_expert[:-1], (1, 0), value=-2)    # the previous block's expert
     run_start = valid & (block_expert != prev)
     pos = idx - torch.cummax(torch.where(run_start, idx, 0), 0).values      # block index inside its run
     in_group = pos % group_blocks
-    group_id = torch.cumsum(valid & (in_group == 0), 0) - 1
     # a traced plan (no values) is moe_plan's: an expert's blocks are consecutive, runs <= experts
     n_runs = int(run_start.sum()) if has_values(run_start) else 0
     n_groups = group_count(n_blocks, n_experts, group_blocks, n_runs)
+    group_id = torch.where(valid, torch.cumsum(valid & (in_group == 0), 0) - 1, n_groups)
     group_expert = torch.full((n_groups + 1,), -1, dtype=torch.int32, device=dev)
-    group_expert.scatter_(0, torch.where(valid, group_id, n_groups), block_expert.to(torch.int32))
-    base = torch.where(valid, group_id * group_slots_n + in_group * block, n_groups * group_slots_n)
+    group_expert.scatter_(0, group_id, block_expert.to(torch.int32))
+    base = torch.add(in_group * block, group_id, alpha=group_slots_n)       # first slot of the block
     dst = (base[:, None] + torch.arange(block, device=dev)[None, :]).reshape(-1)
-    group_slots = torch.full((n_groups * group_slots_n + block,), -1, dtype=torch.int32, device=dev)
+    group_slots = torch.full(((n_groups + 1) * group_slots_n,), -1, dtype=torch.int32, device=dev)
     group_slots.scatter_(0, dst, slot_assignment.reshape(-1).to(torch.int32))
     return group_expert[:n_groups], group_slots[:n_groups * group_slots_n]
 

@@ -141,9 +141,9 @@ def check_supported(x, topk_weights, block_expert, slot_assignment, inter, *, sb
 
 
 def slot_tokens(slot_assignment, top_k):
-    """Index metadata: the token id a // k of each slot, -1 for padding."""
-    return torch.where(slot_assignment >= 0, torch.div(slot_assignment, top_k, rounding_mode="floor"),
-                       -1).to(torch.int32).contiguous()
+    """Index metadata: the token id a // k of each slot, -1 for padding (one op: the floor
+    division keeps -1, as -1 // k = -1 for k >= 1)."""
+    return torch.div(slot_assignment, top_k, rounding_mode="floor").to(torch.int32).contiguous()
 
 
 def routing_weights(topk_weights):
@@ -155,9 +155,10 @@ def slot_weights(topk_weights, group_slots):
     """Index metadata for the backward: (NG*S,) fp32 routing weight of each slot (0 for padding),
     in slot order, so the kernel loads them with its slot ids instead of gathering them (each
     indirect DMA costs GpSimd a descriptor per row). The forward's "accumulate" combine loads
-    them the same way and scales each slot's output row by its weight."""
+    them the same way and scales each slot's output row by its weight. Two ops: the weights with
+    a 0 appended, indexed by the slots (a padding slot's -1 picks the appended 0)."""
     flat = routing_weights(topk_weights).reshape(-1)
-    return torch.where(group_slots >= 0, flat[group_slots.clamp(min=0).long()], 0.0).contiguous()
+    return torch.nn.functional.pad(flat, (0, 1))[group_slots].contiguous()
 
 
 def repeats_a_token(slot_token, n_groups):
