@@ -1,11 +1,21 @@
 """Argument checks shared by every op: errors name the argument and what was expected
 (docs/contract.md §5). They read only metadata, so they are safe inside fake (meta) kernels, and they
 accept symbolic ints (``torch.SymInt``), which is what int arguments become under
-``torch.compile(dynamic=True)``."""
+``torch.compile(dynamic=True)``. The data checks of real tensors (and host-side launch choices that
+read index data) run on host copies made by :func:`on_host`."""
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
+from typing import Iterator
+
 import torch
+
+# Set by the whole-op estimate while it records (nki_lib.bench.whole_op.record_host_ops): called
+# with the tensors :func:`on_host` copies, to charge them; None otherwise.
+HOST_COPY_HOOK: ContextVar = ContextVar("host_copy_hook", default=None)
+ON_HOST: ContextVar = ContextVar("on_host", default=False)    # inside on_host: torch ops run on the host
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -63,3 +73,21 @@ def has_values(*tensors) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return not any(t is not None and is_fake(t) for t in tensors)
+
+
+@contextlib.contextmanager
+def on_host(*tensors: torch.Tensor | None) -> Iterator[tuple]:
+    """Host copies (``.to("cpu")``) of ``tensors`` (None stays None) for data checks and launch
+    choices run on the host CPU. The whole-op estimate charges each tensor copied as one transfer
+    (one launch plus its nbytes read from HBM) and the torch ops run inside the block (on the
+    copies, on the host) not at all (:data:`HOST_COPY_HOOK`, :data:`ON_HOST`; docs/cost-model.md
+    §7.10)."""
+    token = ON_HOST.set(True)
+    try:
+        copies = tuple(None if t is None else t.to("cpu") for t in tensors)
+        hook = HOST_COPY_HOOK.get()
+        if hook is not None:
+            hook([t for t in tensors if t is not None])
+        yield copies
+    finally:
+        ON_HOST.reset(token)

@@ -28,11 +28,10 @@ from nki_lib import registry
 from nki_lib.attention import decode_attention_reference
 from nki_lib.attention.attention_args import MAX_HEAD_DIM, lse_dtype
 from nki_lib.autograd.autocast import follow_sdpa_autocast
-from nki_lib.bench.whole_op import on_host
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
 from nki_lib.sizes import ceil_div
-from nki_lib.validation import INDEX_DTYPES, check_same_device, check_same_dtype, has_values
+from nki_lib.validation import INDEX_DTYPES, check_same_device, check_same_dtype, has_values, on_host
 from nki_lib.validation import check_tensor as _check_tensor
 
 INDEX_DTYPE = torch.int32
@@ -116,7 +115,7 @@ def validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, cache_start
 
 
 def validate_starts(q, cache_seqlens, cache_start):
-    """Data check of cache_start (real tensors only, on host copies: ``whole_op.on_host``):
+    """Data check of cache_start (real tensors only, on host copies: ``nki_lib.validation.on_host``):
     ``0 <= start_b <= L_b - Sq``."""
     with on_host(cache_start, cache_seqlens) as (starts, lengths):
         starts, last = starts.to(torch.int64), lengths.to(torch.int64) - q.shape[2]
@@ -129,7 +128,7 @@ def validate_starts(q, cache_seqlens, cache_start):
 
 
 def validate_values(q, k_cache, cache_seqlens, block_table):
-    """Data checks (real tensors only, on host copies: ``whole_op.on_host``): lengths within
+    """Data checks (real tensors only, on host copies: ``nki_lib.validation.on_host``): lengths within
     [Sq, capacity], used block ids in range."""
     with on_host(cache_seqlens, block_table) as (lengths, table):
         _check_lengths_and_table(q, k_cache, lengths, table)

@@ -17,8 +17,8 @@ its input's dtype; charged to the backward op), and keeps the ones that move dat
   none for factories such as ``new_zeros`` that only take a dtype from their input, and of the
   tensors it writes) at the core's HBM bandwidth (``HardwareParams.dma_bandwidth()``, one core),
   plus one kernel launch (``kernel_launch_ns``) -- docs/cost-model.md §7.10;
-* a data check on host copies (:func:`on_host`: a validator copies index tensors to the host and
-  checks them there) is charged one transfer per tensor copied, one launch plus the tensor's
+* a data check on host copies (``nki_lib.validation.on_host``: a validator copies index tensors to
+  the host and checks them there) is charged one transfer per tensor copied, one launch plus the tensor's
   nbytes read from HBM (the rule of a copy; the host-side write is not HBM traffic), and the
   ops it runs on the copies run on the host CPU and are not charged. A host round trip's latency
   beyond that one launch (the wait for the copy, the host's own time) is not modelled.
@@ -30,23 +30,22 @@ its input's dtype; charged to the backward op), and keeps the ones that move dat
 from __future__ import annotations
 
 import contextlib
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostOp", "record_host_ops", "on_host", "host_cost", "host_time_ns", "WholeOpEstimate", "estimate_call"]
+from nki_lib.validation import HOST_COPY_HOOK, ON_HOST
+
+__all__ = ["HostOp", "record_host_ops", "host_cost", "host_time_ns", "WholeOpEstimate", "estimate_call"]
 
 _ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 _FACTORIES = frozenset({"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like", "zeros",
                         "ones", "full", "arange", "scalar_tensor", "rand_like", "randn_like"})
 _NAMESPACE = "nki"
 _AUTOGRAD_NODE = f"GeneratedBackwardFor_{_NAMESPACE}_"   # torch.library.register_autograd's node names
-TO_HOST = "to_host"          # HostOp.name of a device-to-host copy (:func:`on_host`)
-_RECORDER: ContextVar = ContextVar("whole_op_recorder", default=None)    # the active _Recorder or None
-_ON_HOST: ContextVar = ContextVar("whole_op_on_host", default=False)     # inside on_host: ops run on the host
+TO_HOST = "to_host"          # HostOp.name of a device-to-host copy (``nki_lib.validation.on_host``)
 
 
 @dataclass(frozen=True)
@@ -168,8 +167,8 @@ class _Recorder(TorchDispatchMode):
             finally:
                 self.inside.pop()
         result = func(*args, **kwargs)
-        if _ON_HOST.get():
-            return result    # on the host CPU (:func:`on_host`): no device op
+        if ON_HOST.get():
+            return result    # on the host CPU (``nki_lib.validation.on_host``): no device op
         op = self.current_op()
         if op is not None:
             host = account(func, args, kwargs, result, op)
@@ -181,36 +180,24 @@ class _Recorder(TorchDispatchMode):
         """The op an aten op running now is charged to (None: outside every ``nki::`` op)."""
         return self.inside[-1] if self.inside else _current_glue_op()
 
+    def charge_copies(self, tensors) -> None:
+        """``nki_lib.validation.on_host``'s copies: one transfer each (``TO_HOST``, its nbytes
+        read from HBM; the host-side write is not HBM traffic), to the op they run in."""
+        op = self.current_op()
+        if op is not None:
+            self.ops.extend(HostOp(op, TO_HOST, _nbytes(t), 0) for t in tensors)
+
 
 @contextlib.contextmanager
 def record_host_ops() -> Iterator[list[HostOp]]:
     """Collect the :class:`HostOp` of every ``nki::`` op called inside the block."""
     recorder = _Recorder()
-    token = _RECORDER.set(recorder)
+    token = HOST_COPY_HOOK.set(recorder.charge_copies)
     try:
         with recorder:
             yield recorder.ops
     finally:
-        _RECORDER.reset(token)
-
-
-@contextlib.contextmanager
-def on_host(*tensors: torch.Tensor | None) -> Iterator[tuple]:
-    """Host copies (``.to("cpu")``) of ``tensors`` (None stays None) for data checks run on the
-    host CPU. While :func:`record_host_ops` records, each tensor copied is charged as one transfer
-    (``TO_HOST``: one launch plus its nbytes read from HBM) to the op it runs in, and the aten ops
-    run inside the block (on the copies, on the host) are not charged; a round trip's latency
-    beyond that launch is not modelled (docs/cost-model.md §7.10)."""
-    token = _ON_HOST.set(True)
-    try:
-        copies = tuple(None if t is None else t.to("cpu") for t in tensors)
-        recorder = _RECORDER.get()
-        op = None if recorder is None else recorder.current_op()
-        if op is not None:
-            recorder.ops.extend(HostOp(op, TO_HOST, _nbytes(t), 0) for t in tensors if t is not None)
-        yield copies
-    finally:
-        _ON_HOST.reset(token)
+        HOST_COPY_HOOK.reset(token)
 
 
 def host_time_ns(launches: int, nbytes: float, hw) -> float:

@@ -40,11 +40,10 @@ import torch
 from nki_lib import registry
 from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.autograd.autocast import follow_sdpa_autocast
-from nki_lib.bench.whole_op import on_host
 from nki_lib.dispatch import Unsupported, dispatch, kernel_path
 from nki_lib.moe import moe_experts_reference as reference
 from nki_lib.registry import OpSpec, Sample
-from nki_lib.validation import FLOAT_DTYPES, check_same_device, check_same_dtype, has_values
+from nki_lib.validation import FLOAT_DTYPES, check_same_device, check_same_dtype, has_values, on_host
 from nki_lib.validation import check_tensor as _check_tensor
 
 INDEX_DTYPE = torch.int32          # what the kernels take (the plan's own dtype)
@@ -140,7 +139,7 @@ def _kernel_args(tensors):
 
 
 def validate_plan_values(block_expert, slot_assignment, *, num_assignments, num_experts):
-    """Data checks of the plan (real tensors only), on host copies (``whole_op.on_host``: the
+    """Data checks of the plan (real tensors only), on host copies (``nki_lib.validation.on_host``: the
     whole-op estimate charges one transfer per tensor copied, and nothing for the checks)."""
     with on_host(block_expert, slot_assignment) as (experts, slots):   # int32 or int64 as given
         _check_plan(experts, slots, num_assignments, num_experts)

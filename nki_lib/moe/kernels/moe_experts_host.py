@@ -21,7 +21,7 @@ from nki_lib.dispatch import Unsupported
 from nki_lib.moe.kernels.moe_experts_groups import group_count
 from nki_lib.moe.kernels.moe_experts_steps import reduce_chunk
 from nki_lib.sizes import ceil_div
-from nki_lib.validation import has_values
+from nki_lib.validation import has_values, on_host
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -165,13 +165,15 @@ def repeats_a_token(slot_token, n_groups):
     """True when one group's slots name a token twice (a top-k list naming an expert twice), or
     when the plan has no values (traced): the forward's "accumulate" combine adds a slot tile's
     rows with one read-modify-write DMA, whose row indices must be distinct (docs/perf-log.md
-    §14.2), so such a plan takes the "sum" combine. ``slot_token`` (NG*S,): token ids, -1 padding."""
+    §14.2), so such a plan takes the "sum" combine. ``slot_token`` (NG*S,): token ids, -1 padding.
+    A launch choice made on the host: checked on a host copy (``nki_lib.validation.on_host``)."""
     if not has_values(slot_token):
         return True
     if slot_token.numel() == 0:
         return False
-    ids = torch.sort(slot_token.reshape(n_groups, -1), dim=1).values
-    return bool(((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any())
+    with on_host(slot_token) as (tokens,):
+        ids = torch.sort(tokens.reshape(n_groups, -1), dim=1).values
+        return bool(((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any())
 
 
 def in_layout_backward(launch_bwd, args, weight_layout, **flags):
