@@ -32,7 +32,8 @@ for each group g of this program (static loop, in order; LNC2: the two cores tak
      per partition, ``H_INTERLEAVE``, so one run of 4I, with xT and out_in's W^T tiles in the same
      H order), no transposes; when the span is all of I and SBUF allows (``prefetch_gu``), the
      next group's tile is loaded during this group, between the deferred writes and the next
-     gathers (see the group loop below); per live slot tile gT/uT = W^T-tile x xT
+     gathers (see the group loop below; the first group's in the prologue, between its gathers);
+     per live slot tile gT/uT = W^T-tile x xT
      into fp32 PSUM (contraction over H tiles; an expert bias enters first as bias_row^T x ones,
      a contraction of size 1); hT = act(gT) * uT, or gpt-oss's clamped swiglu
      (:mod:`.moe_experts_gate`), -> SBUF (I on partitions).
@@ -90,7 +91,6 @@ from nki_lib._nki import nisa, nki, nl
 from nki_lib.moe.kernels.moe_experts_fwd_combine import GroupSink, accumulator, convert_rows, zero_rows
 from nki_lib.moe.kernels.moe_experts_fwd_dmas import (
     H_INTERLEAVE,
-    gather_group,
     group_tiles,
     next_group_dmas,
     scatter_deferred,
@@ -181,12 +181,15 @@ def moe_experts_fwd_kernel(x, topk_w, group_expert, slot_token, slot_assignment,
     gate = (activation, swiglu_alpha, swiglu_limit)
     # LNC2: the cores take alternate groups (all of them under LNC1).
     mine = list(range(pid, n_groups, n_prog))
+    next_gu = None
     if mine:
         current = (block_registers(expert_sb, valid_sb, mine[0]), group_tiles(ids, live_sb, mine[0], group))
-        x_rows = gather_group(x, current[1], current[0][1])
+        # the first group's gathers, and with prefetch_gu its gate/up tile, as a group body issues them
+        x_rows, next_gu = next_group_dmas(x, w_gate_up, current, None, spans(hidden, nl.tile_size.pmax),
+                                          prefetch_gu)
     if combine == "accumulate":
         zero_rows(out)                 # before the first read-modify-write (program order)
-    deferred = next_gu = None
+    deferred = None
     # Static unroll (compile-time Python loop): each group's body also issues the next one's gather
     # and the previous one's last y scatters.
     for n, g in enumerate(mine):
