@@ -91,6 +91,25 @@ def test_forward_saves_only_what_the_backward_reads(monkeypatch):
     assert not _ran(bwd, moe_experts_bwd_rows.load_saved, "dma_copy")
 
 
+def test_forward_asks_the_backward_estimate_of_its_own_layout(monkeypatch):
+    """The training forward's save decision uses the backward's SBUF estimate for the call's
+    weight layout (in_out stages the weights' transposes, so its estimate differs from out_in's)."""
+    from nki_lib.dispatch import Unsupported
+    from nki_lib.moe.kernels import moe_experts_bwd
+    seen = []
+
+    def record(*args, **counts):
+        seen.append(counts["in_out"])
+        return None
+
+    monkeypatch.setattr(moe_experts_bwd, "_saved_blocks", record)
+    for layout in ("out_in", "in_out"):
+        s = moe_experts_op.make_sample(30, 200, 136, 4, 2, 130, torch.bfloat16, False, weight_layout=layout)
+        with pytest.raises(Unsupported, match="recompute"):
+            moe_experts_fwd_launch.saved_grouping(*s.args, activation="silu", weight_layout=layout)
+    assert seen == [False, True]
+
+
 def test_deepseek_expert_parallel_forward_saves_nothing():
     """At deepseek-v3's expert-parallel shape (T=2560 rows, H=7168, I=2048, 16 local experts, k=1)
     the backward's SBUF estimate does not fit saved g/u at the forward's groups, so the training

@@ -253,7 +253,7 @@ def saved_grouping(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_
                                              b_down, activation, weight_layout, True)
     blocks = _launch_group_blocks(x, topk_weights, block_expert, inter, block_size, flags, w_down.shape[0])
     if not reads_saved(x, topk_weights, block_expert, block_size, inter, blocks, activation=activation,
-                       biases=flags["biases"]):
+                       biases=flags["biases"], weight_layout=weight_layout):
         raise Unsupported("the backward would recompute g and u at these groups (its SBUF estimate)")
     n_groups = group_count(block_expert.shape[0], w_gate_up.shape[0], blocks, 0)
     return blocks, saved_shape(n_groups, blocks * block_size, inter)
