@@ -28,7 +28,7 @@ from nki_lib.autograd import forbid_double_backward, masked_grads, zeros_if_none
 from nki_lib.autograd.autocast import follow_sdpa_autocast
 from nki_lib.dispatch import dispatch
 from nki_lib.registry import OpSpec, Sample
-from nki_lib.validation import INDEX_DTYPES, check_int, check_same_device, check_same_dtype, layout_hint
+from nki_lib.validation import INDEX_DTYPES, check_int, check_same_device, check_same_dtype, layout_hint, on_host
 from nki_lib.validation import check_tensor as _check_tensor
 
 # --------------------------------------------------------------------------- validation
@@ -116,14 +116,16 @@ def validate_attn_mask(attn_mask, q, k):
 
 
 def validate_offsets_values(name, offsets, total):
-    """Data checks of cu_seqlens / cu_seqlens_k (real tensors only)."""
-    values = offsets.to("cpu", torch.int64)
-    if int(values[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(values[0])}")
-    if bool((values[1:] < values[:-1]).any()):
-        raise ValueError(f"{name} must be non-decreasing")
-    if int(values[-1]) != total:
-        raise ValueError(f"{name} must end at the sequence length {total}, got {int(values[-1])}")
+    """Data checks of cu_seqlens / cu_seqlens_k (real tensors only, on a host copy:
+    ``nki_lib.validation.on_host``)."""
+    with on_host(offsets) as (copy,):
+        values = copy.to(torch.int64)
+        if int(values[0]) != 0:
+            raise ValueError(f"{name} must start at 0, got {int(values[0])}")
+        if bool((values[1:] < values[:-1]).any()):
+            raise ValueError(f"{name} must be non-decreasing")
+        if int(values[-1]) != total:
+            raise ValueError(f"{name} must end at the sequence length {total}, got {int(values[-1])}")
 
 
 def validate_cu_seqlens_values(cu_seqlens, seqlen):
