@@ -324,3 +324,23 @@ def test_lnc2_splits_the_query_heads(monkeypatch):
         assert results[1][i].dtype == torch.bfloat16
         result = parity(results[1][i], oracle[i], base, kind="grad", dtype=torch.float32, name=name)
         assert result.ok, str(result)
+
+
+@pytest.mark.parametrize("seqlen", [1000, 512, 130])
+def test_row_groups_round_trip_in_one_host_op(seqlen):
+    """Rows in the row-group layout and back (padding rows dropped, cast in the same copy): the
+    rows come back exactly, contiguous, and each direction of one tensor is one host op (no second
+    copy to cut the padding when S is not a multiple of the group rows and B * H > 1)."""
+    from nki_lib.attention.kernels.flash_attention_bwd_rows import _row_group_view, from_row_groups
+    from nki_lib.bench.whole_op import _Recorder
+
+    x = torch.randn(2, 2, seqlen, 64, dtype=torch.float32)
+    recorder = _Recorder()
+    recorder.inside.append("flash_attention_backward")
+    with recorder:
+        groups = _row_group_view(x).contiguous()
+        back = from_row_groups(groups, seqlen, torch.bfloat16)
+    assert torch.equal(from_row_groups(groups, seqlen), x)
+    assert torch.equal(back, x.to(torch.bfloat16)) and back.is_contiguous()
+    padded = seqlen % 512 != 0
+    assert len(recorder.ops) == padded + 2 and recorder.ops[-1].name == "aten.cat.out"   # pad, clone, cat

@@ -9,7 +9,9 @@ need none: the kernel transposes K^T on chip, or reads natural rows at D > 128).
     query_rows       Q, dO, O -> (B, Hq, NG, pmax, 3, per, D) in one tensor (one host op); dO,
                      O only -> (.., 2, per, D) when the kernel makes the Q rows on chip
     from_row_groups  row groups (B, H, NG, pmax, per, D) -> (B, H, S, D) (drops the padding
-                     rows), cast in the same copy
+                     rows), cast in the same copy: one host op, the 128-row tiles' views
+                     concatenated (no second copy to cut the padding when S is not a multiple
+                     of the group rows)
 
 Shapes as above. Dimension legend: B batch, H heads, S rows (Sq or Sk), D head dim, NG groups
 (ceil(S / (per * pmax))), pmax partitions, per = 128-row tiles per group (= 128-key blocks per
@@ -32,14 +34,12 @@ def group_tiles():
 
 
 def _padded(x, dim):
-    """x with zero rows appended along ``dim`` up to a multiple of the group rows."""
+    """x with zero rows appended along ``dim`` up to a multiple of the group rows (one host op)."""
     rows = group_tiles() * nl.tile_size.pmax
     pad = -x.shape[dim] % rows
     if not pad:
         return x
-    shape = list(x.shape)
-    shape[dim] = pad
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1 - dim % x.dim()) + (0, pad))
 
 
 def _row_group_view(x):
@@ -59,8 +59,18 @@ def query_rows(q, dout, out, q_on_chip=False):
     return torch.stack([_row_group_view(x) for x in ((dout, out) if q_on_chip else (q, dout, out))], dim=4)
 
 
+def _tile_rows(y, s):
+    """Views ``(B, H, rows, D)`` of the row groups' 128-row tiles in row order, the last one cut
+    at row ``s`` (tiles wholly past ``s``, padding only, left out)."""
+    pmax, per = y.shape[3], y.shape[4]
+    tiles_used = -(-s // pmax)
+    return [y[:, :, t // per, :min(pmax, s - t * pmax), t % per, :] for t in range(tiles_used)]
+
+
 def from_row_groups(y, s, dtype=None):
-    """Inverse of :func:`_row_group_view` (drops the padding rows), cast to ``dtype`` in the same copy."""
-    b, h, ng, pmax, per, d = y.shape
-    rows = y.transpose(3, 4).to(dtype or y.dtype, memory_format=torch.contiguous_format)
-    return rows.reshape(b, h, ng * per * pmax, d)[:, :, :s].contiguous()
+    """Inverse of :func:`_row_group_view` (drops the padding rows), cast to ``dtype``: one host op
+    (a concatenation of the tiles' views into a contiguous ``(B, H, S, D)`` tensor), each kept row
+    read and written once."""
+    b, h, _, _, _, d = y.shape
+    rows = y.new_empty((b, h, s, d), dtype=dtype or y.dtype)
+    return torch.cat(_tile_rows(y, s), dim=2, out=rows)
