@@ -4,10 +4,12 @@ groups of one expert, live-tile flags, and a group count that does not depend on
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+import nki_lib
 import nki_lib.moe  # noqa: F401  (registers torch.ops.nki.moe_plan)
 from nki_lib.moe.kernels.moe_experts_groups import group_count, merge_blocks
 
@@ -18,10 +20,10 @@ def plan(topk_ids, experts, block):
     return block_expert, slot_assignment
 
 
-def check_groups(block_expert, slot_assignment, group_blocks, experts):
+def check_groups(block_expert, slot_assignment, group_blocks, experts, n_runs=0):
     n_blocks = block_expert.numel()
     block = slot_assignment.numel() // n_blocks
-    group_expert, group_slots = merge_blocks(block_expert, slot_assignment, group_blocks, experts)
+    group_expert, group_slots = merge_blocks(block_expert, slot_assignment, group_blocks, experts, n_runs)
     group = group_blocks * block
     by_group = group_slots.reshape(-1, group)
     assert by_group.shape[0] == group_expert.numel()
@@ -62,15 +64,38 @@ def test_groups_of_moe_plan(t, experts, k, block, group_blocks, seed):
     assert group_expert.numel() == group_count(n_blocks, experts, group_blocks, 0)
 
 
-def test_non_consecutive_blocks_and_idle_blocks():
-    """A plan whose expert blocks are not consecutive (accepted by the op) still keeps every slot."""
-    block_expert = torch.tensor([1, 0, 1, 1, -1, 1, 2, -1], dtype=torch.int32)
+NON_CONSECUTIVE = [1, 0, 1, 1, -1, 1, 2, -1]     # expert 1 in three runs: 5 runs of 3 experts
+
+
+def test_non_consecutive_blocks_and_idle_blocks_with_their_run_count():
+    """A direct caller's plan whose expert blocks are not consecutive (the op refuses it, see below)
+    keeps every slot when the caller passes its run count (``n_runs``): the groups are sized for
+    5 runs, where the static bound (runs <= experts) has room for fewer."""
+    block_expert = torch.tensor(NON_CONSECUTIVE, dtype=torch.int32)
     slot_assignment = torch.arange(16, dtype=torch.int32)
     slot_assignment[8:10] = -1
     slot_assignment[14:] = -1
     slot_assignment[3] = -1
-    group_expert = check_groups(block_expert, slot_assignment, 2, 3)
+    assert group_count(8, 3, 2, 5) > group_count(8, 3, 2)
+    group_expert = check_groups(block_expert, slot_assignment, 2, 3, n_runs=5)
     assert group_expert.tolist()[:5] == [1, 0, 1, 1, 2]
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_the_op_refuses_non_consecutive_blocks_before_any_launch(requires_grad):
+    """Every launch (forward, training forward, and the backward after it) sees a plan that passed
+    ``validate_plan_values`` or a traced ``moe_plan`` plan, so ``merge_blocks`` sizes its groups by
+    the static bound with no run count read from the plan: a non-consecutive plan raises first."""
+    from nki_lib.moe.moe_experts_op import make_sample
+
+    s = make_sample(6, 16, 16, 3, 2, 2, torch.float32, requires_grad)    # 12 assignments
+    x, topk_weights, _, _, w_gate_up, w_down = s.args[:6]
+    block_expert = torch.tensor(NON_CONSECUTIVE, dtype=torch.int32)    # 6 live blocks of 2 slots
+    slot_assignment = torch.full((2, 8), -1, dtype=torch.int32)
+    slot_assignment[:, block_expert >= 0] = torch.arange(12, dtype=torch.int32).reshape(6, 2).T
+    slot_assignment = slot_assignment.T.reshape(-1)
+    with nki_lib.use_backend("simulator"), pytest.raises(ValueError, match="must be consecutive"):
+        torch.ops.nki.moe_experts(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, **s.kwargs)
 
 
 @given(slots=st.lists(st.integers(-1, 23), min_size=1, max_size=40), k=st.integers(1, 4),

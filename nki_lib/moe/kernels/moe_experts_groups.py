@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from nki_lib.validation import has_values
 
-
-def group_count(n_blocks, n_experts, group_blocks, n_runs):
+def group_count(n_blocks, n_experts, group_blocks, n_runs=0):
     """Groups for a plan of ``n_blocks`` blocks: the static bound min(NB, (NB + E (G-1)) // G) (an
-    expert run of n blocks makes ceil(n / G) groups), or more when the plan has more runs than
-    experts (an expert's blocks not consecutive)."""
+    expert run of n blocks makes ceil(n / G) groups), or more when the caller says the plan has
+    ``n_runs`` > E runs (an expert's blocks not consecutive: never a plan the op accepts)."""
     runs = max(n_experts, n_runs)
     return min(n_blocks, (n_blocks + runs * (group_blocks - 1)) // group_blocks)
 
 
-def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
+def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts, n_runs=0):
     """(group_expert (NG,) int32, group_slots (NG*S,) int32).
 
     Runs of consecutive blocks with one expert (>= 0) are cut into groups of at most
@@ -36,9 +34,12 @@ def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
     padding (the kernel derives each slot tile's live flag from them on chip). Blocks with
     expert -1 are dropped; unused groups have expert -1 and no live tiles. Static shapes: dropped
     blocks get the spare group NG past the end (one row of group_expert, one group of slots, cut
-    off), so the ops trace with fixed shapes; only the run count that sizes NG for a plan with more
-    runs than experts reads data. Each line is one torch op where it can be (each is a launch on a
-    device: the whole-op estimate charges them)."""
+    off), so the ops trace with fixed shapes and read no data (no device-to-host sync). NG is
+    :func:`group_count`'s bound for at most E runs, which holds for every plan the launchers see
+    (the op's ``validate_plan_values`` raises for an expert's blocks not consecutive on real
+    tensors; a traced plan is ``moe_plan``'s); a direct caller with more runs passes ``n_runs``.
+    Each line is one torch op where it can be (each is a launch on a device: the whole-op estimate
+    charges them)."""
     n_blocks = block_expert.numel()
     block = slot_assignment.numel() // max(n_blocks, 1)
     group_slots_n = group_blocks * block
@@ -49,8 +50,6 @@ def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts):
     run_start = valid & (block_expert != prev)
     pos = idx - torch.cummax(torch.where(run_start, idx, 0), 0).values      # block index inside its run
     in_group = pos % group_blocks
-    # a traced plan (no values) is moe_plan's: an expert's blocks are consecutive, runs <= experts
-    n_runs = int(run_start.sum()) if has_values(run_start) else 0
     n_groups = group_count(n_blocks, n_experts, group_blocks, n_runs)
     group_id = torch.where(valid, torch.cumsum(valid & (in_group == 0), 0) - 1, n_groups)
     group_expert = torch.full((n_groups + 1,), -1, dtype=torch.int32, device=dev)
