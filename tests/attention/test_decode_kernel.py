@@ -422,3 +422,29 @@ def test_last_unit_k_by_dma_transpose(b, hq, hkv, d, cap, lengths, window_left, 
     assert [e.shape for e in transposes] == ([(d, m, nl.tile_size.pmax)] if taken else [])
     k_t = [e for e in report.trace if e.opcode == "nc_transpose" and e.shape == (d, nl.tile_size.pmax)]
     assert len(k_t) == (b * hkv - taken) * m
+
+
+def test_merges_follow_each_unit_when_a_later_group_follows():
+    """Single-chunk path with more units than K/V buffer pairs (8 units of 64 slots, 4 pairs): the
+    merge of each unit of a group that a later group follows is issued right behind its own P @ V
+    (unit after unit), so the first merge precedes the second unit's P @ V; the last group keeps
+    the lockstep (every P @ V before the first of its merges)."""
+    import inspect
+
+    from nki_lib.attention.kernels import decode_attention_fwd_steps as steps
+
+    cap, hkv = 8192, 4
+    sample = make_sample(2, 4, hkv, 1, 128, [8192, 5000], torch.bfloat16, capacity_=cap, sinks=True)
+    outs, report = _launch(sample, num_splits=1)
+    _judge(sample, outs)
+    lines, start = inspect.getsourcelines(steps.step_pv_phases)
+    pv_lines = {f"decode_attention_fwd_steps.py:{start + i}" for i, text in enumerate(lines) if "nc_matmul" in text}
+    order = [e for e in report.trace if e.program_id == 0]
+    pv = [e.index for e in order if e.opcode == "nc_matmul" and e.source in pv_lines]
+    merges = [e.index for e in order if e.opcode == "reciprocal"]
+    m = cap // nl.tile_size.pmax
+    per_unit = 2 * m                            # O^T form: one V matmul and one row-sum matmul a slot
+    units = 2 * hkv
+    assert len(pv) == units * per_unit and len(merges) == units
+    assert sum(i < merges[0] for i in pv) == per_unit            # first group: unit 0 merged before unit 1's P @ V
+    assert sum(i < merges[units // 2] for i in pv) == units * per_unit   # last group: lockstep

@@ -88,8 +88,10 @@ holding no key of [first, L_b); paged: the gathers as above); the V cleaning of 
 in device loops of 0 or 1 trips too. Per group of units (as many as there are buffer pairs): K of
 every unit, then V of every unit, then their compute in waves of up to ``LOCKSTEP_CHAINS`` chains,
 the instructions of the units' softmax, P @ V and merge chains interleaved phase by phase
-(``lockstep``), so the in-order engines pay each hop's latency once per wave, not once per unit.
-The last unit of the core's last group, whose K lands last, takes its K as K^T by one
+(``lockstep``), so the in-order engines pay each hop's latency once per wave, not once per unit --
+except that in a group a later group follows (one wave of one step), each unit's P @ V and merge
+are issued unit after unit (``run_chunks`` ``tails``): its merge then ends as its own chunk's
+compute does, ahead of the traffic behind the group (docs/perf-log.md §18.10). The last unit of the core's last group, whose K lands last, takes its K as K^T by one
 ``dma_transpose`` of the whole chunk when the cache is contiguous, K 2-byte, D <= 128 and the chunk
 has at most ``K_T_DMA_MAX_SLOTS`` keys per partition (``k_by_transpose``): its scores then start
 when its K lands, without the PE transposes and K^T evictions that otherwise gate its wave's
@@ -586,19 +588,28 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
 
     pending_out = []                                # (out rows, first row) awaiting their store
 
-    def finish(done):
+    def unit_merges(k, u, states):
+        """The merge chains (per row tile of this core) of unit ``u``'s split states (column k of the
+        lse tiles)."""
+        return [merge_phases([st[t] for st in states], sinks.get((units[u][1], t)),
+                             lse_tiles[t].neg_big[:, k:k + 1], lse_tiles[t].total[:, k:k + 1], dtype)
+                for t in my_tiles]
+
+    def finish(done, outs=None):
         """Merge the split states of units ``done`` ((k, u, states): column k of the lse tiles), their
-        chains in lockstep; their out stores trail the loads."""
-        merges, rows0 = [], []
-        for k, u, states in done:
-            if not shard_units:
-                states = states + _exchange(states, pid, first_pipe=u * n_split * len(row_spans))
-            for t in my_tiles:
-                tile = lse_tiles[t]
-                merges.append(merge_phases([st[t] for st in states], sinks.get((units[u][1], t)),
-                                            tile.neg_big[:, k:k + 1], tile.total[:, k:k + 1], dtype))
-                rows0.append(u * rows + tile.r0)
-        pending_out.extend(zip(lockstep(merges), rows0))
+        chains in lockstep -- or take their merged rows ``outs`` (per unit, per row tile), merged
+        inside ``run_chunks``; their out stores trail the loads."""
+        if outs is None:
+            merges = []
+            for k, u, states in done:
+                if not shard_units:
+                    states = states + _exchange(states, pid, first_pipe=u * n_split * len(row_spans))
+                merges += unit_merges(k, u, states)
+            outs = lockstep(merges)
+        else:
+            outs = [out_sb for unit_outs in outs for out_sb in unit_outs]
+        rows0 = [u * rows + lse_tiles[t].r0 for _, u, _ in done for t in my_tiles]
+        pending_out.extend(zip(outs, rows0))
         while len(pending_out) > OUT_STORE_LAG * len(my_tiles):   # stores trail the loads they would block
             store_out(out, *pending_out.pop(0))
 
@@ -633,12 +644,15 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                     idx.append(_single_chunk_k(cache, units[u], seq_offset(b), chunk_bufs[i][0], work.setups[0]))
             for i, ((_, u), work) in enumerate(zip(group, works)):
                 _single_chunk_v(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][1], idx[i], work.setups[0])
-            run_chunks([(work.states[0], work.q_t, k_bufs[i], chunk_bufs[i][1]) for i, work in enumerate(works)], plan, d_spans, m,
-                    ones_col, k_units.dtype, scale, softcap, dtype, fresh=True)
+            done = [(k, u, work.states) for (k, u), work in zip(group, works)]
+            serial = shard_units and g0 + n_pairs < len(mine)   # a later group follows (no exchange)
+            tails = [unit_merges(*unit) for unit in done] if serial else None
+            outs = run_chunks([(work.states[0], work.q_t, k_bufs[i], chunk_bufs[i][1]) for i, work in enumerate(works)],
+                              plan, d_spans, m, ones_col, k_units.dtype, scale, softcap, dtype, fresh=True, tails=tails)
             if plan[0] == m and g0 + n_pairs >= len(mine):   # folded merges need no exp: the log table
                 nisa.activation(dst=warm, op=nl.log, data=ones_col)   # loads behind P @ V and the merges
                 warm = None
-            finish([(k, u, work.states) for (k, u), work in zip(group, works)])
+            finish(done, outs)
     else:
         stream = 0                                  # this core's streams rotate over the buffer pairs
         work_next = prepare(mine[0])

@@ -143,7 +143,7 @@ def _tile_pack(state):
     return 1 if state.columns else state.pack
 
 
-def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, fresh=False):
+def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, fresh=False, tails=None):
     """Scores, mask, softmax and P @ V of loaded chunks -- ``jobs`` of (states per row tile, q^T,
     K chunk, V chunk), one softmax step (``plan[0]`` slots) at a time, software-pipelined over the
     steps of all jobs in order: the scores of item i+1 are issued before the softmax of item i, and
@@ -153,7 +153,11 @@ def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype
     newly initialised, so their first step needs no running max and no rescaling.
 
     A step's -m_prev is the state's own (first step of a job) or the previous wave's item of the
-    same job (its state update is still deferred)."""
+    same job (its state update is still deferred).
+
+    ``tails``: per job, per row tile a phase generator (its merge), issued right after that job's P @ V,
+    job after job (``_pv_then_merges``), when the jobs fit one wave of one step; returns their results
+    per job, or None when not taken (the caller then merges after this returns)."""
     pmax = nl.tile_size.pmax
     width = max(1, LOCKSTEP_CHAINS // (len(jobs[0][0]) * len(d_spans)))   # jobs per wave: PSUM bounds it
     packed = any(st.pack > 1 for st in jobs[0][0])
@@ -204,10 +208,17 @@ def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype
         if pending is not None:
             _flush_pv(pending, ones_col, d_spans, fresh)
         pending = (wave, probs)
-    _flush_pv(pending, ones_col, d_spans, fresh, fresh and len(waves) == 1)
+    chained = tails if len(waves) == 1 and all(st.pack == 1 for st in jobs[0][0]) else None
+    return _flush_pv(pending, ones_col, d_spans, fresh, fresh and len(waves) == 1, chained)
 
 
-def _flush_pv(pending, ones_col, d_spans, fresh, in_place=False):
+def _then(first, second):
+    """The phases of generator ``first`` and then those of ``second``; returns the latter's result."""
+    yield from first
+    return (yield from second)
+
+
+def _flush_pv(pending, ones_col, d_spans, fresh, in_place=False, tails=None):
     """P @ V and the state updates of one wave, in lockstep over its items and row tiles (a packed
     tile: over its units, each contracting over its own partitions into its own state). ``in_place``:
     the only wave of fresh single-step jobs, whose merges follow at once -- a folded state then takes
@@ -229,8 +240,23 @@ def _flush_pv(pending, ones_col, d_spans, fresh, in_place=False):
             phases += [step_pv_phases(ust, p_t[:, u * rows:(u + 1) * rows, :], neg_m_new[u], v_chunk, step[0],
                                       ones_col, d_spans, pv_direct(*ust.acc.shape), first, (u * part, part))
                        for u, ust in enumerate(st.units)]
-    lockstep_batched(phases, max(1, LOCKSTEP_CHAINS // len(d_spans)))
+    width = max(1, LOCKSTEP_CHAINS // len(d_spans))
+    if tails is not None:
+        return _pv_then_merges(phases, tails, width)
+    lockstep_batched(phases, width)
     lockstep_batched(columns, COLUMN_MERGE_CHAINS)
+    return None
+
+
+def _pv_then_merges(phases, tails, width):
+    """P @ V chains ``phases`` (per job, per row tile, in job order), each followed by its merge ``tails``
+    (per job, per row tile): one job after the other (its row tiles in lockstep), so a job's merge is
+    issued right behind its own P @ V, not behind the wave's last P @ V; returns the merges' results per job."""
+    out, k = [], 0
+    for job_tails in tails:
+        out.append(lockstep_batched([_then(phases[k + t], tail) for t, tail in enumerate(job_tails)], width))
+        k += len(job_tails)
+    return out
 
 
 def _copy_engine(i):
