@@ -401,9 +401,10 @@ def launch_moe_experts_bwd(dy, x, topk_weights, block_expert, slot_assignment, w
 
 def _unpack_grads(x, topk_weights, b_gate_up, b_down, outs):
     """The kernel's gradients in the op's shapes and dtypes (d topk_weights back to (T, k) and the
-    routing weights' dtype; empty bias gradients without biases)."""
+    routing weights' dtype; empty bias gradients without biases: 0-element allocations, nothing to
+    fill, so no launch on a device)."""
     dx, dx_slots, dw_gate_up, dw_down = outs[:4]
     dtopk = dx_slots[:, -1]                            # column H: d topk_weights per assignment (a view)
-    db = (x.new_zeros(0), x.new_zeros(0)) if b_gate_up is None else (outs[4].reshape(b_gate_up.shape),
+    db = (x.new_empty(0), x.new_empty(0)) if b_gate_up is None else (outs[4].reshape(b_gate_up.shape),
                                                                      outs[5].reshape(b_down.shape))
     return (dx, dtopk.reshape(topk_weights.shape).to(topk_weights.dtype, copy=True), dw_gate_up, dw_down) + db

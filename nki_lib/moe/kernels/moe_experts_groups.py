@@ -54,8 +54,8 @@ def merge_blocks(block_expert, slot_assignment, group_blocks, n_experts, n_runs=
     group_id = torch.where(valid, torch.cumsum(valid & (in_group == 0), 0) - 1, n_groups)
     group_expert = torch.full((n_groups + 1,), -1, dtype=torch.int32, device=dev)
     group_expert.scatter_(0, group_id, block_expert.to(torch.int32))
-    base = torch.add(in_group * block, group_id, alpha=group_slots_n)       # first slot of the block
-    dst = (base[:, None] + torch.arange(block, device=dev)[None, :]).reshape(-1)
+    block_at = torch.add(in_group, group_id, alpha=group_blocks)            # the block's place in groups
+    dst = torch.add(torch.arange(block, device=dev)[None, :], block_at[:, None], alpha=block).reshape(-1)
     group_slots = torch.full(((n_groups + 1) * group_slots_n,), -1, dtype=torch.int32, device=dev)
     group_slots.scatter_(0, dst, slot_assignment.reshape(-1).to(torch.int32))
     return group_expert[:n_groups], group_slots[:n_groups * group_slots_n]
