@@ -448,3 +448,15 @@ def test_merges_follow_each_unit_when_a_later_group_follows():
     assert len(pv) == units * per_unit and len(merges) == units
     assert sum(i < merges[0] for i in pv) == per_unit            # first group: unit 0 merged before unit 1's P @ V
     assert sum(i < merges[units // 2] for i in pv) == units * per_unit   # last group: lockstep
+
+
+
+@pytest.mark.xfail(strict=True, raises=NKIRuleError,
+                   reason="known bug (perf-log §18.7): PSUM capacity exceeded (9 banks live at the K^T "
+                          "block of decode_attention_fwd_steps.py) at D = 64 with an 8k cache; cause not traced")
+def test_d64_8k_cache_fits_psum():
+    """gpt-oss-120b's decode (B=1 Hq=64 Hkv=8 D=64) at an 8k cache runs on the kernel with parity.
+    Found in round 7; fails on main since at least d40a5c6 (L = 6144 and D = 128 at 8k pass)."""
+    s = make_sample(1, 64, 8, 1, 64, [8192], torch.bfloat16)
+    result = op_parity(SPEC, s, grads=False)
+    assert result.ok, result
