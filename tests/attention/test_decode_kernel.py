@@ -16,6 +16,7 @@ from nki_lib.dispatch import NKIFallbackError, collect_runs, dispatch
 from nki_lib.numerics import parity
 from nki_lib.numerics.oppar import op_parity
 from nki_lib.registry import Sample
+from nki_lib.simulator.errors import NKIRuleError
 
 SPEC = decode_attention_op.SPEC
 
