@@ -16,7 +16,6 @@ from nki_lib.dispatch import NKIFallbackError, collect_runs, dispatch
 from nki_lib.numerics import parity
 from nki_lib.numerics.oppar import op_parity
 from nki_lib.registry import Sample
-from nki_lib.simulator.errors import NKIRuleError
 
 SPEC = decode_attention_op.SPEC
 
@@ -452,12 +451,10 @@ def test_merges_follow_each_unit_when_a_later_group_follows():
 
 
 
-@pytest.mark.xfail(strict=True, raises=NKIRuleError,
-                   reason="known bug (perf-log §18.7): PSUM capacity exceeded (9 banks live at the K^T "
-                          "block of decode_attention_fwd_steps.py) at D = 64 with an 8k cache; cause not traced")
 def test_d64_8k_cache_fits_psum():
-    """gpt-oss-120b's decode (B=1 Hq=64 Hkv=8 D=64) at an 8k cache runs on the kernel with parity.
-    Found in round 7; fails on main since at least d40a5c6 (L = 6144 and D = 128 at 8k pass)."""
+    """gpt-oss-120b's decode (B=1 Hq=64 Hkv=8 D=64) at an 8k cache runs on the kernel with parity:
+    its steps of 64 slots are no longer fused when a second wave follows (two waves of score blocks
+    held in PSUM needed 9 banks; perf-log §18.7)."""
     s = make_sample(1, 64, 8, 1, 64, [8192], torch.bfloat16)
     result = op_parity(SPEC, s, grads=False)
     assert result.ok, result

@@ -182,7 +182,10 @@ def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype
                 out.append((s_sb, s_sb, 1.0))
                 step_scores_columns(s_sb[0], q_t[0], k_chunk, step, split_states[0].pack, scale, softcap)
                 continue
-            fused = softcap == 0 and MIN_II_ELEMS <= n <= plan[1]   # one score block, per-row exps
+            # one score block, per-row exps, left in PSUM until its probs phase: only with one wave,
+            # since the next wave's scores are made before this wave's probs (two waves of fused
+            # blocks overflow PSUM: D = 64 at an 8k cache, perf-log §18.7)
+            fused = softcap == 0 and MIN_II_ELEMS <= n <= plan[1] and len(waves) == 1
             src = step_scores(s_sb, q_t, step, plan, kt, scale, softcap, fused)
             out.append((s_sb, (src if fused else s_sb), (scale if fused else 1.0)))
         return out
