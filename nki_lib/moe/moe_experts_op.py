@@ -33,7 +33,6 @@ attention).
 from __future__ import annotations
 
 import warnings
-from functools import partial
 
 import torch
 
@@ -299,12 +298,10 @@ def moe_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: tor
     args = (dy.contiguous(),) + _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up,
                                               w_down, b_gate_up, b_down))
 
-    def launch():
+    def launch():   # the kernel takes either weight layout as given (no host copies)
         from nki_lib.moe.kernels import moe_experts_bwd
-        from nki_lib.moe.kernels.moe_experts_host import in_layout_backward
-        launch_bwd = partial(moe_experts_bwd.launch_moe_experts_bwd, saved=_usable_saved(saved, args[1:], flags,
-                                                                                       weight_layout))
-        return in_layout_backward(launch_bwd, args, weight_layout, **flags)
+        return moe_experts_bwd.launch_moe_experts_bwd(*args, saved=_usable_saved(saved, args[1:], flags, weight_layout),
+                                                      weight_layout=weight_layout, **flags)
 
     grads = dispatch("moe_experts_backward", args[:3] + args[5:], launch=launch,
                      reference=lambda: reference.moe_experts_backward(*args, weight_layout=weight_layout, **flags))

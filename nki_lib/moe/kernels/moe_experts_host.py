@@ -3,8 +3,7 @@
 The kernel dtypes and the PSUM slot-tile bound, the SBUF bytes of the block flags, the k-sum tail
 and staged rows, the tiling choice over an SBUF budget, the eligibility check that raises
 ``Unsupported`` with a reason, the host-side preparation of slot tokens and routing weights
-(plain torch ops, charged as host ops by the whole-op estimate), the backward's launch in either
-weight layout, and :func:`plan_tiling_for`:
+(plain torch ops, charged as host ops by the whole-op estimate), and :func:`plan_tiling_for`:
 the launchers' tiling chosen for a larger plan than the one launched (the bench's two-point rule
 simulates a few experts of a problem with the real problem's tiling).
 """
@@ -175,10 +174,3 @@ def repeats_a_token(slot_token, n_groups):
         ids = torch.sort(tokens.reshape(n_groups, -1), dim=1).values
         return bool(((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any())
 
-
-def in_layout_backward(launch_bwd, args, weight_layout, **flags):
-    """The backward kernel's launch (``launch_bwd(*args, weight_layout=weight_layout, **flags)``,
-    args as the backward op's: dy, x, topk_weights, plan, w_gate_up, w_down, biases) for weights in
-    ``weight_layout``: the kernel takes both layouts as given and writes the weight gradients in
-    the weights' layout (in_out: no host transposes, docs/perf-log.md §18.3)."""
-    return launch_bwd(*args, weight_layout=weight_layout, **flags)
