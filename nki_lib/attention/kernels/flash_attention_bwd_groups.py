@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels import tiles
-from nki_lib.attention.kernels.flash_attention_bwd_rows import group_tiles
+from nki_lib.attention.kernels.flash_attention_bwd_rows import group_tiles, rows_from_transposed
 from nki_lib.attention.kernels.flash_attention_transposed_loads import load_transposed_into
 from nki_lib.sizes import ceil_div
 
@@ -118,12 +118,9 @@ def fill_q_rows(ins, loaded, head_dim):
     if not todo:
         return
     qdoT_sb, qdo_sb = ins.q_todo.pop(todo[0])
-    pmax, per = nl.tile_size.pmax, group_tiles()
-    q_psum = nl.ndarray((pmax, per, head_dim), dtype=qdoT_sb.dtype, buffer=nl.psum)
-    for s in range(per):
-        nisa.nc_transpose(dst=q_psum[:, s, :], data=qdoT_sb[:head_dim, 0, 0, s * pmax:(s + 1) * pmax],
-                          engine=nisa.engine.tensor)
-    nisa.tensor_copy(dst=qdo_sb[:, 0, :, :], src=q_psum, engine=nisa.engine.vector)
+    pmax = nl.tile_size.pmax
+    blocks = [(s * pmax, pmax) for s in range(group_tiles())]
+    rows_from_transposed(qdo_sb[:, 0, :, :], qdoT_sb[:, 0, 0, :], blocks, head_dim)
 
 
 def _load_qdoT(ins, b, h, gid, n, head_dim):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels import tiles
+from nki_lib.attention.kernels.flash_attention_bwd_rows import full_blocks, rows_from_transposed
 from nki_lib.attention.kernels.flash_attention_transposed_loads import load_transposed_into
 
 
@@ -36,12 +37,6 @@ def _acc_stride(head_dim: int) -> int:
     """Free stride of one 128-key block in the dK/dV PSUM accumulators: the next power of two
     >= D, so no block straddles a 2 KiB bank (a matmul result must fit one bank)."""
     return 1 << (head_dim - 1).bit_length()
-
-
-def _full_blocks(blocks):
-    """Number of leading full (pmax-row) blocks; a partial last block moves on its own."""
-    pmax = nl.tile_size.pmax
-    return sum(1 for _, sn in blocks if sn == pmax)
 
 
 class KeyTile(nl.NKIObject):
@@ -98,20 +93,10 @@ def k_rows_on_chip(head_dim):
 
 
 def transpose_k_rows(kv, head_dim):
-    """K rows ``(pmax, nblocks, D)`` from the tile's K^T in SBUF: one TensorE transpose per
-    128-key block into one PSUM tile (bit-exact), one VectorE copy to SBUF; no HBM traffic."""
-    pmax = nl.tile_size.pmax
-    nblocks = len(kv.blocks)
-    k_psum = nl.ndarray((pmax, nblocks, head_dim), dtype=kv.kT_sb.dtype, buffer=nl.psum)
-    for c, (s0, sn) in enumerate(kv.blocks):
-        nisa.nc_transpose(dst=k_psum[:sn, c, :], data=kv.kT_sb[:head_dim, 0, s0:s0 + sn], engine=nisa.engine.tensor)
-    kv.k_sb = nl.ndarray((pmax, nblocks, head_dim), dtype=kv.kT_sb.dtype, buffer=nl.sbuf)
-    nfull = _full_blocks(kv.blocks)
-    if nfull:
-        nisa.tensor_copy(dst=kv.k_sb[:, :nfull, :], src=k_psum[:, :nfull, :], engine=nisa.engine.vector)
-    if nfull < nblocks:
-        sn = kv.blocks[nfull][1]
-        nisa.tensor_copy(dst=kv.k_sb[:sn, nfull, :], src=k_psum[:sn, nfull, :], engine=nisa.engine.vector)
+    """K rows ``(pmax, nblocks, D)`` from the tile's K^T in SBUF (``rows_from_transposed``: one
+    TensorE transpose per 128-key block, one VectorE copy); no HBM traffic."""
+    kv.k_sb = nl.ndarray((nl.tile_size.pmax, len(kv.blocks), head_dim), dtype=kv.kT_sb.dtype, buffer=nl.sbuf)
+    rows_from_transposed(kv.k_sb, kv.kT_sb[:, 0, :], kv.blocks, head_dim)
 
 
 def load_k_rows(kv, k, b, hk, head_dim):
@@ -120,7 +105,7 @@ def load_k_rows(kv, k, b, hk, head_dim):
     partial last block. Used at D > pmax (:func:`k_rows_on_chip`)."""
     pmax = nl.tile_size.pmax
     kv.k_sb = nl.ndarray((pmax, len(kv.blocks), head_dim), dtype=k.dtype, buffer=nl.sbuf)
-    nfull = _full_blocks(kv.blocks)
+    nfull = full_blocks(kv.blocks)
     if nfull:
         rows = k[b, hk, kv.k0:kv.k0 + nfull * pmax, :]
         nisa.dma_copy(dst=kv.k_sb[:, :nfull, :], src=rows.ap([[head_dim, pmax], [pmax * head_dim, nfull], [1, head_dim]]))
@@ -148,7 +133,7 @@ def store_kv_grads(dkv, b, hk, kv, cfg):
             nisa.tensor_copy(dst=dv_sb[:sn, c, :], src=kv.dv_psum[:sn, c, :d], engine=nisa.engine.vector)
         else:
             nisa.memset(dst=dv_sb[:sn, c, :], value=0.0)
-    nfull = _full_blocks(blocks)
+    nfull = full_blocks(blocks)
     hbm = dkv[b, hk, kv.kt]
     if nfull:
         nisa.dma_copy(dst=hbm[:, :, :nfull, :], src=dkv_sb[:, :, :nfull, :])

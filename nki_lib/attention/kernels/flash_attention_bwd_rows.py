@@ -12,6 +12,8 @@ need none: the kernel transposes K^T on chip, or reads natural rows at D > 128).
                      rows), cast in the same copy: one host op, the 128-row tiles' views
                      concatenated (no second copy to cut the padding when S is not a multiple
                      of the group rows)
+    rows_from_transposed  (kernel) rows (pmax, nblocks, D) of an SBUF tile's transpose (D, rows):
+                     the Q and K rows the kernel makes on chip
 
 Shapes as above. Dimension legend: B batch, H heads, S rows (Sq or Sk), D head dim, NG groups
 (ceil(S / (per * pmax))), pmax partitions, per = 128-row tiles per group (= 128-key blocks per
@@ -23,14 +25,40 @@ from __future__ import annotations
 
 import torch
 
-from nki_lib._nki import nl
+from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels import tiles
+from nki_lib.sizes import ceil_div
 
 
 def group_tiles():
     """Query tiles per group: as many 128-row tiles as a key tile has 128-key blocks (queries and
     the dk/dv outputs share the row-group HBM layout)."""
     return tiles.key_tile_width() // nl.tile_size.pmax
+
+
+def full_blocks(blocks):
+    """Number of leading full (pmax-row) blocks of ``blocks`` ((first row, rows) each); a partial
+    last block moves on its own."""
+    pmax = nl.tile_size.pmax
+    return sum(1 for _, sn in blocks if sn == pmax)
+
+
+def rows_from_transposed(rows_sb, src_t, blocks, head_dim):
+    """``rows_sb[:sn, c, :]`` = the transpose of ``src_t[:head_dim, s0:s0 + sn]`` for each block
+    (s0, sn) of ``blocks``: one TensorE transpose per block into one PSUM tile (bit-exact), then
+    VectorE copies to SBUF (the full blocks in one, a partial last block in another). ``src_t``
+    (>= D, rows) in SBUF (a Q^T or K^T tile), ``rows_sb`` (pmax, nblocks, D)."""
+    pmax = nl.tile_size.pmax
+    nblocks = len(blocks)
+    rows_psum = nl.ndarray((pmax, nblocks, head_dim), dtype=src_t.dtype, buffer=nl.psum)
+    for c, (s0, sn) in enumerate(blocks):
+        nisa.nc_transpose(dst=rows_psum[:sn, c, :], data=src_t[:head_dim, s0:s0 + sn], engine=nisa.engine.tensor)
+    nfull = full_blocks(blocks)
+    if nfull:
+        nisa.tensor_copy(dst=rows_sb[:, :nfull, :], src=rows_psum[:, :nfull, :], engine=nisa.engine.vector)
+    if nfull < nblocks:
+        sn = blocks[nfull][1]
+        nisa.tensor_copy(dst=rows_sb[:sn, nfull, :], src=rows_psum[:sn, nfull, :], engine=nisa.engine.vector)
 
 
 def _padded(x, dim):
@@ -63,7 +91,7 @@ def _tile_rows(y, s):
     """Views ``(B, H, rows, D)`` of the row groups' 128-row tiles in row order, the last one cut
     at row ``s`` (tiles wholly past ``s``, padding only, left out)."""
     pmax, per = y.shape[3], y.shape[4]
-    tiles_used = -(-s // pmax)
+    tiles_used = ceil_div(s, pmax)
     return [y[:, :, t // per, :min(pmax, s - t * pmax), t % per, :] for t in range(tiles_used)]
 
 
