@@ -104,7 +104,7 @@ from functools import partial
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.dispatch import KernelLaunch, Unsupported
 from nki_lib.moe.kernels.moe_experts_bwd_accum import ACC_MODES, accumulation_modes, mode_registers, zero_idle_experts
-from nki_lib.moe.kernels.moe_experts_bwd_blocks import block_bwd, group_down_tile, load_group_down, mlp_dims
+from nki_lib.moe.kernels.moe_experts_bwd_blocks import block_bwd, group_down_tile, load_group_down
 from nki_lib.moe.kernels.moe_experts_bwd_grads import FP32_TEMPS, FP32_TEMPS_CLAMPED
 from nki_lib.moe.kernels.moe_experts_bwd_rows import block_rows, gather_block, saved_cols
 from nki_lib.moe.kernels.moe_experts_bwd_wgrads import ROW_BANKS, down_piece
@@ -127,6 +127,7 @@ from nki_lib.moe.kernels.moe_experts_steps import (
     block_flags,
     block_registers,
     load_all_ids,
+    mlp_dims,
     reduce_assignments,
 )
 from nki_lib.sizes import ceil_div, spans

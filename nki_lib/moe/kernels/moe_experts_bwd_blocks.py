@@ -34,6 +34,7 @@ from nki_lib.moe.kernels.moe_experts_gate import add_outer, bias_row
 from nki_lib.moe.kernels.moe_experts_steps import (
     load_expert_cols,
     load_expert_t,
+    mlp_dims,
     transpose_rows,
 )
 from nki_lib.sizes import spans
@@ -44,11 +45,6 @@ from nki_lib.sizes import spans
 # bf16 and 16 B in fp32: within the 16 B innermost stride of full port bandwidth
 # (docs/cost-model.md §2.5).
 DOWN_INTERLEAVE = 4
-
-
-def mlp_dims(w_down, in_out=False):
-    """(H, I) from W_down: (E, H, I) out_in, (E, I, H) in_out."""
-    return (w_down.shape[2], w_down.shape[1]) if in_out else (w_down.shape[1], w_down.shape[2])
 
 
 def chunk_weights(w_gate_up, w_down, expert_reg, c0, cn, saved=False, down_sb=None, in_out=False):

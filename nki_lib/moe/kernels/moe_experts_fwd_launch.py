@@ -45,7 +45,7 @@ from nki_lib.moe.kernels.moe_experts_host import (
     staged_bytes,
     tail_sbuf_bytes,
 )
-from nki_lib.moe.kernels.moe_experts_steps import WEIGHT_SPAN
+from nki_lib.moe.kernels.moe_experts_steps import WEIGHT_SPAN, mlp_dims
 from nki_lib.sizes import ceil_div
 
 
@@ -180,7 +180,7 @@ def _launch_flags(x, topk_weights, block_expert, slot_assignment, w_down, b_gate
     (:func:`_accumulate_fits`), whichever combine the data then selects, so the grouping does not
     depend on the data."""
     in_out = weight_layout == "in_out"
-    inter = w_down.shape[1] if in_out else w_down.shape[2]
+    _, inter = mlp_dims(w_down, in_out)
     flags = dict(clamped=activation == "clamped_swiglu", biases=b_gate_up is not None or b_down is not None,
                  in_out=in_out, save=save, accumulate=False)
     block_size = check_supported(x, topk_weights, block_expert, slot_assignment, inter, sbuf_fn=sbuf_bytes, **flags)

@@ -27,6 +27,11 @@ REDUCE_PARTS_BYTES = 16 * 1024
 EVICTION_ENGINES = (nisa.engine.vector, nisa.engine.scalar)
 
 
+def mlp_dims(w_down, in_out=False):
+    """(H, I) from W_down: (E, H, I) out_in, (E, I, H) in_out."""
+    return (w_down.shape[2], w_down.shape[1]) if in_out else (w_down.shape[1], w_down.shape[2])
+
+
 def act_fn(activation):
     """The ScalarE function of the gate activation (exact PyTorch definitions)."""
     return {"silu": nl.silu, "gelu": nl.gelu, "gelu_tanh": nl.gelu_apprx_tanh}[activation]
