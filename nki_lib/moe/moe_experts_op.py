@@ -285,14 +285,22 @@ def moe_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: tor
                             w_gate_up: torch.Tensor, w_down: torch.Tensor, b_gate_up: torch.Tensor | None = None,
                             b_down: torch.Tensor | None = None, saved: torch.Tensor | None = None, *,
                             activation: str = "silu",
-                            swiglu_alpha: float = ALPHA, swiglu_limit: float = LIMIT, weight_layout: str = LAYOUT
+                            swiglu_alpha: float = ALPHA, swiglu_limit: float = LIMIT, weight_layout: str = LAYOUT,
+                            plan_checked: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                        torch.Tensor]:
+    """The gradients of ``moe_experts``. ``plan_checked=True`` says the plan's values already
+    passed :func:`validate_plan_values` (the autograd formula passes it: its forward checked the
+    same saved tensors); a direct call checks them here, since the kernel accumulates an expert's
+    weight gradients across one run of consecutive blocks (docs/contract.md §7 item 2)."""
     flags = dict(activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down,
              weight_layout=weight_layout, **flags)
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"dy must match y: shape {tuple(x.shape)} {x.dtype}, got {tuple(dy.shape)} {dy.dtype}")
+    if not plan_checked and has_values(block_expert, slot_assignment):
+        validate_plan_values(block_expert, slot_assignment, num_assignments=topk_weights.numel(),
+                             num_experts=w_gate_up.shape[0])
     if _empty(x, topk_weights, w_gate_up):
         return _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down)
     args = (dy.contiguous(),) + _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up,
@@ -327,7 +335,8 @@ def _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down):
 
 @moe_experts_backward_op.register_fake
 def _(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up=None, b_down=None,
-      saved=None, *, activation="silu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT, weight_layout=LAYOUT):
+      saved=None, *, activation="silu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT, weight_layout=LAYOUT,
+      plan_checked=False):
     return tuple(torch.empty_like(g) for g in _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down))
 
 
@@ -346,7 +355,7 @@ def _backward(ctx, dy, *_):
     x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, saved = ctx.saved_tensors
     dx, dtopk, dw_gate_up, dw_down, db_gate_up, db_down = torch.ops.nki.moe_experts_backward(
         zeros_if_none(dy, x), x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up,
-        b_down, saved, **ctx.flags)
+        b_down, saved, **ctx.flags, plan_checked=True)     # the forward validated these saved values
     grads = (dx, dtopk, None, None, dw_gate_up, dw_down, None if b_gate_up is None else db_gate_up,
              None if b_down is None else db_down)
     return masked_grads(ctx.needs_input_grad, grads)

@@ -98,6 +98,43 @@ def test_the_op_refuses_non_consecutive_blocks_before_any_launch(requires_grad):
         torch.ops.nki.moe_experts(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, **s.kwargs)
 
 
+def test_a_direct_backward_call_checks_the_plan_and_autograd_does_not_check_twice():
+    """``torch.ops.nki.moe_experts_backward`` called directly validates the plan's values (a plan
+    whose expert blocks are not consecutive would give wrong weight gradients: the kernel sums an
+    expert's gradients across one run); the autograd formula passes ``plan_checked=True`` (its
+    forward validated the same saved tensors), so a training step copies the plan to the host once,
+    in the forward."""
+    from nki_lib.bench.whole_op import TO_HOST, record_host_ops
+    from nki_lib.moe.moe_experts_op import make_sample
+
+    s = make_sample(6, 16, 16, 3, 2, 2, torch.float32, True)    # 12 assignments
+    x, topk_weights, _, _, w_gate_up, w_down = (a.detach() for a in s.args[:6])
+    block_expert = torch.tensor(NON_CONSECUTIVE, dtype=torch.int32)    # 6 live blocks of 2 slots
+    slot_assignment = torch.full((2, 8), -1, dtype=torch.int32)
+    slot_assignment[:, block_expert >= 0] = torch.arange(12, dtype=torch.int32).reshape(6, 2).T
+    slot_assignment = slot_assignment.T.reshape(-1)
+    dy = torch.ones_like(x)
+    with nki_lib.use_backend("simulator"), pytest.raises(ValueError, match="must be consecutive"):
+        torch.ops.nki.moe_experts_backward(dy, x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down,
+                                           **s.kwargs)
+
+    args = [a.detach().clone().requires_grad_(a.requires_grad) if a.is_floating_point() else a for a in s.args]
+    with nki_lib.use_backend("simulator"):
+        with record_host_ops() as step:
+            y = torch.ops.nki.moe_experts(*args, **s.kwargs)
+            torch.autograd.grad(y.sum(), [args[i] for i in (0, 1, 4, 5)])
+        with record_host_ops() as direct:
+            torch.ops.nki.moe_experts_backward(torch.ones_like(y), *(a.detach() for a in args), **s.kwargs)
+
+    def copies(op, calls):
+        return sorted(o.bytes_read for o in calls if o.op == op and o.name == TO_HOST)
+
+    plan_copies = sorted(t.numel() * t.element_size() for t in args[2:4])
+    assert set(plan_copies) <= set(copies("moe_experts", step))     # the training forward's check
+    assert copies("moe_experts_backward", step) == []                # not again in its backward
+    assert copies("moe_experts_backward", direct) == plan_copies     # a direct call checks
+
+
 @given(slots=st.lists(st.integers(-1, 23), min_size=1, max_size=40), k=st.integers(1, 4),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_slot_tables_per_slot(slots, k, dtype):
