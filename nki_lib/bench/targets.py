@@ -90,6 +90,9 @@ _DECODE = [_case("decode_attention", "decode", "aws", 1, B=4, Hq=8, Hkv=1, Sq=1,
            _case("decode_attention", "decode", "aws", 1, B=8, Hq=4, Hkv=1, Sq=4, L=128, D=64, sinks=True),
            _case("decode_attention", "decode", "aws", 1, B=8, Hq=8, Hkv=1, Sq=4, L=1024, D=128, sinks=True)]
 _DECODE_8K = _case("decode_attention", "decode", "llama3-8b", 1, B=1, Hq=32, Hkv=8, Sq=1, L=8192, D=128)
+# gpt-oss-120b's full-attention layers at an 8k cache: D = 64 halves the bytes per key
+_DECODE_8K_D64 = _case("decode_attention", "decode", "gpt-oss-120b", 1, B=1, Hq=64, Hkv=8, Sq=1, L=8192, D=64,
+                       sinks=True)
 
 CORE_BALANCE = 0.9  # "no core idles": the less busy core's makespan >= 90% of the busier's
 
@@ -118,6 +121,8 @@ TUNING_TARGETS = (
     _aws("decode B=8 Hq=8 Hkv=1 Sq=4 cache 1024 D=128 sinks", _DECODE[2], "decode_attention", 41.8, 20.1),
     TuningTarget("decode 8k cache (llama3-8b B=1 Hq=32 Hkv=8): HBM roofline", _DECODE_8K, "decode_attention",
                  "hbm_roofline_fraction", _both(0.70)),
+    TuningTarget("decode 8k cache (gpt-oss-120b B=1 Hq=64 Hkv=8 D=64 sinks): HBM roofline", _DECODE_8K_D64,
+                 "decode_attention", "hbm_roofline_fraction", _both(0.70)),
 )
 
 

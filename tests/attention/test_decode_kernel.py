@@ -424,6 +424,39 @@ def test_last_unit_k_by_dma_transpose(b, hq, hkv, d, cap, lengths, window_left, 
     assert len(k_t) == (b * hkv - taken) * m
 
 
+@pytest.mark.parametrize("b, hq, hkv, sq, d, cap, lengths, window_left, dtype, taken", [
+    (2, 16, 2, 1, 64, 8192, [8192, 1000], -1, torch.bfloat16, True),    # M = 64: 4 groups, 3 skipped for b = 1
+    (1, 8, 1, 2, 64, 4096, [4000], 1500, torch.float16, True),          # M = 32: 2 groups, a window skips group 0
+    (2, 8, 2, 1, 32, 8192, [5000, 8192], -1, torch.bfloat16, True),     # D = 32
+    (2, 16, 2, 1, 64, 8192, [8192, 1000], -1, torch.float32, False),    # 4-byte K: PE transposes
+])
+def test_every_k_by_dma_transpose_at_d64(b, hq, hkv, sq, d, cap, lengths, window_left, dtype, taken):
+    """D <= 64 on the single-chunk path of a contiguous 2-byte cache: the K of every unit loads as K^T
+    by dma_transposes of partition groups (no PE transposes of keys), each group only when it holds a
+    key of [first, L_b); NaN outside every unit's [first, L_b) (K and V) stays out of the result."""
+    pmax = nl.tile_size.pmax
+    sample = make_sample(b, hq, hkv, sq, d, lengths, dtype, capacity_=cap, sinks=True, window_left=window_left)
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    m = cap // pmax
+    assert decode_attention_fwd.every_k_by_transpose(cap, k.element_size(), d) == taken
+    pos = torch.arange(cap)[None, None, :, None]
+    length = torch.tensor(lengths)[:, None, None, None]
+    first = (length - sq - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(length)
+    keep = (pos >= first) & (pos < length)
+    poisoned = Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
+                      sample.label + " poisoned")
+    outs, report = _launch(poisoned, num_splits=1)
+    _judge(poisoned, outs)
+    pg = decode_attention_fwd._k_t_groups(m, k.element_size())
+    assert pg * m * k.element_size() >= decode_attention_fwd.K_T_ROW_BYTES or pg == pmax
+    needed = sum(int(lb > g * pg * m and int(f) < (g + 1) * pg * m)
+                 for lb, f in zip(lengths, first.flatten()) for g in range(pmax // pg)) * hkv
+    transposes = [e for e in report.trace if e.opcode == "dma_transpose"]
+    assert [e.shape for e in transposes] == ([(d, m, pg)] * needed if taken else [])
+    k_t = [e for e in report.trace if e.opcode == "nc_transpose" and e.shape == (d, pmax)]
+    assert len(k_t) == (0 if taken else b * hkv * m)
+
+
 def test_merges_follow_each_unit_when_a_later_group_follows():
     """Single-chunk path with more units than K/V buffer pairs (8 units of 64 slots, 4 pairs): the
     merge of each unit of a group that a later group follows is issued right behind its own P @ V

@@ -95,7 +95,10 @@ compute does, ahead of the traffic behind the group (docs/perf-log.md §18.10). 
 ``dma_transpose`` of the whole chunk when the cache is contiguous, K 2-byte, D <= 128 and the chunk
 has at most ``K_T_DMA_MAX_SLOTS`` keys per partition (``k_by_transpose``): its scores then start
 when its K lands, without the PE transposes and K^T evictions that otherwise gate its wave's
-softmax (that one unit reads its whole chunk, whatever L_b).
+softmax (that one unit reads its whole chunk, whatever L_b). At D <= 64 (``every_k_by_transpose``)
+every unit takes its K that way, by one ``dma_transpose`` per group of partitions holding a key of
+[first, L_b) (K^T (D, 128/pg, M, pg); a slot's PE transposes would cost TensorE as much as its score
+and P @ V matmuls together, and TensorE, not HBM, would bind); groups of units are of equal size.
 
 When a single-chunk unit has one softmax step, its sink is folded into that step (-m = min(-rowmax,
 -sink): the sink is a 129th column of the transposed per-partition maxima, and exp(sink - m) is
@@ -167,7 +170,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_steps import (
     store_lse,
 )
 from nki_lib.attention.kernels.tiles import MAX_INDEX, STAT_INIT
-from nki_lib.sizes import spans
+from nki_lib.sizes import ceil_div, spans
 
 __all__ = ["decode_attention_fwd_kernel", "k_by_transpose", "reads_lengths", "single_chunk_path"]
 
@@ -179,6 +182,9 @@ LOAD_GROUP_PARTITIONS = 16        # single-chunk contiguous loads skip groups of
 K_T_DMA_MAX_SLOTS = 16            # single-chunk path: the last unit's K by dma_transpose up to this many keys
                                   # per partition (measured, B=4 Hq=8 D=128: M = 16 -1.3 us in order,
                                   # M = 32 +0.3, M = 64 +1.1: the V left after its K hides the hops)
+K_T_ROW_BYTES = 4096              # K^T by dma_transpose in partition groups whose K^T rows (M x group keys)
+                                  # are at least 4 KiB: a DMA chunk that long runs at full rate even at the
+                                  # highest documented chunk floor (docs/cost-model.md §2.6)
 
 
 class _BatchMeta(nl.NKIObject):
@@ -387,7 +393,7 @@ def _load_needed_groups(cache_units, chunk_sb, base, m, key_regs):
 
 def k_by_transpose(seq_units, itemsize, d, m):
     """Whether the single-chunk path loads the K of its last unit (the last of this core's last group)
-    as K^T by one ``dma_transpose`` (``_load_last_k_t``): a contiguous cache (one HBM run per
+    as K^T by one ``dma_transpose`` (``_load_k_t``): a contiguous cache (one HBM run per
     partition), 2-byte K (the DMA transpose's dtypes), D <= 128 (K^T's partitions) and at most
     ``K_T_DMA_MAX_SLOTS`` keys per partition. That unit's K lands last; its PE transposes and K^T
     evictions (~1.7 us of hops after its last K byte at M = 16) gate its scores, and with them the
@@ -396,14 +402,56 @@ def k_by_transpose(seq_units, itemsize, d, m):
     return seq_units is not None and itemsize == 2 and d <= nl.tile_size.pmax and m <= K_T_DMA_MAX_SLOTS
 
 
-def _load_last_k_t(k_units, base, m, d):
-    """K^T (D, M, 128) of a unit's only chunk by one ``dma_transpose`` (the 3-d form, permutation
-    (2, 1, 0)) of its keys viewed as (128 partitions, M slots, D): element [d, c, p] is key p*M + c,
-    the layout of the V chunk. It reads the whole chunk (the capacity, at most ``SINGLE_CHUNK_KEYS``
-    keys), whatever L_b: keys outside [first, L_b) only give masked scores."""
+def every_k_by_transpose(seq_units, itemsize, d):
+    """Whether the single-chunk path loads the K of *every* unit as K^T by ``dma_transpose``
+    (``_load_k_t``): a contiguous cache, 2-byte K and D <= 64. A slot's PE transposes of K cost
+    TensorE 128 cycles whatever D <= 128 (``max(P_in, min(64, F_in))``), as much as its score and
+    P @ V matmuls together (64 cycles each), while its K/V bytes halve with D: at D = 64 TensorE, not
+    HBM, binds (58.9 us TensorE vs 46.9 us DMA busy at B=1 Hq=64 Hkv=8 L=8192); by DMA transpose the
+    K^T costs 1/0.9 of K's transfer and no TensorE, ScalarE or VectorE work (docs/perf-log.md §20.3)."""
+    return seq_units is not None and itemsize == 2 and 2 * d <= nl.tile_size.pmax
+
+
+def _k_t_groups(m, itemsize):
+    """Partitions per ``dma_transpose`` of a chunk's K^T: groups of ``LOAD_GROUP_PARTITIONS`` or more,
+    so that each K^T row of a group (M slots x group keys) is at least ``K_T_ROW_BYTES``."""
     pmax = nl.tile_size.pmax
-    k_t = nl.ndarray((d, m, pmax), dtype=k_units.dtype, buffer=nl.sbuf)
-    nisa.dma_transpose(dst=k_t, src=k_units.ap([[m * d, pmax], [d, m], [1, d]], offset=base))
+    return min(pmax, max(LOAD_GROUP_PARTITIONS, K_T_ROW_BYTES // (m * itemsize)))
+
+
+def k_t_tile(dtype, m, d):
+    """An SBUF tile for the K^T of one chunk, (D, 128/pg, M, pg) (``_load_k_t``)."""
+    pmax = nl.tile_size.pmax
+    pg = _k_t_groups(m, dtype.itemsize)
+    return nl.ndarray((d, pmax // pg, m, pg), dtype=dtype, buffer=nl.sbuf)
+
+
+def _load_k_t(k_units, base, m, d, setup, k_t=None):
+    """K^T (D, 128/pg, M, pg) of a unit's only chunk by ``dma_transpose`` (the 3-d form, permutation
+    (2, 1, 0)) of its keys viewed per group of ``pg`` partitions as (pg partitions, M slots, D):
+    element [d, g, c, j] is key (g*pg + j)*M + c, the key of partition g*pg + j, slot c of the V
+    chunk, so K^T slot c is the (D, 128) view [:, :, c, :]. One group (``_k_t_groups``): one DMA of the
+    whole chunk, whatever L_b (keys outside [first, L_b) only give masked scores). Several: each
+    group inside device loops of 0 or 1 trips on the key-window registers of ``setup`` (as
+    ``_load_needed_groups``), so only
+    groups that hold a key of [first, L_b) are read; the others keep stale data, masked by selection."""
+    pmax = nl.tile_size.pmax
+    pg = _k_t_groups(m, k_units.itemsize)
+    if k_t is None:
+        k_t = k_t_tile(k_units.dtype, m, d)
+
+    def load(g):
+        nisa.dma_transpose(dst=k_t[:, g], src=k_units.ap([[m * d, pg], [d, m], [1, d]], offset=base + g * pg * m * d))
+
+    if pg == pmax:
+        load(0)
+        return k_t
+    first_reg, end_reg = _key_registers(setup)
+    chunk_keys = m * pmax
+    for g in range(pmax // pg):
+        for _ in nl.dynamic_range(g * pg * m, end_reg, chunk_keys):               # L_b > the group's first key
+            for _ in nl.dynamic_range(first_reg, (g + 1) * pg * m, chunk_keys):    # first < its end
+                load(g)
     return k_t
 
 
@@ -529,19 +577,27 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     warm = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)   # the exp table loads while ScalarE
     nisa.activation(dst=warm, op=nl.exp, data=ones_col)             # idles, not in the first softmax
     meta = _load_meta(split_bounds, key_window, rows, sq, key_slots[:, 0:1], window_left, m * pmax)
-    pair_bytes = m * d * (k_units.itemsize + v_units.itemsize)
-    budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
-    n_pairs = max(1, min(batch * n_kv_heads * n_split, budget // pair_bytes))
-    chunk_bufs = []   # K/V buffer pairs, never cleared: rows a gather skips only hold keys that every row
-                      # masks by selection, and edge chunks zero those V rows (0 * NaN)
-    for _ in range(n_pairs):
-        pair = (nl.ndarray((pmax, m * d), dtype=k_units.dtype, buffer=nl.sbuf),
-                nl.ndarray((pmax, m * d), dtype=v_units.dtype, buffer=nl.sbuf))
-        chunk_bufs.append(pair)
-
     n_prog = nl.num_programs(0)
     pid = nl.program_id(0)
     units = tuple((b, hk) for b in range(batch) for hk in range(n_kv_heads))
+    single = single_chunk_path(n_split, len(units), n_prog, unit_table.shape[1] * unit_keys, m * pmax,
+                               None if seq_units is None else head_offset // d)
+    every_k_t = single and every_k_by_transpose(seq_units, k_units.itemsize, d)
+    k_row = pmax if every_k_t else d                # K^T: 128 keys per slot on each of D partitions
+    pair_bytes = m * (k_row * k_units.itemsize + d * v_units.itemsize)
+    budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
+    n_pairs = max(1, min(batch * n_kv_heads * n_split, budget // pair_bytes))
+    if single:                                      # groups of units (one per buffer pair) of equal size:
+        n_groups = ceil_div(len(units) // n_prog, n_pairs)   # the last group's tail no longer than the rest
+        n_pairs = ceil_div(len(units) // n_prog, n_groups)
+    chunk_bufs = []   # K/V buffer pairs, never cleared: rows a gather skips only hold keys that every row
+                      # masks by selection, and edge chunks zero those V rows (0 * NaN)
+    for _ in range(n_pairs):
+        pair = (k_t_tile(k_units.dtype, m, d) if every_k_t else nl.ndarray((pmax, m * d), dtype=k_units.dtype,
+                                                                             buffer=nl.sbuf),
+                nl.ndarray((pmax, m * d), dtype=v_units.dtype, buffer=nl.sbuf))
+        chunk_bufs.append(pair)
+
     shard_units = len(units) % n_prog == 0          # LNC2: whole (b, hk) units per core ...
     mine = [u for u in range(len(units)) if not shard_units or u % n_prog == pid]
     my_splits = range(n_split) if shard_units else range(pid, n_split, n_prog)  # ... or splits
@@ -616,8 +672,6 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     def seq_offset(b):
         return None if seq_units is None else b * seq_units * k_units.shape[1]
 
-    single = single_chunk_path(n_split, len(units), n_prog, unit_table.shape[1] * unit_keys, m * pmax,
-                               None if seq_units is None else head_offset // d)
     pack = (pack_size(len(units), rows, m, d, k_units.itemsize, n_prog)
             if single and seq_units is not None and len(row_spans) == 1 and head_offset == m * pmax * d else 1)
     columns = 1
@@ -637,8 +691,9 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
             idx = []
             for i, ((_, u), work) in enumerate(zip(group, works)):
                 b, hk = units[u]
-                if last_k_t and g0 + n_pairs >= len(mine) and i == len(group) - 1:
-                    k_bufs[i] = _load_last_k_t(k_units, seq_offset(b) + hk * head_offset, m, d)
+                if every_k_t or (last_k_t and g0 + n_pairs >= len(mine) and i == len(group) - 1):
+                    k_bufs[i] = _load_k_t(k_units, seq_offset(b) + hk * head_offset, m, d, work.setups[0],
+                                          chunk_bufs[i][0] if every_k_t else None)
                     idx.append(None)
                 else:
                     idx.append(_single_chunk_k(cache, units[u], seq_offset(b), chunk_bufs[i][0], work.setups[0]))

@@ -86,15 +86,13 @@ class KtPipeline:
         self.taken = 0
 
     def add(self, k_chunk, step, plan, d_spans, m, kv_dtype, rota=None):
-        """Queue the K^T blocks of one step (slots ``step`` of ``k_chunk``). A 3-d ``k_chunk`` is K^T
-        already, (D, M, 128) with element [d, c, p] the key on partition p of slot c (``dma_transpose``,
-        D <= 128): its blocks are views, no transposes."""
+        """Queue the K^T blocks of one step (slots ``step`` of ``k_chunk``). A 4-d ``k_chunk`` is K^T
+        already, (D, 128/pg, M, pg) with element [d, g, c, j] the key on partition g*pg + j of slot c
+        (``dma_transpose``, D <= 128): its blocks are views (D, 128/pg, nk, pg), no transposes."""
         c0, n = step
-        if len(k_chunk.shape) == 3:
-            pmax = nl.tile_size.pmax
-            k_t = k_chunk.reshape((k_chunk.shape[0], m * pmax))
+        if len(k_chunk.shape) == 4:
             for k0, kn in _kt_spans(n, plan):
-                self.thunks.append(lambda c=c0 + k0, kn=kn: [k_t[:, c * pmax:(c + kn) * pmax]])
+                self.thunks.append(lambda c=c0 + k0, kn=kn: [k_chunk[:, :, c:c + kn, :]])
             return
         for k0, kn in _kt_spans(n, plan):
             engine = None if rota is not None else nisa.engine.vector
@@ -109,6 +107,15 @@ class KtPipeline:
         k_t = self.issued[self.taken]
         self.taken += 1
         return k_t
+
+
+def kt_slot(k_t, j):
+    """Slot j (D, 128 keys) of a K^T block: columns j*128 .. of a PE-transposed block (dc, nk*128), or
+    the view [:, :, j, :] of a DMA-transposed one (D, 128/pg, nk, pg)."""
+    if len(k_t.shape) == 4:
+        return k_t[:, :, j, :]
+    pmax = nl.tile_size.pmax
+    return k_t[:, j * pmax:(j + 1) * pmax]
 
 
 def step_scores(s_sb, q_t, step, plan, kt, scale, softcap, fused=False):
@@ -133,7 +140,7 @@ def step_scores(s_sb, q_t, step, plan, kt, scale, softcap, fused=False):
         for t in range(len(s_sb)):
             for j in range(kn):
                 for h in range(len(q_t[t])):
-                    nisa.nc_matmul(dst=s_psum[t][:, k0 - b0 + j, :], stationary=k_t[h][:, j * pmax:(j + 1) * pmax],
+                    nisa.nc_matmul(dst=s_psum[t][:, k0 - b0 + j, :], stationary=kt_slot(k_t[h], j),
                                    moving=q_t[t][h], accumulate=(h > 0))
         if k0 + kn == b0 + bn and not fused:
             for t in range(len(s_sb)):
