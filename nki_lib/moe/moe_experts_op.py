@@ -184,6 +184,12 @@ def _empty(x, topk_weights, w_gate_up):
 def _check_forward(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, flags):
     """The forward ops' checks: shapes and flags, then the plan's values on real tensors."""
     validate(x, topk_weights, block_expert, slot_assignment, w_gate_up, w_down, b_gate_up, b_down, **flags)
+    _check_plan_values(block_expert, slot_assignment, topk_weights, w_gate_up)
+
+
+def _check_plan_values(block_expert, slot_assignment, topk_weights, w_gate_up):
+    """:func:`validate_plan_values` against the call's assignment and expert counts, on eager calls
+    (real tensors) only."""
     if has_values(block_expert, slot_assignment):
         validate_plan_values(block_expert, slot_assignment, num_assignments=topk_weights.numel(),
                              num_experts=w_gate_up.shape[0])
@@ -298,9 +304,8 @@ def moe_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: tor
              weight_layout=weight_layout, **flags)
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"dy must match y: shape {tuple(x.shape)} {x.dtype}, got {tuple(dy.shape)} {dy.dtype}")
-    if not plan_checked and has_values(block_expert, slot_assignment):
-        validate_plan_values(block_expert, slot_assignment, num_assignments=topk_weights.numel(),
-                             num_experts=w_gate_up.shape[0])
+    if not plan_checked:
+        _check_plan_values(block_expert, slot_assignment, topk_weights, w_gate_up)
     if _empty(x, topk_weights, w_gate_up):
         return _zero_grads(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down)
     args = (dy.contiguous(),) + _kernel_args((x, topk_weights, block_expert, slot_assignment, w_gate_up,

@@ -375,20 +375,29 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
 
 def _load_needed_groups(cache_units, chunk_sb, base, m, key_regs):
     """A contiguous chunk (keys p*M + c on partition p) by groups of ``LOAD_GROUP_PARTITIONS``
-    partitions, each with precomputed descriptors inside two device loops of 0 or 1 trips (static
-    start or stop, a key-window register on the other side, a step of one chunk): a group loads
+    partitions, each with precomputed descriptors under ``_if_group_needed``: a group loads
     only if it holds a key of [first, L_b), so traffic follows L_b; in ``DIRECT_PIECE_SLOTS``
     pieces, so the first scores start while the rest lands."""
-    pmax = nl.tile_size.pmax
-    first_reg, end_reg = key_regs
-    chunk_keys = m * pmax
     d = chunk_sb.shape[1] // m
-    for p0, pn in spans(pmax, LOAD_GROUP_PARTITIONS):
-        for _ in nl.dynamic_range(p0 * m, end_reg, chunk_keys):               # L_b > the group's first key
-            for _ in nl.dynamic_range(first_reg, (p0 + pn) * m, chunk_keys):  # first < its end
-                for c0, n in spans(m, DIRECT_PIECE_SLOTS):
-                    nisa.dma_copy(dst=chunk_sb[p0:p0 + pn, c0 * d:(c0 + n) * d],
-                                  src=cache_units.ap([[m * d, pn], [1, n * d]], offset=base + (p0 * m + c0) * d))
+
+    def load(p0, pn):
+        for c0, n in spans(m, DIRECT_PIECE_SLOTS):
+            nisa.dma_copy(dst=chunk_sb[p0:p0 + pn, c0 * d:(c0 + n) * d],
+                          src=cache_units.ap([[m * d, pn], [1, n * d]], offset=base + (p0 * m + c0) * d))
+
+    for p0, pn in spans(nl.tile_size.pmax, LOAD_GROUP_PARTITIONS):
+        _if_group_needed(p0, pn, m, key_regs, lambda p0=p0, pn=pn: load(p0, pn))
+
+
+def _if_group_needed(p0, pn, m, key_regs, body):
+    """``body()`` inside two device loops of 0 or 1 trips (static start or stop, a key-window register
+    on the other side, a step of one chunk): it runs only if partitions [p0, p0 + pn) of a chunk (keys
+    p*M + c on partition p) hold a key of [first, L_b)."""
+    first_reg, end_reg = key_regs
+    chunk_keys = m * nl.tile_size.pmax
+    for _ in nl.dynamic_range(p0 * m, end_reg, chunk_keys):               # L_b > the group's first key
+        for _ in nl.dynamic_range(first_reg, (p0 + pn) * m, chunk_keys):  # first < its end
+            body()
 
 
 def k_by_transpose(seq_units, itemsize, d, m):
@@ -432,9 +441,8 @@ def _load_k_t(k_units, base, m, d, setup, k_t=None):
     element [d, g, c, j] is key (g*pg + j)*M + c, the key of partition g*pg + j, slot c of the V
     chunk, so K^T slot c is the (D, 128) view [:, :, c, :]. One group (``_k_t_groups``): one DMA of the
     whole chunk, whatever L_b (keys outside [first, L_b) only give masked scores). Several: each
-    group inside device loops of 0 or 1 trips on the key-window registers of ``setup`` (as
-    ``_load_needed_groups``), so only
-    groups that hold a key of [first, L_b) are read; the others keep stale data, masked by selection."""
+    group under ``_if_group_needed`` on the key-window registers of ``setup``, so only groups that
+    hold a key of [first, L_b) are read; the others keep stale data, masked by selection."""
     pmax = nl.tile_size.pmax
     pg = _k_t_groups(m, k_units.itemsize)
     if k_t is None:
@@ -446,12 +454,9 @@ def _load_k_t(k_units, base, m, d, setup, k_t=None):
     if pg == pmax:
         load(0)
         return k_t
-    first_reg, end_reg = _key_registers(setup)
-    chunk_keys = m * pmax
+    key_regs = _key_registers(setup)
     for g in range(pmax // pg):
-        for _ in nl.dynamic_range(g * pg * m, end_reg, chunk_keys):               # L_b > the group's first key
-            for _ in nl.dynamic_range(first_reg, (g + 1) * pg * m, chunk_keys):    # first < its end
-                load(g)
+        _if_group_needed(g * pg, pg, m, key_regs, lambda g=g: load(g))
     return k_t
 
 
