@@ -101,20 +101,28 @@ def flash_attention_bwd(b: int, hq: int, hkv: int, sq: int, sk: int, d: int, *, 
 
 
 def decode_attention(b: int, hq: int, hkv: int, sq: int, seqlens: Sequence[int], d: int, *, dtype="bfloat16",
-                     kv_dtype=None, window_left: int = -1) -> OpCost:
+                     kv_dtype=None, window_left: int = -1, block_size: int | None = None) -> OpCost:
     """Decode (docs/cost-model.md §7.6): bytes ~ s_kv * 2 * Hkv * D * sum(L_b) (the cache) + q, out, lse.
 
-    FLOPs and element work count the visible cached positions of each new query token.
+    FLOPs and element work count the visible cached positions of each new query token. A paged
+    cache (``block_size``) also reads the block-table entries of the blocks that hold those keys.
     """
     if len(seqlens) != b:
         raise ValueError(f"seqlens: expected {b} lengths, got {len(seqlens)}")
     s, s_kv = dtype_bytes(dtype), dtype_bytes(kv_dtype or dtype)
     vis = sum(visible_pairs(sq, int(length), causal=True, window_left=window_left) for length in seqlens)
-    read = sum(min(int(length), sq + window_left) if window_left >= 0 else int(length) for length in seqlens)
+    read = sum(_read_keys(int(length), sq, window_left) for length in seqlens)
     scores = hq * vis
     flops = 4.0 * scores * d
     nbytes = s_kv * 2 * hkv * d * read + s * 2 * b * hq * sq * d + FP32 * b * hq * sq + INT32 * b
+    if block_size is not None:
+        nbytes += INT32 * sum(-(-_read_keys(int(length), sq, window_left) // block_size) for length in seqlens)
     return OpCost(flops, nbytes, pe_dtype(dtype), _attention_work(scores), label="decode_attention")
+
+
+def _read_keys(length: int, sq: int, window_left: int) -> int:
+    """The cached keys some new token of a length-``length`` sequence can see."""
+    return min(length, sq + window_left) if window_left >= 0 else length
 
 
 def moe_router(t: int, h: int, e: int, k: int, *, dtype="bfloat16") -> OpCost:
@@ -190,10 +198,11 @@ def _flash_from_sample(sample) -> OpCost:
 
 
 def _decode_from_sample(sample) -> OpCost:
-    q, k_cache, seqlens = sample.args[0], sample.args[1], sample.args[3]
+    q, k_cache, seqlens, block_table = sample.args[0], sample.args[1], sample.args[3], sample.args[4]
     b, hq, sq, d = q.shape
     return decode_attention(b, hq, k_cache.shape[1], sq, seqlens.tolist(), d, dtype=q.dtype, kv_dtype=k_cache.dtype,
-                            window_left=sample.kwargs.get("window_left", -1))
+                            window_left=sample.kwargs.get("window_left", -1),
+                            block_size=None if block_table is None else k_cache.shape[2])
 
 
 def _router_from_sample(sample) -> OpCost:

@@ -8,7 +8,8 @@ For a :class:`~nki_lib.bench.shapes.Case` the harness
 
    * attention (flash and decode): the (batch x kv-head) groups are independent; one group
      (``Hq / Hkv`` query heads sharing one kv head, real sequence lengths and head dim) is
-     simulated and ``time = launch + groups x simulated makespan``;
+     simulated and ``time = launch + groups x simulated makespan``; not for a paged decode
+     cache (``block_size``), whose blocks hold every kv head (one gather may serve them all);
    * ``moe_experts`` (E > 2n, ``n = max(2, k)``): experts are independent blocks of work, but the
      kernel's prologue (the first group's row gathers) and its tail (the last scatters and the
      k-sum) are not per expert, so the case is measured at steady state: two calls are
@@ -82,7 +83,7 @@ def plan(case: Case) -> SimPlan:
     d = dict(case.dims)
     if not case.extrapolate:
         return SimPlan(d, 1.0, None)
-    if case.op in ("flash_attention", "decode_attention"):
+    if case.op in ("flash_attention", "decode_attention") and "block_size" not in d:
         groups = d["B"] * d["Hkv"]
         if groups == 1:
             return SimPlan(d, 1.0, None)
@@ -128,7 +129,8 @@ def op_cost(case: Case) -> flops.OpCost:
         cost = flops.flash_attention_fwd(*args, **kw)
         return cost + flops.flash_attention_bwd(*args, **kw) if case.mode == "train" else cost
     if case.op == "decode_attention":
-        return flops.decode_attention(d["B"], d["Hq"], d["Hkv"], d["Sq"], [d["L"]] * d["B"], d["D"], dtype=dt)
+        return flops.decode_attention(d["B"], d["Hq"], d["Hkv"], d["Sq"], [d["L"]] * d["B"], d["D"], dtype=dt,
+                                      block_size=d.get("block_size"))
     if case.op == "moe_router":
         return flops.moe_router(d["T"], d["H"], d["E"], d["k"], dtype=dt)
     if case.op == "moe_experts":

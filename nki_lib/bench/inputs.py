@@ -3,7 +3,8 @@
 ``make_call(op, dims, dtype, requires_grad)`` returns ``(args, kwargs)`` for
 ``torch.ops.nki.<op>`` (signatures of docs/contract.md) built from a fixed seed. Routing for
 ``moe_experts`` is balanced (assignment ``a`` goes to expert ``a mod E``) so the executed work
-matches ``flops.moe_experts_fwd``. ``baseline(op, args, kwargs)`` runs what a PyTorch user would
+matches ``flops.moe_experts_fwd``. A decode case with ``block_size`` takes paged caches with a
+randomly permuted block table. ``baseline(op, args, kwargs)`` runs what a PyTorch user would
 write instead: SDPA for attention, ``x @ W.T`` + softmax/sigmoid + ``topk`` for the router, and a
 per-expert loop for the experts.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["make_call", "baseline", "SEED"]
+__all__ = ["make_call", "baseline", "dense_cache", "SEED"]
 
 SEED = 0
 
@@ -31,6 +32,29 @@ def _plan(topk_ids: torch.Tensor, num_experts: int, block_size: int):
         return torch.ops.nki.moe_plan(topk_ids, num_experts=num_experts, block_size=block_size)
 
 
+def _decode_cache(gen, dims: dict, dtype: torch.dtype):
+    """Contiguous (B, Hkv, L, D) caches, or, with ``block_size``, paged (NB, Hkv, block_size, D)
+    caches whose blocks a sequence owns in a random order (a pool after many allocations)."""
+    b, hkv, length, d = (dims[k] for k in ("B", "Hkv", "L", "D"))
+    bs = dims.get("block_size")
+    if bs is None:
+        return _rand(gen, b, hkv, length, d, dtype=dtype), _rand(gen, b, hkv, length, d, dtype=dtype), None
+    per_seq = -(-length // bs)
+    k_cache = _rand(gen, b * per_seq, hkv, bs, d, dtype=dtype)
+    v_cache = _rand(gen, b * per_seq, hkv, bs, d, dtype=dtype)
+    block_table = torch.randperm(b * per_seq, generator=gen).to(torch.int32).reshape(b, per_seq)
+    return k_cache, v_cache, block_table
+
+
+def dense_cache(cache: torch.Tensor, block_table: torch.Tensor | None, length: int) -> torch.Tensor:
+    """(B, Hkv, length, D) keys or values of a contiguous or paged ``cache``."""
+    if block_table is None:
+        return cache[:, :, :length]
+    blocks = cache[block_table.long()]                    # (B, blocks, Hkv, bs, D)
+    b, n, hkv, bs, d = blocks.shape
+    return blocks.permute(0, 2, 1, 3, 4).reshape(b, hkv, n * bs, d)[:, :, :length]
+
+
 def make_call(op: str, dims: dict, dtype: torch.dtype, requires_grad: bool = False) -> tuple[tuple, dict]:
     gen = torch.Generator().manual_seed(SEED)
     rg = requires_grad
@@ -45,11 +69,10 @@ def make_call(op: str, dims: dict, dtype: torch.dtype, requires_grad: bool = Fal
     if op == "decode_attention":
         b, hq, hkv, sq, length, d = (dims[k] for k in ("B", "Hq", "Hkv", "Sq", "L", "D"))
         q = _rand(gen, b, hq, sq, d, dtype=dtype)
-        k_cache = _rand(gen, b, hkv, length, d, dtype=dtype)
-        v_cache = _rand(gen, b, hkv, length, d, dtype=dtype)
+        k_cache, v_cache, block_table = _decode_cache(gen, dims, dtype)
         seqlens = torch.full((b,), length, dtype=torch.int32)
         sinks = _rand(gen, hq, dtype=torch.float32) if dims.get("sinks") else None
-        return (q, k_cache, v_cache, seqlens, None, sinks), {}
+        return (q, k_cache, v_cache, seqlens, block_table, sinks), {}
     if op == "moe_router":
         t, h, e, k = (dims[x] for x in ("T", "H", "E", "k"))
         x = _rand(gen, t, h, dtype=dtype, requires_grad=rg)
@@ -94,12 +117,13 @@ def baseline(op: str, args: tuple, kwargs: dict):
         if mask is not None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    if op == "decode_attention":
-        q, k_cache, v_cache = args[:3]
-        sq, length = q.shape[2], k_cache.shape[2]
+    if op == "decode_attention":   # every sequence at the full length (the benchmark's caches)
+        q, k_cache, v_cache, seqlens, block_table = args[:5]
+        sq, length = q.shape[2], int(seqlens.max())
+        k, v = (dense_cache(c, block_table, length) for c in (k_cache, v_cache))
         i = torch.arange(sq)[:, None] + (length - sq)
         mask = torch.arange(length)[None, :] <= i
-        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     if op == "moe_router":
         x, w = args[:2]
         logits = x.float() @ w.float().T

@@ -93,6 +93,13 @@ _DECODE_8K = _case("decode_attention", "decode", "llama3-8b", 1, B=1, Hq=32, Hkv
 # gpt-oss-120b's full-attention layers at an 8k cache: D = 64 halves the bytes per key
 _DECODE_8K_D64 = _case("decode_attention", "decode", "gpt-oss-120b", 1, B=1, Hq=64, Hkv=8, Sq=1, L=8192, D=64,
                        sinks=True)
+# the same two shapes with paged caches: 64-token blocks (the block of vllm-neuron's Block KV design
+# page, docs/perf-log.md §22.2), every sequence's blocks in a random order of the pool
+PAGED_BLOCK = 64
+_DECODE_8K_PAGED = _case("decode_attention", "decode", "llama3-8b", 1, B=1, Hq=32, Hkv=8, Sq=1, L=8192, D=128,
+                         block_size=PAGED_BLOCK)
+_DECODE_8K_D64_PAGED = _case("decode_attention", "decode", "gpt-oss-120b", 1, B=1, Hq=64, Hkv=8, Sq=1, L=8192, D=64,
+                             sinks=True, block_size=PAGED_BLOCK)
 
 CORE_BALANCE = 0.9  # "no core idles": the less busy core's makespan >= 90% of the busier's
 
@@ -123,6 +130,10 @@ TUNING_TARGETS = (
                  "hbm_roofline_fraction", _both(0.70)),
     TuningTarget("decode 8k cache (gpt-oss-120b B=1 Hq=64 Hkv=8 D=64 sinks): HBM roofline", _DECODE_8K_D64,
                  "decode_attention", "hbm_roofline_fraction", _both(0.70)),
+    TuningTarget(f"decode 8k paged cache, block {PAGED_BLOCK} (llama3-8b B=1 Hq=32 Hkv=8): HBM roofline",
+                 _DECODE_8K_PAGED, "decode_attention", "hbm_roofline_fraction", _both(0.70)),
+    TuningTarget(f"decode 8k paged cache, block {PAGED_BLOCK} (gpt-oss-120b B=1 Hq=64 Hkv=8 D=64 sinks): HBM roofline",
+                 _DECODE_8K_D64_PAGED, "decode_attention", "hbm_roofline_fraction", _both(0.70)),
 )
 
 

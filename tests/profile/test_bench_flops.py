@@ -54,6 +54,9 @@ def test_decode_and_moe_formulas():
     assert padded.executed_flops == 6 * 8 * 128 * 512 * 256 > padded.flops
     assert flops.moe_experts_bwd(1024, 512, 256, 8, 2).flops == 2 * moe.flops
     assert flops.moe_router(64, 32, 8, 2).flops == 2 * 64 * 32 * 8
+    paged = flops.decode_attention(2, 8, 2, 1, [100, 300], 64, block_size=64)
+    assert paged.hbm_bytes - dec.hbm_bytes == 4 * (2 + 5)  # the int32 table entries of the needed blocks
+    assert paged.flops == dec.flops
     with pytest.raises(ValueError, match="seqlens"):
         flops.decode_attention(2, 8, 2, 1, [100], 64)
     with pytest.raises(ValueError, match="dtype"):
@@ -119,3 +122,24 @@ def test_cost_of_reads_the_registry_samples():
             assert cost.flops >= 0 and cost.hbm_bytes > 0, (spec.name, sample.label)
     assert checked > 0
     assert flops.cost_of("no_such_op", None) is None
+
+
+def test_paged_decode_inputs_hold_the_contiguous_problem():
+    """A ``block_size`` decode case's paged caches, read through their permuted table, are a
+    dense cache; the baseline and the op's reference agree on them."""
+    import torch
+
+    import nki_lib
+    from nki_lib.bench.inputs import baseline, dense_cache, make_call
+
+    dims = dict(B=2, Hq=4, Hkv=2, Sq=1, L=100, D=16, block_size=32)
+    args, kwargs = make_call("decode_attention", dims, torch.float32)
+    q, k_cache, v_cache, seqlens, block_table, sinks = args
+    assert k_cache.shape == (8, 2, 32, 16) and block_table.shape == (2, 4) and sinks is None
+    assert sorted(block_table.flatten().tolist()) == list(range(8))   # every block owned once
+    assert dense_cache(k_cache, block_table, 100).shape == (2, 2, 100, 16)
+    b, blk = 1, 2
+    assert torch.equal(dense_cache(k_cache, block_table, 100)[b, :, 64:96], k_cache[block_table[b, blk]])
+    with nki_lib.use_backend("reference"):
+        out = torch.ops.nki.decode_attention(*args, **kwargs)[0]
+    torch.testing.assert_close(out, baseline("decode_attention", args, kwargs))

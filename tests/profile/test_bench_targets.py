@@ -60,6 +60,8 @@ def test_aws_limits_are_the_issues_figures(fragment, in_order, lower):
     ("expert MLP backward", "moe_experts_backward", "mfu", 0.50),
     ("decode 8k cache (llama3-8b", "decode_attention", "hbm_roofline_fraction", 0.70),
     ("decode 8k cache (gpt-oss-120b", "decode_attention", "hbm_roofline_fraction", 0.70),
+    ("decode 8k paged cache, block 64 (llama3-8b", "decode_attention", "hbm_roofline_fraction", 0.70),
+    ("decode 8k paged cache, block 64 (gpt-oss-120b", "decode_attention", "hbm_roofline_fraction", 0.70),
     ("no core idles", "flash_attention_backward", "core_balance", 0.9),
 ])
 def test_fraction_targets_hold_on_both_estimates(fragment, part, metric, threshold):
@@ -156,6 +158,8 @@ def test_core_balance_over_launches():
 def test_full_shape_cases_are_not_extrapolated_and_lnc_is_scoped(monkeypatch):
     dims = dict(B=4, Hq=8, Hkv=1, Sq=1, L=2048, D=128)
     assert plan(Case("decode_attention", "decode", "m", dims)).scale == 4.0
+    # a paged block holds every kv head: never simulated one kv head at a time
+    assert plan(Case("decode_attention", "decode", "m", {**dims, "Hkv": 2, "block_size": 64})).scale == 1.0
     full = plan(Case("decode_attention", "decode", "m", dims, extrapolate=False))
     assert full.scale == 1.0 and full.extrapolation is None and full.dims == dims
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
