@@ -93,6 +93,10 @@ _DECODE_8K = _case("decode_attention", "decode", "llama3-8b", 1, B=1, Hq=32, Hkv
 # gpt-oss-120b's full-attention layers at an 8k cache: D = 64 halves the bytes per key
 _DECODE_8K_D64 = _case("decode_attention", "decode", "gpt-oss-120b", 1, B=1, Hq=64, Hkv=8, Sq=1, L=8192, D=64,
                        sinks=True)
+# the long end of "cache >= 8k": 32k, where decode leaves the single-chunk path (split-KV chunks)
+_DECODE_32K = _case("decode_attention", "decode", "llama3-8b", 1, B=1, Hq=32, Hkv=8, Sq=1, L=32768, D=128)
+_DECODE_32K_D64 = _case("decode_attention", "decode", "gpt-oss-120b", 1, B=1, Hq=64, Hkv=8, Sq=1, L=32768, D=64,
+                        sinks=True)
 # the same two shapes with paged caches: 64-token blocks (the block of vllm-neuron's Block KV design
 # page, docs/perf-log.md §22.2), every sequence's blocks in a random order of the pool
 PAGED_BLOCK = 64
@@ -129,6 +133,10 @@ TUNING_TARGETS = (
     TuningTarget("decode 8k cache (llama3-8b B=1 Hq=32 Hkv=8): HBM roofline", _DECODE_8K, "decode_attention",
                  "hbm_roofline_fraction", _both(0.70)),
     TuningTarget("decode 8k cache (gpt-oss-120b B=1 Hq=64 Hkv=8 D=64 sinks): HBM roofline", _DECODE_8K_D64,
+                 "decode_attention", "hbm_roofline_fraction", _both(0.70)),
+    TuningTarget("decode 32k cache (llama3-8b B=1 Hq=32 Hkv=8): HBM roofline", _DECODE_32K, "decode_attention",
+                 "hbm_roofline_fraction", _both(0.70)),
+    TuningTarget("decode 32k cache (gpt-oss-120b B=1 Hq=64 Hkv=8 D=64 sinks): HBM roofline", _DECODE_32K_D64,
                  "decode_attention", "hbm_roofline_fraction", _both(0.70)),
     TuningTarget(f"decode 8k paged cache, block {PAGED_BLOCK} (llama3-8b B=1 Hq=32 Hkv=8): HBM roofline",
                  _DECODE_8K_PAGED, "decode_attention", "hbm_roofline_fraction", _both(0.70)),

@@ -60,6 +60,8 @@ def test_aws_limits_are_the_issues_figures(fragment, in_order, lower):
     ("expert MLP backward", "moe_experts_backward", "mfu", 0.50),
     ("decode 8k cache (llama3-8b", "decode_attention", "hbm_roofline_fraction", 0.70),
     ("decode 8k cache (gpt-oss-120b", "decode_attention", "hbm_roofline_fraction", 0.70),
+    ("decode 32k cache (llama3-8b", "decode_attention", "hbm_roofline_fraction", 0.70),
+    ("decode 32k cache (gpt-oss-120b", "decode_attention", "hbm_roofline_fraction", 0.70),
     ("decode 8k paged cache, block 64 (llama3-8b", "decode_attention", "hbm_roofline_fraction", 0.70),
     ("decode 8k paged cache, block 64 (gpt-oss-120b", "decode_attention", "hbm_roofline_fraction", 0.70),
     ("no core idles", "flash_attention_backward", "core_balance", 0.9),
