@@ -491,3 +491,53 @@ def test_d64_8k_cache_fits_psum():
     s = make_sample(1, 64, 8, 1, 64, [8192], torch.bfloat16)
     result = op_parity(SPEC, s, grads=False)
     assert result.ok, result
+
+
+def _swdge_gathers(report):
+    return sum(e.attrs.get("dge_mode") == "swdge" for e in report.trace if e.opcode == "dma_copy")
+
+
+@pytest.mark.parametrize("b, hq, hkv, sq, d, lengths, dtype, flags, gathers", [
+    # 12 units, K and V tiles apart: one K and one V gather per sequence (its 4 kv heads), not one per head
+    (3, 8, 4, 2, 32, [1001, 517, 64], torch.bfloat16, dict(window_left=300, sinks=True), 2 * 3),
+    # 16 units whose K and V do not both fit: V over K (``overlay``), waves of 2 units (D = 256: two
+    # head-dim chunks); K per wave (8), V per wave but the first and the last in single units (10)
+    (2, 16, 8, 1, 256, [1024, 333], torch.float32, dict(sinks=True), 8 + 10),
+])
+def test_paged_heads_share_gathers(b, hq, hkv, sq, d, lengths, dtype, flags, gathers):
+    """Paged single-chunk path with one block per partition (M = block size): the consecutive kv heads
+    of a sequence share each gather (a block's heads are one contiguous run of its row). A permuted
+    table, partial last blocks, NaN in every unused block and in every slot outside [first, L_b) of
+    the used ones: parity with the reference and no NaN."""
+    bs, cap = 8, 1024
+    sample = make_sample(b, hq, hkv, sq, d, lengths, dtype, block_size=bs, capacity_=cap,
+                         num_blocks=sum(-(-n // bs) for n in lengths) + 5, **flags)
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    m = decode_attention_fwd_plan.keys_per_partition(cap, d, q.element_size())
+    assert m == bs and decode_attention_fwd.shared_gathers(None, bs, m)
+    window_left = flags.get("window_left", -1)
+    keep = torch.zeros(k.shape[0], 1, bs, 1, dtype=torch.bool)
+    for i, length in enumerate(lengths):
+        first = max(0, length - sq - window_left) if window_left >= 0 else 0
+        for col in range(-(-length // bs)):
+            pos = col * bs + torch.arange(bs)
+            keep[int(table[i, col]), 0, :, 0] = (pos >= first) & (pos < length)
+    poisoned = Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
+                      sample.label + " poisoned")
+    outs, report = _launch(poisoned)
+    assert not any(torch.isnan(o).any() for o in outs)
+    _judge(poisoned, outs)
+    assert _swdge_gathers(report) == gathers
+    outs, _ = _launch(poisoned, grid=2)             # LNC2: each core's units alternate, one head per gather
+    assert not any(torch.isnan(o).any() for o in outs)
+    _judge(poisoned, outs)
+
+
+def test_head_runs_and_v_gather_parts():
+    """Gathers span consecutive kv heads of one sequence only; V-over-K gathers split the first wave
+    in halves and the last wave's last unit apart."""
+    runs = decode_attention_fwd.head_runs([(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 3)])
+    assert runs == [(0, 3), (3, 2), (5, 1)]
+    waves = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [decode_attention_fwd.v_gather_parts(waves, w) for w in range(2)] == [[[0, 1], [2, 3]], [[4, 5, 6], [7]]]
+    assert decode_attention_fwd.v_gather_parts([[0, 1]], 0) == [[0], [1]]

@@ -84,7 +84,14 @@ Single-chunk path (one split, a capacity of one chunk of at most ``SINGLE_CHUNK_
 for a contiguous cache exactly one chunk): every unit's only chunk is chunk 0, so its loads and
 compute are static code (contiguous: precomputed-descriptor DMAs per group of
 ``LOAD_GROUP_PARTITIONS`` partitions, each inside device loops of 0 or 1 trips that skip a group
-holding no key of [first, L_b); paged: the gathers as above); the V cleaning of an edge chunk runs
+holding no key of [first, L_b); paged: the gathers as above, except that with one block per
+partition (M = block size, ``shared_gathers``) the units' K (and V) chunks are consecutive
+(128, M*D) views of one tile and each gather carries a run of consecutive kv heads of one sequence
+(``head_runs``: a block's heads are one contiguous run of its row, so a partition is still one
+descriptor, and the GpSimd descriptor generation falls by the heads per gather), K per wave of
+``run_chunks``; when K and V of all units do not fit the budget but K alone does (``overlay``),
+every unit's V lands over its own K, each wave's V gathers issued right before its P @ V
+(``run_chunks`` ``before_pv``) in the parts of ``v_gather_parts``); the V cleaning of an edge chunk runs
 in device loops of 0 or 1 trips too. Per group of units (as many as there are buffer pairs): K of
 every unit, then V of every unit, then their compute in waves of up to ``LOCKSTEP_CHAINS`` chains,
 the instructions of the units' softmax, P @ V and merge chains interleaved phase by phase
@@ -148,7 +155,7 @@ positions < 2**24 (float32 bounds); unit size u a power of two with C/u <= 128.
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
-from nki_lib.attention.kernels.decode_attention_fwd_chunks import chunk_plan, run_chunks, state_views
+from nki_lib.attention.kernels.decode_attention_fwd_chunks import chunk_plan, run_chunks, state_views, wave_jobs
 from nki_lib.attention.kernels.decode_attention_fwd_io import (
     CHUNK_BUFFER_BUDGET,
     DIRECT_PIECE_SLOTS,
@@ -318,18 +325,25 @@ def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None, fold=
     return state
 
 
-def _gather_chunk(cache_units, idx_sb, head_offset, unit_keys, chunk_sb, slots=None):
+def _gather_chunk(cache_units, idx_sb, head_offset, unit_keys, chunk_sb, slots=None, heads=1):
     """One indirect DMA: units ``idx_sb`` of the cache (this kv head) -> chunk_sb (128, M*D), or
     only the slots ``(c0, n)`` of every partition -> chunk_sb[:, c0*D : (c0+n)*D] (each unit covers
-    u/M whole partitions; M <= u)."""
+    u/M whole partitions; M <= u). ``heads`` > 1 (paged, one block per partition: M = u): the
+    chunks of that many consecutive kv heads -> chunk_sb (units, heads*M*D), head j at j*M*D, for
+    the units (partitions) of ``idx_sb`` -- a block's kv heads are one contiguous run of its cache
+    row, so each partition is still one descriptor (``heads`` x the bytes)."""
     n_units = idx_sb.shape[0]
     row_stride = cache_units.shape[1]
-    m = unit_keys * n_units // nl.tile_size.pmax
-    d = chunk_sb.shape[1] // m
+    m = unit_keys if heads > 1 else unit_keys * n_units // nl.tile_size.pmax
+    d = chunk_sb.shape[1] // (m * heads)
     c0, n = slots or (0, m)
-    src = cache_units.ap([[row_stride, n_units], [m * d, unit_keys // m], [1, n * d]], offset=head_offset + c0 * d,
-                         vector_offset=idx_sb, indirect_dim=0)
-    nisa.dma_copy(dst=chunk_sb[:, c0 * d:(c0 + n) * d], src=src, oob_mode=nisa.oob_mode.skip,
+    if heads > 1:
+        src = cache_units.ap([[row_stride, n_units], [1, heads * m * d]], offset=head_offset,
+                             vector_offset=idx_sb, indirect_dim=0)
+    else:
+        src = cache_units.ap([[row_stride, n_units], [m * d, unit_keys // m], [1, n * d]],
+                             offset=head_offset + c0 * d, vector_offset=idx_sb, indirect_dim=0)
+    nisa.dma_copy(dst=chunk_sb[:, c0 * d:(c0 + n * heads) * d], src=src, oob_mode=nisa.oob_mode.skip,
                   dge_mode=nisa.dge_mode.swdge)
 
 
@@ -490,6 +504,80 @@ def _single_chunk_k(cache, unit, seq_offset, k_chunk, setup):
     return idx_sb
 
 
+def head_runs(group_units):
+    """(first index, length) of each run of consecutive entries of ``group_units`` ((b, hk) each)
+    that are consecutive kv heads of one sequence: their paged blocks' rows hold them contiguously."""
+    runs = []
+    for i, (b, hk) in enumerate(group_units):
+        if runs and group_units[i - 1] == (b, hk - 1):
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    return [tuple(run) for run in runs]
+
+
+def shared_gathers(seq_units, unit_keys, m):
+    """Whether the single-chunk path of a paged cache gathers several kv heads per DMA
+    (``_gather_heads``): one block per partition (M = block size), so the consecutive kv
+    heads of a block are one contiguous run of its cache row and of the partition's row of a
+    shared (128, heads*M*D) buffer. Each swdge descriptor (one per partition) then moves all of
+    them: the GpSimd descriptor generation, 1 us + 50 ns per descriptor per gather, falls by the
+    number of heads per gather (docs/perf-log.md §22.1)."""
+    return seq_units is None and unit_keys == m
+
+
+def load_unit_ids(unit_table, seqs):
+    """Single-chunk path of a paged cache: the unit ids (C/u, 1) int32 of each sequence in ``seqs``
+    (its only chunk's row of ``unit_table``), one DMA each, all issued before the first gather: a
+    later group's ids would otherwise queue behind the out stores of the group before it."""
+    n_cols = unit_table.shape[1]
+    ids = {}
+    for b in seqs:
+        if b not in ids:
+            ids[b] = nl.ndarray((n_cols, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=ids[b], src=unit_table.ap([[1, n_cols], [1, 1]], offset=b * n_cols))
+    return ids
+
+
+def _gather_heads(cache, cache_units, group_units, ids, tile, units):
+    """One gather per run of consecutive kv heads of one sequence (``head_runs``) among the entries
+    ``units`` of ``group_units`` (a paged cache, one block per partition: ``shared_gathers``), into
+    their (128, M*D) views of ``tile`` (entry i at column i*M*D; ``ids``: each sequence's unit ids,
+    ``load_unit_ids``)."""
+    unit_keys, head_offset = cache[4], cache[5]
+    width = tile.shape[1] // len(group_units)
+    for r0, n in head_runs([group_units[i] for i in units]):
+        i0 = units[r0]
+        b, hk = group_units[i0]
+        _gather_chunk(cache_units, ids[b], hk * head_offset, unit_keys, tile[:, i0 * width:(i0 + n) * width], heads=n)
+
+
+def v_gather_parts(waves, w):
+    """The V gathers of wave ``w`` (lists of group entries) when V loads over K (``overlay``): the
+    first wave's in two halves (the first half's V waits only for that half's K^T transposes, so it
+    moves while the rest are made), and the last wave's last unit apart (the other units' P @ V runs
+    while its V lands). Each gather costs GpSimd ~1 us + 128 descriptors: measured at B=1 Hq=32
+    Hkv=8 L=8192 D=128 (docs/perf-log.md §22.1), a finer split costs more issue than it hides."""
+    parts = [waves[w]]
+    if w == 0 and len(waves[w]) > 1:
+        half = len(waves[w]) // 2
+        parts = [waves[w][:half], waves[w][half:]]
+    if w == len(waves) - 1 and len(parts[-1]) > 1:
+        parts = parts[:-1] + [parts[-1][:-1], parts[-1][-1:]]
+    return parts
+
+
+def _clean_heads(cache, group_units, v_tile, setups, units):
+    """Each edge entry of ``units``: its V rows (view of ``v_tile``) outside [first, L_b) zeroed
+    (device loops of 0 or 1 trips over the edge ranges)."""
+    key_slots = cache[3]
+    width = v_tile.shape[1] // len(group_units)
+    for i in units:
+        for start, stop, step in setups[i].edges:
+            for _ in nl.dynamic_range(start, stop, step):
+                zero_invisible_rows(v_tile[:, i * width:(i + 1) * width], key_slots, setups[i].window)
+
+
 def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
     """V of the only chunk (as ``_single_chunk_k``), then, when it is an edge chunk (a device loop of
     0 or 1 trips over each edge range), its V rows outside [first, L_b) zeroed."""
@@ -587,6 +675,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     units = tuple((b, hk) for b in range(batch) for hk in range(n_kv_heads))
     single = single_chunk_path(n_split, len(units), n_prog, unit_table.shape[1] * unit_keys, m * pmax,
                                None if seq_units is None else head_offset // d)
+    shared = single and shared_gathers(seq_units, unit_keys, m)
     every_k_t = single and every_k_by_transpose(seq_units, k_units.itemsize, d)
     k_row = pmax if every_k_t else d                # K^T: 128 keys per slot on each of D partitions
     pair_bytes = m * (k_row * k_units.itemsize + d * v_units.itemsize)
@@ -597,7 +686,17 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
         n_pairs = ceil_div(len(units) // n_prog, n_groups)
     chunk_bufs = []   # K/V buffer pairs, never cleared: rows a gather skips only hold keys that every row
                       # masks by selection, and edge chunks zero those V rows (0 * NaN)
-    for _ in range(n_pairs):
+    head_bytes = m * d * max(k_units.itemsize, v_units.itemsize)
+    my_units = len(units) // n_prog
+    overlay = shared and n_pairs < my_units and plan[0] == m and my_units * head_bytes <= budget
+    if overlay:       # V over K: one (K, then V) chunk view per unit, all units in one group
+        n_pairs = my_units
+    if shared:        # one K and one V tile (overlay: the same), pair i their i-th (128, M*D) view
+        tiles = [nl.ndarray((pmax, n_pairs * m * d), dtype=k_units.dtype, buffer=nl.sbuf)]
+        tiles.append(tiles[0] if overlay else nl.ndarray((pmax, n_pairs * m * d), dtype=v_units.dtype,
+                                                         buffer=nl.sbuf))
+        chunk_bufs = [tuple(tile[:, i * m * d:(i + 1) * m * d] for tile in tiles) for i in range(n_pairs)]
+    for _ in range(0 if shared else n_pairs):
         pair = (k_t_tile(k_units.dtype, m, d) if every_k_t else nl.ndarray((pmax, m * d), dtype=k_units.dtype,
                                                                              buffer=nl.sbuf),
                 nl.ndarray((pmax, m * d), dtype=v_units.dtype, buffer=nl.sbuf))
@@ -653,7 +752,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
         """The merge chains (per row tile of this core) of unit ``u``'s split states (column k of the
         lse tiles)."""
         return [merge_phases([st[t] for st in states], sinks.get((units[u][1], t)),
-                             lse_tiles[t].neg_big[:, k:k + 1], lse_tiles[t].total[:, k:k + 1], dtype)
+                             lse_tiles[t].neg_big[:, k:k + 1], lse_tiles[t].total[:, k:k + 1], dtype,
+                             nisa.engine.vector if shared else nisa.engine.gpsimd)
                 for t in my_tiles]
 
     def finish(done, outs=None):
@@ -688,27 +788,53 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
         return out, lse
     last_k_t = k_by_transpose(seq_units, k_units.itemsize, d, m)
     if single:                                      # static chunk per unit, pipelined across units
+        unit_ids = load_unit_ids(unit_table, [units[u][0] for u in mine]) if shared else None
         for g0 in range(0, len(mine), n_pairs):
             group = list(enumerate(mine))[g0:g0 + n_pairs]
             works = [prepare(u) for _, u in group]
             cache = (k_units, v_units, unit_table, key_slots, unit_keys, head_offset, plan)
             k_bufs = [pair[0] for pair in chunk_bufs[:len(group)]]
             idx = []
+            before_pv = None
+            if shared:
+                group_units = [units[u] for _, u in group]
+                k_tile, v_tile = (tile[:, :len(group) * m * d] for tile in tiles)
+                setups = [work.setups[0] for work in works]
+                per_wave = wave_jobs(len(row_spans), len(d_spans))
+                waves = [list(range(w0, min(w0 + per_wave, len(group)))) for w0 in range(0, len(group), per_wave)]
+                for wave in waves:             # K per wave: the first wave's scores start on its own K
+                    _gather_heads(cache, k_units, group_units, unit_ids, k_tile, wave)
+
+                def load_v(w, waves=waves, group_units=group_units, v_tile=v_tile, setups=setups):
+                    parts = v_gather_parts(waves, w) if overlay else [waves[w]]
+                    for part in parts:
+                        if part:
+                            _gather_heads(cache, v_units, group_units, unit_ids, v_tile, part)
+                    _clean_heads(cache, group_units, v_tile, setups, waves[w])
+
+                if overlay:                    # each wave's V lands over its K, after its K^T transposes
+                    before_pv = load_v
+                else:
+                    for w in range(len(waves)):
+                        load_v(w)
             for i, ((_, u), work) in enumerate(zip(group, works)):
                 b, hk = units[u]
-                if every_k_t or (last_k_t and g0 + n_pairs >= len(mine) and i == len(group) - 1):
+                if shared:
+                    idx.append(None)
+                elif every_k_t or (last_k_t and g0 + n_pairs >= len(mine) and i == len(group) - 1):
                     k_bufs[i] = _load_k_t(k_units, seq_offset(b) + hk * head_offset, m, d, work.setups[0],
                                           chunk_bufs[i][0] if every_k_t else None)
                     idx.append(None)
                 else:
                     idx.append(_single_chunk_k(cache, units[u], seq_offset(b), chunk_bufs[i][0], work.setups[0]))
-            for i, ((_, u), work) in enumerate(zip(group, works)):
+            for i, ((_, u), work) in enumerate(zip(group, works) if not shared else ()):
                 _single_chunk_v(cache, units[u], seq_offset(units[u][0]), chunk_bufs[i][1], idx[i], work.setups[0])
             done = [(k, u, work.states) for (k, u), work in zip(group, works)]
             serial = shard_units and g0 + n_pairs < len(mine)   # a later group follows (no exchange)
             tails = [unit_merges(*unit) for unit in done] if serial else None
             outs = run_chunks([(work.states[0], work.q_t, k_bufs[i], chunk_bufs[i][1]) for i, work in enumerate(works)],
-                              plan, d_spans, m, ones_col, k_units.dtype, scale, softcap, dtype, fresh=True, tails=tails)
+                              plan, d_spans, m, ones_col, k_units.dtype, scale, softcap, dtype, fresh=True, tails=tails,
+                              before_pv=before_pv)
             if plan[0] == m and g0 + n_pairs >= len(mine):   # folded merges need no exp: the log table
                 nisa.activation(dst=warm, op=nl.log, data=ones_col)   # loads behind P @ V and the merges
                 warm = None

@@ -42,7 +42,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_steps import (
 )
 from nki_lib.sizes import spans
 
-__all__ = ["SplitState", "block_slots", "chunk_plan", "run_chunks", "state_views", "LOCKSTEP_CHAINS"]
+__all__ = ["SplitState", "block_slots", "chunk_plan", "run_chunks", "state_views", "wave_jobs", "LOCKSTEP_CHAINS"]
 
 STEP_SCORE_ELEMS = 4096           # fp32 scores per partition of one softmax step (16 KiB of SBUF)
 STEP_SLOTS = 64                   # slots per softmax step: >= 64 keeps the per-row range_select at
@@ -143,7 +143,13 @@ def _tile_pack(state):
     return 1 if state.columns else state.pack
 
 
-def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, fresh=False, tails=None):
+def wave_jobs(n_tiles, n_d_spans):
+    """Jobs per wave of ``run_chunks`` (their chains run in lockstep; PSUM bounds it)."""
+    return max(1, LOCKSTEP_CHAINS // (n_tiles * n_d_spans))
+
+
+def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, fresh=False, tails=None,
+               before_pv=None):
     """Scores, mask, softmax and P @ V of loaded chunks -- ``jobs`` of (states per row tile, q^T,
     K chunk, V chunk), one softmax step (``plan[0]`` slots) at a time, software-pipelined over the
     steps of all jobs in order: the scores of item i+1 are issued before the softmax of item i, and
@@ -157,9 +163,13 @@ def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype
 
     ``tails``: per job, per row tile a phase generator (its merge), issued right after that job's P @ V,
     job after job (``_pv_then_merges``), when the jobs fit one wave of one step; returns their results
-    per job, or None when not taken (the caller then merges after this returns)."""
+    per job, or None when not taken (the caller then merges after this returns).
+
+    ``before_pv``: called with a wave's index right before its P @ V is issued (after the scores, so
+    the K^T transposes, of that wave and the next): the V of a one-step wave may then load over its
+    own K (``decode_attention_fwd`` ``overlay``)."""
     pmax = nl.tile_size.pmax
-    width = max(1, LOCKSTEP_CHAINS // (len(jobs[0][0]) * len(d_spans)))   # jobs per wave: PSUM bounds it
+    width = wave_jobs(len(jobs[0][0]), len(d_spans))
     packed = any(st.pack > 1 for st in jobs[0][0])
     rota = (_EvictionRota(KT_ACT_EVERY_PACKED) if packed else _EvictionRota(KT_ACT_EVERY, first=True)) \
         if len(jobs) > 1 else None
@@ -209,9 +219,13 @@ def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype
             probs.append(flat[k:k + len(split_states)])
             k += len(split_states)
         if pending is not None:
+            if before_pv is not None:
+                before_pv(w - 1)
             _flush_pv(pending, ones_col, d_spans, fresh)
         pending = (wave, probs)
     chained = tails if len(waves) == 1 and all(st.pack == 1 for st in jobs[0][0]) else None
+    if before_pv is not None:
+        before_pv(len(waves) - 1)
     return _flush_pv(pending, ones_col, d_spans, fresh, fresh and len(waves) == 1, chained)
 
 

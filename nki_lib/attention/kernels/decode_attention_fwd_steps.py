@@ -442,13 +442,15 @@ def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, direct
     nisa.tensor_copy(dst=state.neg_m, src=neg_m_new)
 
 
-def merge_phases(states, sink_sb, neg_big, total, dtype):
+def merge_phases(states, sink_sb, neg_big, total, dtype, copy_engine=nisa.engine.gpsimd):
     """Merge the split states of one row tile (and the sink): out (rn, D) in ``dtype``; ``neg_big``
     (-M) and ``total`` (L) are written into the (rn, 1) views given (columns of the batch's lse
-    tiles, whose log runs once for all units: one ScalarE table switch, not one per unit)."""
+    tiles, whose log runs once for all units: one ScalarE table switch, not one per unit).
+    ``copy_engine``: of a folded state's copies of -M and L (GpSimd, unless it generates gather
+    descriptors: an in-order GpSimd would hold the next gathers behind the merges)."""
     rn, d = states[0].acc.shape
     if len(states) == 1:
-        return (yield from _merge_one(states[0], sink_sb, neg_big, total, dtype))
+        return (yield from _merge_one(states[0], sink_sb, neg_big, total, dtype, copy_engine))
     nisa.tensor_copy(dst=neg_big, src=states[0].neg_m)
     for st in states[1:]:
         nisa.tensor_tensor(dst=neg_big, data1=neg_big, data2=st.neg_m, op=nl.minimum)
@@ -486,12 +488,12 @@ def merge_phases(states, sink_sb, neg_big, total, dtype):
     return out_sb
 
 
-def _merge_one(st, sink_sb, neg_big, total, dtype):
+def _merge_one(st, sink_sb, neg_big, total, dtype, copy_engine=nisa.engine.gpsimd):
     """``merge_phases`` for one split: -M = min(-m, -sink), w = exp(m - M), L = w*l + exp(sink - M),
     out = acc * (1/L) * w (one pass over the (rn, D) rows)."""
     rn, d = st.acc.shape
     if st.folded:                               # -m already includes the sink: M = m, w = 1
-        return (yield from _merge_folded(st, neg_big, total, dtype))
+        return (yield from _merge_folded(st, neg_big, total, dtype, copy_engine))
     if sink_sb is not None:
         nisa.tensor_scalar(dst=neg_big, data=sink_sb, op0=nl.multiply, operand0=-1.0,
                            op1=nl.minimum, operand1=st.neg_m)
@@ -520,16 +522,16 @@ def _merge_one(st, sink_sb, neg_big, total, dtype):
     return out_sb
 
 
-def _merge_folded(st, neg_big, total, dtype):
+def _merge_folded(st, neg_big, total, dtype, copy_engine=nisa.engine.gpsimd):
     """``_merge_one`` for a state whose only step folded the sink in (its -m is -M, its sink term
-    exp(sink - M) is in ``st.sink_term``): -M copied (GpSimd), L = l + sink term, out = acc / L --
+    exp(sink - M) is in ``st.sink_term``): -M copied (``copy_engine``), L = l + sink term, out = acc / L --
     no exp, so the log of the lse needs no table switch after the merges."""
     rn, d = st.acc.shape
-    nisa.tensor_copy(dst=neg_big, src=st.neg_m, engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=neg_big, src=st.neg_m, engine=copy_engine)
     if st.sink_term is not None:
         nisa.tensor_tensor(dst=total, data1=st.l, data2=st.sink_term, op=nl.add)
     else:
-        nisa.tensor_copy(dst=total, src=st.l, engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=total, src=st.l, engine=copy_engine)
     yield
     inv_total = nl.ndarray((rn, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(dst=inv_total, data=total)
