@@ -11,13 +11,7 @@ import nki_lib
 from nki_lib._nki import nl
 from nki_lib.attention import decode_attention_op
 from nki_lib.attention.decode_attention_op import make_sample
-from nki_lib.attention.kernels import (
-    decode_attention_fwd,
-    decode_attention_fwd_chunks,
-    decode_attention_fwd_io,
-    decode_attention_fwd_packed,
-    decode_attention_fwd_plan,
-)
+from nki_lib.attention.kernels import decode_attention_fwd, decode_attention_fwd_packed, decode_attention_fwd_plan
 from nki_lib.dispatch import NKIFallbackError, collect_runs, dispatch
 from nki_lib.numerics import parity
 from nki_lib.numerics.oppar import op_parity
@@ -500,7 +494,7 @@ def test_d64_8k_cache_fits_psum():
 
 
 def _swdge_gathers(report):
-    return sum(e.attrs.get("dge_mode") == "swdge" for e in report.trace if e.opcode in ("dma_copy", "dma_transpose"))
+    return sum(e.attrs.get("dge_mode") == "swdge" for e in report.trace if e.opcode == "dma_copy")
 
 
 @pytest.mark.parametrize("b, hq, hkv, sq, d, lengths, dtype, flags, gathers", [
@@ -509,9 +503,6 @@ def _swdge_gathers(report):
     # 16 units whose K and V do not both fit: V over K (``overlay``), waves of 2 units (D = 256: two
     # head-dim chunks); K per wave (8), V per wave but the first and the last in single units (10)
     (2, 16, 8, 1, 256, [1024, 333], torch.float32, dict(sinks=True), 8 + 10),
-    # 8 units of 2-byte K at D = 64 in two waves (one sequence each): K^T of each wave by one indirect
-    # dma_transpose onto its partition half (``k_t_halves``); V per wave, the last unit's apart (1 + 2)
-    (2, 8, 4, 2, 64, [1000, 333], torch.bfloat16, dict(window_left=200, sinks=True), 2 + 3),
 ])
 def test_paged_heads_share_gathers(b, hq, hkv, sq, d, lengths, dtype, flags, gathers):
     """Paged single-chunk path with one block per partition (M = block size): the consecutive kv heads
@@ -537,11 +528,6 @@ def test_paged_heads_share_gathers(b, hq, hkv, sq, d, lengths, dtype, flags, gat
     assert not any(torch.isnan(o).any() for o in outs)
     _judge(poisoned, outs)
     assert _swdge_gathers(report) == gathers
-    halves = decode_attention_fwd.k_t_halves([(i, h) for i in range(b) for h in range(hkv)],
-                                             decode_attention_fwd_chunks.wave_jobs(1, -(-d // 128)), m, d,
-                                             k.element_size(), v.element_size(), decode_attention_fwd_io.CHUNK_BUFFER_BUDGET)
-    assert sum(e.opcode == "dma_transpose" for e in report.trace) == (2 if halves else 0)
-    assert halves == (d == 64)
     outs, _ = _launch(poisoned, grid=2)             # LNC2: each core's units alternate, one head per gather
     assert not any(torch.isnan(o).any() for o in outs)
     _judge(poisoned, outs)

@@ -91,9 +91,7 @@ partition (M = block size, ``shared_gathers``) the units' K (and V) chunks are c
 descriptor, and the GpSimd descriptor generation falls by the heads per gather), K per wave of
 ``run_chunks``; when K and V of all units do not fit the budget but K alone does (``overlay``),
 every unit's V lands over its own K, each wave's V gathers issued right before its P @ V
-(``run_chunks`` ``before_pv``) in the parts of ``v_gather_parts``; with 2-byte K, D <= 64 and two
-waves of one head run each (``k_t_halves``), each wave's K comes as K^T by one indirect
-``dma_transpose`` onto its own half of the partitions, its scores contracting there); the V cleaning of an edge chunk runs
+(``run_chunks`` ``before_pv``) in the parts of ``v_gather_parts``); the V cleaning of an edge chunk runs
 in device loops of 0 or 1 trips too. Per group of units (as many as there are buffer pairs): K of
 every unit, then V of every unit, then their compute in waves of up to ``LOCKSTEP_CHAINS`` chains,
 the instructions of the units' softmax, P @ V and merge chains interleaved phase by phase
@@ -554,33 +552,6 @@ def _gather_heads(cache, cache_units, group_units, ids, tile, units):
         _gather_chunk(cache_units, ids[b], hk * head_offset, unit_keys, tile[:, i0 * width:(i0 + n) * width], heads=n)
 
 
-def k_t_halves(my_units, per_wave, m, d, k_itemsize, v_itemsize, budget):
-    """Whether the shared paged gathers (``shared_gathers``) load K as K^T by indirect
-    ``dma_transpose`` onto the two partition halves (``_transpose_heads``): 2-byte K with D <= 64,
-    exactly two ``run_chunks`` waves, each one run of consecutive kv heads of one sequence, and the
-    K^T tile (128, wave units, M, 128) with every unit's V within ``budget``. The PE transposes of K
-    (128 cycles a slot whatever D) would bind TensorE at D = 64 (docs/perf-log.md §20.3, §22.1); a
-    K^T destination of D partitions takes 8 of the 16 DMA engines, so the two waves' K^T load at
-    once on the two halves, and no buffer is reused (nothing waits for a consumer)."""
-    waves = [my_units[:per_wave], my_units[per_wave:]]
-    return (k_itemsize == 2 and 2 * d <= nl.tile_size.pmax and len(my_units) == 2 * per_wave
-            and all(len(head_runs(wave)) == 1 for wave in waves)
-            and per_wave * m * nl.tile_size.pmax * k_itemsize + len(my_units) * m * d * v_itemsize <= budget)
-
-
-def _transpose_heads(cache_units, idx_sb, head_offset, unit_keys, k_t):
-    """K^T (D, heads, M, 128) of consecutive kv heads (one block per partition, M = block size) by one
-    indirect ``dma_transpose`` (4-d form, permutation (3, 1, 2, 0)) of the blocks ``idx_sb`` viewed as
-    (128 blocks, heads, M, D): element [d, h, c, p] is slot c of partition p (key p*M + c) of head h,
-    so head h's K^T is the (D, 1, M, 128) view [:, h:h+1] and slot c its [:, :, c, :]. Skipped units
-    (``oob_mode.skip``) keep stale columns, whose scores are masked by selection."""
-    d, heads = k_t.shape[0], k_t.shape[1]
-    row_stride = cache_units.shape[1]
-    src = cache_units.ap([[row_stride, idx_sb.shape[0]], [unit_keys * d, heads], [d, unit_keys], [1, d]],
-                         offset=head_offset, vector_offset=idx_sb, indirect_dim=0)
-    nisa.dma_transpose(dst=k_t, src=src, oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
-
-
 def v_gather_parts(waves, w):
     """The V gathers of wave ``w`` (lists of group entries) when V loads over K (``overlay``): the
     first wave's in two halves (the first half's V waits only for that half's K^T transposes, so it
@@ -717,13 +688,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                       # masks by selection, and edge chunks zero those V rows (0 * NaN)
     head_bytes = m * d * max(k_units.itemsize, v_units.itemsize)
     my_units = len(units) // n_prog
-    per_wave = wave_jobs(len(row_spans), len(d_spans))
-    split_kt = shared and k_t_halves([units[u] for u in range(len(units)) if not len(units) % n_prog == 0
-                                      or u % n_prog == pid], per_wave, m, d, k_units.itemsize, v_units.itemsize,
-                                     budget)
-    overlay = shared and not split_kt and n_pairs < my_units and plan[0] == m and my_units * head_bytes <= budget
-    if split_kt:      # K^T of the two waves on the partition halves, V apart: all units in one group
-        n_pairs = my_units
+    overlay = shared and n_pairs < my_units and plan[0] == m and my_units * head_bytes <= budget
     if overlay:       # V over K: one (K, then V) chunk view per unit, all units in one group
         n_pairs = my_units
     if shared:        # one K and one V tile (overlay: the same), pair i their i-th (128, M*D) view
@@ -731,10 +696,6 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
         tiles.append(tiles[0] if overlay else nl.ndarray((pmax, n_pairs * m * d), dtype=v_units.dtype,
                                                          buffer=nl.sbuf))
         chunk_bufs = [tuple(tile[:, i * m * d:(i + 1) * m * d] for tile in tiles) for i in range(n_pairs)]
-        if split_kt:  # K^T (128, wave units, M, 128): wave w's on partitions [w*D, (w+1)*D)
-            tiles[0] = nl.ndarray((pmax, per_wave, m, pmax), dtype=k_units.dtype, buffer=nl.sbuf)
-            chunk_bufs = [(tiles[0][(i // per_wave) * d:(i // per_wave + 1) * d, i % per_wave:i % per_wave + 1],
-                           pair[1]) for i, pair in enumerate(chunk_bufs)]
     for _ in range(0 if shared else n_pairs):
         pair = (k_t_tile(k_units.dtype, m, d) if every_k_t else nl.ndarray((pmax, m * d), dtype=k_units.dtype,
                                                                              buffer=nl.sbuf),
@@ -777,7 +738,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                 if (hk, t) not in neg_sinks:
                     neg_sinks[(hk, t)] = nl.ndarray((row_spans[t][1], 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.tensor_scalar(dst=neg_sinks[(hk, t)], data=sinks[(hk, t)], op0=nl.multiply, operand0=-1.0,
-                                       engine=nisa.engine.vector if shared else nisa.engine.gpsimd)
+                                       engine=nisa.engine.gpsimd)
         return _UnitWork(q_t=unit_q_t(u),
                          states=[[_init_state(meta, b * n_split + s, r0, rn, d, plan[0], single, engine,
                                               (sinks.get((hk, t)), neg_sinks.get((hk, t))) if fold else None)
@@ -837,26 +798,15 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
             before_pv = None
             if shared:
                 group_units = [units[u] for _, u in group]
-                k_tile = None if split_kt else tiles[0][:, :len(group) * m * d]
-                v_tile = tiles[1][:, :len(group) * m * d]
+                k_tile, v_tile = (tile[:, :len(group) * m * d] for tile in tiles)
                 setups = [work.setups[0] for work in works]
+                per_wave = wave_jobs(len(row_spans), len(d_spans))
                 waves = [list(range(w0, min(w0 + per_wave, len(group)))) for w0 in range(0, len(group), per_wave)]
-                for w, wave in enumerate(waves):   # K per wave: the first wave's scores start on its own K
-                    if split_kt:               # its K^T by one indirect dma_transpose; the second wave's
-                        b0, hk0 = group_units[wave[0]]   # scores contract over partitions [D, 2D): q^T there too
-                        _transpose_heads(k_units, unit_ids[b0], hk0 * head_offset, unit_keys,
-                                         tiles[0][w * d:(w + 1) * d])
-                        for i in wave if w else ():
-                            q_up = nl.ndarray((pmax, rows), dtype=dtype, buffer=nl.sbuf)
-                            nisa.dma_copy(dst=q_up[d:2 * d], src=works[i].q_t[0][0])
-                            works[i].q_t = [[q_up[d:2 * d]]]
-                    else:
-                        _gather_heads(cache, k_units, group_units, unit_ids, k_tile, wave)
+                for wave in waves:             # K per wave: the first wave's scores start on its own K
+                    _gather_heads(cache, k_units, group_units, unit_ids, k_tile, wave)
 
                 def load_v(w, waves=waves, group_units=group_units, v_tile=v_tile, setups=setups):
                     parts = v_gather_parts(waves, w) if overlay else [waves[w]]
-                    if split_kt and w == len(waves) - 1:     # the last unit's V apart (as ``v_gather_parts``)
-                        parts = [waves[w][:-1], waves[w][-1:]]
                     for part in parts:
                         if part:
                             _gather_heads(cache, v_units, group_units, unit_ids, v_tile, part)
