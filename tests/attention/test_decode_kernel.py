@@ -457,6 +457,60 @@ def test_every_k_by_dma_transpose_at_d64(b, hq, hkv, sq, d, cap, lengths, window
     assert len(k_t) == (0 if taken else b * hkv * m)
 
 
+@pytest.mark.parametrize("b, hq, hkv, sq, d, cap, lengths, window_left, num_splits, grid", [
+    (2, 8, 1, 1, 64, 40960, [38000, 1000], -1, 2, 1),      # M = 128: 3 chunks, a partial last chunk
+    (2, 8, 1, 2, 64, 40960, [38000, 16384], 22000, 3, 1),  # a window: the first chunk reads 1 of 8 groups
+    (1, 16, 2, 1, 64, 16384, [16384], -1, 1, 1),           # one split of one interior chunk per unit
+    (2, 8, 2, 1, 32, 4096, [4000, 700], 1500, 2, 1),       # M = 32, D = 32: 64 partitions per DMA
+    (1, 4, 1, 3, 64, 2048, [1990], 300, 3, 1),             # M = 16: one DMA per chunk, empty splits
+    (1, 8, 1, 1, 64, 40960, [37000], 30000, 3, 2),         # LNC2: the cores share the splits (sendrecv)
+])
+def test_multi_chunk_k_by_dma_transpose_at_d64(b, hq, hkv, sq, d, cap, lengths, window_left, num_splits, grid):
+    """D <= 64 on the multi-chunk (split-KV) path of a contiguous 2-byte cache: K loads as K^T by
+    hardware-DGE dma_transposes of ``_k_t_groups`` partitions at runtime chunk offsets (no PE
+    transposes of keys); an edge chunk reads only the partition groups holding a key of
+    [first, L_b), an interior chunk all. NaN outside every sequence's [first, L_b) (K and V) stays
+    out of the result (sinks, splits forced to 1, 2, 3)."""
+    pmax = nl.tile_size.pmax
+    sample = make_sample(b, hq, hkv, sq, d, lengths, torch.bfloat16, capacity_=cap, sinks=True,
+                         window_left=window_left)
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    pos = torch.arange(cap)[None, None, :, None]
+    length = torch.tensor(lengths)[:, None, None, None]
+    first = (length - sq - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(length)
+    keep = (pos >= first) & (pos < length)
+    poisoned = Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
+                      sample.label + " poisoned")
+    outs, report = _launch(poisoned, num_splits=num_splits, grid=grid)
+    assert decode_attention_fwd.every_k_by_transpose(cap, k.element_size(), d)
+    m = decode_attention_fwd_plan.keys_per_partition(cap, d, k.element_size())
+    assert not decode_attention_fwd.single_chunk_path(num_splits, b * hkv, grid, cap, m * pmax, cap)
+    _judge(poisoned, outs)
+    assert decode_attention_fwd.stream_k_by_transpose(cap, m, k.element_size())
+    span = decode_attention_fwd._k_t_groups(m, k.element_size())
+    chunk = m * pmax
+    needed = sum(int(p0 * m < lb - c0 and int(f) - c0 < (p0 + span) * m)
+                 for lb, f in zip(lengths, first.flatten()) for c0 in range(int(f) // chunk * chunk, lb, chunk)
+                 for p0 in range(0, pmax, span)) * hkv
+    transposes = [e for e in report.trace if e.opcode == "dma_transpose"]
+    assert len(transposes) == needed
+    assert all(e.shape == (d, span // decode_attention_fwd.K_T_DGE_ROWS, m, decode_attention_fwd.K_T_DGE_ROWS)
+               and e.attrs["dge_mode"] == "hwdge" for e in transposes)
+    assert not [e for e in report.trace if e.opcode == "nc_transpose" and e.shape == (d, pmax)]
+
+
+def test_multi_chunk_k_by_pe_transposes_when_spans_pass_the_capacity():
+    """A capacity that is not a whole number of K^T DMA spans (3000 keys: units of 8 keys, M = 8,
+    spans of 128 partitions, 1024 keys) keeps the gathers and PE transposes of K on the multi-chunk
+    path (a span holding a needed key would read past the cache)."""
+    sample = make_sample(1, 8, 1, 1, 64, [2900], torch.bfloat16, capacity_=3000, sinks=True)
+    assert not decode_attention_fwd.stream_k_by_transpose(3000, 8, 2)
+    outs, report = _launch(sample, num_splits=2)
+    _judge(sample, outs)
+    assert not [e for e in report.trace if e.opcode == "dma_transpose"]
+    assert [e for e in report.trace if e.opcode == "nc_transpose" and e.shape == (64, nl.tile_size.pmax)]
+
+
 def test_merges_follow_each_unit_when_a_later_group_follows():
     """Single-chunk path with more units than K/V buffer pairs (8 units of 64 slots, 4 pairs): the
     merge of each unit of a group that a later group follows is issued right behind its own P @ V

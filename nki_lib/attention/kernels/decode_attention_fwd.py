@@ -53,7 +53,12 @@ Each split visits three chunk ranges in key order (``split_bounds`` (B, S, 4)): 
 interior chunks (every key inside ``[first, L_b)``), edge chunks. For a contiguous cache an
 interior chunk is one contiguous HBM run per kv head and loads with hardware-DGE DMAs
 (``.ap(scalar_offset=col)``, ``DIRECT_PIECE_SLOTS`` slots each, no GpSimd descriptor generation);
-everything else gathers.
+everything else gathers. At D <= 64 with 2-byte K and a head capacity that is a whole number of
+K^T spans (``every_k_by_transpose``, ``stream_k_by_transpose``), K of every chunk loads as K^T
+(D, 128/16, M, 16) instead, by hardware-DGE ``dma_transpose``s at the chunk's runtime offset, one
+per span of ``_k_t_groups`` partitions (``_stream_k_t``): an interior chunk all spans, an edge
+chunk only the spans holding a key of [first, L_b) (0-or-1-trip device loops on registers of its
+key window clamped to the chunk); no PE transposes or K^T evictions (V as before).
 
 Only needed units are read: the launcher replaces the ids of units that hold no key of
 ``[first, L_b)`` by an out-of-range sentinel and the indirect DMA skips them (their SBUF rows keep
@@ -120,7 +125,8 @@ pack's out rows leave as one tile of Sq rows per partition; see ``decode_attenti
 ``decode_attention_fwd_columns``.
 
 K/V chunk buffers: pairs rotate over the (b, hk, split) streams (as many pairs as fit
-``CHUNK_BUFFER_BUDGET``), so one stream's gathers overlap another stream's compute.
+``CHUNK_BUFFER_BUDGET``; a K^T buffer counts 128 keys per slot, so two pairs at M = 128, D = 64),
+so one stream's gathers overlap another stream's compute.
 
 LNC2 (``kernel[2]``): when B*Hkv is even the (b, hk) units alternate between the cores; otherwise
 (S is then even) core p runs splits p, p+2, ... of every unit, the cores swap their packed split
@@ -192,6 +198,9 @@ K_T_DMA_MAX_SLOTS = 16            # single-chunk path: the last unit's K by dma_
 K_T_ROW_BYTES = 4096              # K^T by dma_transpose in partition groups whose K^T rows (M x group keys)
                                   # are at least 4 KiB: a DMA chunk that long runs at full rate even at the
                                   # highest documented chunk floor (docs/cost-model.md §2.6)
+K_T_DGE_ROWS = 16                 # multi-chunk path: K^T by hardware-DGE dma_transposes (runtime chunk
+                                  # offsets), whose 4-d sources take at most 16 rows (partitions of a group)
+                                  # (docs/nki-semantics.md §8.10)
 
 
 class _BatchMeta(nl.NKIObject):
@@ -352,7 +361,9 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
     """One (b, hk, split) stream: three device loops over the split's chunks, in key order --
     edge chunks (gathered; V rows of keys outside [first, L_b) zeroed, so garbage or stale
     NaN/inf there cannot reach P @ V), interior chunks (one hardware-DGE DMA per K/V for a
-    contiguous cache, ``seq_offset`` is None for paged caches, else gathered), edge chunks."""
+    contiguous cache, ``seq_offset`` is None for paged caches, else gathered), edge chunks. A 4-d
+    ``k_chunk`` is a K^T buffer: K then loads by ``_stream_k_t`` (all spans of an interior chunk, the
+    needed spans of an edge chunk) instead of DMAs or gathers of K."""
     pmax = nl.tile_size.pmax
     m = key_slots.shape[1]
     d = split_states[0].acc.shape[1]
@@ -361,13 +372,19 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
     regs, window_sb = setup.regs, setup.window
     steps = spans(m, plan[0])       # gathered K per softmax step: the first step's scores start early
     n_cols = unit_table.shape[1]
+    k_t = len(k_chunk.shape) == 4   # K^T by dma_transpose (a contiguous 2-byte cache, D <= 64)
+    if k_t:                         # an edge chunk's [first, L_b), clamped to the chunk [0, C]: registers
+        edge_regs = [nisa.register_alloc() for _ in range(2)]   # of 0-or-1-trip group loops
+        edge_window = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
     for r in range(len(regs) - 1):
         interior = r == INTERIOR_RANGE
         direct = interior and seq_offset is not None
         for col in nl.dynamic_range(regs[r], regs[r + 1], units_per_chunk):
             if direct:                                  # K, then V, in pieces
                 pieces = spans(m, DIRECT_PIECE_SLOTS)
-                for cache, buf in ((k_units, k_chunk), (v_units, v_chunk)):
+                if k_t:
+                    _stream_k_t(k_units, k_chunk, seq_offset + head_offset, col)
+                for cache, buf in ((v_units, v_chunk),) if k_t else ((k_units, k_chunk), (v_units, v_chunk)):
                     for c0, n in pieces:
                         src = cache.ap([[m * d, pmax], [1, n * d]], offset=seq_offset + head_offset + c0 * d,
                                        scalar_offset=col, indirect_dim=0)
@@ -377,14 +394,47 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
                 nisa.dma_copy(dst=idx_sb, src=unit_table.ap([[1, units_per_chunk], [1, 1]],
                                                             offset=b * n_cols, scalar_offset=col,
                                                             indirect_dim=1))
-                for step in steps:
-                    _gather_chunk(k_units, idx_sb, head_offset, unit_keys, k_chunk, step)
+                if k_t:                                 # edge K^T: the partition groups holding a needed key
+                    nisa.tensor_scalar(dst=edge_window, data=window_sb[0:1, :], op0=nl.maximum, operand0=0.0,
+                                       op1=nl.minimum, operand1=float(m * pmax), engine=nisa.engine.gpsimd)
+                    for i, reg in enumerate(edge_regs):
+                        nisa.register_load(reg, edge_window[0:1, i:i + 1])
+                    _stream_k_t(k_units, k_chunk, seq_offset + head_offset, col, edge_regs)
+                else:
+                    for step in steps:
+                        _gather_chunk(k_units, idx_sb, head_offset, unit_keys, k_chunk, step)
                 _gather_chunk(v_units, idx_sb, head_offset, unit_keys, v_chunk)
                 if not interior:
                     zero_invisible_rows(v_chunk, key_slots, window_sb)
             _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, k_units.dtype, scale,
                    softcap, dtype)
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
+
+
+def _stream_k_t(k_units, k_t, base, col, key_regs=None):
+    """K^T (D, 128/pg, M, pg) (``pg = K_T_DGE_ROWS``) of a contiguous multi-chunk chunk whose first key
+    is unit column ``col`` (a loop register) of the cache rows at ``base``, by hardware-DGE
+    ``dma_transpose``s (the 4-d form, permutation (3, 1, 2, 0)) of its keys viewed as (pg partitions j,
+    groups g, M slots, D): element [d, g, c, j] is key (g*pg + j)*M + c, the key of partition g*pg + j,
+    slot c of the V chunk (K^T slot c is the view [:, :, c, :]). Each DMA covers ``_k_t_groups``
+    partitions, so its K^T rows (one contiguous run per partition of K^T) are at least
+    ``K_T_ROW_BYTES``. ``key_regs`` (an edge chunk: registers of [first, L_b) relative to the chunk):
+    each DMA under ``_if_group_needed``, so only partition groups holding a needed key are read (the
+    others keep stale data, masked by selection); None (an interior chunk): every group."""
+    pmax = nl.tile_size.pmax
+    d, _, m, pg = k_t.shape
+    span = _k_t_groups(m, k_units.itemsize)   # partitions per DMA: a power of two >= pg
+
+    def load(p0, pn):
+        src = k_units.ap([[m * d, pg], [pg * m * d, pn // pg], [d, m], [1, d]], offset=base + p0 * m * d,
+                         scalar_offset=col, indirect_dim=0)
+        nisa.dma_transpose(dst=k_t[:, p0 // pg:(p0 + pn) // pg], src=src, dge_mode=nisa.dge_mode.hwdge)
+
+    for p0, pn in spans(pmax, span):
+        if key_regs is None:
+            load(p0, pn)
+        else:
+            _if_group_needed(p0, pn, m, key_regs, lambda p0=p0, pn=pn: load(p0, pn))
 
 
 def _load_needed_groups(cache_units, chunk_sb, base, m, key_regs):
@@ -427,12 +477,22 @@ def k_by_transpose(seq_units, itemsize, d, m):
 
 def every_k_by_transpose(seq_units, itemsize, d):
     """Whether the single-chunk path loads the K of *every* unit as K^T by ``dma_transpose``
-    (``_load_k_t``): a contiguous cache, 2-byte K and D <= 64. A slot's PE transposes of K cost
+    (``_load_k_t``; the multi-chunk path every chunk's, ``_stream_k_t``, given
+    ``stream_k_by_transpose``): a contiguous cache, 2-byte K and D <= 64. A slot's PE transposes of K cost
     TensorE 128 cycles whatever D <= 128 (``max(P_in, min(64, F_in))``), as much as its score and
     P @ V matmuls together (64 cycles each), while its K/V bytes halve with D: at D = 64 TensorE, not
     HBM, binds (58.9 us TensorE vs 46.9 us DMA busy at B=1 Hq=64 Hkv=8 L=8192); by DMA transpose the
-    K^T costs 1/0.9 of K's transfer and no TensorE, ScalarE or VectorE work (docs/perf-log.md §20.3)."""
+    K^T costs 1/0.9 of K's transfer and no TensorE, ScalarE or VectorE work (docs/perf-log.md §20.3;
+    the multi-chunk path at L=32768: 237.0 us TensorE busy before, §22.3)."""
     return seq_units is not None and itemsize == 2 and 2 * d <= nl.tile_size.pmax
+
+
+def stream_k_by_transpose(head_keys, m, itemsize):
+    """Whether the multi-chunk path (``every_k_by_transpose`` given) loads K as K^T (``_stream_k_t``):
+    when the keys of a kv head are a whole number of its DMAs' partition spans (``_k_t_groups``
+    partitions of M keys), so that a span holding a needed key lies inside the cache (a chunk may
+    run past the capacity; the spans past it hold no needed key and are never read)."""
+    return head_keys % (_k_t_groups(m, itemsize) * m) == 0
 
 
 def _k_t_groups(m, itemsize):
@@ -442,10 +502,11 @@ def _k_t_groups(m, itemsize):
     return min(pmax, max(LOAD_GROUP_PARTITIONS, K_T_ROW_BYTES // (m * itemsize)))
 
 
-def k_t_tile(dtype, m, d):
-    """An SBUF tile for the K^T of one chunk, (D, 128/pg, M, pg) (``_load_k_t``)."""
+def k_t_tile(dtype, m, d, pg=None):
+    """An SBUF tile for the K^T of one chunk, (D, 128/pg, M, pg): ``pg`` partitions per group, by default
+    ``_k_t_groups`` (``_load_k_t``; the multi-chunk path's ``_stream_k_t`` takes ``K_T_DGE_ROWS``)."""
     pmax = nl.tile_size.pmax
-    pg = _k_t_groups(m, dtype.itemsize)
+    pg = pg or _k_t_groups(m, dtype.itemsize)
     return nl.ndarray((d, pmax // pg, m, pg), dtype=dtype, buffer=nl.sbuf)
 
 
@@ -676,7 +737,9 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     single = single_chunk_path(n_split, len(units), n_prog, unit_table.shape[1] * unit_keys, m * pmax,
                                None if seq_units is None else head_offset // d)
     shared = single and shared_gathers(seq_units, unit_keys, m)
-    every_k_t = single and every_k_by_transpose(seq_units, k_units.itemsize, d)
+    every_k_t = every_k_by_transpose(seq_units, k_units.itemsize, d) and (
+        single or stream_k_by_transpose(head_offset // d, m, k_units.itemsize))   # multi-chunk: ``_stream_k_t``
+    k_t_rows = None if single else K_T_DGE_ROWS    # partitions per K^T group: the multi-chunk path's hwdge form
     k_row = pmax if every_k_t else d                # K^T: 128 keys per slot on each of D partitions
     pair_bytes = m * (k_row * k_units.itemsize + d * v_units.itemsize)
     budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
@@ -697,8 +760,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                                                          buffer=nl.sbuf))
         chunk_bufs = [tuple(tile[:, i * m * d:(i + 1) * m * d] for tile in tiles) for i in range(n_pairs)]
     for _ in range(0 if shared else n_pairs):
-        pair = (k_t_tile(k_units.dtype, m, d) if every_k_t else nl.ndarray((pmax, m * d), dtype=k_units.dtype,
-                                                                             buffer=nl.sbuf),
+        pair = (k_t_tile(k_units.dtype, m, d, k_t_rows) if every_k_t else nl.ndarray((pmax, m * d), dtype=k_units.dtype,
+                                                                                       buffer=nl.sbuf),
                 nl.ndarray((pmax, m * d), dtype=v_units.dtype, buffer=nl.sbuf))
         chunk_bufs.append(pair)
 
