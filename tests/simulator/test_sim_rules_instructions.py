@@ -92,6 +92,37 @@ def dma_transpose_dtype_mismatch():
     nisa.dma_transpose(dst=t_sb, src=a_sb)  # VIOLATION
 
 
+def _indirect_source(shape, pattern, idx_dtype=nl.uint32, idx_shape=(128, 1)):
+    """An HBM view gathered by SBUF indices (an indirect dma_transpose's source)."""
+    cache = nl.ndarray((256, 4096), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    idx_sb = nl.zeros(idx_shape, dtype=idx_dtype)
+    return cache.ap(pattern, offset=0, vector_offset=idx_sb, indirect_dim=0)
+
+
+def indirect_transpose_4d_both_inner_dims():
+    src = _indirect_source((128, 4, 8, 64), [[4096, 128], [512, 4], [64, 8], [1, 64]])
+    t_sb = nl.ndarray((64, 4, 8, 128), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=t_sb, src=src)  # VIOLATION
+
+
+def indirect_transpose_int32_indices():
+    src = _indirect_source((128, 8, 64), [[4096, 128], [64, 8], [1, 64]], idx_dtype=nl.int32)
+    t_sb = nl.ndarray((64, 8, 128), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=t_sb, src=src)  # VIOLATION
+
+
+def indirect_transpose_hwdge():
+    src = _indirect_source((128, 8, 64), [[4096, 128], [64, 8], [1, 64]])
+    t_sb = nl.ndarray((64, 8, 128), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=t_sb, src=src, dge_mode=nisa.dge_mode.hwdge)  # VIOLATION
+
+
+def indirect_transpose_rows_not_a_multiple_of_16():
+    src = _indirect_source((24, 8, 64), [[4096, 24], [64, 8], [1, 64]])
+    t_sb = nl.ndarray((64, 8, 24), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=t_sb, src=src)  # VIOLATION
+
+
 def transpose_mode_without_identity():
     s_sb = nl.zeros((32, 16), dtype=nl.bfloat16)
     m_sb = nl.ones((32, 32), dtype=nl.bfloat16)
@@ -150,6 +181,10 @@ CASES = [
     (predicate_dtype, "tensor_copy_predicated", "predicate"),
     (find_index8_dst_dtype, "nc_find_index8", "dst"),
     (dma_transpose_dtype_mismatch, "dma_transpose", None),
+    (indirect_transpose_4d_both_inner_dims, "dma_transpose", "src"),
+    (indirect_transpose_int32_indices, "dma_transpose", "src"),
+    (indirect_transpose_hwdge, "dma_transpose", "dge_mode"),
+    (indirect_transpose_rows_not_a_multiple_of_16, "dma_transpose", "src"),
     (transpose_mode_without_identity, "nc_matmul", "moving"),
     (tile_size_too_small, "nc_matmul", None),
     (tile_position_without_tile_size, "nc_matmul", "tile_size"),
@@ -169,3 +204,28 @@ def test_instruction_rule(body, instruction, operand):
     with pytest.raises(NKIRuleError) as info:
         simulate(jit(kernel))(np.zeros((1, 1), np.float32))
     check_rule_error(info.value, body, MARK, instruction=instruction, operand=operand)
+
+
+def test_indirect_transpose_within_the_documented_limits_gathers_then_transposes():
+    """A 3-d indirect dma_transpose: rows ``idx`` of the HBM source (128 of them, uint32), each
+    (8, 64), land as dst[d, c, p] = src[idx[p], c, d]."""
+    rows, c, d = 128, 8, 64
+
+    @jit
+    def kernel(x_hbm, idx_hbm):
+        idx_sb = nl.ndarray((rows, 1), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=idx_sb, src=idx_hbm)
+        t_sb = nl.ndarray((d, c, rows), dtype=nl.bfloat16, buffer=nl.sbuf)
+        src = x_hbm.ap([[c * d, rows], [d, c], [1, d]], offset=0, vector_offset=idx_sb, indirect_dim=0)
+        nisa.dma_transpose(dst=t_sb, src=src)
+        out = nl.ndarray((d, c, rows), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t_sb)
+        return out
+
+    import ml_dtypes
+
+    x = np.random.default_rng(0).standard_normal((256, c * d)).astype(ml_dtypes.bfloat16)
+    idx = np.random.default_rng(1).permutation(256)[:rows].astype(np.uint32).reshape(rows, 1)
+    got = np.asarray(simulate(kernel)(x, idx))
+    want = x.reshape(256, c, d)[idx[:, 0]].transpose(2, 1, 0)
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))

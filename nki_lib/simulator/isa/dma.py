@@ -118,6 +118,8 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=_dge_mode.unknown
     c.check(tuple(dst._shape) == want, "dst", f"shape {dst._shape} must equal the permuted src shape {want}")
     if dge_mode == _dge_mode.hwdge or src._dyn is not None:
         c.check(src._dtype.itemsize == 2, "src", "the hwdge / indirect dma_transpose paths need 2-byte dtypes")
+    if src._dyn is not None and src._dyn[0] == "vector":
+        _indirect_transpose_rules(c, src._shape, src._dyn[1], dge_mode)
     if dge_mode == _dge_mode.hwdge:
         _hwdge_transpose_shape(c, src._shape)
     vals, rows = src._gather(c.opcode, "src", skip)
@@ -145,6 +147,28 @@ def _hwdge_transpose_shape(c, shape):
                 f"a multiple of {DGE_TRANSPOSE_ROWS}, got {shape}")
     c.check(shape[-1] <= DGE_TRANSPOSE_MAX_LAST, "src",
             f"hwdge transpose needs shape[-1] <= {DGE_TRANSPOSE_MAX_LAST}, got {shape[-1]}")
+
+
+def _indirect_transpose_rules(c, shape, indices, dge_mode):
+    """The indirect (software-DGE gather) transpose's documented limits (docs/nki-semantics.md §8.10;
+    the source in HBM, the indices in SBUF and 2-byte data are checked elsewhere)."""
+    c.check(dge_mode in (_dge_mode.unknown, _dge_mode.swdge), "dge_mode",
+            f"an indirect dma_transpose lowers to a software-DGE transpose: dge_mode unknown or swdge, got {dge_mode.name}")
+    if len(shape) == 4:
+        c.check(shape[1] == 1 or shape[2] == 1, "src",
+                f"a 4-d indirect transpose needs shape[1] or shape[2] equal to 1, got {shape}")
+    c.check(shape[-1] <= DGE_TRANSPOSE_MAX_LAST, "src",
+            f"an indirect transpose needs shape[-1] <= {DGE_TRANSPOSE_MAX_LAST}, got {shape[-1]}")
+    c.check(shape[0] % DGE_TRANSPOSE_ROWS == 0, "src",
+            f"an indirect transpose needs shape[0] a multiple of {DGE_TRANSPOSE_ROWS}, got {shape[0]}")
+    idx = indices._shape
+    c.check(len(idx) == 2, "src", f"the indirect transpose's indices must be 2-d, got shape {idx}")
+    c.check(DGE_TRANSPOSE_ROWS <= idx[0] <= c.spec.pmax and idx[0] % DGE_TRANSPOSE_ROWS == 0, "src",
+            f"the indirect transpose's indices need shape[0] in [{DGE_TRANSPOSE_ROWS}, {c.spec.pmax}], "
+            f"a multiple of {DGE_TRANSPOSE_ROWS}, got {idx}")
+    c.check(idx[1] == 1 or idx[0] == c.spec.pmax, "src",
+            f"indices with more than one column need {c.spec.pmax} rows, got {idx}")
+    c.check(indices.dtype == "uint32", "src", f"the indirect transpose's indices must be uint32, got {indices.dtype}")
 
 
 def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=_oob_mode.error, name=None):
