@@ -424,6 +424,18 @@ def test_last_unit_k_by_dma_transpose(b, hq, hkv, d, cap, lengths, window_left, 
     assert len(k_t) == (b * hkv - taken) * m
 
 
+def _poisoned_outside_window(sample, cap, lengths, sq, window_left):
+    """``sample`` with NaN in K and V at every cached position outside each sequence's [first, L_b)
+    of a contiguous (B, Hkv, cap, D) cache, and ``first`` (B, 1, 1, 1)."""
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    pos = torch.arange(cap)[None, None, :, None]
+    length = torch.tensor(lengths)[:, None, None, None]
+    first = (length - sq - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(length)
+    keep = (pos >= first) & (pos < length)
+    return Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
+                  sample.label + " poisoned"), first
+
+
 @pytest.mark.parametrize("b, hq, hkv, sq, d, cap, lengths, window_left, dtype, taken", [
     (2, 16, 2, 1, 64, 8192, [8192, 1000], -1, torch.bfloat16, True),    # M = 64: 4 groups, 3 skipped for b = 1
     (1, 8, 1, 2, 64, 4096, [4000], 1500, torch.float16, True),          # M = 32: 2 groups, a window skips group 0
@@ -439,12 +451,7 @@ def test_every_k_by_dma_transpose_at_d64(b, hq, hkv, sq, d, cap, lengths, window
     q, k, v, seqlens, table, sinks = sample.args[:6]
     m = cap // pmax
     assert decode_attention_fwd.every_k_by_transpose(cap, k.element_size(), d) == taken
-    pos = torch.arange(cap)[None, None, :, None]
-    length = torch.tensor(lengths)[:, None, None, None]
-    first = (length - sq - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(length)
-    keep = (pos >= first) & (pos < length)
-    poisoned = Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
-                      sample.label + " poisoned")
+    poisoned, first = _poisoned_outside_window(sample, cap, lengths, sq, window_left)
     outs, report = _launch(poisoned, num_splits=1)
     _judge(poisoned, outs)
     pg = decode_attention_fwd._k_t_groups(m, k.element_size())
@@ -475,12 +482,7 @@ def test_multi_chunk_k_by_dma_transpose_at_d64(b, hq, hkv, sq, d, cap, lengths, 
     sample = make_sample(b, hq, hkv, sq, d, lengths, torch.bfloat16, capacity_=cap, sinks=True,
                          window_left=window_left)
     q, k, v, seqlens, table, sinks = sample.args[:6]
-    pos = torch.arange(cap)[None, None, :, None]
-    length = torch.tensor(lengths)[:, None, None, None]
-    first = (length - sq - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(length)
-    keep = (pos >= first) & (pos < length)
-    poisoned = Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
-                      sample.label + " poisoned")
+    poisoned, first = _poisoned_outside_window(sample, cap, lengths, sq, window_left)
     outs, report = _launch(poisoned, num_splits=num_splits, grid=grid)
     assert decode_attention_fwd.every_k_by_transpose(cap, k.element_size(), d)
     m = decode_attention_fwd_plan.keys_per_partition(cap, d, k.element_size())
