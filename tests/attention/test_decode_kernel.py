@@ -11,7 +11,12 @@ import nki_lib
 from nki_lib._nki import nl
 from nki_lib.attention import decode_attention_op
 from nki_lib.attention.decode_attention_op import make_sample
-from nki_lib.attention.kernels import decode_attention_fwd, decode_attention_fwd_packed, decode_attention_fwd_plan
+from nki_lib.attention.kernels import (
+    decode_attention_fwd,
+    decode_attention_fwd_gathers,
+    decode_attention_fwd_packed,
+    decode_attention_fwd_plan,
+)
 from nki_lib.dispatch import NKIFallbackError, collect_runs, dispatch
 from nki_lib.numerics import parity
 from nki_lib.numerics.oppar import op_parity
@@ -570,7 +575,7 @@ def test_paged_heads_share_gathers(b, hq, hkv, sq, d, lengths, dtype, flags, gat
                          num_blocks=sum(-(-n // bs) for n in lengths) + 5, **flags)
     q, k, v, seqlens, table, sinks = sample.args[:6]
     m = decode_attention_fwd_plan.keys_per_partition(cap, d, q.element_size())
-    assert m == bs and decode_attention_fwd.shared_gathers(None, bs, m)
+    assert m == bs and decode_attention_fwd_gathers.shared_gathers(None, bs, m)
     window_left = flags.get("window_left", -1)
     keep = torch.zeros(k.shape[0], 1, bs, 1, dtype=torch.bool)
     for i, length in enumerate(lengths):
@@ -592,8 +597,8 @@ def test_paged_heads_share_gathers(b, hq, hkv, sq, d, lengths, dtype, flags, gat
 def test_head_runs_and_v_gather_parts():
     """Gathers span consecutive kv heads of one sequence only; V-over-K gathers split the first wave
     in halves and the last wave's last unit apart."""
-    runs = decode_attention_fwd.head_runs([(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 3)])
+    runs = decode_attention_fwd_gathers.head_runs([(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 3)])
     assert runs == [(0, 3), (3, 2), (5, 1)]
     waves = [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [decode_attention_fwd.v_gather_parts(waves, w) for w in range(2)] == [[[0, 1], [2, 3]], [[4, 5, 6], [7]]]
-    assert decode_attention_fwd.v_gather_parts([[0, 1]], 0) == [[0], [1]]
+    assert [decode_attention_fwd_gathers.v_gather_parts(waves, w) for w in range(2)] == [[[0, 1], [2, 3]], [[4, 5, 6], [7]]]
+    assert decode_attention_fwd_gathers.v_gather_parts([[0, 1]], 0) == [[0], [1]]

@@ -162,6 +162,14 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.attention.kernels.decode_attention_fwd_chunks import chunk_plan, run_chunks, state_views, wave_jobs
+from nki_lib.attention.kernels.decode_attention_fwd_gathers import (
+    clean_heads,
+    gather_chunk,
+    gather_heads,
+    load_unit_ids,
+    shared_gathers,
+    v_gather_parts,
+)
 from nki_lib.attention.kernels.decode_attention_fwd_io import (
     CHUNK_BUFFER_BUDGET,
     DIRECT_PIECE_SLOTS,
@@ -334,28 +342,6 @@ def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None, fold=
     return state
 
 
-def _gather_chunk(cache_units, idx_sb, head_offset, unit_keys, chunk_sb, slots=None, heads=1):
-    """One indirect DMA: units ``idx_sb`` of the cache (this kv head) -> chunk_sb (128, M*D), or
-    only the slots ``(c0, n)`` of every partition -> chunk_sb[:, c0*D : (c0+n)*D] (each unit covers
-    u/M whole partitions; M <= u). ``heads`` > 1 (paged, one block per partition: M = u): the
-    chunks of that many consecutive kv heads -> chunk_sb (units, heads*M*D), head j at j*M*D, for
-    the units (partitions) of ``idx_sb`` -- a block's kv heads are one contiguous run of its cache
-    row, so each partition is still one descriptor (``heads`` x the bytes)."""
-    n_units = idx_sb.shape[0]
-    row_stride = cache_units.shape[1]
-    m = unit_keys if heads > 1 else unit_keys * n_units // nl.tile_size.pmax
-    d = chunk_sb.shape[1] // (m * heads)
-    c0, n = slots or (0, m)
-    if heads > 1:
-        src = cache_units.ap([[row_stride, n_units], [1, heads * m * d]], offset=head_offset,
-                             vector_offset=idx_sb, indirect_dim=0)
-    else:
-        src = cache_units.ap([[row_stride, n_units], [m * d, unit_keys // m], [1, n * d]],
-                             offset=head_offset + c0 * d, vector_offset=idx_sb, indirect_dim=0)
-    nisa.dma_copy(dst=chunk_sb[:, c0 * d:(c0 + n * heads) * d], src=src, oob_mode=nisa.oob_mode.skip,
-                  dge_mode=nisa.dge_mode.swdge)
-
-
 def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
             b, head_offset, seq_offset, unit_keys, chunk_pair, plan, ones_col, d_spans, scale, softcap, dtype):
     """One (b, hk, split) stream: three device loops over the split's chunks, in key order --
@@ -402,8 +388,8 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
                     _stream_k_t(k_units, k_chunk, seq_offset + head_offset, col, edge_regs)
                 else:
                     for step in steps:
-                        _gather_chunk(k_units, idx_sb, head_offset, unit_keys, k_chunk, step)
-                _gather_chunk(v_units, idx_sb, head_offset, unit_keys, v_chunk)
+                        gather_chunk(k_units, idx_sb, head_offset, unit_keys, k_chunk, step)
+                gather_chunk(v_units, idx_sb, head_offset, unit_keys, v_chunk)
                 if not interior:
                     zero_invisible_rows(v_chunk, key_slots, window_sb)
             _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, k_units.dtype, scale,
@@ -561,82 +547,8 @@ def _single_chunk_k(cache, unit, seq_offset, k_chunk, setup):
     idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=idx_sb, src=unit_table.ap([[1, units_per_chunk], [1, 1]], offset=b * units_per_chunk))
     for step in spans(m, plan[0]):
-        _gather_chunk(k_units, idx_sb, hk * head_offset, unit_keys, k_chunk, step)
+        gather_chunk(k_units, idx_sb, hk * head_offset, unit_keys, k_chunk, step)
     return idx_sb
-
-
-def head_runs(group_units):
-    """(first index, length) of each run of consecutive entries of ``group_units`` ((b, hk) each)
-    that are consecutive kv heads of one sequence: their paged blocks' rows hold them contiguously."""
-    runs = []
-    for i, (b, hk) in enumerate(group_units):
-        if runs and group_units[i - 1] == (b, hk - 1):
-            runs[-1][1] += 1
-        else:
-            runs.append([i, 1])
-    return [tuple(run) for run in runs]
-
-
-def shared_gathers(seq_units, unit_keys, m):
-    """Whether the single-chunk path of a paged cache gathers several kv heads per DMA
-    (``_gather_heads``): one block per partition (M = block size), so the consecutive kv
-    heads of a block are one contiguous run of its cache row and of the partition's row of a
-    shared (128, heads*M*D) buffer. Each swdge descriptor (one per partition) then moves all of
-    them: the GpSimd descriptor generation, 1 us + 50 ns per descriptor per gather, falls by the
-    number of heads per gather (docs/perf-log.md §22.1)."""
-    return seq_units is None and unit_keys == m
-
-
-def load_unit_ids(unit_table, seqs):
-    """Single-chunk path of a paged cache: the unit ids (C/u, 1) int32 of each sequence in ``seqs``
-    (its only chunk's row of ``unit_table``), one DMA each, all issued before the first gather: a
-    later group's ids would otherwise queue behind the out stores of the group before it."""
-    n_cols = unit_table.shape[1]
-    ids = {}
-    for b in seqs:
-        if b not in ids:
-            ids[b] = nl.ndarray((n_cols, 1), dtype=nl.int32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=ids[b], src=unit_table.ap([[1, n_cols], [1, 1]], offset=b * n_cols))
-    return ids
-
-
-def _gather_heads(cache, cache_units, group_units, ids, tile, units):
-    """One gather per run of consecutive kv heads of one sequence (``head_runs``) among the entries
-    ``units`` of ``group_units`` (a paged cache, one block per partition: ``shared_gathers``), into
-    their (128, M*D) views of ``tile`` (entry i at column i*M*D; ``ids``: each sequence's unit ids,
-    ``load_unit_ids``)."""
-    unit_keys, head_offset = cache[4], cache[5]
-    width = tile.shape[1] // len(group_units)
-    for r0, n in head_runs([group_units[i] for i in units]):
-        i0 = units[r0]
-        b, hk = group_units[i0]
-        _gather_chunk(cache_units, ids[b], hk * head_offset, unit_keys, tile[:, i0 * width:(i0 + n) * width], heads=n)
-
-
-def v_gather_parts(waves, w):
-    """The V gathers of wave ``w`` (lists of group entries) when V loads over K (``overlay``): the
-    first wave's in two halves (the first half's V waits only for that half's K^T transposes, so it
-    moves while the rest are made), and the last wave's last unit apart (the other units' P @ V runs
-    while its V lands). Each gather costs GpSimd ~1 us + 128 descriptors: measured at B=1 Hq=32
-    Hkv=8 L=8192 D=128 (docs/perf-log.md §22.1), a finer split costs more issue than it hides."""
-    parts = [waves[w]]
-    if w == 0 and len(waves[w]) > 1:
-        half = len(waves[w]) // 2
-        parts = [waves[w][:half], waves[w][half:]]
-    if w == len(waves) - 1 and len(parts[-1]) > 1:
-        parts = parts[:-1] + [parts[-1][:-1], parts[-1][-1:]]
-    return parts
-
-
-def _clean_heads(cache, group_units, v_tile, setups, units):
-    """Each edge entry of ``units``: its V rows (view of ``v_tile``) outside [first, L_b) zeroed
-    (device loops of 0 or 1 trips over the edge ranges)."""
-    key_slots = cache[3]
-    width = v_tile.shape[1] // len(group_units)
-    for i in units:
-        for start, stop, step in setups[i].edges:
-            for _ in nl.dynamic_range(start, stop, step):
-                zero_invisible_rows(v_tile[:, i * width:(i + 1) * width], key_slots, setups[i].window)
 
 
 def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
@@ -648,7 +560,7 @@ def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
     if seq_offset is not None:
         _load_needed_groups(v_units, v_chunk, seq_offset + hk * head_offset, m, _key_registers(setup))
     else:
-        _gather_chunk(v_units, idx_sb, hk * head_offset, unit_keys, v_chunk)
+        gather_chunk(v_units, idx_sb, hk * head_offset, unit_keys, v_chunk)
     for start, stop, step in setup.edges:              # the edge ranges [start, lo) and [hi, stop)
         for _ in nl.dynamic_range(start, stop, step):
             zero_invisible_rows(v_chunk, key_slots, setup.window)
@@ -866,14 +778,14 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                 per_wave = wave_jobs(len(row_spans), len(d_spans))
                 waves = [list(range(w0, min(w0 + per_wave, len(group)))) for w0 in range(0, len(group), per_wave)]
                 for wave in waves:             # K per wave: the first wave's scores start on its own K
-                    _gather_heads(cache, k_units, group_units, unit_ids, k_tile, wave)
+                    gather_heads(cache, k_units, group_units, unit_ids, k_tile, wave)
 
                 def load_v(w, waves=waves, group_units=group_units, v_tile=v_tile, setups=setups):
                     parts = v_gather_parts(waves, w) if overlay else [waves[w]]
                     for part in parts:
                         if part:
-                            _gather_heads(cache, v_units, group_units, unit_ids, v_tile, part)
-                    _clean_heads(cache, group_units, v_tile, setups, waves[w])
+                            gather_heads(cache, v_units, group_units, unit_ids, v_tile, part)
+                    clean_heads(cache, group_units, v_tile, setups, waves[w])
 
                 if overlay:                    # each wave's V lands over its K, after its K^T transposes
                     before_pv = load_v
