@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from nki_lib.simulator.profile import ElementWork, OpCost
-from nki_lib.sizes import FP32_BYTES, dtype_bytes
+from nki_lib.sizes import FP32_BYTES, ceil_div, dtype_bytes
 
 __all__ = ["visible_pairs", "flash_attention_fwd", "flash_attention_bwd", "decode_attention", "moe_router",
            "moe_experts_fwd", "moe_experts_bwd", "moe_plan", "cost_of", "dtype_bytes", "pe_dtype"]
@@ -111,12 +111,13 @@ def decode_attention(b: int, hq: int, hkv: int, sq: int, seqlens: Sequence[int],
         raise ValueError(f"seqlens: expected {b} lengths, got {len(seqlens)}")
     s, s_kv = dtype_bytes(dtype), dtype_bytes(kv_dtype or dtype)
     vis = sum(visible_pairs(sq, int(length), causal=True, window_left=window_left) for length in seqlens)
-    read = sum(_read_keys(int(length), sq, window_left) for length in seqlens)
+    reads = [_read_keys(int(length), sq, window_left) for length in seqlens]
+    read = sum(reads)
     scores = hq * vis
     flops = 4.0 * scores * d
     nbytes = s_kv * 2 * hkv * d * read + s * 2 * b * hq * sq * d + FP32 * b * hq * sq + INT32 * b
     if block_size is not None:
-        nbytes += INT32 * sum(-(-_read_keys(int(length), sq, window_left) // block_size) for length in seqlens)
+        nbytes += INT32 * sum(ceil_div(r, block_size) for r in reads)
     return OpCost(flops, nbytes, pe_dtype(dtype), _attention_work(scores), label="decode_attention")
 
 

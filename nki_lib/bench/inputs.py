@@ -14,7 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["make_call", "baseline", "dense_cache", "SEED"]
+from nki_lib.attention.decode_attention_reference import dense_kv
+from nki_lib.sizes import ceil_div
+
+__all__ = ["make_call", "baseline", "SEED"]
 
 SEED = 0
 
@@ -39,20 +42,11 @@ def _decode_cache(gen, dims: dict, dtype: torch.dtype):
     bs = dims.get("block_size")
     if bs is None:
         return _rand(gen, b, hkv, length, d, dtype=dtype), _rand(gen, b, hkv, length, d, dtype=dtype), None
-    per_seq = -(-length // bs)
+    per_seq = ceil_div(length, bs)
     k_cache = _rand(gen, b * per_seq, hkv, bs, d, dtype=dtype)
     v_cache = _rand(gen, b * per_seq, hkv, bs, d, dtype=dtype)
     block_table = torch.randperm(b * per_seq, generator=gen).to(torch.int32).reshape(b, per_seq)
     return k_cache, v_cache, block_table
-
-
-def dense_cache(cache: torch.Tensor, block_table: torch.Tensor | None, length: int) -> torch.Tensor:
-    """(B, Hkv, length, D) keys or values of a contiguous or paged ``cache``."""
-    if block_table is None:
-        return cache[:, :, :length]
-    blocks = cache[block_table.long()]                    # (B, blocks, Hkv, bs, D)
-    b, n, hkv, bs, d = blocks.shape
-    return blocks.permute(0, 2, 1, 3, 4).reshape(b, hkv, n * bs, d)[:, :, :length]
 
 
 def make_call(op: str, dims: dict, dtype: torch.dtype, requires_grad: bool = False) -> tuple[tuple, dict]:
@@ -120,7 +114,8 @@ def baseline(op: str, args: tuple, kwargs: dict):
     if op == "decode_attention":   # every sequence at the full length (the benchmark's caches)
         q, k_cache, v_cache, seqlens, block_table = args[:5]
         sq, length = q.shape[2], int(seqlens.max())
-        k, v = (dense_cache(c, block_table, length) for c in (k_cache, v_cache))
+        k, v = (torch.stack(kv) for kv in zip(*(dense_kv(k_cache, v_cache, block_table, b, length)
+                                                 for b in range(q.shape[0]))))
         i = torch.arange(sq)[:, None] + (length - sq)
         mask = torch.arange(length)[None, :] <= i
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

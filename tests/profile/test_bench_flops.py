@@ -125,21 +125,23 @@ def test_cost_of_reads_the_registry_samples():
 
 
 def test_paged_decode_inputs_hold_the_contiguous_problem():
-    """A ``block_size`` decode case's paged caches, read through their permuted table, are a
-    dense cache; the baseline and the op's reference agree on them."""
+    """A ``block_size`` decode case's paged caches, read through their permuted table (the
+    reference's ``dense_kv``), are a dense cache; the baseline and the op's reference agree on them."""
     import torch
 
     import nki_lib
-    from nki_lib.bench.inputs import baseline, dense_cache, make_call
+    from nki_lib.attention.decode_attention_reference import dense_kv
+    from nki_lib.bench.inputs import baseline, make_call
 
     dims = dict(B=2, Hq=4, Hkv=2, Sq=1, L=100, D=16, block_size=32)
     args, kwargs = make_call("decode_attention", dims, torch.float32)
     q, k_cache, v_cache, seqlens, block_table, sinks = args
     assert k_cache.shape == (8, 2, 32, 16) and block_table.shape == (2, 4) and sinks is None
     assert sorted(block_table.flatten().tolist()) == list(range(8))   # every block owned once
-    assert dense_cache(k_cache, block_table, 100).shape == (2, 2, 100, 16)
     b, blk = 1, 2
-    assert torch.equal(dense_cache(k_cache, block_table, 100)[b, :, 64:96], k_cache[block_table[b, blk]])
+    keys, _ = dense_kv(k_cache, v_cache, block_table, b, 100)
+    assert keys.shape == (2, 100, 16)
+    assert torch.equal(keys[:, 64:96], k_cache[block_table[b, blk]])
     with nki_lib.use_backend("reference"):
         out = torch.ops.nki.decode_attention(*args, **kwargs)[0]
     torch.testing.assert_close(out, baseline("decode_attention", args, kwargs))

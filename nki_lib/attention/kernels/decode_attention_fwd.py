@@ -175,6 +175,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_io import (
     DIRECT_PIECE_SLOTS,
     DMA_ENGINE_PARTITIONS,
     OUT_STORE_LAG,
+    clean_edge_rows,
     load_q_t,
     load_sink,
     store_out,
@@ -561,9 +562,7 @@ def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
         _load_needed_groups(v_units, v_chunk, seq_offset + hk * head_offset, m, _key_registers(setup))
     else:
         gather_chunk(v_units, idx_sb, hk * head_offset, unit_keys, v_chunk)
-    for start, stop, step in setup.edges:              # the edge ranges [start, lo) and [hi, stop)
-        for _ in nl.dynamic_range(start, stop, step):
-            zero_invisible_rows(v_chunk, key_slots, setup.window)
+    clean_edge_rows(v_chunk, key_slots, setup)
 
 
 def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):

@@ -17,7 +17,7 @@ Limits: those of ``decode_attention_fwd`` (power-of-two units, C/u <= 128).
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
-from nki_lib.attention.kernels.decode_attention_fwd_io import zero_invisible_rows
+from nki_lib.attention.kernels.decode_attention_fwd_io import clean_edge_rows
 
 __all__ = ["gather_chunk", "head_runs", "shared_gathers", "load_unit_ids", "gather_heads", "v_gather_parts",
            "clean_heads"]
@@ -111,9 +111,6 @@ def v_gather_parts(waves, w):
 def clean_heads(cache, group_units, v_tile, setups, units):
     """Each edge entry of ``units``: its V rows (view of ``v_tile``) outside [first, L_b) zeroed
     (device loops of 0 or 1 trips over the edge ranges)."""
-    key_slots = cache[3]
     width = v_tile.shape[1] // len(group_units)
     for i in units:
-        for start, stop, step in setups[i].edges:
-            for _ in nl.dynamic_range(start, stop, step):
-                zero_invisible_rows(v_tile[:, i * width:(i + 1) * width], key_slots, setups[i].window)
+        clean_edge_rows(v_tile[:, i * width:(i + 1) * width], cache[3], setups[i])

@@ -22,7 +22,7 @@ from nki_lib._nki import nisa, nl
 from nki_lib.sizes import spans
 
 __all__ = ["StreamSetup", "load_q_t", "load_sink", "store_out", "stream_setup", "unit_table_width",
-           "zero_invisible_rows", "DMA_ENGINE_PARTITIONS", "RANGE_BOUNDS", "DIRECT_PIECE_SLOTS", "Q_LOAD_ROW_BYTES", "OUT_STORE_LAG",
+           "zero_invisible_rows", "clean_edge_rows", "DMA_ENGINE_PARTITIONS", "RANGE_BOUNDS", "DIRECT_PIECE_SLOTS", "Q_LOAD_ROW_BYTES", "OUT_STORE_LAG",
            "CHUNK_BUFFER_BUDGET"]
 
 RANGE_BOUNDS = 4                  # split_bounds per split: start, lo, hi, stop (3 ranges)
@@ -112,6 +112,14 @@ def zero_invisible_rows(v_chunk, key_slots, window_sb):
                               op1=nl.maximum, operand1=outside)
     d = v_chunk.shape[1] // m
     nisa.tensor_copy_predicated(dst=v_chunk, src=0.0, predicate=outside.expand_dim(2).broadcast(2, d))
+
+
+def clean_edge_rows(v_chunk, key_slots, setup):
+    """When the only chunk is an edge chunk (a device loop of 0 or 1 trips over each of ``setup``'s
+    edge ranges [start, lo) and [hi, stop)), its V rows outside [first, L_b) zeroed."""
+    for start, stop, step in setup.edges:
+        for _ in nl.dynamic_range(start, stop, step):
+            zero_invisible_rows(v_chunk, key_slots, setup.window)
 
 
 def unit_table_width(m, unit_keys):
