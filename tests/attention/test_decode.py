@@ -55,6 +55,9 @@ def _case(**over):
                sinks=True, window_left=5, softcap=5.0))
 @example(_case(hq=8, hkv=2, sq=16, lengths=[16, 40], cap=40, b=2, dtype=torch.float32))  # spec. verify
 @example(_case(sq=4, lengths=[700], cap=1100, block_size=64, dtype=torch.float16))  # 2 chunks, 1 split
+@example(_case(d=64, lengths=[16384], cap=16384, sinks=True))            # multi-chunk K^T, 2 slots a row: L_b at a chunk edge
+@example(_case(d=32, sq=2, lengths=[9001], cap=16384, window_left=17))   # D = 32, 4 slots a row: a window
+@example(_case(d=64, lengths=[200], cap=200, b=1))                       # multi-chunk M = 1: PE transposes
 def test_decode_parity_simulator(case):
     result = op_parity(SPEC, _sample(case), grads=False)
     assert result.ok, str(result)

@@ -28,8 +28,9 @@ SPEC = decode_attention_op.SPEC
 def _launch(sample, num_splits=None, grid=1):
     """Run the launcher directly (strict simulator path); returns ((out, lse), RunReport)."""
     q, k, v, seqlens, table, sinks = sample.args[:6]
+    starts = sample.args[6] if len(sample.args) > 6 else None
     flags = dict(scale=sample.kwargs.get("scale"), window_left=sample.kwargs.get("window_left", -1),
-                 softcap=sample.kwargs.get("softcap", 0.0))
+                 softcap=sample.kwargs.get("softcap", 0.0), cache_start=starts)
     with collect_runs() as runs, nki_lib.use_backend("simulator"), nki_lib.strict():
         outs = dispatch("decode_attention", (q, k, v, sinks), reference=None,
                         launch=lambda: decode_attention_fwd_plan.launch_decode_attention_fwd(q, k, v, seqlens, table, sinks,
@@ -431,13 +432,17 @@ def test_last_unit_k_by_dma_transpose(b, hq, hkv, d, cap, lengths, window_left, 
 
 def _poisoned_outside_window(sample, cap, lengths, sq, window_left):
     """``sample`` with NaN in K and V at every cached position outside each sequence's [first, L_b)
-    of a contiguous (B, Hkv, cap, D) cache, and ``first`` (B, 1, 1, 1)."""
+    of a contiguous (B, Hkv, cap, D) cache (``first`` folds in the cache start, ``sample.args[6]``,
+    when there is one), and ``first`` (B, 1, 1, 1)."""
     q, k, v, seqlens, table, sinks = sample.args[:6]
+    starts = sample.args[6:7]
     pos = torch.arange(cap)[None, None, :, None]
     length = torch.tensor(lengths)[:, None, None, None]
     first = (length - sq - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(length)
+    if starts and starts[0] is not None:
+        first = torch.maximum(first, starts[0].to(first.dtype)[:, None, None, None])
     keep = (pos >= first) & (pos < length)
-    return Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
+    return Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks, *starts), sample.kwargs,
                   sample.label + " poisoned"), first
 
 
@@ -480,12 +485,33 @@ def test_every_k_by_dma_transpose_at_d64(b, hq, hkv, sq, d, cap, lengths, window
 def test_multi_chunk_k_by_dma_transpose_at_d64(b, hq, hkv, sq, d, cap, lengths, window_left, num_splits, grid):
     """D <= 64 on the multi-chunk (split-KV) path of a contiguous 2-byte cache: K loads as K^T by
     hardware-DGE dma_transposes of ``_k_t_groups`` partitions at runtime chunk offsets (no PE
-    transposes of keys); an edge chunk reads only the partition groups holding a key of
-    [first, L_b), an interior chunk all. NaN outside every sequence's [first, L_b) (K and V) stays
-    out of the result (sinks, splits forced to 1, 2, 3)."""
+    transposes of keys), each source (16, groups, M/f, 128): f = 128/D consecutive slots of a
+    partition per 128-element row (the documented hwdge form, docs/nki-semantics.md §14.15); an edge
+    chunk reads only the partition groups holding a key of [first, L_b), an interior chunk all. NaN
+    outside every sequence's [first, L_b) (K and V) stays out of the result (sinks, splits forced to
+    1, 2, 3)."""
+    _check_multi_chunk_k_t(b, hq, hkv, sq, d, cap, lengths, window_left, num_splits, grid)
+
+
+@pytest.mark.parametrize("d, cap, lengths, window_left, starts, num_splits", [
+    (64, 40960, [32768, 16384], -1, None, 2),         # L_b at a chunk edge (M = 128: 16384-key chunks)
+    (64, 40960, [16385, 32767], 16383, None, 3),      # one key past an edge; a window ending a key short
+    (64, 40960, [38000, 20000], -1, [16384, 3000], 2),   # cache_start at a chunk edge and inside a span
+    (32, 8192, [8192, 4097], 2047, [1, 0], 3),        # D = 32 (four slots a row): window and cache start
+    (64, 4096, [4096], 0, None, 2),                   # window_left = 0: one key per row
+])
+def test_multi_chunk_folded_k_t_edges(d, cap, lengths, window_left, starts, num_splits):
+    """The folded K^T of the multi-chunk path (slots 2c, 2c+1 (D = 64) or 4c .. 4c+3 (D = 32) of a
+    partition one 128-element source row; the score matmuls on the PE row tile of each slot's
+    partitions) at its edges: L_b at and one key past a chunk edge, windows, cache starts."""
+    _check_multi_chunk_k_t(len(lengths), 8, 1, 1, d, cap, lengths, window_left, num_splits, 1, starts)
+
+
+def _check_multi_chunk_k_t(b, hq, hkv, sq, d, cap, lengths, window_left, num_splits, grid, starts=None):
     pmax = nl.tile_size.pmax
     sample = make_sample(b, hq, hkv, sq, d, lengths, torch.bfloat16, capacity_=cap, sinks=True,
-                         window_left=window_left)
+                         window_left=window_left,
+                         starts=starts)
     q, k, v, seqlens, table, sinks = sample.args[:6]
     poisoned, first = _poisoned_outside_window(sample, cap, lengths, sq, window_left)
     outs, report = _launch(poisoned, num_splits=num_splits, grid=grid)
@@ -493,29 +519,39 @@ def test_multi_chunk_k_by_dma_transpose_at_d64(b, hq, hkv, sq, d, cap, lengths, 
     m = decode_attention_fwd_plan.keys_per_partition(cap, d, k.element_size())
     assert not decode_attention_fwd.single_chunk_path(num_splits, b * hkv, grid, cap, m * pmax, cap)
     _judge(poisoned, outs)
-    assert decode_attention_fwd.stream_k_by_transpose(cap, m, k.element_size())
-    span = decode_attention_fwd._k_t_groups(m, k.element_size())
+    assert decode_attention_fwd.stream_k_by_transpose(cap, m, k.element_size(), d)
+    fold = decode_attention_fwd.k_t_fold(d, m)
+    span = decode_attention_fwd._k_t_groups(m // fold, k.element_size())
     chunk = m * pmax
     needed = sum(int(p0 * m < lb - c0 and int(f) - c0 < (p0 + span) * m)
                  for lb, f in zip(lengths, first.flatten()) for c0 in range(int(f) // chunk * chunk, lb, chunk)
                  for p0 in range(0, pmax, span)) * hkv
     transposes = [e for e in report.trace if e.opcode == "dma_transpose"]
     assert len(transposes) == needed
-    assert all(e.shape == (d, span // decode_attention_fwd.K_T_DGE_ROWS, m, decode_attention_fwd.K_T_DGE_ROWS)
-               and e.attrs["dge_mode"] == "hwdge" for e in transposes)
+    rows = decode_attention_fwd.K_T_DGE_ROWS
+    assert all(e.shape == (pmax, span // rows, m // fold, rows) and e.attrs["dge_mode"] == "hwdge"
+               and e.reads[0].shape == (rows, span // rows, m // fold, pmax) for e in transposes)
     assert not [e for e in report.trace if e.opcode == "nc_transpose" and e.shape == (d, pmax)]
 
 
-def test_multi_chunk_k_by_pe_transposes_when_spans_pass_the_capacity():
-    """A capacity that is not a whole number of K^T DMA spans (3000 keys: units of 8 keys, M = 8,
-    spans of 128 partitions, 1024 keys) keeps the gathers and PE transposes of K on the multi-chunk
-    path (a span holding a needed key would read past the cache)."""
-    sample = make_sample(1, 8, 1, 1, 64, [2900], torch.bfloat16, capacity_=3000, sinks=True)
-    assert not decode_attention_fwd.stream_k_by_transpose(3000, 8, 2)
+@pytest.mark.parametrize("d, cap, length, m", [
+    (64, 3000, 2900, 16),   # spans of 128 partitions (2048 keys) pass the capacity
+    (64, 200, 190, 1),      # M = 1: no two slots of a partition to fold into a 128-element row
+    (32, 300, 299, 2),      # D = 32, M = 2: not four slots
+])
+def test_multi_chunk_k_by_pe_transposes_when_spans_pass_the_capacity(d, cap, length, m):
+    """A capacity that is not a whole number of K^T DMA spans (3000 keys: M = 16, spans of 128
+    partitions, 2048 keys), or an M that is not a multiple of the slots folded into one
+    128-element hwdge source row (``k_t_fold``), keeps the gathers and PE transposes of K on the
+    multi-chunk path (a span holding a needed key would read past the cache; the hardware DGE takes
+    no other source shape)."""
+    sample = make_sample(1, 8, 1, 1, d, [length], torch.bfloat16, capacity_=cap, sinks=True)
+    assert decode_attention_fwd_plan.keys_per_partition(cap, d, 2) == m
+    assert not decode_attention_fwd.stream_k_by_transpose(cap, m, 2, d)
     outs, report = _launch(sample, num_splits=2)
     _judge(sample, outs)
     assert not [e for e in report.trace if e.opcode == "dma_transpose"]
-    assert [e for e in report.trace if e.opcode == "nc_transpose" and e.shape == (64, nl.tile_size.pmax)]
+    assert [e for e in report.trace if e.opcode == "nc_transpose" and e.shape == (d, nl.tile_size.pmax)]
 
 
 def test_merges_follow_each_unit_when_a_later_group_follows():

@@ -54,9 +54,13 @@ interior chunks (every key inside ``[first, L_b)``), edge chunks. For a contiguo
 interior chunk is one contiguous HBM run per kv head and loads with hardware-DGE DMAs
 (``.ap(scalar_offset=col)``, ``DIRECT_PIECE_SLOTS`` slots each, no GpSimd descriptor generation);
 everything else gathers. At D <= 64 with 2-byte K and a head capacity that is a whole number of
-K^T spans (``every_k_by_transpose``, ``stream_k_by_transpose``), K of every chunk loads as K^T
-(D, 128/16, M, 16) instead, by hardware-DGE ``dma_transpose``s at the chunk's runtime offset, one
-per span of ``_k_t_groups`` partitions (``_stream_k_t``): an interior chunk all spans, an edge
+K^T spans (``every_k_by_transpose``, ``stream_k_by_transpose``; D = 32 or 64 and M a multiple of
+f = 128/D, ``k_t_fold``), K of every chunk loads as K^T (128, 128/16, M/f, 16) instead, by
+hardware-DGE ``dma_transpose``s at the chunk's runtime offset of (16, groups, M/f, 128) sources
+(f consecutive slots of a partition per 128-element row, the documented hwdge form: 16 rows, last
+dim a multiple of 128), one per span of ``_k_t_groups`` partitions (``_stream_k_t``); K^T slot c sits
+on partitions (c % f)*D .. and its score matmuls run on that PE row tile against a q^T held in f
+copies (``load_q_t(copies=f)``): an interior chunk all spans, an edge
 chunk only the spans holding a key of [first, L_b) (0-or-1-trip device loops on registers of its
 key window clamped to the chunk); no PE transposes or K^T evictions (V as before).
 
@@ -125,7 +129,7 @@ pack's out rows leave as one tile of Sq rows per partition; see ``decode_attenti
 ``decode_attention_fwd_columns``.
 
 K/V chunk buffers: pairs rotate over the (b, hk, split) streams (as many pairs as fit
-``CHUNK_BUFFER_BUDGET``; a K^T buffer counts 128 keys per slot, so two pairs at M = 128, D = 64),
+``CHUNK_BUFFER_BUDGET``; a K^T buffer counts 128 keys per slot, 128/f on the multi-chunk path),
 so one stream's gathers overlap another stream's compute.
 
 LNC2 (``kernel[2]``): when B*Hkv is even the (b, hk) units alternate between the cores; otherwise
@@ -208,8 +212,10 @@ K_T_ROW_BYTES = 4096              # K^T by dma_transpose in partition groups who
                                   # are at least 4 KiB: a DMA chunk that long runs at full rate even at the
                                   # highest documented chunk floor (docs/cost-model.md §2.6)
 K_T_DGE_ROWS = 16                 # multi-chunk path: K^T by hardware-DGE dma_transposes (runtime chunk
-                                  # offsets), whose 4-d sources take at most 16 rows (partitions of a group)
-                                  # (docs/nki-semantics.md §8.10)
+                                  # offsets), whose sources take exactly 16 rows (partitions of a group) and
+                                  # a last dim a multiple of 128 (docs/nki-semantics.md §8.10)
+K_T_FOLD_MIN_D = 32               # multi-chunk K^T: f = 128/D slots folded per source row need a PE row
+                                  # tile of D rows (32 or 64; nki.isa.nc_matmul "Tiling mode", NC-v3+)
 
 
 class _BatchMeta(nl.NKIObject):
@@ -370,7 +376,7 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
             if direct:                                  # K, then V, in pieces
                 pieces = spans(m, DIRECT_PIECE_SLOTS)
                 if k_t:
-                    _stream_k_t(k_units, k_chunk, seq_offset + head_offset, col)
+                    _stream_k_t(k_units, k_chunk, seq_offset + head_offset, col, d)
                 for cache, buf in ((v_units, v_chunk),) if k_t else ((k_units, k_chunk), (v_units, v_chunk)):
                     for c0, n in pieces:
                         src = cache.ap([[m * d, pmax], [1, n * d]], offset=seq_offset + head_offset + c0 * d,
@@ -386,7 +392,7 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
                                        op1=nl.minimum, operand1=float(m * pmax), engine=nisa.engine.gpsimd)
                     for i, reg in enumerate(edge_regs):
                         nisa.register_load(reg, edge_window[0:1, i:i + 1])
-                    _stream_k_t(k_units, k_chunk, seq_offset + head_offset, col, edge_regs)
+                    _stream_k_t(k_units, k_chunk, seq_offset + head_offset, col, d, edge_regs)
                 else:
                     for step in steps:
                         gather_chunk(k_units, idx_sb, head_offset, unit_keys, k_chunk, step)
@@ -398,23 +404,27 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
 
 
-def _stream_k_t(k_units, k_t, base, col, key_regs=None):
-    """K^T (D, 128/pg, M, pg) (``pg = K_T_DGE_ROWS``) of a contiguous multi-chunk chunk whose first key
-    is unit column ``col`` (a loop register) of the cache rows at ``base``, by hardware-DGE
-    ``dma_transpose``s (the 4-d form, permutation (3, 1, 2, 0)) of its keys viewed as (pg partitions j,
-    groups g, M slots, D): element [d, g, c, j] is key (g*pg + j)*M + c, the key of partition g*pg + j,
-    slot c of the V chunk (K^T slot c is the view [:, :, c, :]). Each DMA covers ``_k_t_groups``
-    partitions, so its K^T rows (one contiguous run per partition of K^T) are at least
+def _stream_k_t(k_units, k_t, base, col, d, key_regs=None):
+    """K^T (f*D, 128/pg, M/f, pg) (``pg = K_T_DGE_ROWS``, f = ``k_t_fold``) of a contiguous multi-chunk
+    chunk whose first key is unit column ``col`` (a loop register) of the cache rows at ``base``, by
+    hardware-DGE ``dma_transpose``s (the 4-d form, permutation (3, 1, 2, 0)) of its keys viewed as
+    (pg partitions j, groups g, M/f slot folds, f*D = 128): f consecutive slots of a partition make one
+    128-element source row (the hardware DGE's last-dim granule), so element [e, g, c', j] is dim
+    e % D of key (g*pg + j)*M + f*c' + e // D, the key of partition g*pg + j, slot f*c' + e // D of
+    the V chunk (K^T slot c is the view [(c % f)*D:(c % f + 1)*D, :, c // f, :]). Each DMA covers
+    ``_k_t_groups`` partitions, so its K^T rows (one contiguous run per partition of K^T) are at least
     ``K_T_ROW_BYTES``. ``key_regs`` (an edge chunk: registers of [first, L_b) relative to the chunk):
     each DMA under ``_if_group_needed``, so only partition groups holding a needed key are read (the
     others keep stale data, masked by selection); None (an interior chunk): every group."""
     pmax = nl.tile_size.pmax
-    d, _, m, pg = k_t.shape
-    span = _k_t_groups(m, k_units.itemsize)   # partitions per DMA: a power of two >= pg
+    rows, _, folds, pg = k_t.shape
+    fold = rows // d
+    m = folds * fold
+    span = _k_t_groups(folds, k_units.itemsize)   # partitions per DMA: a power of two >= pg
 
     def load(p0, pn):
-        src = k_units.ap([[m * d, pg], [pg * m * d, pn // pg], [d, m], [1, d]], offset=base + p0 * m * d,
-                         scalar_offset=col, indirect_dim=0)
+        src = k_units.ap([[m * d, pg], [pg * m * d, pn // pg], [rows, folds], [1, rows]],
+                         offset=base + p0 * m * d, scalar_offset=col, indirect_dim=0)
         nisa.dma_transpose(dst=k_t[:, p0 // pg:(p0 + pn) // pg], src=src, dge_mode=nisa.dge_mode.hwdge)
 
     for p0, pn in spans(pmax, span):
@@ -474,12 +484,25 @@ def every_k_by_transpose(seq_units, itemsize, d):
     return seq_units is not None and itemsize == 2 and 2 * d <= nl.tile_size.pmax
 
 
-def stream_k_by_transpose(head_keys, m, itemsize):
+def stream_k_by_transpose(head_keys, m, itemsize, d):
     """Whether the multi-chunk path (``every_k_by_transpose`` given) loads K as K^T (``_stream_k_t``):
-    when the keys of a kv head are a whole number of its DMAs' partition spans (``_k_t_groups``
-    partitions of M keys), so that a span holding a needed key lies inside the cache (a chunk may
-    run past the capacity; the spans past it hold no needed key and are never read)."""
-    return head_keys % (_k_t_groups(m, itemsize) * m) == 0
+    when its slots fold into 128-element source rows (``k_t_fold``) and the keys of a kv head are a
+    whole number of its DMAs' partition spans (``_k_t_groups`` partitions of M keys), so that a span
+    holding a needed key lies inside the cache (a chunk may run past the capacity; the spans past it
+    hold no needed key and are never read). Otherwise K is gathered and PE-transposed (a recorded
+    choice: the hardware DGE takes no other source shape, docs/perf-log.md §24.1)."""
+    fold = k_t_fold(d, m)
+    return fold is not None and head_keys % (_k_t_groups(m // fold, itemsize) * m) == 0
+
+
+def k_t_fold(d, m):
+    """Slots f per 128-element source row of the multi-chunk path's hardware-DGE K^T transposes
+    (their sources need a last dim that is a multiple of 128: f = 128/D consecutive slots of a
+    partition, K^T slot c then on partitions (c % f)*D ..), or None when D does not divide 128, D is
+    below the smallest PE row tile (``K_T_FOLD_MIN_D``) or M is not a multiple of f."""
+    pmax = nl.tile_size.pmax
+    fold = pmax // d
+    return fold if pmax % d == 0 and d >= K_T_FOLD_MIN_D and m % fold == 0 else None
 
 
 def _k_t_groups(m, itemsize):
@@ -489,12 +512,13 @@ def _k_t_groups(m, itemsize):
     return min(pmax, max(LOAD_GROUP_PARTITIONS, K_T_ROW_BYTES // (m * itemsize)))
 
 
-def k_t_tile(dtype, m, d, pg=None):
-    """An SBUF tile for the K^T of one chunk, (D, 128/pg, M, pg): ``pg`` partitions per group, by default
-    ``_k_t_groups`` (``_load_k_t``; the multi-chunk path's ``_stream_k_t`` takes ``K_T_DGE_ROWS``)."""
+def k_t_tile(dtype, m, d, pg=None, fold=1):
+    """An SBUF tile for the K^T of one chunk, (f*D, 128/pg, M/f, pg): ``pg`` partitions per group, by
+    default ``_k_t_groups`` (``_load_k_t``; the multi-chunk path's ``_stream_k_t`` takes ``K_T_DGE_ROWS``
+    and ``fold`` = f = ``k_t_fold`` slots folded onto the partitions)."""
     pmax = nl.tile_size.pmax
     pg = pg or _k_t_groups(m, dtype.itemsize)
-    return nl.ndarray((d, pmax // pg, m, pg), dtype=dtype, buffer=nl.sbuf)
+    return nl.ndarray((fold * d, pmax // pg, m // fold, pg), dtype=dtype, buffer=nl.sbuf)
 
 
 def _load_k_t(k_units, base, m, d, setup, k_t=None):
@@ -649,9 +673,10 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                                None if seq_units is None else head_offset // d)
     shared = single and shared_gathers(seq_units, unit_keys, m)
     every_k_t = every_k_by_transpose(seq_units, k_units.itemsize, d) and (
-        single or stream_k_by_transpose(head_offset // d, m, k_units.itemsize))   # multi-chunk: ``_stream_k_t``
+        single or stream_k_by_transpose(head_offset // d, m, k_units.itemsize, d))   # multi-chunk: ``_stream_k_t``
     k_t_rows = None if single else K_T_DGE_ROWS    # partitions per K^T group: the multi-chunk path's hwdge form
-    k_row = pmax if every_k_t else d                # K^T: 128 keys per slot on each of D partitions
+    fold = 1 if single or not every_k_t else k_t_fold(d, m)   # multi-chunk K^T: slots per partition row
+    k_row = pmax // fold if every_k_t else d        # K^T: 128 keys per slot on each of D partitions
     pair_bytes = m * (k_row * k_units.itemsize + d * v_units.itemsize)
     budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
     n_pairs = max(1, min(batch * n_kv_heads * n_split, budget // pair_bytes))
@@ -671,7 +696,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                                                          buffer=nl.sbuf))
         chunk_bufs = [tuple(tile[:, i * m * d:(i + 1) * m * d] for tile in tiles) for i in range(n_pairs)]
     for _ in range(0 if shared else n_pairs):
-        pair = (k_t_tile(k_units.dtype, m, d, k_t_rows) if every_k_t else nl.ndarray((pmax, m * d), dtype=k_units.dtype,
+        pair = (k_t_tile(k_units.dtype, m, d, k_t_rows, fold) if every_k_t else nl.ndarray((pmax, m * d), dtype=k_units.dtype,
                                                                                        buffer=nl.sbuf),
                 nl.ndarray((pmax, m * d), dtype=v_units.dtype, buffer=nl.sbuf))
         chunk_bufs.append(pair)
@@ -691,11 +716,11 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
 
     def unit_q_t(u):
         if units_per_q == 1:
-            return [load_q_t(q, u * rows + r0, rn, d_spans, dtype) for r0, rn in row_spans]
+            return [load_q_t(q, u * rows + r0, rn, d_spans, dtype, fold) for r0, rn in row_spans]
         g = u // units_per_q
         if g not in q_groups:
             n = min(units_per_q, len(units) - g * units_per_q)
-            q_groups[g] = load_q_t(q, g * units_per_q * rows, n * rows, d_spans, dtype)
+            q_groups[g] = load_q_t(q, g * units_per_q * rows, n * rows, d_spans, dtype, fold)
         j = (u % units_per_q) * rows
         return [[q_t[:, j:j + rows] for q_t in q_groups[g]]]
 

@@ -53,10 +53,13 @@ def _q_rows_per_partition(rn, d, itemsize):
     return k
 
 
-def load_q_t(q, row0, rn, d_spans, dtype):
+def load_q_t(q, row0, rn, d_spans, dtype, copies=1):
     """q^T chunks (dc, rn) of rows ``row0 .. row0 + rn`` of the flattened (B*Hq*Sq, D) queries:
     one DMA of k consecutive rows per partition (rn/k partitions), k PE transposes (row p*k + j of
-    block j lands in column j*rn/k + p) and one copy that puts the columns back in row order."""
+    block j lands in column j*rn/k + p) and one copy that puts the columns back in row order.
+    ``copies`` > 1 (one chunk, D <= 64): (copies*D, rn), copy i on partitions i*D .. (i+1)*D (each
+    transpose reads its block ``copies`` times through a stride-0 view), for K^T slots folded onto
+    those partitions (``decode_attention_fwd.k_t_fold``)."""
     d = q.shape[3]
     k = _q_rows_per_partition(rn, d, q.itemsize)
     parts = rn // k
@@ -64,11 +67,15 @@ def load_q_t(q, row0, rn, d_spans, dtype):
     nisa.dma_copy(dst=q_sb, src=q.ap([[k * d, parts], [1, k * d]], offset=row0 * d))
     q_t = []
     for d0, dn in d_spans:
-        q_t_psum = nl.ndarray((dn, rn), dtype=dtype, buffer=nl.psum)
+        q_t_psum = nl.ndarray((copies * dn, rn), dtype=dtype, buffer=nl.psum)
         for j in range(k):
-            nisa.nc_transpose(dst=q_t_psum[:, j * parts:(j + 1) * parts], data=q_sb[:, j * d + d0:j * d + d0 + dn])
-        q_t_sb = nl.ndarray((dn, rn), dtype=dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=q_t_sb.reshape((dn, parts, k)), src=q_t_psum.reshape((dn, k, parts)).permute((0, 2, 1)))
+            block = q_sb[:, j * d + d0:j * d + d0 + dn]
+            if copies > 1:
+                block = block.expand_dim(1).broadcast(1, copies)
+            nisa.nc_transpose(dst=q_t_psum[:, j * parts:(j + 1) * parts], data=block)
+        q_t_sb = nl.ndarray((copies * dn, rn), dtype=dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=q_t_sb.reshape((copies * dn, parts, k)),
+                         src=q_t_psum.reshape((copies * dn, k, parts)).permute((0, 2, 1)))
         q_t.append(q_t_sb)
     return q_t
 

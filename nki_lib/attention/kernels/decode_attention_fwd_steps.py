@@ -87,12 +87,14 @@ class KtPipeline:
 
     def add(self, k_chunk, step, plan, d_spans, m, kv_dtype, rota=None):
         """Queue the K^T blocks of one step (slots ``step`` of ``k_chunk``). A 4-d ``k_chunk`` is K^T
-        already, (D, 128/pg, M, pg) with element [d, g, c, j] the key on partition g*pg + j of slot c
-        (``dma_transpose``, D <= 128): its blocks are views (D, 128/pg, nk, pg), no transposes."""
+        already (``dma_transpose``), (f*D, 128/pg, M/f, pg): slot c of the key on partition g*pg + j
+        is element [(c % f)*D + d, g, c // f, j] (f = 1, or f > 1 slots folded onto the partitions,
+        ``decode_attention_fwd.k_t_fold``); its blocks are (K^T tile, first slot, D), no transposes."""
         c0, n = step
         if len(k_chunk.shape) == 4:
-            for k0, kn in _kt_spans(n, plan):
-                self.thunks.append(lambda c=c0 + k0, kn=kn: [k_chunk[:, :, c:c + kn, :]])
+            d = d_spans[-1][0] + d_spans[-1][1]
+            for k0, _ in _kt_spans(n, plan):
+                self.thunks.append(lambda c=c0 + k0: [(k_chunk, c, d)])
             return
         for k0, kn in _kt_spans(n, plan):
             engine = None if rota is not None else nisa.engine.vector
@@ -110,12 +112,30 @@ class KtPipeline:
 
 
 def kt_slot(k_t, j):
-    """Slot j (D, 128 keys) of a K^T block: columns j*128 .. of a PE-transposed block (dc, nk*128), or
-    the view [:, :, j, :] of a DMA-transposed one (D, 128/pg, nk, pg)."""
-    if len(k_t.shape) == 4:
-        return k_t[:, :, j, :]
+    """Slot j (D, 128 keys) of a K^T block and its partitions (start, D), or None for partitions 0..:
+    columns j*128 .. of a PE-transposed block (dc, nk*128), or, of a DMA-transposed one (its tile
+    (f*D, 128/pg, M/f, pg), first slot c0, D), slot c = c0 + j: the view [r0:r0 + D, :, c // f, :],
+    r0 = (c % f)*D (partitions r0 .. r0 + D; None when f = 1)."""
     pmax = nl.tile_size.pmax
-    return k_t[:, j * pmax:(j + 1) * pmax]
+    if isinstance(k_t, tuple):
+        tile, c0, d = k_t
+        fold = tile.shape[0] // d
+        c = c0 + j
+        r0 = (c % fold) * d
+        return tile[r0:r0 + d, :, c // fold, :], ((r0, d) if fold > 1 else None)
+    return k_t[:, j * pmax:(j + 1) * pmax], None
+
+
+def _slot_operands(k_t, j, q_t):
+    """(stationary, moving, tiling) of the score matmul of slot j: K^T of a slot folded onto
+    partitions r0 .. r0 + D meets q^T on the same partitions (``q_t`` holds f copies, one per fold),
+    on the PE row tile there (``tile_position=(r0, 0)``, ``tile_size=(D, 128)``: row tiles of 32 or 64
+    rows, nki.isa.nc_matmul "Tiling mode")."""
+    stationary, rows = kt_slot(k_t, j)
+    if rows is None:
+        return stationary, q_t, {}
+    r0, d = rows
+    return stationary, q_t[r0:r0 + d], dict(tile_position=(r0, 0), tile_size=(d, nl.tile_size.pmax))
 
 
 def step_scores(s_sb, q_t, step, plan, kt, scale, softcap, fused=False):
@@ -140,8 +160,9 @@ def step_scores(s_sb, q_t, step, plan, kt, scale, softcap, fused=False):
         for t in range(len(s_sb)):
             for j in range(kn):
                 for h in range(len(q_t[t])):
-                    nisa.nc_matmul(dst=s_psum[t][:, k0 - b0 + j, :], stationary=kt_slot(k_t[h], j),
-                                   moving=q_t[t][h], accumulate=(h > 0))
+                    stationary, moving, tiling = _slot_operands(k_t[h], j, q_t[t][h])
+                    nisa.nc_matmul(dst=s_psum[t][:, k0 - b0 + j, :], stationary=stationary,
+                                   moving=moving, accumulate=(h > 0), **tiling)
         if k0 + kn == b0 + bn and not fused:
             for t in range(len(s_sb)):
                 _evict_scores(*_score_views(s_sb[t], s_psum[t], b0, bn), scale, softcap)
