@@ -9,6 +9,8 @@ same whether or not the kernel names ``dge_mode``:
   resolves to ``swdge``): ``dma_issue_swdge_ns + dma_issue_swdge_per_descriptor_ns x descriptors``;
 * ``scalar_offset`` with ``unknown`` -> hardware DGE on the sync engine (dynamic addresses rule
   out precomputed descriptors; trn2/trn3 have hardware DGE): ``dma_issue_hwdge_ns``;
+* ``scalar_offset`` with ``unknown`` on a ``dma_transpose`` whose source the hardware DGE cannot take
+  (not 16 rows, or a last dim not a multiple of 128; ``attrs["hwdge_shape"]``) -> software DGE;
 * a named mode is charged as named.
 
 The accounting (which engine pays, how many descriptors) is checked, never a time.
@@ -21,6 +23,7 @@ from nki_lib.simulator import isa as nisa
 from nki_lib.simulator import jit, last_run, simulate
 from nki_lib.simulator import language as nl
 from nki_lib.simulator.profile import estimate, instruction_cost, params
+from nki_lib.simulator.profile.costs import dge_mode_of
 
 PMAX = nl.tile_size.pmax
 COLS = 64
@@ -113,3 +116,52 @@ def test_static_dma_is_recorded_direct():
     first = [e for e in report.trace if e.opcode == "dma_copy"][0]
     assert first.attrs["indirect"] is None
     assert instruction_cost(first, HW).issue_engine is None
+
+
+def _scalar_offset_transpose(x, row, last, hardware):
+    """K^T-style transpose at a runtime row offset: 16 rows of ``last`` elements from row ``row`` of
+    ``x`` viewed as (16, n, w), w = min(last, 128), landing as (w, n, 16); ``hardware``: with
+    ``dge_mode.hwdge``, else ``unknown``."""
+    rows, width = 16, min(last, PMAX)
+    n = last // width
+    out = nl.ndarray((width, n, rows), dtype=x.dtype, buffer=nl.shared_hbm)
+    row_sb = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=row_sb, src=row)
+    row_reg = nisa.register_alloc()
+    nisa.register_load(row_reg, row_sb)
+    t_sb = nl.ndarray((width, n, rows), dtype=x.dtype, buffer=nl.sbuf)
+    mode = nisa.dge_mode.hwdge if hardware else nisa.dge_mode.unknown
+    nisa.dma_transpose(dst=t_sb, src=x.ap([[last, rows], [width, n], [1, width]], offset=0, scalar_offset=row_reg,
+                                          indirect_dim=0), dge_mode=mode)
+    nisa.dma_copy(dst=out, src=t_sb)
+    return out
+
+
+TRANSPOSE = jit(_scalar_offset_transpose)
+
+
+@pytest.mark.parametrize(("last", "hardware", "engine"), [
+    (128, False, "sync"),      # the hardware DGE's shape: unknown resolves to hwdge
+    (256, True, "sync"),       # named hwdge
+    (64, False, "gpsimd"),     # a last dim the hardware DGE cannot take: only software DGE
+])
+def test_scalar_offset_transpose_dge_follows_the_hardware_shape(last, hardware, engine):
+    """docs/cost-model.md "DGE rule": a runtime-offset dma_transpose with ``unknown`` is hardware DGE
+    when its source has the hardware DGE's shape (16 rows, last dim a multiple of 128), else software
+    DGE (GpSimd pays the descriptors); the values are the transposed rows either way."""
+    import ml_dtypes
+
+    x = np.random.default_rng(0).standard_normal((64, last)).astype(ml_dtypes.bfloat16)
+    got = np.asarray(simulate(TRANSPOSE)(x, np.array([[3]], dtype=np.int32), last, hardware))
+    width = min(last, PMAX)
+    want = x[3:19].reshape(16, last // width, width).transpose(2, 1, 0)
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+    entry = [e for e in last_run().trace if e.opcode == "dma_transpose"][0]
+    assert entry.attrs["indirect"] == "scalar" and entry.attrs["hwdge_shape"] == (last % 128 == 0)
+    assert instruction_cost(entry, HW).issue_engine == engine
+    assert dge_mode_of(entry.attrs) == ("hwdge" if engine == "sync" else "swdge")
+
+
+def test_static_unknown_transpose_stays_precomputed():
+    """A static dma_transpose with ``unknown`` of a shape the hardware DGE cannot take: ``none``."""
+    assert dge_mode_of({"dge_mode": "unknown", "indirect": None, "hwdge_shape": False}) == "none"

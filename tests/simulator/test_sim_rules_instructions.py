@@ -123,6 +123,39 @@ def indirect_transpose_rows_not_a_multiple_of_16():
     nisa.dma_transpose(dst=t_sb, src=src)  # VIOLATION
 
 
+def _hwdge_transpose(src_shape):
+    """A hardware-DGE dma_transpose of an SBUF source of ``src_shape`` into its permuted shape."""
+    a_sb = nl.zeros(src_shape, dtype=nl.bfloat16)
+    axes = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}[len(src_shape)]
+    t_sb = nl.ndarray(tuple(src_shape[a] for a in axes), dtype=nl.bfloat16, buffer=nl.sbuf)
+    return t_sb, a_sb
+
+
+def hwdge_transpose_2d_8_rows():
+    t_sb, a_sb = _hwdge_transpose((8, 128))
+    nisa.dma_transpose(dst=t_sb, src=a_sb, dge_mode=nisa.dge_mode.hwdge)  # VIOLATION
+
+
+def hwdge_transpose_3d_8_rows():
+    t_sb, a_sb = _hwdge_transpose((8, 2, 128))      # the old rule's rows * shape[-2] % 16 == 0
+    nisa.dma_transpose(dst=t_sb, src=a_sb, dge_mode=nisa.dge_mode.hwdge)  # VIOLATION
+
+
+def hwdge_transpose_4d_32_rows():
+    t_sb, a_sb = _hwdge_transpose((32, 1, 2, 128))
+    nisa.dma_transpose(dst=t_sb, src=a_sb, dge_mode=nisa.dge_mode.hwdge)  # VIOLATION
+
+
+def hwdge_transpose_4d_last_64():
+    t_sb, a_sb = _hwdge_transpose((16, 2, 8, 64))   # decode's multi-chunk K^T before round 10
+    nisa.dma_transpose(dst=t_sb, src=a_sb, dge_mode=nisa.dge_mode.hwdge)  # VIOLATION
+
+
+def hwdge_transpose_2d_last_64():
+    t_sb, a_sb = _hwdge_transpose((16, 64))
+    nisa.dma_transpose(dst=t_sb, src=a_sb, dge_mode=nisa.dge_mode.hwdge)  # VIOLATION
+
+
 def transpose_mode_without_identity():
     s_sb = nl.zeros((32, 16), dtype=nl.bfloat16)
     m_sb = nl.ones((32, 32), dtype=nl.bfloat16)
@@ -185,6 +218,11 @@ CASES = [
     (indirect_transpose_int32_indices, "dma_transpose", "src"),
     (indirect_transpose_hwdge, "dma_transpose", "dge_mode"),
     (indirect_transpose_rows_not_a_multiple_of_16, "dma_transpose", "src"),
+    (hwdge_transpose_2d_8_rows, "dma_transpose", "src"),
+    (hwdge_transpose_3d_8_rows, "dma_transpose", "src"),
+    (hwdge_transpose_4d_32_rows, "dma_transpose", "src"),
+    (hwdge_transpose_4d_last_64, "dma_transpose", "src"),
+    (hwdge_transpose_2d_last_64, "dma_transpose", "src"),
     (transpose_mode_without_identity, "nc_matmul", "moving"),
     (tile_size_too_small, "nc_matmul", None),
     (tile_position_without_tile_size, "nc_matmul", "tile_size"),
@@ -229,3 +267,59 @@ def test_indirect_transpose_within_the_documented_limits_gathers_then_transposes
     got = np.asarray(simulate(kernel)(x, idx))
     want = x.reshape(256, c, d)[idx[:, 0]].transpose(2, 1, 0)
     np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+
+
+def test_hwdge_transpose_shape_predicate():
+    """docs/nki-semantics.md §14.15: the hardware DGE takes sources of exactly 16 rows whose last dim
+    is a multiple of 128 (a last dim of 192 or 256 cannot reach an instruction at all: it becomes the
+    destination's partition dim, at most 128)."""
+    from nki_lib.simulator.isa.dma import _hwdge_shape_ok
+
+    assert _hwdge_shape_ok((16, 128)) and _hwdge_shape_ok((16, 3, 256)) and _hwdge_shape_ok((16, 1, 2, 128))
+    for shape in ((16, 64), (16, 2, 192), (8, 128), (1, 16, 128), (32, 1, 1, 128)):
+        assert not _hwdge_shape_ok(shape), shape
+
+
+@pytest.mark.parametrize("shape", [(16, 128), (16, 3, 128), (16, 2, 3, 128)], ids=["2d", "3d", "4d"])
+def test_hwdge_transpose_within_the_documented_limits(shape):
+    """A hardware-DGE dma_transpose of 16 rows and a 128-element last dim from HBM: dst is
+    src.transpose(axes), element by element."""
+    import ml_dtypes
+
+    axes = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}[len(shape)]
+    out_shape = tuple(shape[a] for a in axes)
+
+    @jit
+    def kernel(x_hbm):
+        t_sb = nl.ndarray(out_shape, dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=t_sb, src=x_hbm, dge_mode=nisa.dge_mode.hwdge)
+        out = nl.ndarray(out_shape, dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t_sb)
+        return out
+
+    x = np.random.default_rng(0).standard_normal(shape).astype(ml_dtypes.bfloat16)
+    got = np.asarray(simulate(kernel)(x))
+    np.testing.assert_array_equal(got.astype(np.float32), x.transpose(axes).astype(np.float32))
+
+
+def test_unknown_static_transpose_has_no_hwdge_shape_limit():
+    """``dge_mode=unknown`` on a static transpose (the compiler may choose precomputed descriptors):
+    8 rows of 64 elements are accepted, and the trace records that the shape is not the hardware
+    DGE's."""
+    import ml_dtypes
+
+    from nki_lib.simulator import last_run
+
+    @jit
+    def kernel(x_hbm):
+        t_sb = nl.ndarray((64, 8), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=t_sb, src=x_hbm)
+        out = nl.ndarray((64, 8), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t_sb)
+        return out
+
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(ml_dtypes.bfloat16)
+    got = np.asarray(simulate(kernel)(x))
+    np.testing.assert_array_equal(got.astype(np.float32), x.T.astype(np.float32))
+    entry = [e for e in last_run().trace if e.opcode == "dma_transpose"][0]
+    assert entry.attrs["hwdge_shape"] is False and entry.attrs["dge_mode"] == "unknown"

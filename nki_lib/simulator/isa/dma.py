@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import cast_to, is_packed, to_f32
-from ..hw import DGE_TRANSPOSE_MAX_LAST, DGE_TRANSPOSE_ROWS
+from ..hw import DGE_TRANSPOSE_LAST_GRANULE, DGE_TRANSPOSE_MAX_LAST, DGE_TRANSPOSE_ROWS
 from ..memory import ONCHIP
 from ..tensor import NkiTensor
 from ._common import INSTRUCTION, as_op, begin
@@ -125,28 +125,31 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=_dge_mode.unknown
     vals, rows = src._gather(c.opcode, "src", skip)
     if vals is None:
         c.record("dma", _reads(src, dst), (dst,), dst._shape, dst._dtype, 0, 0,
-                 _attrs(src, dst, skipped=True))
+                 _attrs(src, dst, skipped=True, hwdge_shape=_hwdge_shape_ok(src._shape)))
         return INSTRUCTION
     out = np.transpose(np.asarray(vals), axes)
     dst._scatter(np.ascontiguousarray(out), c.opcode, "dst")
     c.record("dma", _reads(src, dst), (dst,), dst._shape, dst._dtype, dst.size, dst.size * dst.itemsize,
-             _attrs(src, dst, axes=axes, dge_mode=dge_mode.name))
+             _attrs(src, dst, axes=axes, dge_mode=dge_mode.name, hwdge_shape=_hwdge_shape_ok(src._shape)))
     return INSTRUCTION
 
 
 def _hwdge_transpose_shape(c, shape):
-    """HW-DGE transpose shapes (docs/nki-semantics.md §8.10): rows 16 (2-D) or a power of two <= 16 with
-    rows * shape[-2] a multiple of 16 (3/4-D); at most 128 elements in the last dim."""
-    rows = shape[0]
-    if len(shape) == 2:
-        c.check(rows == DGE_TRANSPOSE_ROWS, "src",
-                f"hwdge 2-d transpose needs {DGE_TRANSPOSE_ROWS} source rows, got {rows}")
-    else:
-        c.check(rows in (1, 2, 4, 8, DGE_TRANSPOSE_ROWS) and rows * shape[-2] % DGE_TRANSPOSE_ROWS == 0, "src",
-                f"hwdge transpose needs shape[0] in 1..{DGE_TRANSPOSE_ROWS} (power of two) and shape[0] * shape[-2] "
-                f"a multiple of {DGE_TRANSPOSE_ROWS}, got {shape}")
-    c.check(shape[-1] <= DGE_TRANSPOSE_MAX_LAST, "src",
-            f"hwdge transpose needs shape[-1] <= {DGE_TRANSPOSE_MAX_LAST}, got {shape[-1]}")
+    """Hardware-DGE transpose shapes (docs/nki-semantics.md §8.10, the nki.isa.dma_transpose page's
+    "DMA Direct Transpose Constraints"): exactly 16 source rows (``src.shape[0]``, every rank) and a
+    last dim that is a multiple of 128 (the 2-byte dtype is checked by the caller)."""
+    c.check(shape[0] == DGE_TRANSPOSE_ROWS, "src",
+            f"a hwdge dma_transpose needs src.shape[0] == {DGE_TRANSPOSE_ROWS}, got src shape {tuple(shape)}")
+    c.check(shape[-1] % DGE_TRANSPOSE_LAST_GRANULE == 0, "src",
+            f"a hwdge dma_transpose needs src.shape[-1] a multiple of {DGE_TRANSPOSE_LAST_GRANULE}, "
+            f"got src shape {tuple(shape)}")
+
+
+def _hwdge_shape_ok(shape):
+    """Whether a ``dma_transpose`` source of ``shape`` has the hardware DGE's form (16 rows, a last dim
+    that is a multiple of 128): recorded in the trace (``attrs["hwdge_shape"]``) for the cost model's
+    DGE rule (a runtime-offset transpose of another shape can only get software DGE)."""
+    return shape[0] == DGE_TRANSPOSE_ROWS and shape[-1] % DGE_TRANSPOSE_LAST_GRANULE == 0
 
 
 def _indirect_transpose_rules(c, shape, indices, dge_mode):

@@ -38,8 +38,9 @@ docs/cost-model.md "DGE") costs 600 ns on the triggering engine (sync, or scalar
 names it) for ``hwdge``, ~1 us + 50 ns per descriptor (one per contiguous chunk) on GpSimd for
 ``swdge``, ~0.1 us (no engine) for precomputed descriptors (``none``). The mode follows the
 DMA's recorded form (``attrs["indirect"]``), not only what the kernel names: a ``vector_offset``
-DMA is always ``swdge``; ``unknown`` with a ``scalar_offset`` is ``hwdge``; a static
-``unknown`` DMA is ``none``.
+DMA is always ``swdge``; ``unknown`` with a ``scalar_offset`` is ``hwdge`` (``swdge`` for a
+``dma_transpose`` whose source shape the hardware DGE cannot take); a static ``unknown`` DMA is
+``none``.
 """
 
 from __future__ import annotations
@@ -213,8 +214,10 @@ def dge_mode_of(attrs) -> str:
     ``vector_offset`` (per-partition indices) is served only by software DGE, whatever mode the
     kernel names (``unknown`` resolves to ``swdge``); a named mode is used as named; ``unknown``
     with a runtime ``scalar_offset`` is hardware DGE (dynamic addresses rule out descriptors
-    precomputed in HBM; NeuronCore-v3+ has hardware DGE); a static ``unknown`` DMA gets
-    precomputed descriptors (``none``).
+    precomputed in HBM; NeuronCore-v3+ has hardware DGE), except a ``dma_transpose`` whose source
+    the hardware DGE cannot take (``attrs["hwdge_shape"]`` False: not 16 rows, or a last dim not a
+    multiple of 128), which only software DGE can serve; a static ``unknown`` DMA gets precomputed
+    descriptors (``none``).
     """
     mode = str(attrs.get("dge_mode", "") or "unknown").rsplit(".", 1)[-1].lower()
     form = attrs.get("indirect")
@@ -222,7 +225,9 @@ def dge_mode_of(attrs) -> str:
         return "swdge"
     if mode in ("swdge", "hwdge", "none"):
         return mode
-    return "hwdge" if form == "scalar" else "none"
+    if form == "scalar":
+        return "swdge" if attrs.get("hwdge_shape") is False else "hwdge"
+    return "none"
 
 
 def _descriptor_generation(attrs, descriptors: int, hw: HardwareParams) -> tuple[str | None, float]:
