@@ -58,6 +58,10 @@ def _case(**over):
 @example(_case(d=64, lengths=[16384], cap=16384, sinks=True))            # multi-chunk K^T, 2 slots a row: L_b at a chunk edge
 @example(_case(d=32, sq=2, lengths=[9001], cap=16384, window_left=17))   # D = 32, 4 slots a row: a window
 @example(_case(d=64, lengths=[200], cap=200, b=1))                       # multi-chunk M = 1: PE transposes
+@example(_case(b=2, hq=4, hkv=2, sq=2, d=64, lengths=[512, 65], cap=512, block_size=4,   # paged, M = block:
+               sinks=True, window_left=17))                               # K^T of 2 slots per PE transpose
+@example(_case(b=2, hq=6, hkv=2, sq=1, d=32, lengths=[4, 509], cap=512, block_size=4, dtype=torch.float32,
+               softcap=5.0))                                              # 4 slots per transpose, fp32
 def test_decode_parity_simulator(case):
     result = op_parity(SPEC, _sample(case), grads=False)
     assert result.ok, str(result)

@@ -630,6 +630,48 @@ def test_paged_heads_share_gathers(b, hq, hkv, sq, d, lengths, dtype, flags, gat
     _judge(poisoned, outs)
 
 
+@pytest.mark.parametrize("d, dtype, bs, lengths, flags, pack", [
+    # D = 64: slots (c, c+1) in one transpose, lengths at block edges (a full block, one key past one)
+    (64, torch.bfloat16, 8, [1024, 8, 9], dict(window_left=15, sinks=True), 2),
+    # D = 32: 4 slots per transpose (32-row tiles), a window inside the last block, fp32
+    (32, torch.float32, 8, [1000, 513, 64], dict(window_left=3, softcap=5.0), 4),
+    # D = 128: one slot per transpose, as before
+    (128, torch.bfloat16, 4, [512, 77, 4], dict(sinks=True), 1),
+])
+def test_paged_keys_transposed_in_slot_groups(d, dtype, bs, lengths, flags, pack):
+    """Paged single-chunk path with one block per partition at D <= 64: one PE transpose moves
+    ``128 / D`` consecutive slots of K (slot i on partitions i*D ..), and each slot's score matmul is
+    a row tile over its own D partitions, so a NaN key of the neighbouring slot (unused block, or
+    outside [first, L_b)) never meets the slot's query (NaN poisoning as above): parity, no NaN,
+    ``M / pack`` key transposes per unit, every score matmul over D partitions at a multiple of D."""
+    hq, hkv, sq = 2 * 3, 3, 2
+    cap = bs * nl.tile_size.pmax
+    sample = make_sample(len(lengths), hq, hkv, sq, d, lengths, dtype, block_size=bs, capacity_=cap,
+                         num_blocks=sum(-(-n // bs) for n in lengths) + 5, **flags)
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    m = decode_attention_fwd_plan.keys_per_partition(cap, d, q.element_size())
+    assert m == bs
+    window_left = flags.get("window_left", -1)
+    keep = torch.zeros(k.shape[0], 1, bs, 1, dtype=torch.bool)
+    for i, length in enumerate(lengths):
+        first = max(0, length - sq - window_left) if window_left >= 0 else 0
+        for col in range(-(-length // bs)):
+            pos = col * bs + torch.arange(bs)
+            keep[int(table[i, col]), 0, :, 0] = (pos >= first) & (pos < length)
+    poisoned = Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
+                      sample.label + " poisoned")
+    outs, report = _launch(poisoned)
+    assert not any(torch.isnan(o).any() for o in outs)
+    _judge(poisoned, outs)
+    pmax = nl.tile_size.pmax
+    key_transposes = [e for e in report.trace if e.opcode == "nc_transpose" and e.shape == (pack * d, pmax)]
+    assert len(key_transposes) == len(lengths) * hkv * m // pack
+    if pack > 1:
+        scores = [e for e in report.trace if e.opcode == "nc_matmul" and e.attrs["K"] == d and e.attrs["M"] == pmax]
+        assert len(scores) == len(lengths) * hkv * m
+        assert {e.reads[0].partitions for e in scores} == {(p0, p0 + d) for p0 in range(0, pmax, d)}
+
+
 def test_head_runs_and_v_gather_parts():
     """Gathers span consecutive kv heads of one sequence only; V-over-K gathers split the first wave
     in halves and the last wave's last unit apart."""

@@ -100,7 +100,10 @@ partition (M = block size, ``shared_gathers``) the units' K (and V) chunks are c
 descriptor, and the GpSimd descriptor generation falls by the heads per gather), K per wave of
 ``run_chunks``; when K and V of all units do not fit the budget but K alone does (``overlay``),
 every unit's V lands over its own K, each wave's V gathers issued right before its P @ V
-(``run_chunks`` ``before_pv``) in the parts of ``v_gather_parts``); the V cleaning of an edge chunk runs
+(``run_chunks`` ``before_pv``) in the parts of ``v_gather_parts``; at D <= 64 dividing 128, one PE
+transpose makes K^T of 128/D consecutive slots at once (slot i on partitions i*D ..) and each slot's
+score matmul is a row tile over its own D partitions with q^T replicated there
+(``decode_attention_fwd_pairs``)); the V cleaning of an edge chunk runs
 in device loops of 0 or 1 trips too. Per group of units (as many as there are buffer pairs): K of
 every unit, then V of every unit, then their compute in waves of up to ``LOCKSTEP_CHAINS`` chains,
 the instructions of the units' softmax, P @ V and merge chains interleaved phase by phase
@@ -188,6 +191,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_io import (
     zero_invisible_rows,
 )
 from nki_lib.attention.kernels.decode_attention_fwd_packed import column_pack_size, pack_size, packed_path
+from nki_lib.attention.kernels.decode_attention_fwd_pairs import slots_per_transpose
 from nki_lib.attention.kernels.decode_attention_fwd_steps import (
     MIN_II_ELEMS,
     LseTile,
@@ -714,13 +718,16 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     neg_sinks = {}                                  # single-chunk path, one step: their negation
     units_per_q = pmax // rows if len(row_spans) == 1 else 1
 
+    key_pack = slots_per_transpose(d, plan[2], m) if shared else 1   # K^T slots per PE transpose
+    q_copies = max(fold, key_pack)                  # q^T copies, one per partition block of folded K^T slots
+
     def unit_q_t(u):
         if units_per_q == 1:
-            return [load_q_t(q, u * rows + r0, rn, d_spans, dtype, fold) for r0, rn in row_spans]
+            return [load_q_t(q, u * rows + r0, rn, d_spans, dtype, q_copies) for r0, rn in row_spans]
         g = u // units_per_q
         if g not in q_groups:
             n = min(units_per_q, len(units) - g * units_per_q)
-            q_groups[g] = load_q_t(q, g * units_per_q * rows, n * rows, d_spans, dtype, fold)
+            q_groups[g] = load_q_t(q, g * units_per_q * rows, n * rows, d_spans, dtype, q_copies)
         j = (u % units_per_q) * rows
         return [[q_t[:, j:j + rows] for q_t in q_groups[g]]]
 
@@ -737,7 +744,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                 if (hk, t) not in neg_sinks:
                     neg_sinks[(hk, t)] = nl.ndarray((row_spans[t][1], 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.tensor_scalar(dst=neg_sinks[(hk, t)], data=sinks[(hk, t)], op0=nl.multiply, operand0=-1.0,
-                                       engine=nisa.engine.gpsimd)
+                                       engine=nisa.engine.vector if shared else nisa.engine.gpsimd)
         return _UnitWork(q_t=unit_q_t(u),
                          states=[[_init_state(meta, b * n_split + s, r0, rn, d, plan[0], single, engine,
                                               (sinks.get((hk, t)), neg_sinks.get((hk, t))) if fold else None)
@@ -833,7 +840,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
             tails = [unit_merges(*unit) for unit in done] if serial else None
             outs = run_chunks([(work.states[0], work.q_t, k_bufs[i], chunk_bufs[i][1]) for i, work in enumerate(works)],
                               plan, d_spans, m, ones_col, k_units.dtype, scale, softcap, dtype, fresh=True, tails=tails,
-                              before_pv=before_pv)
+                              before_pv=before_pv, pack=key_pack)
             if plan[0] == m and g0 + n_pairs >= len(mine):   # folded merges need no exp: the log table
                 nisa.activation(dst=warm, op=nl.log, data=ones_col)   # loads behind P @ V and the merges
                 warm = None

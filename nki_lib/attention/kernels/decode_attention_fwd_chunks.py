@@ -149,7 +149,7 @@ def wave_jobs(n_tiles, n_d_spans):
 
 
 def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, fresh=False, tails=None,
-               before_pv=None):
+               before_pv=None, pack=1):
     """Scores, mask, softmax and P @ V of loaded chunks -- ``jobs`` of (states per row tile, q^T,
     K chunk, V chunk), one softmax step (``plan[0]`` slots) at a time, software-pipelined over the
     steps of all jobs in order: the scores of item i+1 are issued before the softmax of item i, and
@@ -167,7 +167,10 @@ def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype
 
     ``before_pv``: called with a wave's index right before its P @ V is issued (after the scores, so
     the K^T transposes, of that wave and the next): the V of a one-step wave may then load over its
-    own K (``decode_attention_fwd`` ``overlay``)."""
+    own K (``decode_attention_fwd`` ``overlay``).
+
+    ``pack`` > 1: K^T of ``pack`` slots per PE transpose, folded onto the partitions, and the jobs'
+    q^T in ``pack`` copies (``decode_attention_fwd_pairs``)."""
     pmax = nl.tile_size.pmax
     width = wave_jobs(len(jobs[0][0]), len(d_spans))
     packed = any(st.pack > 1 for st in jobs[0][0])
@@ -181,7 +184,7 @@ def run_chunks(jobs, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype
         kt = KtPipeline()
         for (split_states, _, k_chunk, _), step in wave:
             if not split_states[0].columns:         # column-tiled packs load K^T by DMA
-                kt.add(k_chunk, step, plan, d_spans, m, kv_dtype, rota)
+                kt.add(k_chunk, step, plan, d_spans, m, kv_dtype, rota, pack)
         out = []
         for (split_states, q_t, k_chunk, _), step in wave:
             n = step[1]

@@ -6,7 +6,8 @@ Algorithm per softmax step of ``n`` key slots (keys on partitions, rows on the f
 ``decode_attention_fwd`` for the whole kernel)::
 
     K^T blocks   PE transposes of nk slots, KT_LOOKAHEAD blocks ahead of their score matmuls, across
-                 the steps of every unit of a wave (KtPipeline)
+                 the steps of every unit of a wave (KtPipeline); at D <= 64 on the paged shared-gather path
+                 128/D slots per transpose (decode_attention_fwd_pairs)
     s            = scale * q @ k^T (softcap: softcap * tanh(s / softcap)), evicted from PSUM
     mask, rowmax one range_select per position of a row group (rows sharing a position)
     m_new, p     = max(m, rowmax), exp(s - m_new)      (per-row exps when a row has >= MIN_II_ELEMS slots)
@@ -28,6 +29,7 @@ Limits: those of ``decode_attention_fwd`` (D <= 256, bf16/fp16/fp32, positions <
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
+from nki_lib.attention.kernels.decode_attention_fwd_pairs import packed_keys_transposed
 from nki_lib.attention.kernels.tiles import STAT_INIT, inf_max_rows
 from nki_lib.sizes import spans
 
@@ -85,12 +87,22 @@ class KtPipeline:
         self.issued = []
         self.taken = 0
 
-    def add(self, k_chunk, step, plan, d_spans, m, kv_dtype, rota=None):
+    def add(self, k_chunk, step, plan, d_spans, m, kv_dtype, rota=None, pack=1):
         """Queue the K^T blocks of one step (slots ``step`` of ``k_chunk``). A 4-d ``k_chunk`` is K^T
         already (``dma_transpose``), (f*D, 128/pg, M/f, pg): slot c of the key on partition g*pg + j
         is element [(c % f)*D + d, g, c // f, j] (f = 1, or f > 1 slots folded onto the partitions,
-        ``decode_attention_fwd.k_t_fold``); its blocks are (K^T tile, first slot, D), no transposes."""
+        ``decode_attention_fwd.k_t_fold``); its blocks are (K^T tile, first slot, D), no transposes.
+        ``pack`` > 1: a (128, M*D) chunk whose blocks are PE-transposed ``pack`` slots at a time into
+        that folded form (``decode_attention_fwd_pairs.packed_keys_transposed``)."""
         c0, n = step
+        if pack > 1:
+            d = k_chunk.shape[1] // m
+            for k0, kn in _kt_spans(n, plan):
+                engine = None if rota is not None else nisa.engine.vector
+                self.thunks.append(lambda blk=(c0 + k0, kn), eng=engine:
+                                   packed_keys_transposed(k_chunk, blk, d, pack, kv_dtype,
+                                                          eng if eng is not None else rota.next()))
+            return
         if len(k_chunk.shape) == 4:
             d = d_spans[-1][0] + d_spans[-1][1]
             for k0, _ in _kt_spans(n, plan):
