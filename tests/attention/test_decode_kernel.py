@@ -430,6 +430,20 @@ def test_last_unit_k_by_dma_transpose(b, hq, hkv, d, cap, lengths, window_left, 
     assert len(k_t) == (b * hkv - taken) * m
 
 
+def _poisoned_paged_blocks(sample, bs, lengths, sq, window_left):
+    """``sample`` with NaN in K and V in every block of a paged (NB, Hkv, bs, D) cache that no
+    sequence uses and in every slot of a used block outside its sequence's [first, L_b)."""
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    keep = torch.zeros(k.shape[0], 1, bs, 1, dtype=torch.bool)
+    for i, length in enumerate(lengths):
+        first = max(0, length - sq - window_left) if window_left >= 0 else 0
+        for col in range(-(-length // bs)):
+            pos = col * bs + torch.arange(bs)
+            keep[int(table[i, col]), 0, :, 0] = (pos >= first) & (pos < length)
+    return Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
+                  sample.label + " poisoned")
+
+
 def _poisoned_outside_window(sample, cap, lengths, sq, window_left):
     """``sample`` with NaN in K and V at every cached position outside each sequence's [first, L_b)
     of a contiguous (B, Hkv, cap, D) cache (``first`` folds in the cache start, ``sample.args[6]``,
@@ -612,15 +626,7 @@ def test_paged_heads_share_gathers(b, hq, hkv, sq, d, lengths, dtype, flags, gat
     q, k, v, seqlens, table, sinks = sample.args[:6]
     m = decode_attention_fwd_plan.keys_per_partition(cap, d, q.element_size())
     assert m == bs and decode_attention_fwd_gathers.shared_gathers(None, bs, m)
-    window_left = flags.get("window_left", -1)
-    keep = torch.zeros(k.shape[0], 1, bs, 1, dtype=torch.bool)
-    for i, length in enumerate(lengths):
-        first = max(0, length - sq - window_left) if window_left >= 0 else 0
-        for col in range(-(-length // bs)):
-            pos = col * bs + torch.arange(bs)
-            keep[int(table[i, col]), 0, :, 0] = (pos >= first) & (pos < length)
-    poisoned = Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
-                      sample.label + " poisoned")
+    poisoned = _poisoned_paged_blocks(sample, bs, lengths, sq, flags.get("window_left", -1))
     outs, report = _launch(poisoned)
     assert not any(torch.isnan(o).any() for o in outs)
     _judge(poisoned, outs)
@@ -651,15 +657,7 @@ def test_paged_keys_transposed_in_slot_groups(d, dtype, bs, lengths, flags, pack
     q, k, v, seqlens, table, sinks = sample.args[:6]
     m = decode_attention_fwd_plan.keys_per_partition(cap, d, q.element_size())
     assert m == bs
-    window_left = flags.get("window_left", -1)
-    keep = torch.zeros(k.shape[0], 1, bs, 1, dtype=torch.bool)
-    for i, length in enumerate(lengths):
-        first = max(0, length - sq - window_left) if window_left >= 0 else 0
-        for col in range(-(-length // bs)):
-            pos = col * bs + torch.arange(bs)
-            keep[int(table[i, col]), 0, :, 0] = (pos >= first) & (pos < length)
-    poisoned = Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
-                      sample.label + " poisoned")
+    poisoned = _poisoned_paged_blocks(sample, bs, lengths, sq, flags.get("window_left", -1))
     outs, report = _launch(poisoned)
     assert not any(torch.isnan(o).any() for o in outs)
     _judge(poisoned, outs)

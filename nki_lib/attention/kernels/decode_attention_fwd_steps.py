@@ -28,6 +28,8 @@ Limits: those of ``decode_attention_fwd`` (D <= 256, bf16/fp16/fp32, positions <
 
 from __future__ import annotations
 
+from functools import partial
+
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.decode_attention_fwd_pairs import packed_keys_transposed
 from nki_lib.attention.kernels.tiles import STAT_INIT, inf_max_rows
@@ -95,24 +97,19 @@ class KtPipeline:
         ``pack`` > 1: a (128, M*D) chunk whose blocks are PE-transposed ``pack`` slots at a time into
         that folded form (``decode_attention_fwd_pairs.packed_keys_transposed``)."""
         c0, n = step
-        if pack > 1:
-            d = k_chunk.shape[1] // m
-            for k0, kn in _kt_spans(n, plan):
-                engine = None if rota is not None else nisa.engine.vector
-                self.thunks.append(lambda blk=(c0 + k0, kn), eng=engine:
-                                   packed_keys_transposed(k_chunk, blk, d, pack, kv_dtype,
-                                                          eng if eng is not None else rota.next()))
-            return
         if len(k_chunk.shape) == 4:
             d = d_spans[-1][0] + d_spans[-1][1]
             for k0, _ in _kt_spans(n, plan):
                 self.thunks.append(lambda c=c0 + k0: [(k_chunk, c, d)])
             return
+        if pack > 1:
+            transpose = partial(packed_keys_transposed, k_chunk, d=k_chunk.shape[1] // m, pack=pack, dtype=kv_dtype)
+        else:
+            transpose = partial(_block_keys_transposed, k_chunk, d_spans=d_spans, m=m, dtype=kv_dtype)
         for k0, kn in _kt_spans(n, plan):
             engine = None if rota is not None else nisa.engine.vector
             self.thunks.append(lambda blk=(c0 + k0, kn), eng=engine:
-                               _block_keys_transposed(k_chunk, blk, d_spans, m, kv_dtype,
-                                                              eng if eng is not None else rota.next()))
+                               transpose(blk, engine=eng if eng is not None else rota.next()))
 
     def take(self):
         """The next K^T block, after issuing the transposes up to ``KT_LOOKAHEAD`` blocks beyond it."""
