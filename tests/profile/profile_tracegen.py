@@ -47,10 +47,11 @@ class Trace:
         self.entries.append(entry)
         return entry
 
-    def matmul(self, stationary: Access, moving: Access, out: Access, *, is_transpose=False) -> TraceEntry:
+    def matmul(self, stationary: Access, moving: Access, out: Access, *, is_transpose=False, tile=None) -> TraceEntry:
+        """``tile``: the PE tile ``(start_row, rows, start_column, columns)`` the simulator records."""
         k, m, n = stationary.shape[0], math.prod(stationary.shape[1:]), math.prod(moving.shape[1:])
         return self.add("tensor", "nc_matmul", [stationary, moving], [out], (m, n), out.dtype,
-                        {"K": k, "M": m, "N": n, "accumulate": False, "is_transpose": is_transpose})
+                        {"K": k, "M": m, "N": n, "accumulate": False, "is_transpose": is_transpose, "tile": tile})
 
     def dma(self, src: Access, dst: Access, **attrs) -> TraceEntry:
         nbytes = math.prod(dst.shape) * DTYPE_BYTES[dst.dtype]

@@ -91,6 +91,14 @@ def _tiling(c, tile_position, tile_size, k, m, dst):
         c.check(start == tile_position[1], "dst", f"dst starts at partition {start}, column tile at {tile_position[1]}")
 
 
+def _tile_attr(tile_position, tile_size):
+    """The trace's record of a tiled matmul, ``(start_row, rows, start_column, columns)``, or None
+    (the cost model runs matmuls on disjoint PE tiles in parallel: docs/cost-model.md §7.4)."""
+    if not tile_size:
+        return None
+    return (int(tile_position[0]), int(tile_size[0]), int(tile_position[1]), int(tile_size[1]))
+
+
 def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
               accumulate=None, tile_position=(), tile_size=(), perf_mode=_perf_mode.none, name=None):
     """``dst (M, N) [+]= stationary(K, M).T @ moving(K, N)`` on the Tensor engine."""
@@ -129,7 +137,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         out = vals if dst._dtype == stationary._dtype else vals.astype(np.float32)
         dst._scatter(np.ascontiguousarray(out), c.opcode, "dst")
         c.record("tensor", (stationary, moving), (dst,), (m, n), dst._dtype, m * n, m * n * dst.itemsize,
-                 {"K": k, "M": m, "N": n, "accumulate": False, "is_transpose": True})
+                 {"K": k, "M": m, "N": n, "accumulate": False, "is_transpose": True,
+                  "tile": _tile_attr(tile_position, tile_size)})
         return INSTRUCTION
     # products are exact in fp64; the fp64 sum rounded once to fp32 does not depend on the BLAS blocking
     # (fp32 BLAS results change with N at tile edges; the systolic array's do not)
@@ -143,7 +152,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     accumulated = _psum_write(c, dst, result, accumulate, dpf)
     c.record("tensor", (stationary, moving), (dst,), (m, n), dst._dtype, m * n, m * n * dst.itemsize,
              {"K": 2 * k if double else k, "M": m, "N": n, "accumulate": accumulated, "is_transpose": False,
-              "perf_mode": perf_mode.value})
+              "perf_mode": perf_mode.value, "tile": _tile_attr(tile_position, tile_size)})
     return INSTRUCTION
 
 

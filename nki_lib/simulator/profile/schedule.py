@@ -20,6 +20,9 @@ the one loaded. TensorE throttling (§2.1): a PE instruction that starts after t
 idle long enough for utilisation to fall below the threshold starts a new ramp; until the ramp
 ends it runs at ``start_frac + (1 - start_frac) * t / ramp`` of full speed.
 
+TensorE matmuls on disjoint PE row / column tiles (``tile_position``) run in parallel
+(:mod:`.pe_array`).
+
 ``core_barrier`` joins the programs of an LNC2 launch: every program resumes at the latest
 arrival plus ``barrier_ns``; the barrier is a fence for all engines of its program. Under LNC1
 it is a no-op costing one sync-engine slot.
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 
 from .constants import HardwareParams
 from .costs import InstrCost, instruction_cost
+from .pe_array import GapPe, InOrderPe, area, cells_of, uses_tiles
 
 __all__ = ["ENGINES", "ProgramResult", "schedule_programs"]
 
@@ -262,11 +266,12 @@ class _InOrderLane:
     def __init__(self) -> None:
         self.free, self.last = 0.0, None
 
-    def fit(self, ready: float, service: float) -> tuple[float, int | None]:
-        """Earliest start >= ``ready`` and the position that kept the engine busy until then."""
+    def fit(self, ready: float, service: float, cells=None) -> tuple[float, int | None]:
+        """Earliest start >= ``ready`` and the position that kept the engine busy until then
+        (``cells``: ignored, the engine is one resource; see :mod:`.pe_array`)."""
         return (self.free, self.last) if self.free > ready else (ready, None)
 
-    def take(self, start: float, end: float, position: int) -> None:
+    def take(self, start: float, end: float, position: int, cells=None) -> None:
         self.free, self.last = end, position
 
 
@@ -286,7 +291,7 @@ class _GapLane:
         self.starts, self.ends = [0.0], [math.inf]
         self.before: list[int | None] = [None]   # position whose instruction ends where the gap starts
 
-    def fit(self, ready: float, service: float) -> tuple[float, int | None]:
+    def fit(self, ready: float, service: float, cells=None) -> tuple[float, int | None]:
         last = len(self.starts) - 1
         first = max(bisect.bisect_right(self.starts, ready) - 1, 0)
         for j in (*range(first, min(first + self.SCAN, last)), last):
@@ -295,7 +300,7 @@ class _GapLane:
                 return start, (self.before[j] if start > ready else None)
         raise AssertionError("unreachable: the last gap is open-ended")
 
-    def take(self, start: float, end: float, position: int) -> None:
+    def take(self, start: float, end: float, position: int, cells=None) -> None:
         j = bisect.bisect_right(self.starts, start + 1e-9) - 1
         gap_start, gap_end, before = self.starts[j], self.ends[j], self.before[j]
         pieces = []
@@ -369,6 +374,8 @@ class _Program:
         self.service_log: list = []
         lane = _InOrderLane if services is None else _GapLane
         self.lanes = {e: lane() for e in ENGINES if e != "dma"}
+        if uses_tiles(entries):   # PE row / column tiles run in parallel (pe_array)
+            self.lanes["tensor"] = InOrderPe() if services is None else GapPe(_GapLane)
         self.dma = (_InOrderDma if services is None else _GapDma)(hw.dma_engines)
         self.regions = _Regions()
         self.banks = _PsumBanks(hw, entries)
@@ -443,19 +450,22 @@ class _Program:
             self.service_log.append(None)
         else:
             lane = self.lanes[cost.engine]
+            cells = cells_of(entry.attrs.get("tile")) if cost.engine == "tensor" else None
             known = self.services[position] if self.services is not None else 0.0
-            start, who = lane.fit(ready, known)
+            start, who = lane.fit(ready, known, cells)
             if start > ready:
                 pred, why = who, "engine"
             service = self._compute_service(cost, start, position)
             if release is not None and release - cost.latency_ns - service > start:  # barrier: joint release
-                start, why = lane.fit(release - cost.latency_ns - service, service)[0], "other core"
+                start, why = lane.fit(release - cost.latency_ns - service, service, cells)[0], "other core"
             end = start + service
             path_start = start
-            lane.take(start, end, position)
+            lane.take(start, end, position, cells)
+            share = 1.0
             if cost.engine == "tensor":
-                self.pe_last_end = end
-            res.busy_ns[cost.engine] += service
+                self.pe_last_end = max(end, self.pe_last_end or 0.0)
+                share = area(cells)
+            res.busy_ns[cost.engine] += service * share
             serial = service + cost.latency_ns
             self.service_log.append(service)
         done = end + cost.latency_ns
