@@ -335,13 +335,17 @@ def test_nc_matmul_with_shared_identity_matrix(rng):
     np.testing.assert_array_equal(run_tiles(transpose, x), x.T.astype(np.float32))
 
 
-def test_dma_transpose_2d(rng):
+@pytest.mark.parametrize("dge_mode", [None, 3, 1], ids=["default", "none_by_value", "swdge_by_value"])
+def test_dma_transpose_2d(rng, dge_mode):
+    """Every dge_mode on a direct transpose (docs/nki-semantics.md §8.10: the public NKI Library
+    passes none = 3 to direct static transposes, though the API page lists only unknown and hwdge)."""
     x = rng.standard_normal((16, 96)).astype(BF16)
+    mode = {} if dge_mode is None else {"dge_mode": dge_mode}
 
     @jit
     def dma_t(x_hbm):
         t_sb = nl.ndarray((96, 16), dtype=x_hbm.dtype, buffer=nl.sbuf)
-        nisa.dma_transpose(dst=t_sb, src=x_hbm)
+        nisa.dma_transpose(dst=t_sb, src=x_hbm, **mode)
         out_hbm = nl.ndarray((96, 16), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
         nisa.dma_copy(dst=out_hbm, src=t_sb)
         return out_hbm
