@@ -16,6 +16,7 @@ from nki_lib.attention.kernels import (
     decode_attention_fwd_gathers,
     decode_attention_fwd_packed,
     decode_attention_fwd_plan,
+    decode_attention_fwd_steps,
 )
 from nki_lib.dispatch import NKIFallbackError, collect_runs, dispatch
 from nki_lib.numerics import parity
@@ -668,6 +669,44 @@ def test_paged_keys_transposed_in_slot_groups(d, dtype, bs, lengths, flags, pack
         scores = [e for e in report.trace if e.opcode == "nc_matmul" and e.attrs["K"] == d and e.attrs["M"] == pmax]
         assert len(scores) == len(lengths) * hkv * m
         assert {e.reads[0].partitions for e in scores} == {(p0, p0 + d) for p0 in range(0, pmax, d)}
+
+
+@pytest.mark.parametrize("d, dtype, bs, lengths, flags", [
+    # D = 64 bf16, 32 slots a step: lengths at block edges, a window and sinks
+    (64, torch.bfloat16, 32, [4096, 32, 33], dict(window_left=40, sinks=True)),
+    # D = 32 fp32, 16 slots a step (the threshold), softcap
+    (32, torch.float32, 16, [2000, 17, 16], dict(softcap=5.0)),
+])
+def test_pv_on_pe_column_tiles(d, dtype, bs, lengths, flags):
+    """A direct P @ V step of >= PV_TILES_MIN_SLOTS slots and <= 32 rows spreads its slots over the
+    four 32-column PE tiles (slot j on tile j % 4, its own zeroed partial) and adds the partials by one
+    fp32 matmul with the selection matrix: parity, no NaN with NaN in every unused block and slot
+    outside [first, L_b), and every P @ V matmul on a 32-column tile."""
+    hq, hkv, sq = 2 * 3, 3, 2
+    cap = bs * nl.tile_size.pmax
+    sample = make_sample(len(lengths), hq, hkv, sq, d, lengths, dtype, block_size=bs, capacity_=cap,
+                         num_blocks=sum(-(-n // bs) for n in lengths) + 5, **flags)
+    q = sample.args[0]
+    m = decode_attention_fwd_plan.keys_per_partition(cap, d, q.element_size())
+    rows = hq // hkv * sq
+    assert decode_attention_fwd_steps.pv_column_tiles(rows, m, True) == nl.tile_size.pmax // 32
+    poisoned = _poisoned_paged_blocks(sample, bs, lengths, sq, flags.get("window_left", -1))
+    outs, report = _launch(poisoned)
+    assert not any(torch.isnan(o).any() for o in outs)
+    _judge(poisoned, outs)
+    tiled = [e.attrs["tile"] for e in report.trace if e.opcode == "nc_matmul" and e.attrs.get("tile")
+             and e.attrs["tile"][3] == 32]
+    # per unit and slot one P @ V and one row-sum matmul, on the four column tiles
+    assert len(tiled) == 2 * len(lengths) * hkv * m
+    assert {t[2] for t in tiled} == {0, 32, 64, 96}
+
+
+def test_pv_column_tiles_threshold():
+    steps = decode_attention_fwd_steps
+    assert steps.pv_column_tiles(8, steps.PV_TILES_MIN_SLOTS, True) == nl.tile_size.pmax // steps.PV_TILE_COLUMNS
+    assert steps.pv_column_tiles(8, steps.PV_TILES_MIN_SLOTS - 1, True) == 1      # too few slots
+    assert steps.pv_column_tiles(steps.PV_TILE_COLUMNS + 1, 64, True) == 1       # rows exceed a column tile
+    assert steps.pv_column_tiles(8, 64, False) == 1                              # the transposed form
 
 
 def test_head_runs_and_v_gather_parts():

@@ -33,6 +33,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_columns import column_pv_mer
 from nki_lib.attention.kernels.decode_attention_fwd_steps import (
     MIN_II_ELEMS,
     KtPipeline,
+    PvTileSum,
     lockstep_batched,
     pv_direct,
     step_probs_phases,
@@ -245,12 +246,14 @@ def _flush_pv(pending, ones_col, d_spans, fresh, in_place=False, tails=None):
     its P @ V result where it is (PSUM; no later wave allocates PSUM before the merges free it)."""
     wave, probs = pending
     phases, columns = [], []
+    tile_sum = PvTileSum()
     for ((split_states, _, _, v_chunk), step), item_probs in zip(wave, probs):
         first = fresh and step[0] == 0
         for st, (p_t, neg_m_new) in zip(split_states, item_probs):
             if st.pack == 1:
                 phases.append(step_pv_phases(st, p_t, neg_m_new, v_chunk, step[0], ones_col, d_spans,
-                                             pv_direct(*st.acc.shape), first, in_place=in_place))
+                                             pv_direct(*st.acc.shape), first, in_place=in_place,
+                                             tile_sum=tile_sum))
                 continue
             if st.columns:
                 columns.append(column_pv_merge_phases(st, p_t, neg_m_new, v_chunk, ones_col, step[0], st.unit_sinks,
@@ -258,7 +261,8 @@ def _flush_pv(pending, ones_col, d_spans, fresh, in_place=False, tails=None):
                 continue
             rows, part = st.units[0].acc.shape[0], nl.tile_size.pmax // st.pack
             phases += [step_pv_phases(ust, p_t[:, u * rows:(u + 1) * rows, :], neg_m_new[u], v_chunk, step[0],
-                                      ones_col, d_spans, pv_direct(*ust.acc.shape), first, (u * part, part))
+                                      ones_col, d_spans, pv_direct(*ust.acc.shape), first, (u * part, part),
+                                      tile_sum=tile_sum)
                        for u, ust in enumerate(st.units)]
     width = max(1, LOCKSTEP_CHAINS // len(d_spans))
     if tails is not None:

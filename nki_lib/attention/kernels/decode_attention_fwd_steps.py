@@ -11,7 +11,9 @@ Algorithm per softmax step of ``n`` key slots (keys on partitions, rows on the f
     s            = scale * q @ k^T (softcap: softcap * tanh(s / softcap)), evicted from PSUM
     mask, rowmax one range_select per position of a row group (rows sharing a position)
     m_new, p     = max(m, rowmax), exp(s - m_new)      (per-row exps when a row has >= MIN_II_ELEMS slots)
-    l, acc       = alpha * l + rowsum(p), alpha * acc + p @ v
+    l, acc       = alpha * l + rowsum(p), alpha * acc + p @ v   (a direct step of >= PV_TILES_MIN_SLOTS
+                 slots and <= 32 rows: slot j on PE column tile j % 4, four partials added by one
+                 matmul with a 0/1 selection matrix, ``_pv_column_tiles``)
     merge        splits and the sink through their maxima and sums: out (rn, D), lse = M + log L
 
 Each ``*_phases`` function is a generator whose yields separate dependent instruction groups, so
@@ -41,6 +43,9 @@ PE_MIN_COLUMNS = 64               # a matmul streams at least min(64, M) columns
                                   # cycles (docs/cost-model.md, TensorE row)
 KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
 DVE_TRANSPOSE_MAX = 32            # VectorE nc_transpose handles tiles of up to 32 x 32 (nki.isa.nc_transpose docs)
+PV_TILE_COLUMNS = 32              # the smallest PE column tile (nki.isa.nc_matmul tiling mode, NC-v3+)
+PV_TILES_MIN_SLOTS = 16           # fewer slots in a step: one accumulator (the tiles' PSUM copy and sum
+                                  # matmul cost more than the P @ V time they save; docs/perf-log.md §26.3)
 
 
 def _block_keys_transposed(k_chunk, block, d_spans, m, dtype, engine):
@@ -410,8 +415,66 @@ def pv_direct(rn, d):
     return max(min(PE_MIN_COLUMNS, rn), d) <= max(min(PE_MIN_COLUMNS, dc), rn)
 
 
+def pv_column_tiles(rn, n, direct):
+    """How many PE column tiles P @ V of a step spreads its slots over (1: one accumulator). A direct
+    P @ V matmul's stationary P^T slot (128, rn) has rn <= 32 columns, so it fits a 32-column tile,
+    and matmuls on the four column tiles run in parallel (nki.isa.nc_matmul, Tiling mode)."""
+    if not direct or rn > PV_TILE_COLUMNS or n < PV_TILES_MIN_SLOTS:
+        return 1
+    return nl.tile_size.pmax // PV_TILE_COLUMNS
+
+
+class PvTileSum:
+    """The fp32 selection matrix that adds the column tiles' partial [O | rowsum] tiles: sel (128, rn)
+    with sel[t * 32 + r, r] = 1 -- the shared identity's column blocks [t*32, t*32 + rn) added by one
+    VectorE reduce over a (128, rn, tiles) view, made once per row count and shared by the steps of
+    a wave."""
+
+    def __init__(self):
+        self._by_rows = {}
+
+    def get(self, rn):
+        if rn not in self._by_rows:
+            pmax, cols = nl.tile_size.pmax, PV_TILE_COLUMNS
+            ident = nl.shared_identity_matrix(pmax, dtype=nl.float32)
+            blocks = ident.ap(pattern=[[pmax, pmax], [1, rn], [cols, pmax // cols]], offset=0)
+            sel = nl.ndarray((pmax, rn), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_reduce(dst=sel, op=nl.add, data=blocks, axis=2)
+            self._by_rows[rn] = sel
+        return self._by_rows[rn]
+
+
+def _pv_column_tiles(o_l, p_t, v_chunk, c0, ones_col, tiles, row_span, tile_sum):
+    """[O | rowsum] of the step's slots on ``tiles`` PE column tiles: slot j accumulates on tile
+    j % tiles into its own partial (rows t*32 .. t*32 + rn of one zeroed PSUM tile (128, D + 1)), the
+    P @ V matmuls of a group of ``tiles`` slots issued together and then their row-sum matmuls (so no
+    matmul waits in TensorE's issue order for the tile the one before it holds); the partials are
+    copied to SBUF and added by one matmul with ``tile_sum`` into ``o_l`` (rn, D + 1). ``row_span``
+    (start, size): the PE rows (partitions) the slots contract over."""
+    pmax, cols = nl.tile_size.pmax, PV_TILE_COLUMNS
+    rn, d = o_l.shape[0], o_l.shape[1] - 1
+    n = p_t.shape[2]
+    row0, rows = row_span
+    part_psum = nl.ndarray((pmax, d + 1), dtype=nl.float32, buffer=nl.psum)
+    nisa.memset(dst=part_psum, value=0.0)          # rows no tile writes stay 0 for the sum
+    for g in range(0, n, tiles):
+        group = range(g, min(n, g + tiles))
+        for moving, lo, hi in (("v", 0, d), ("ones", d, d + 1)):
+            for j in group:
+                t = j % tiles
+                c = c0 + j
+                nisa.nc_matmul(dst=part_psum[t * cols:t * cols + rn, lo:hi], stationary=p_t[:, :, j],
+                               moving=v_chunk[:, c * d:(c + 1) * d] if moving == "v" else ones_col,
+                               accumulate=True, tile_position=(row0, t * cols), tile_size=(rows, cols))
+    yield
+    part_sb = nl.ndarray((pmax, d + 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=part_sb, src=part_psum)
+    yield
+    nisa.nc_matmul(dst=o_l, stationary=tile_sum.get(rn), moving=part_sb)
+
+
 def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, direct, fresh=False, parts=None,
-                   in_place=False):
+                   in_place=False, tile_sum=None):
     """[O | rowsum] (rn, D + 1) of the slots c0 .. c0 + n into one PSUM tile, then the
     online-softmax update of ``state`` (acc | l in one instruction). The row sums are
     matmul(P^T slot j (128, rn), ones (128, 1)) (TensorE has room, VectorE does not). O:
@@ -427,7 +490,9 @@ def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, direct
     its zero probabilities (0 * inf would be NaN). ``in_place`` (fresh, folded with a sink: the state's
     only step, merged right after): the state's acc | l and -m become views of the PSUM result and of
     -m_new, so no copies sit between P @ V and the merge (without a sink the merge copies l on GpSimd,
-    which cannot read PSUM, so the copies stay)."""
+    which cannot read PSUM, so the copies stay). ``tile_sum`` (a :class:`PvTileSum`): a direct step of
+    at least ``PV_TILES_MIN_SLOTS`` slots and rn <= 32 rows runs its matmuls on the PE column tiles
+    (``_pv_column_tiles``); without it, one accumulator."""
     rn, d = state.acc.shape
     n = p_t.shape[2]
     tiling = {}
@@ -435,9 +500,13 @@ def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, direct
         p0, pn = parts
         p_t, v_chunk, ones_col = p_t[p0:p0 + pn], v_chunk[p0:p0 + pn], ones_col[p0:p0 + pn]
         tiling = dict(tile_position=(p0, 0), tile_size=(pn, nl.tile_size.pmax))
+    tiles = pv_column_tiles(rn, n, direct) if tile_sum is not None else 1
     o_l = nl.ndarray((rn, d + 1), dtype=nl.float32, buffer=nl.psum)
     o_t = [] if direct else [nl.ndarray((dn, rn), dtype=nl.float32, buffer=nl.psum) for _, dn in d_spans]
-    for j in range(n):
+    if tiles > 1:
+        yield from _pv_column_tiles(o_l, p_t, v_chunk, c0, ones_col, tiles, parts or (0, nl.tile_size.pmax),
+                                    tile_sum)
+    for j in range(n if tiles == 1 else 0):
         c = c0 + j
         if direct:
             nisa.nc_matmul(dst=o_l[:, 0:d], stationary=p_t[:, :, j], moving=v_chunk[:, c * d:(c + 1) * d],
