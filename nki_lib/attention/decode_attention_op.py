@@ -116,7 +116,8 @@ def validate(q, k_cache, v_cache, cache_seqlens, block_table, sinks, cache_start
 
 def validate_starts(q, cache_seqlens, cache_start):
     """Data check of cache_start (real tensors only, on host copies: ``nki_lib.validation.on_host``):
-    ``0 <= start_b <= L_b - Sq``."""
+    ``0 <= start_b <= L_b - Sq``; returns whether any start is > 0 (from the same host copy, no
+    device op)."""
     with on_host(cache_start, cache_seqlens) as (starts, lengths):
         starts, last = starts.to(torch.int64), lengths.to(torch.int64) - q.shape[2]
         bad = (starts < 0) | (starts > last)
@@ -125,6 +126,7 @@ def validate_starts(q, cache_seqlens, cache_start):
             raise ValueError(f"cache_start must lie in [0, cache_seqlens - Sq] (the new tokens are valid "
                              f"cache positions), got cache_start[{b}] = {int(starts[b])} with "
                              f"cache_seqlens[{b}] = {int(lengths[b])}, Sq = {q.shape[2]}")
+        return bool(starts.any())
 
 
 def validate_values(q, k_cache, cache_seqlens, block_table):
@@ -170,8 +172,7 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if has_values(cache_seqlens, block_table, cache_start):
         validate_values(q, k_cache, cache_seqlens, block_table)
         if cache_start is not None:
-            validate_starts(q, cache_seqlens, cache_start)
-            if not bool(cache_start.any()):
+            if not validate_starts(q, cache_seqlens, cache_start):
                 cache_start = None             # every sequence starts at 0: the plain call
     if sinks is not None:
         sinks = sinks.to(_lse_dtype(q))

@@ -379,10 +379,10 @@ def test_column_tiled_packs(b, hq, hkv, sq, d, cap, lengths, window_left, dtype,
     (8, 1, 128, 2048, -1, True),                                 # one unit per chunk
 ])
 def test_single_chunk_kernel_reads_the_lengths(hq, sq, d, cap, window_left, reads):
-    """A contiguous single-chunk cache without a window or cache start: the launcher builds no split
-    bounds or key windows (the kernel reads L_b and derives [0, L_b) and its one edge range on chip,
-    one register per unit instead of four); full and partial chunks, NaN past L_b never reaches
-    the output."""
+    """A contiguous single-chunk cache without a window or cache start: the kernel reads L_b and
+    derives [0, L_b) and its one edge range on chip, one register per unit instead of the four of
+    the derived split bounds (the launcher passes the lengths either way, no tables); full and
+    partial chunks, NaN past L_b never reaches the output."""
     lengths = [cap, 3, cap - 56, cap - 1]
     sample = make_sample(4, hq, 1, sq, d, lengths, torch.bfloat16, capacity_=cap, sinks=True,
                          window_left=window_left)
@@ -390,7 +390,7 @@ def test_single_chunk_kernel_reads_the_lengths(hq, sq, d, cap, window_left, read
     launch = decode_attention_fwd_plan.launch_decode_attention_fwd(q, k, v, seqlens, table, sinks, scale=None,
                                                                   window_left=window_left, softcap=0.0,
                                                                   num_splits=1, grid=1)
-    assert (launch.args[4] is None) == reads
+    assert launch.args[3] is None and torch.equal(launch.args[4], seqlens.to(torch.int32))
     pos = torch.arange(cap)[None, None, :, None]
     keep = pos < torch.tensor(lengths)[:, None, None, None]
     poisoned = Sample((q, k, _poison(v, keep), seqlens, table, sinks), sample.kwargs, sample.label + " poisoned")
@@ -717,3 +717,54 @@ def test_head_runs_and_v_gather_parts():
     waves = [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [decode_attention_fwd_gathers.v_gather_parts(waves, w) for w in range(2)] == [[[0, 1], [2, 3]], [[4, 5, 6], [7]]]
     assert decode_attention_fwd_gathers.v_gather_parts([[0, 1]], 0) == [[0], [1]]
+
+
+def _host_ops(sample):
+    """The host-side torch ops of one op call on the simulator (the whole-op accounting's record)."""
+    from nki_lib.bench.whole_op import record_host_ops
+
+    with nki_lib.use_backend("simulator"), nki_lib.strict(), record_host_ops() as ops:
+        torch.ops.nki.decode_attention(*sample.args, **sample.kwargs)
+    return ops
+
+
+@pytest.mark.parametrize("flags, index_dtype, casts", [
+    (dict(block_size=16, capacity_=2048, window_left=300), torch.int32, 0),         # paged, multi-chunk
+    (dict(block_size=64, capacity_=8192), torch.int32, 0),                          # paged, single chunk
+    (dict(capacity_=40000), torch.int32, 0),                                        # contiguous, multi-chunk
+    (dict(capacity_=40000, window_left=700, starts=[100, 0]), torch.int32, 0),      # ... window, cache start
+    (dict(block_size=16, capacity_=2048, starts=[100, 0]), torch.int64, 2),         # int64 lengths, starts
+    (dict(block_size=16, capacity_=1500), torch.int32, 1),                          # table padded to whole chunks
+])
+def test_paged_and_multi_chunk_launches_issue_no_host_ops(flags, index_dtype, casts):
+    """The kernel derives split bounds, key windows and the skipping of unneeded units on chip: the
+    launcher's only host ops are the casts of int64 index tensors (the validators' host copies
+    aside; the block table itself is int32)."""
+    sample = make_sample(2, 4, 2, 1, 64, [1500, 900], torch.bfloat16, index_dtype=index_dtype, **flags)
+    names = [o.name for o in _host_ops(sample)]
+    glue = [n for n in names if n != "to_host"]
+    assert len(glue) == casts and all(n.startswith(("aten.to.", "aten._to_copy", "aten.pad", "aten.constant_pad"))
+                                      for n in glue), names
+
+
+@pytest.mark.parametrize("block_size, cap, num_splits, starts, window_left", [
+    (None, 2048, 3, [300, 0], -1), (None, 2048, 2, [40, 700], 500), (16, 2048, 3, [300, 0], -1),
+    (16, 2048, 5, [0, 33], 200), (16, 1500, 3, [0, 0], 400),     # the last: a table padded to whole chunks
+])
+def test_derived_bounds_with_cache_start_and_odd_splits(block_size, cap, num_splits, starts, window_left):
+    """Split bounds and key windows derived on chip with first = max(L - Sq - window, cache_start)
+    and a split count that is not a power of two (the rounded division), multi-chunk: NaN outside
+    every [first, L_b) never reaches the output."""
+    lengths, sq = [1500, 900], 2
+    sample = make_sample(2, 4, 2, sq, 32, lengths, torch.bfloat16, block_size=block_size, capacity_=cap,
+                         starts=starts, window_left=window_left, sinks=True)
+    if block_size is None:
+        q, k, v, seqlens, table, sinks, start_t = sample.args
+        pos = torch.arange(cap)[None, None, :, None]
+        first = torch.tensor([max(s, n - sq - window_left if window_left >= 0 else 0)
+                              for s, n in zip(starts, lengths)])[:, None, None, None]
+        keep = (pos >= first) & (pos < torch.tensor(lengths)[:, None, None, None])
+        sample = Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks, start_t), sample.kwargs,
+                        sample.label + " poisoned")
+    outs, _ = _launch(sample, num_splits=num_splits)
+    _judge(sample, outs)

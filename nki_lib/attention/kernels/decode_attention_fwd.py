@@ -7,7 +7,8 @@ the free axis (scores are S^T), so VectorE/ScalarE use all lanes even when R is 
 needed key range ``[first, L_b)`` (``first = max(0, L_b - Sq - window_left)``, 0 without a window)
 is cut into ``S`` contiguous splits; each split
 streams its chunks of ``C = 128 * M`` keys through a *device loop* (``nl.dynamic_range``) whose
-bounds are runtime registers loaded from ``split_bounds``, keeping the online-softmax state
+bounds are runtime registers of split bounds the kernel derives from ``cache_seqlens`` on chip
+(``decode_attention_fwd_meta``: no host tables), keeping the online-softmax state
 (negated running max ``neg_m``, sum ``l``, unnormalised output ``acc``; fp32 SBUF)::
 
     s     = scale * q @ k^T          (softcap: softcap * tanh(s / softcap)); keys outside [lo, hi]
@@ -27,7 +28,9 @@ keeps ``m = STAT_INIT`` and gets weight exactly 0. A row whose max is +inf (an i
 
 One chunk (``u`` keys per gathered unit, ``M`` keys per partition)::
 
-    unit ids (C/u, 1) int32   <- DMA of unit_table[b, col : col + C/u]      (col = loop register)
+    unit ids (C/u, 1) int32   <- paged: DMA of block_table[b, col : col + C/u] (col = loop register);
+                                 contiguous: b * seq_units + key0 / u + i from the chunk's key window;
+                                 an edge chunk's units without a key of [first, L_b) -> sentinel
     K, V chunk (128, M*D)     <- indirect DMAs (vector_offset = unit ids, oob_mode.skip), K one per
                                  softmax step, V whole: unit i lands on keys [i*u, (i+1)*u), key k
                                  on partition k // M, slot k % M: one contiguous run per partition
@@ -49,7 +52,7 @@ One chunk (``u`` keys per gathered unit, ``M`` keys per partition)::
                                  PE-transposed back; row sums += matmul(P^T slot c, ones (128, 1));
                                  acc | l updated in one instruction; issued after the next step's scores
 
-Each split visits three chunk ranges in key order (``split_bounds`` (B, S, 4)): edge chunks,
+Each split visits three chunk ranges in key order (its 4 derived bounds): edge chunks,
 interior chunks (every key inside ``[first, L_b)``), edge chunks. For a contiguous cache an
 interior chunk is one contiguous HBM run per kv head and loads with hardware-DGE DMAs
 (``.ap(scalar_offset=col)``, ``DIRECT_PIECE_SLOTS`` slots each, no GpSimd descriptor generation);
@@ -64,8 +67,9 @@ copies (``load_q_t(copies=f)``): an interior chunk all spans, an edge
 chunk only the spans holding a key of [first, L_b) (0-or-1-trip device loops on registers of its
 key window clamped to the chunk); no PE transposes or K^T evictions (V as before).
 
-Only needed units are read: the launcher replaces the ids of units that hold no key of
-``[first, L_b)`` by an out-of-range sentinel and the indirect DMA skips them (their SBUF rows keep
+Only needed units are read: the kernel replaces the ids of units that hold no key of
+``[first, L_b)`` by an out-of-range sentinel (the cache's row count; two compares and a predicated
+copy per edge chunk, ``skip_unneeded_units``) and the indirect DMA skips them (their SBUF rows keep
 stale or never-written data, which the mask and the V cleaning remove). The device loops visit only
 the chunks of ``[first, L_b)``, so traffic and work follow ``L_b``, not the capacity. Row bounds
 (128, rn, 2): ``(lo_r - p*M, hi_r - p*M)`` relative to the chunk start, moved by ``-C`` per chunk.
@@ -73,7 +77,10 @@ the chunks of ``[first, L_b)``, so traffic and work follow ``L_b``, not the capa
 Loop structure (program order is what the in-order engines and DMA queues see, so every load
 is issued before the stores and setup of later units that would otherwise hold them)::
 
-    split bounds (1, B*S*4), key windows (128, B*S*2): one DMA each for the whole batch
+    metadata of the whole batch from one DMA of L (and one of cache_start): split bounds (1, B*S*4)
+    int32 and key windows (128, B*S*2) by small VectorE/GpSimd ops on one row and one ones-matmul
+    broadcast to the partitions (``decode_attention_fwd_meta``); single-chunk paged: the block ids
+    of every sequence loaded and skipped right after the broadcast, ahead of the split bounds
     for unit (b, hk) (static):
       prepare the next unit:                     q^T (one DMA of up to 8 rows per partition and
                                                  PE transposes, for the units whose
@@ -141,16 +148,17 @@ states with ``sendrecv`` and both merge; core p stores the row tiles t with t % 
 
 Shapes (HBM): q (B, Hq, Sq, D); k_units/v_units (N_units, row_stride) -- the cache viewed as rows
 of gatherable units (paged: one block of all kv heads per row, head hk at ``hk * head_offset``;
-contiguous: ``u`` keys of one head per row, ``seq_units`` rows per sequence); unit_table (B, n_cols)
-int32 unit ids of kv head 0;
-split_bounds (B, S, 4) int32: start <= lo <= hi <= stop in unit columns, the ranges [start, lo),
-[lo, hi), [hi, stop); key_window (B, S, 2) float32 [first, L_b) relative to the split's first key
+contiguous: ``u`` keys of one head per row, ``seq_units`` rows per sequence); block_table (B, n_cols)
+int32 block ids (paged; n_cols a whole number of chunks of C/u columns) or None;
+cache_seqlens (B,) int32 L_b; cache_start (B,) int32 or None; static ``n_split`` S and ``n_cols``
+(unit columns per sequence, whole chunks). On chip (``decode_attention_fwd_meta``): per (b, s) the
+bounds start <= lo <= hi <= stop in unit columns, the ranges [start, lo), [lo, hi), [hi, stop),
+and the key window [first, L_b) relative to the split's first key
 (row r's visible keys: ``[max(pos_r - window_left, first), pos_r]``, ``pos_r = L_b - Sq + t_r``);
 sink_rows float32 or None: (Hkv, G) per query head when R <= 128 (broadcast over the tokens on
 chip), else (Hkv, R) per row; ``window_left`` (static int, -1 unbounded). On the
-single-chunk path of a contiguous cache with first = 0 (``reads_lengths``) split_bounds is None and
-key_window is cache_seqlens (B,) int32: the windows [0, L_b) are built on chip and the only edge
-range is [L_b, C) (no host tables).
+single-chunk path of a contiguous cache with first = 0 (``reads_lengths``) no bounds are derived:
+the windows are [0, L_b) and the only edge range is [L_b, C) (one register per unit).
 Outputs: out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32.
 Dimension legend: B batch, Hq/Hkv heads, G = Hq/Hkv, Sq new tokens, D head dim, R = G*Sq rows,
 rn rows of a row tile (<= 128), dc head-dim chunk (<= 128), M keys per partition of a chunk,
@@ -158,11 +166,12 @@ C = 128*M keys per chunk (M <= 128), n slots of a softmax step, nk slots of a K^
 bank), u keys per unit, S splits.
 
 Garbage is harmless: K rows of keys outside ``[first, L_b)`` only produce masked scores (masking
-is a select), and edge chunks zero the V rows of such keys (``key_window``), so NaN/inf in unused
+is a select), and edge chunks zero the V rows of such keys (the key window), so NaN/inf in unused
 slots, in stale rows of skipped units or outside the window never reach P @ V (0 * NaN).
 
 Limits: bf16/fp16/fp32 (P in the input dtype for P @ V); D <= 256; R any (row tiles of 128);
-positions < 2**24 (float32 bounds); unit size u a power of two with C/u <= 128.
+positions and cache unit ids < 2**24 (float32 bounds and metadata arithmetic); unit size u a
+power of two with C/u <= 128.
 """
 
 from __future__ import annotations
@@ -180,7 +189,6 @@ from nki_lib.attention.kernels.decode_attention_fwd_gathers import (
 from nki_lib.attention.kernels.decode_attention_fwd_io import (
     CHUNK_BUFFER_BUDGET,
     DIRECT_PIECE_SLOTS,
-    DMA_ENGINE_PARTITIONS,
     OUT_STORE_LAG,
     clean_edge_rows,
     load_q_t,
@@ -190,6 +198,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_io import (
     unit_table_width,
     zero_invisible_rows,
 )
+from nki_lib.attention.kernels.decode_attention_fwd_meta import contiguous_unit_ids, load_meta, skip_unneeded_units
 from nki_lib.attention.kernels.decode_attention_fwd_packed import column_pack_size, pack_size, packed_path
 from nki_lib.attention.kernels.decode_attention_fwd_pairs import slots_per_transpose
 from nki_lib.attention.kernels.decode_attention_fwd_steps import (
@@ -199,12 +208,12 @@ from nki_lib.attention.kernels.decode_attention_fwd_steps import (
     merge_phases,
     store_lse,
 )
-from nki_lib.attention.kernels.tiles import MAX_INDEX, STAT_INIT
+from nki_lib.attention.kernels.tiles import STAT_INIT
 from nki_lib.sizes import ceil_div, spans
 
 __all__ = ["decode_attention_fwd_kernel", "k_by_transpose", "reads_lengths", "single_chunk_path"]
 
-INTERIOR_RANGE = 1                # split_bounds ranges: edge, interior, edge
+INTERIOR_RANGE = 1                # a split's chunk ranges: edge, interior, edge
 SINGLE_CHUNK_KEYS = 8192          # capacities up to this (one chunk, one split) load their chunk
                                   # statically, so the units' compute pipelines in program order
 LOAD_GROUP_PARTITIONS = 16        # single-chunk contiguous loads skip groups of this many partitions
@@ -220,102 +229,6 @@ K_T_DGE_ROWS = 16                 # multi-chunk path: K^T by hardware-DGE dma_tr
                                   # a last dim a multiple of 128 (docs/nki-semantics.md §8.10)
 K_T_FOLD_MIN_D = 32               # multi-chunk K^T: f = 128/D slots folded per source row need a PE row
                                   # tile of D rows (32 or 64; nki.isa.nc_matmul "Tiling mode", NC-v3+)
-
-
-class _BatchMeta(nl.NKIObject):
-    """Runtime metadata of every (b, split), each loaded by one DMA at the kernel start."""
-    bounds: object     # (1, B*S*4) int32: per (b, s) the unit columns start | lo | hi | stop of its
-                       # three chunk ranges (edge [start, lo), interior [lo, hi), edge [hi, stop));
-                       # None when the kernel reads the lengths instead (single chunk, first = 0)
-    lengths: object    # (1, B) int32 L_b when ``bounds`` is None, else None
-    chunk_keys: int    # keys of a chunk (128*M)
-    window: object     # (128, B*S*2) float32: per (b, s) [first, L_b) relative to the split's first key
-    window_pm: object  # (128, B*S*2) float32: ``window`` - p*M on partition p
-    row_pos: object    # (128, R) float32: t_r - Sq for row r = g*Sq + t_r (its position minus L_b)
-    reach: float       # keys a row sees before its own position: window_left, or MAX_INDEX unbounded
-    sq: int            # new tokens per sequence
-
-
-def _broadcast_column(col_sb, window_sb):
-    """(n, 1) float32 column -> every partition of ``window_sb`` (128, n): a PE transpose of its
-    stride-0 view (fp32 transposes are bit-exact) and a copy."""
-    pmax = nl.tile_size.pmax
-    window_psum = nl.ndarray((pmax, col_sb.shape[0]), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_transpose(dst=window_psum, data=col_sb.broadcast(1, pmax))
-    nisa.tensor_copy(dst=window_sb, src=window_psum)
-
-
-def _row_to_column(row_sb):
-    """(1, n) float32 row -> (n, 1) SBUF column: one PE transpose and a ScalarE copy."""
-    n = row_sb.shape[1]
-    col_psum = nl.ndarray((n, 1), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_transpose(dst=col_psum, data=row_sb)
-    col_sb = nl.ndarray((n, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=col_sb, src=col_psum, engine=nisa.engine.scalar)
-    return col_sb
-
-
-def _load_lengths(lengths, window_sb):
-    """The lengths (B,) int32 as one (1, B) row (the stream registers) and the key windows [0, L_b)
-    of every partition in ``window_sb`` (128, B*2): for one sequence the L_b column is its one-row
-    load (one descriptor either way), else it is made from the row by a PE transpose (one
-    descriptor instead of B: each partition row of a DMA pays the per-descriptor floor, and the
-    windows are first read by the mask, behind the K loads)."""
-    pmax = nl.tile_size.pmax
-    n_seq = lengths.shape[0]
-    lengths_sb = nl.ndarray((1, n_seq), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=lengths_sb, src=lengths.ap([[n_seq, 1], [1, n_seq]]))
-    if n_seq == 1:
-        col_i = nl.ndarray((n_seq, 1), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=col_i, src=lengths.ap([[1, n_seq], [1, 1]]))
-        col_sb = nl.ndarray((n_seq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=col_sb, src=col_i, engine=nisa.engine.gpsimd)
-    else:
-        length_f = nl.ndarray((1, n_seq), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=length_f, src=lengths_sb, engine=nisa.engine.gpsimd)
-        col_sb = _row_to_column(length_f)
-    pairs = window_sb.reshape((pmax, n_seq, 2))
-    nisa.memset(dst=pairs[:, :, 0], value=0.0, engine=nisa.engine.gpsimd)
-    _broadcast_column(col_sb, pairs[:, :, 1])
-    return lengths_sb
-
-
-def _load_meta(split_bounds, key_window, rows, sq, part_keys, window_left, chunk_keys):
-    """The batch's split bounds (one partition) and key windows (every partition), one DMA each,
-    and the rows' positions relative to L_b (an iota). Without split bounds (None) ``key_window``
-    is the lengths (B,) int32 (one chunk per sequence, first = 0; ``_load_lengths``): the windows
-    [0, L_b) are built from them on chip."""
-    pmax = nl.tile_size.pmax
-    lengths_sb, bounds_sb = None, None
-    if split_bounds is None:
-        n_window = 2 * key_window.shape[0]
-        if n_window > pmax:
-            raise ValueError(f"key_window: the lengths of at most {pmax // 2} sequences (see reads_lengths)")
-        window_sb = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
-        lengths_sb = _load_lengths(key_window, window_sb)
-    else:
-        n_bounds = split_bounds.shape[0] * split_bounds.shape[1] * split_bounds.shape[2]
-        bounds_sb = nl.ndarray((1, n_bounds), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=bounds_sb, src=split_bounds.ap([[n_bounds, 1], [1, n_bounds]]))
-        n_window = key_window.shape[0] * key_window.shape[1] * key_window.shape[2]
-        window_sb = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
-        if n_window <= DMA_ENGINE_PARTITIONS:     # one column of n rows (one DMA engine), broadcast
-            col_sb = nl.ndarray((n_window, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=col_sb, src=key_window.ap([[1, n_window], [1, 1]]))
-            _broadcast_column(col_sb, window_sb)
-        elif n_window <= pmax:                      # one row (one descriptor) made the column on chip
-            row_sb = nl.ndarray((1, n_window), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=row_sb, src=key_window.ap([[n_window, 1], [1, n_window]]))
-            _broadcast_column(_row_to_column(row_sb), window_sb)
-        else:
-            nisa.dma_copy(dst=window_sb, src=key_window.ap([[0, pmax], [1, n_window]]))
-    window_pm = nl.ndarray((pmax, n_window), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=window_pm, data=window_sb, op0=nl.subtract, operand0=part_keys)
-    row_pos = nl.ndarray((pmax, rows // sq, sq), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.iota(dst=row_pos, pattern=[[0, rows // sq], [1, sq]], offset=-sq)
-    reach = float(window_left) if window_left >= 0 else float(MAX_INDEX)
-    return _BatchMeta(bounds=bounds_sb, lengths=lengths_sb, chunk_keys=chunk_keys, window=window_sb,
-                      window_pm=window_pm, row_pos=row_pos.reshape((pmax, rows)), reach=reach, sq=sq)
 
 
 def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None, fold=None):
@@ -353,7 +266,7 @@ def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None, fold=
     return state
 
 
-def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
+def _stream(split_states, setup, q_t, k_units, v_units, table, key_slots,
             b, head_offset, seq_offset, unit_keys, chunk_pair, plan, ones_col, d_spans, scale, softcap, dtype):
     """One (b, hk, split) stream: three device loops over the split's chunks, in key order --
     edge chunks (gathered; V rows of keys outside [first, L_b) zeroed, so garbage or stale
@@ -368,7 +281,7 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
     k_chunk, v_chunk = chunk_pair
     regs, window_sb = setup.regs, setup.window
     steps = spans(m, plan[0])       # gathered K per softmax step: the first step's scores start early
-    n_cols = unit_table.shape[1]
+    block_table, meta, seq_units = table
     k_t = len(k_chunk.shape) == 4   # K^T by dma_transpose (a contiguous 2-byte cache, D <= 64)
     if k_t:                         # an edge chunk's [first, L_b), clamped to the chunk [0, C]: registers
         edge_regs = [nisa.register_alloc() for _ in range(2)]   # of 0-or-1-trip group loops
@@ -387,12 +300,17 @@ def _stream(split_states, setup, q_t, k_units, v_units, unit_table, key_slots,
                                        scalar_offset=col, indirect_dim=0)
                         nisa.dma_copy(dst=buf[:, c0 * d:(c0 + n) * d], src=src, dge_mode=nisa.dge_mode.hwdge)
             else:
-                idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=idx_sb, src=unit_table.ap([[1, units_per_chunk], [1, 1]],
-                                                            offset=b * n_cols, scalar_offset=col,
-                                                            indirect_dim=1))
+                if block_table is None:                 # contiguous edge chunk: ids from its key window
+                    idx_sb = contiguous_unit_ids(meta, window_sb, b, seq_units, unit_keys, units_per_chunk)
+                else:
+                    idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=idx_sb, src=block_table.ap([[1, units_per_chunk], [1, 1]],
+                                                                 offset=b * block_table.shape[1], scalar_offset=col,
+                                                                 indirect_dim=1))
+                if not interior:                        # units holding no key of [first, L_b) skipped
+                    skip_unneeded_units(idx_sb, meta.unit_keys, window_sb, k_units.shape[0])
                 if k_t:                                 # edge K^T: the partition groups holding a needed key
-                    nisa.tensor_scalar(dst=edge_window, data=window_sb[0:1, :], op0=nl.maximum, operand0=0.0,
+                    nisa.tensor_scalar(dst=edge_window, data=window_sb[0:1, 0:2], op0=nl.maximum, operand0=0.0,
                                        op1=nl.minimum, operand1=float(m * pmax), engine=nisa.engine.gpsimd)
                     for i, reg in enumerate(edge_regs):
                         nisa.register_load(reg, edge_window[0:1, i:i + 1])
@@ -566,15 +484,13 @@ def _single_chunk_k(cache, unit, seq_offset, k_chunk, setup):
     contiguous -> the whole capacity in ``DIRECT_PIECE_SLOTS`` pieces (precomputed descriptors; keys
     past L_b only give masked scores); paged -> the unit ids of its columns, then one gather per
     softmax step (unneeded units skipped). Returns the unit ids (paged) for the V gather."""
-    k_units, _, unit_table, key_slots, unit_keys, head_offset, plan = cache
+    k_units, _, block_table, key_slots, unit_keys, head_offset, plan, meta = cache
     m = key_slots.shape[1]
     b, hk = unit
     if seq_offset is not None:
         _load_needed_groups(k_units, k_chunk, seq_offset + hk * head_offset, m, _key_registers(setup))
         return None
-    units_per_chunk = unit_table.shape[1]
-    idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=idx_sb, src=unit_table.ap([[1, units_per_chunk], [1, 1]], offset=b * units_per_chunk))
+    idx_sb = load_unit_ids(block_table, [b], meta.gate, meta.unit_keys, k_units.shape[0])[b]
     for step in spans(m, plan[0]):
         gather_chunk(k_units, idx_sb, hk * head_offset, unit_keys, k_chunk, step)
     return idx_sb
@@ -583,7 +499,7 @@ def _single_chunk_k(cache, unit, seq_offset, k_chunk, setup):
 def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
     """V of the only chunk (as ``_single_chunk_k``), then, when it is an edge chunk (a device loop of
     0 or 1 trips over each edge range), its V rows outside [first, L_b) zeroed."""
-    _, v_units, _, key_slots, unit_keys, head_offset, _ = cache
+    _, v_units, _, key_slots, unit_keys, head_offset, _, _ = cache
     m = key_slots.shape[1]
     b, hk = unit
     if seq_offset is not None:
@@ -631,30 +547,29 @@ def single_chunk_path(n_split, n_units, n_prog, capacity, chunk_keys, head_keys)
     """Whether the kernel takes the single-chunk path: one split, whole units per core, a capacity
     of at most one chunk of at most ``SINGLE_CHUNK_KEYS`` keys, and for a contiguous cache
     (``head_keys``: keys per kv head, None for paged) at least one whole chunk per head. On that
-    path a contiguous cache is loaded directly: the unit table is never read (the launcher then
-    builds none)."""
+    path a contiguous cache is loaded directly, without unit ids."""
     whole = head_keys is None or head_keys >= chunk_keys
     return (n_split == 1 and n_units % n_prog == 0 and capacity <= chunk_keys
             and chunk_keys <= SINGLE_CHUNK_KEYS and whole)
 
 
 def reads_lengths(single, paged, first_is_zero, batch):
-    """Whether the launcher passes the lengths instead of split bounds and key windows: the
-    single-chunk path of a contiguous cache with first = 0 (no window, no cache start), whose only
-    metadata are L_b (key windows [0, L_b), one edge range [L_b, C)), for at most 64 sequences
-    (their windows fit one row of 128)."""
+    """Whether the kernel takes the lengths alone instead of deriving split bounds and key windows
+    (``decode_attention_fwd_meta``): the single-chunk path of a contiguous cache with first = 0 (no
+    window, no cache start), whose only metadata are L_b (key windows [0, L_b), one edge range
+    [L_b, C)), for at most 64 sequences (their windows fit one row of 128)."""
     return single and not paged and first_is_zero and 2 * batch <= nl.tile_size.pmax
 
 
 @nki.jit
-def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, key_window, sink_rows,
-                  n_kv_heads, head_offset, seq_units, unit_keys, keys_per_partition, scale, softcap, window_left):
+def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens, cache_start, sink_rows,
+                  n_kv_heads, head_offset, seq_units, unit_keys, keys_per_partition, n_split, n_cols,
+                  scale, softcap, window_left):
     """Decode attention; see the module docstring for shapes and the algorithm."""
     pmax = nl.tile_size.pmax
     batch, n_q_heads, sq, d = q.shape
     group = n_q_heads // n_kv_heads
     rows = group * sq
-    n_split = 1 if split_bounds is None else split_bounds.shape[1]
     m = keys_per_partition
     dtype = q.dtype
     row_spans = spans(rows, pmax)
@@ -669,13 +584,26 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
     nisa.memset(dst=ones_col, value=1.0)
     warm = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf)   # the exp table loads while ScalarE
     nisa.activation(dst=warm, op=nl.exp, data=ones_col)             # idles, not in the first softmax
-    meta = _load_meta(split_bounds, key_window, rows, sq, key_slots[:, 0:1], window_left, m * pmax)
     n_prog = nl.num_programs(0)
     pid = nl.program_id(0)
     units = tuple((b, hk) for b in range(batch) for hk in range(n_kv_heads))
-    single = single_chunk_path(n_split, len(units), n_prog, unit_table.shape[1] * unit_keys, m * pmax,
+    single = single_chunk_path(n_split, len(units), n_prog, n_cols * unit_keys, m * pmax,
                                None if seq_units is None else head_offset // d)
+    first_keys = window_left >= 0 or cache_start is not None     # first > 0 possible
+    derive = not reads_lengths(single, seq_units is None, not first_keys, batch)
     shared = single and shared_gathers(seq_units, unit_keys, m)
+    shard_units = len(units) % n_prog == 0          # LNC2: whole (b, hk) units per core ...
+    mine = [u for u in range(len(units)) if not shard_units or u % n_prog == pid]
+    unit_ids = {}                                   # shared gathers: each sequence's ids, skipping as soon
+                                                    # as the lengths are on the partitions
+
+    def early(gate, unit_key_tile):
+        if shared:
+            unit_ids.update(load_unit_ids(block_table, [units[u][0] for u in mine], gate, unit_key_tile,
+                                          k_units.shape[0], first_keys))
+
+    meta = load_meta(cache_seqlens, cache_start, n_split, derive, rows, sq, key_slots[:, 0:1], window_left,
+                     m * pmax, unit_keys, single, early)
     every_k_t = every_k_by_transpose(seq_units, k_units.itemsize, d) and (
         single or stream_k_by_transpose(head_offset // d, m, k_units.itemsize, d))   # multi-chunk: ``_stream_k_t``
     k_t_rows = None if single else K_T_DGE_ROWS    # partitions per K^T group: the multi-chunk path's hwdge form
@@ -705,8 +633,6 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
                 nl.ndarray((pmax, m * d), dtype=v_units.dtype, buffer=nl.sbuf))
         chunk_bufs.append(pair)
 
-    shard_units = len(units) % n_prog == 0          # LNC2: whole (b, hk) units per core ...
-    mine = [u for u in range(len(units)) if not shard_units or u % n_prog == pid]
     my_splits = range(n_split) if shard_units else range(pid, n_split, n_prog)  # ... or splits
     my_tiles = [t for t in range(len(row_spans)) if shard_units or t % n_prog == pid]
     lse_tiles = {t: LseTile(neg_big=nl.ndarray((row_spans[t][1], len(mine)), dtype=nl.float32, buffer=nl.sbuf),
@@ -794,11 +720,10 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
         return out, lse
     last_k_t = k_by_transpose(seq_units, k_units.itemsize, d, m)
     if single:                                      # static chunk per unit, pipelined across units
-        unit_ids = load_unit_ids(unit_table, [units[u][0] for u in mine]) if shared else None
         for g0 in range(0, len(mine), n_pairs):
             group = list(enumerate(mine))[g0:g0 + n_pairs]
             works = [prepare(u) for _, u in group]
-            cache = (k_units, v_units, unit_table, key_slots, unit_keys, head_offset, plan)
+            cache = (k_units, v_units, block_table, key_slots, unit_keys, head_offset, plan, meta)
             k_bufs = [pair[0] for pair in chunk_bufs[:len(group)]]
             idx = []
             before_pv = None
@@ -854,7 +779,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, unit_table, split_bounds, k
             if k + 1 < len(mine):                   # the next unit's setup ahead of this unit's loads
                 work_next = prepare(mine[k + 1])
             for split_states, setup in zip(work.states, work.setups):
-                _stream(split_states, setup, work.q_t, k_units, v_units, unit_table, key_slots, b,
+                _stream(split_states, setup, work.q_t, k_units, v_units, (block_table, meta, seq_units), key_slots, b,
                         hk * head_offset, seq_offset(b), unit_keys, chunk_bufs[stream % n_pairs], plan,
                         ones_col, d_spans, scale, softcap, dtype)
                 stream += 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
 from nki_lib.attention.kernels.decode_attention_fwd_io import clean_edge_rows
+from nki_lib.attention.kernels.decode_attention_fwd_meta import skip_unneeded_units
 
 __all__ = ["gather_chunk", "head_runs", "shared_gathers", "load_unit_ids", "gather_heads", "v_gather_parts",
            "clean_heads"]
@@ -67,16 +68,20 @@ def shared_gathers(seq_units, unit_keys, m):
     return seq_units is None and unit_keys == m
 
 
-def load_unit_ids(unit_table, seqs):
+def load_unit_ids(block_table, seqs, gate, unit_keys, sentinel, first=True):
     """Single-chunk path of a paged cache: the unit ids (C/u, 1) int32 of each sequence in ``seqs``
-    (its only chunk's row of ``unit_table``), one DMA each, all issued before the first gather: a
-    later group's ids would otherwise queue behind the out stores of the group before it."""
-    n_cols = unit_table.shape[1]
+    (its only chunk's row of ``block_table``), one DMA each, all issued before the first gather (a
+    later group's ids would otherwise queue behind the out stores of the group before it), then the
+    ids of blocks holding no key of [first, L_b) replaced by ``sentinel`` (``gate`` (128, B*2):
+    each sequence's [first, L_b), ``decode_attention_fwd_meta``; ``first`` False: first = 0)."""
+    n_cols = block_table.shape[1]
     ids = {}
     for b in seqs:
         if b not in ids:
             ids[b] = nl.ndarray((n_cols, 1), dtype=nl.int32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=ids[b], src=unit_table.ap([[1, n_cols], [1, 1]], offset=b * n_cols))
+            nisa.dma_copy(dst=ids[b], src=block_table.ap([[1, n_cols], [1, 1]], offset=b * n_cols))
+    for b, ids_sb in ids.items():
+        skip_unneeded_units(ids_sb, unit_keys, gate[:, 2 * b:2 * b + 2], sentinel, first)
     return ids
 
 

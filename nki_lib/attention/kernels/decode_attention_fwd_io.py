@@ -5,7 +5,7 @@ Algorithm: q of ``rn`` rows loads with up to ``Q_LOAD_ROWS`` consecutive rows pe
 DMA, few long descriptors), is transposed by one PE transpose per row of a partition and put back
 in row order by its PSUM -> SBUF copy; V rows of keys outside ``[first, L_b)`` are zeroed by one
 predicated copy (0 * NaN would poison P @ V); a stream's four chunk-range bounds load into
-registers. No loops beyond the per-row transposes of q.
+registers (derived on chip, ``decode_attention_fwd_meta``). No loops beyond the per-row transposes of q.
 
 Shapes: q (B, Hq, Sq, D) read as (B*Hq*Sq, D) rows; q^T chunks (dc, rn); sink_rows (Hkv, R)
 float32 -> (rn, 1); V chunks (128, M*D); key slots (128, M) float32; key windows (128, 2) float32
@@ -22,10 +22,11 @@ from nki_lib._nki import nisa, nl
 from nki_lib.sizes import spans
 
 __all__ = ["StreamSetup", "load_q_t", "load_sink", "store_out", "stream_setup", "unit_table_width",
-           "zero_invisible_rows", "clean_edge_rows", "DMA_ENGINE_PARTITIONS", "RANGE_BOUNDS", "DIRECT_PIECE_SLOTS", "Q_LOAD_ROW_BYTES", "OUT_STORE_LAG",
+           "zero_invisible_rows", "clean_edge_rows", "DMA_ENGINE_PARTITIONS", "RANGE_BOUNDS", "BOUND_COLUMNS", "DIRECT_PIECE_SLOTS", "Q_LOAD_ROW_BYTES", "OUT_STORE_LAG",
            "CHUNK_BUFFER_BUDGET"]
 
-RANGE_BOUNDS = 4                  # split_bounds per split: start, lo, hi, stop (3 ranges)
+RANGE_BOUNDS = 4                  # bounds per split: start, lo, hi, stop (3 ranges) ...
+BOUND_COLUMNS = (0, 2, 3, 1)      # ... stored start | stop | lo | hi (the split edges land as one pair)
 DIRECT_PIECE_SLOTS = 32           # contiguous interior chunks load K and V in pieces of 32 slots (8 KiB
                                   # rows at D=128 bf16, >= 2 KiB per descriptor; 600 ns hwdge issue
                                   # each): the first scores and P @ V start while the rest lands
@@ -156,7 +157,7 @@ def stream_setup(meta, ws, static=False, width=1):
                            edges=[(reg, meta.chunk_keys, meta.chunk_keys)])
     n_bounds = RANGE_BOUNDS
     regs = []
-    for i in range(n_bounds):
+    for i in BOUND_COLUMNS:                 # registers in key order: start, lo, hi, stop
         reg = nisa.register_alloc()
         nisa.register_load(reg, meta.bounds[0:1, ws * n_bounds + i:ws * n_bounds + i + 1])
         regs.append(reg)
