@@ -88,15 +88,14 @@ def _load_lengths(lengths, window_sb):
     windows are first read by the mask, behind the K loads)."""
     pmax = nl.tile_size.pmax
     n_seq = lengths.shape[0]
-    lengths_sb = nl.ndarray((1, n_seq), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=lengths_sb, src=lengths.ap([[n_seq, 1], [1, n_seq]]))
+    lengths_sb = _row(lengths)
     if n_seq == 1:
         col_i = nl.ndarray((n_seq, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=col_i, src=lengths.ap([[1, n_seq], [1, 1]]))
         col_sb = nl.ndarray((n_seq, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=col_sb, src=col_i, engine=nisa.engine.gpsimd)
     else:
-        length_f = nl.ndarray((1, n_seq), dtype=nl.float32, buffer=nl.sbuf)
+        length_f = _row_tile(n_seq, dtype=nl.float32)
         nisa.tensor_copy(dst=length_f, src=lengths_sb, engine=nisa.engine.gpsimd)
         col_sb = _row_to_column(length_f)
     pairs = window_sb.reshape((pmax, n_seq, 2))

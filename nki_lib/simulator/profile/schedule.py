@@ -374,7 +374,8 @@ class _Program:
         self.service_log: list = []
         lane = _InOrderLane if services is None else _GapLane
         self.lanes = {e: lane() for e in ENGINES if e != "dma"}
-        if uses_tiles(entries):   # PE row / column tiles run in parallel (pe_array)
+        self.pe_tiles = uses_tiles(entries)   # PE row / column tiles run in parallel (pe_array)
+        if self.pe_tiles:
             self.lanes["tensor"] = InOrderPe() if services is None else GapPe(_GapLane)
         self.dma = (_InOrderDma if services is None else _GapDma)(hw.dma_engines)
         self.regions = _Regions()
@@ -450,7 +451,7 @@ class _Program:
             self.service_log.append(None)
         else:
             lane = self.lanes[cost.engine]
-            cells = cells_of(entry.attrs.get("tile")) if cost.engine == "tensor" else None
+            cells = cells_of(entry.attrs.get("tile")) if self.pe_tiles and cost.engine == "tensor" else None
             known = self.services[position] if self.services is not None else 0.0
             start, who = lane.fit(ready, known, cells)
             if start > ready:
@@ -461,11 +462,9 @@ class _Program:
             end = start + service
             path_start = start
             lane.take(start, end, position, cells)
-            share = 1.0
             if cost.engine == "tensor":
                 self.pe_last_end = max(end, self.pe_last_end or 0.0)
-                share = area(cells)
-            res.busy_ns[cost.engine] += service * share
+            res.busy_ns[cost.engine] += service * (area(cells) if cells else 1.0)
             serial = service + cost.latency_ns
             self.service_log.append(service)
         done = end + cost.latency_ns
