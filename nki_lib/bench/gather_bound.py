@@ -59,22 +59,25 @@ def problem():
 
 
 class _Trace:
-    """A DMA-only trace under construction: every access its own buffer."""
+    """A DMA-only trace under construction, in the target case's cache dtype: every access its own buffer."""
 
     def __init__(self):
         self.entries = []
         self.buffers = 0
+        self.dtype = target().case.dtype
+        self.itemsize = getattr(torch, self.dtype).itemsize
 
     def access(self, memory, partitions, nbytes):
         self.buffers += 1
         return Access(self.buffers, memory, (0, partitions) if memory == "sbuf" else (0, 1), (0, nbytes),
-                      (partitions, nbytes), "bfloat16")
+                      (partitions, nbytes // self.itemsize), self.dtype)
 
     def dma(self, reads, write, rows, row_bytes, attrs):
+        elems = row_bytes // self.itemsize
         self.entries.append(TraceEntry(len(self.entries), 0, "dma", "dma_copy", tuple(reads), (write,),
-                                       (rows, row_bytes // 2), "bfloat16", rows * row_bytes // 2,
-                                       rows * row_bytes, dict(attrs, queue="dma", src_memory="hbm",
-                                                              dst_memory="sbuf", contiguous_bytes=row_bytes)))
+                                       (rows, elems), self.dtype, rows * elems, rows * row_bytes,
+                                       dict(attrs, queue="dma", src_memory="hbm", dst_memory="sbuf",
+                                            contiguous_bytes=row_bytes)))
 
 
 def plan_trace(plan, blocks, row_bytes):
