@@ -29,6 +29,7 @@ Run by ``benchmarks/paged_gather_bound.py``, which prints the lines of ``report`
 
 from __future__ import annotations
 
+import functools
 import random
 
 import torch
@@ -46,8 +47,9 @@ HW_SHARES = (0.2, 0.4, 0.6, 0.8, 0.9)           # shares of hwdge DMAs in the ra
 KERNEL_HEAD_RUN = 4                             # the kernel's gathers: all blocks, 4 kv heads (a wave)
 
 
+@functools.cache
 def target():
-    """The gpt-oss paged tuning target (``nki_lib.bench.targets``)."""
+    """The gpt-oss paged tuning target (``nki_lib.bench.targets``; looked up once, every trace reads it)."""
     return next(t for t in TUNING_TARGETS if t.name.startswith(TARGET))
 
 
