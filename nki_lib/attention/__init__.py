@@ -33,19 +33,28 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
 from nki_lib.attention import decode_attention_op as _decode  # noqa: E402,F401  (registers torch.ops.nki.decode_attention)
 
+KV_LAYOUTS = ("HND", "NHD")   # cache dims after the batch/block dim: (Hkv, tokens, D) or (tokens, Hkv, D)
+
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = None,
                      sinks: torch.Tensor | None = None, cache_start: torch.Tensor | None = None,
                      scale: float | None = None, window_left: int = -1, softcap: float = 0.0,
-                     return_lse: bool = False):
+                     return_lse: bool = False, kv_layout: str = "HND"):
     """Attention of new tokens q (B, Hq, Sq, D) over a KV cache that already holds them.
 
     Contiguous cache: k_cache/v_cache (B, Hkv, Smax, D). Paged cache: (num_blocks, Hkv,
-    block_size, D) with ``block_table`` int32 (B, max_blocks). ``cache_seqlens`` int32/int64 (B,)
-    are the valid lengths, ``cache_start`` (B,) the first valid positions (left-padded caches);
-    see docs/contract.md §3.2. Inference only. Returns ``out`` or ``(out, lse)``.
+    block_size, D) with ``block_table`` int32 (B, max_blocks). ``kv_layout="NHD"`` takes the
+    token-major caches of flash-attn, vLLM and Hugging Face's continuous batching instead:
+    (B, Smax, Hkv, D) and (num_blocks, block_size, Hkv, D), passed on as transposed views.
+    ``cache_seqlens`` int32/int64 (B,) are the valid lengths, ``cache_start`` (B,) the first valid
+    positions (left-padded caches); see docs/contract.md §3.2. Inference only. Returns ``out`` or
+    ``(out, lse)``.
     """
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    if kv_layout == "NHD" and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (k_cache, v_cache)):
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)   # else the op names the bad one
     out, lse = torch.ops.nki.decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
                                               cache_start,
                                               scale=scale, window_left=window_left, softcap=softcap)

@@ -14,8 +14,9 @@ its input's dtype; charged to the backward op), and keeps the ones that move dat
   ``reshape`` of a contiguous tensor, ``detach``, ...) moves nothing and is not an op on a device;
 * an allocation without initialisation (``empty``, ``new_empty``, ...) moves nothing;
 * every other op is charged ``bytes_read + bytes_written`` (the nbytes of its tensor inputs,
-  none for factories such as ``new_zeros`` that only take a dtype from their input, and of the
-  tensors it writes) at the core's HBM bandwidth (``HardwareParams.dma_bandwidth()``, one core),
+  none for factories such as ``new_zeros`` that only take a dtype from their input, only the
+  indices and the rows selected for gathers such as ``index_select``, and of the tensors it
+  writes) at the core's HBM bandwidth (``HardwareParams.dma_bandwidth()``, one core),
   plus one kernel launch (``kernel_launch_ns``) -- docs/cost-model.md §7.10;
 * a data check on host copies (``nki_lib.validation.on_host``: a validator copies index tensors to
   the host and checks them there) is charged one transfer per tensor copied, one launch plus the tensor's
@@ -43,6 +44,7 @@ __all__ = ["HostOp", "record_host_ops", "host_cost", "host_time_ns", "WholeOpEst
 _ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 _FACTORIES = frozenset({"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like", "zeros",
                         "ones", "full", "arange", "scalar_tensor", "rand_like", "randn_like"})
+_GATHERS = frozenset({"index_select", "embedding", "gather", "take"})   # source first: read only where indexed
 _NAMESPACE = "nki"
 _AUTOGRAD_NODE = f"GeneratedBackwardFor_{_NAMESPACE}_"   # torch.library.register_autograd's node names
 TO_HOST = "to_host"          # HostOp.name of a device-to-host copy (``nki_lib.validation.on_host``)
@@ -106,8 +108,14 @@ def account(func, args, kwargs, result, op: str) -> HostOp | None:
         if not written:
             return None  # a view or alias of an input
         reads = inputs
-    read_bytes = 0 if base in _FACTORIES else sum(_nbytes(t) for t in reads)
-    return HostOp(op, str(func), read_bytes, sum(_nbytes(t) for t in written))
+    written_bytes = sum(_nbytes(t) for t in written)
+    if base in _FACTORIES:
+        read_bytes = 0
+    elif base in _GATHERS:       # each element written reads one element of the source, plus the indices
+        read_bytes = written_bytes + sum(_nbytes(t) for t in reads[1:])
+    else:
+        read_bytes = sum(_nbytes(t) for t in reads)
+    return HostOp(op, str(func), read_bytes, written_bytes)
 
 
 def owner_op(name: str) -> str:

@@ -1,7 +1,8 @@
 """Whole-op estimates (issue 13): host-side torch ops around the kernels are counted and charged.
 
 Checked: the accounting of single aten ops (views and allocations move nothing; a copy reads and
-writes its bytes; a factory reads nothing; an in-place op writes its destination), that only ops
+writes its bytes; a factory reads nothing; a gather reads its indices and the rows it selects; an
+in-place op writes its destination), that only ops
 inside ``nki::`` ops or their autograd formulas are recorded, that an op call's launches and
 bytes add up, and that data checks on host copies (``on_host``) are charged one transfer per tensor
 copied and nothing for their ops. No time is asserted.
@@ -51,6 +52,15 @@ def test_factory_reads_nothing_and_in_place_writes_its_destination():
     dst, src = torch.zeros(4, 8), torch.ones(4, 8)
     copy = _account(torch.ops.aten.copy_.default, dst, src)
     assert (copy.bytes_read, copy.bytes_written) == (128, 128)
+
+
+def test_a_gather_reads_its_indices_and_the_rows_it_selects():
+    pool = torch.ones(400, 8, dtype=torch.bfloat16)
+    ids = torch.tensor([3, 7, 7], dtype=torch.int32)
+    host = _account(torch.ops.aten.index_select.default, pool, 0, ids)
+    assert (host.bytes_read, host.bytes_written) == (3 * 16 + 12, 3 * 16)
+    picked = _account(torch.ops.aten.gather.default, pool, 0, torch.zeros(2, 8, dtype=torch.int64))
+    assert (picked.bytes_read, picked.bytes_written) == (2 * 16 + 128, 2 * 16)
 
 
 def test_host_cost_is_one_launch_per_op_plus_bytes():

@@ -8,6 +8,11 @@ Host work here is views and static planning only:
 * the cache viewed as rows of gatherable *units* (a reshape, no copy for contiguous caches):
   paged -> one block of all kv heads per row (unit = block, ``u = block_size``); contiguous ->
   ``u = gcd(Smax, C, 128)`` keys of one head per row;
+* a paged pool that is not contiguous head-major (e.g. a token-major (num_blocks, block_size, Hkv,
+  D) pool passed as ``pool.transpose(1, 2)``, the layout of vLLM and of Hugging Face's continuous
+  batching): the blocks its table names are gathered once into head-major copies, with the table
+  renumbered to them (``_table_blocks``): a copy that grows with the table, never with the pool
+  (docs/contract.md §3.2); a contiguous cache that is not contiguous is copied whole;
 * ``block_table`` (paged) and ``cache_seqlens``, ``cache_start`` as given when int32, else one
   cast each (int64 index tensors: the op casts the first two already); a block table whose width
   is not a whole number of chunks (``C/u`` blocks) is padded once (the kernel reads the ids of a
@@ -71,9 +76,20 @@ def _cores_share(n_split: int, units: int, grid: int) -> int:
     return ceil_div(n_split, grid) * grid if units % grid else n_split
 
 
+def _table_blocks(k_cache, v_cache, block_table):
+    """(k, v, table) of a paged pool the kernel cannot read in place (either cache not contiguous
+    head-major): the blocks of every table entry, in table order, gathered into head-major
+    (B*max_blocks, Hkv, block_size, D) copies (one ``index_select`` each; entries of unused
+    columns may hold any value and are clamped into the pool), and the table that numbers them
+    ``0 .. B*max_blocks - 1``. Cost: the table's blocks, read and written once per call."""
+    ids = block_table.reshape(-1).clamp(0, k_cache.shape[0] - 1)
+    table = torch.arange(ids.numel(), dtype=torch.int32, device=block_table.device).reshape(block_table.shape)
+    return k_cache.index_select(0, ids), v_cache.index_select(0, ids), table
+
+
 def _unit_rows(cache, paged, unit_keys):
     """(cache rows of units, head offset in elements, #rows): a reshape, no copy."""
-    cache = cache.contiguous()
+    cache = cache.contiguous()         # a no-op but for a non-contiguous contiguous-layout cache
     if paged:
         nb, hkv, bs, d = cache.shape
         return cache.reshape(nb, hkv * bs * d), bs * d, nb
@@ -128,6 +144,8 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
     if cap + chunk >= MAX_INDEX:
         raise Unsupported(f"cache capacity {cap}: key positions must stay below {MAX_INDEX} (float32 bounds)")
 
+    if paged and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        k_cache, v_cache, block_table = _table_blocks(k_cache, v_cache, block_table)
     k_units, head_offset, n_rows = _unit_rows(k_cache, paged, unit_keys)
     v_units, _, _ = _unit_rows(v_cache, paged, unit_keys)
     if n_rows >= MAX_INDEX:

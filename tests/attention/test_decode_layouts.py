@@ -1,0 +1,110 @@
+"""decode_attention on token-major caches (``kv_layout="NHD"``: the layout of flash-attn, vLLM and
+Hugging Face's continuous batching): the same answer, bit for bit, as the head-major call on both
+backends, and a paged pool's host copy grows with its block table, never with the pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import nki_lib
+from nki_lib.attention import decode_attention_op
+from nki_lib.attention.decode_attention_op import make_sample
+from nki_lib.bench.whole_op import record_host_ops
+
+SPEC = decode_attention_op.SPEC
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _token_major(cache):
+    """A head-major cache (rows, Hkv, tokens, D) stored token-major (rows, tokens, Hkv, D)."""
+    return cache.transpose(1, 2).contiguous()
+
+
+@st.composite
+def layout_cases(draw):
+    hkv = draw(st.integers(1, 3))
+    sq = draw(st.integers(1, 3))
+    b = draw(st.integers(1, 3))
+    block_size = draw(st.sampled_from([None, 4, 16, 64]))
+    cap = draw(st.integers(sq, 260))
+    lengths = draw(st.lists(st.integers(sq, cap), min_size=b, max_size=b))
+    return dict(b=b, hq=hkv * draw(st.integers(1, 2)), hkv=hkv, sq=sq, d=draw(st.sampled_from([16, 32, 64])),
+                lengths=lengths, cap=cap, dtype=draw(st.sampled_from(DTYPES)), block_size=block_size,
+                spare=draw(st.integers(0, 5)), sinks=draw(st.booleans()))
+
+
+def _case(**over):
+    base = dict(b=1, hq=2, hkv=1, sq=1, d=16, lengths=[1], cap=1, dtype=torch.bfloat16, block_size=None,
+                spare=0, sinks=False)
+    base.update(over)
+    return base
+
+
+def _sample(case):
+    spare = case["spare"]
+    num_blocks = None
+    if case["block_size"] is not None:
+        num_blocks = sum(-(-n // case["block_size"]) for n in case["lengths"]) + spare
+    return make_sample(case["b"], case["hq"], case["hkv"], case["sq"], case["d"], case["lengths"], case["dtype"],
+                       block_size=case["block_size"], num_blocks=num_blocks, capacity_=case["cap"],
+                       sinks=case["sinks"])
+
+
+@settings(deadline=None, max_examples=25)
+@given(layout_cases())
+@example(_case())                                                              # contiguous, length 1
+@example(_case(b=2, hq=4, hkv=2, sq=2, d=64, lengths=[512, 65], cap=512, block_size=64,  # paged, D = 64:
+               spare=3, sinks=True))                                           # K^T of 2 slots per PE transpose
+@example(_case(b=3, hq=6, hkv=3, sq=1, d=32, lengths=[4, 37, 9], cap=40, block_size=4,   # odd Hkv, unused
+               dtype=torch.float32))                                           # table entries (-1)
+def test_token_major_equals_head_major(case):
+    sample = _sample(case)
+    q, k_cache, v_cache, lengths, table, sinks, _ = sample.args
+    for path in ("simulator", "reference"):
+        with nki_lib.use_backend(path), nki_lib.strict():
+            want = SPEC.op(*sample.args, **sample.kwargs)
+            got = nki_lib.decode_attention(q, _token_major(k_cache), _token_major(v_cache), lengths,
+                                           block_table=table, sinks=sinks, kv_layout="NHD", return_lse=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), path
+
+
+def test_a_token_major_pool_is_never_copied_whole():
+    """A pool of 400 blocks of which the table names 6: the host ops move the table's blocks (K and V
+    read and written once) and a few bytes of table, not the pool."""
+    sample = make_sample(2, 4, 2, 1, 16, [40, 9], torch.bfloat16, block_size=8, num_blocks=400)
+    q, k_cache, v_cache, lengths, table, _, _ = sample.args
+    block_bytes = k_cache[0].numel() * k_cache.element_size()
+    with nki_lib.use_backend("simulator"), nki_lib.strict(), record_host_ops() as ops:
+        nki_lib.decode_attention(q, _token_major(k_cache), _token_major(v_cache), lengths, block_table=table,
+                                 kv_layout="NHD")
+    gathers = [op for op in ops if op.name.startswith("aten.index_select")]
+    ids_bytes = table.numel() * table.element_size()
+    assert len(gathers) == 2                                   # K and V, once each
+    assert all(op.bytes_written == table.numel() * block_bytes for op in gathers)
+    assert all(op.bytes_read == table.numel() * block_bytes + ids_bytes for op in gathers)
+    assert sum(op.hbm_bytes for op in ops) < 2 * block_bytes * k_cache.shape[0]
+
+
+def test_head_major_pool_has_no_host_copy():
+    sample = make_sample(2, 4, 2, 1, 16, [40, 9], torch.bfloat16, block_size=8, num_blocks=400)
+    with nki_lib.use_backend("simulator"), nki_lib.strict(), record_host_ops() as ops:
+        SPEC.op(*sample.args, **sample.kwargs)
+    assert not [op for op in ops if op.name.startswith("aten.index_select")]
+
+
+@pytest.mark.parametrize("layout", ["NHD ", "nhd", "BHSD", None])
+def test_bad_kv_layout_names_the_argument(layout):
+    sample = make_sample(1, 2, 1, 1, 8, [3], torch.float32)
+    q, k_cache, v_cache, lengths = sample.args[:4]
+    with pytest.raises(ValueError, match="kv_layout"):
+        nki_lib.decode_attention(q, k_cache, v_cache, lengths, kv_layout=layout)
+
+
+def test_a_token_major_cache_of_the_wrong_rank_is_the_op_s_error():
+    sample = make_sample(1, 2, 1, 1, 8, [3], torch.float32)
+    q, k_cache, v_cache, lengths = sample.args[:4]
+    with pytest.raises(ValueError, match="k_cache"):
+        nki_lib.decode_attention(q, k_cache[0], v_cache, lengths, kv_layout="NHD")
