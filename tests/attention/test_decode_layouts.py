@@ -72,8 +72,9 @@ def test_token_major_equals_head_major(case):
 
 
 def test_a_token_major_pool_is_never_copied_whole():
-    """A pool of 400 blocks of which the table names 6: the host ops move the table's blocks (K and V
-    read and written once) and a few bytes of table, not the pool."""
+    """A pool of 400 blocks, a table of 10 entries (6 used, 4 unused -1): the host ops move the
+    table's 10 blocks (K and V, read and written once, plus the ids) and a few bytes of table, not
+    the pool."""
     sample = make_sample(2, 4, 2, 1, 16, [40, 9], torch.bfloat16, block_size=8, num_blocks=400)
     q, k_cache, v_cache, lengths, table, _, _ = sample.args
     block_bytes = k_cache[0].numel() * k_cache.element_size()
