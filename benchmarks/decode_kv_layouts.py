@@ -1,12 +1,13 @@
 """Whole-op estimates of a paged decode call over a head-major pool and over a token-major one
-(``kv_layout="NHD"``), for pools of several sizes (docs/perf-log.md §30.1).
+(``kv_layout="NHD"``), for pools of several sizes (docs/perf-log.md §30.1, §30.2).
 
-gpt-oss-120b's decode at an 8k cache (B=1, Hq=64, Hkv=8, D=64, sinks, 64-token blocks) by default.
-The last line prices the whole-pool copy a token-major pool cost before the launcher gathered only
-the table's blocks. Run from the repository root (package installed or ``PYTHONPATH=.``)::
+The decode calls at an 8k cache with 64-token blocks of gpt-oss-120b (B=1, Hq=64, Hkv=8, D=64,
+sinks) and llama3-8b (B=1, Hq=32, Hkv=8, D=128). The last line of each pool prices the whole-pool
+copy a token-major pool cost before round 13. Run from the repository root (package installed or
+``PYTHONPATH=.``)::
 
-    python benchmarks/decode_kv_layouts.py                 # pools of 128 and 2048 blocks, ~10 s
-    python benchmarks/decode_kv_layouts.py --spare 0 8064
+    python benchmarks/decode_kv_layouts.py                 # both models, pools of 128 and 2048 blocks, ~1 min
+    python benchmarks/decode_kv_layouts.py --models gpt-oss-120b --spare 0 8064
 """
 
 import argparse
@@ -16,32 +17,49 @@ import torch
 import nki_lib
 from nki_lib.attention.decode_attention_op import make_sample
 from nki_lib.bench.whole_op import estimate_call, host_time_ns
-from nki_lib.simulator.profile import params
+from nki_lib.dispatch import collect_runs
+from nki_lib.simulator.profile import estimate, params
+from nki_lib.simulator.profile.sensitivity import corners
 
-SHAPE = dict(b=1, hq=64, hkv=8, sq=1, d=64, length=8192, block_size=64)   # gpt-oss-120b, 8k cache
+SHAPES = {"gpt-oss-120b": dict(b=1, hq=64, hkv=8, sq=1, d=64, length=8192, block_size=64, sinks=True),
+          "llama3-8b": dict(b=1, hq=32, hkv=8, sq=1, d=128, length=8192, block_size=64, sinks=False)}
 
 
-def _line(name, est) -> str:
+def _worst_corner(call, target) -> str:
+    """The kernel's worst in-order and dependency-bound estimates over the documented bounds of the
+    low-confidence constants (``--sensitivity``)."""
+    with nki_lib.use_backend("simulator"), nki_lib.strict(), collect_runs() as runs:
+        call()
+    (_, run), = [r for r in runs if r[1] is not None]
+    worst = [(estimate(run, c.hw), c.label) for c in corners(target)]
+    in_order, dep = max(worst, key=lambda w: w[0].time_ns), max(worst, key=lambda w: w[0].dependency_bound_ns)
+    return (f"worst corner {in_order[0].time_us:6.1f} ({in_order[1]}) / {dep[0].dependency_bound_us:6.1f} "
+            f"({dep[1]}) us")
+
+
+def _line(name, call, target) -> str:
+    est = estimate_call(call, target)
     host = est.host
-    return (f"{name:<28} kernel {est.kernel_us:7.1f} / {est.kernel_dependency_bound_us:7.1f} us   host "
-            f"{host['time_us']:7.1f} us ({host['launches']} launches, {host['hbm_bytes'] / 2**20:6.2f} MiB)   "
-            f"whole op {est.total_us:7.1f} / {est.total_dependency_bound_us:7.1f} us")
+    return (f"{name:<18} kernel {est.kernel_us:6.1f} / {est.kernel_dependency_bound_us:6.1f} us, "
+            f"{_worst_corner(call, target)}; host {host['time_us']:6.1f} us ({host['launches']} launches, "
+            f"{host['hbm_bytes'] / 2**20:5.2f} MiB); whole op {est.total_us:6.1f} / "
+            f"{est.total_dependency_bound_us:6.1f} us")
 
 
-def rows(spare: int, target: str = "trn2"):
-    """Report lines for a pool of the call's blocks plus ``spare`` unused ones."""
-    s = SHAPE
+def rows(model: str, spare: int, target: str = "trn2"):
+    """Report lines for ``model``'s call over a pool of its blocks plus ``spare`` unused ones."""
+    s = SHAPES[model]
     needed = -(-s["length"] // s["block_size"]) * s["b"]
     sample = make_sample(s["b"], s["hq"], s["hkv"], s["sq"], s["d"], [s["length"]] * s["b"], torch.bfloat16,
-                         block_size=s["block_size"], num_blocks=needed + spare, sinks=True)
+                         block_size=s["block_size"], num_blocks=needed + spare, sinks=s["sinks"])
     q, k_cache, v_cache, lengths, table, sinks, _ = sample.args
     k_tm, v_tm = (c.transpose(1, 2).contiguous() for c in (k_cache, v_cache))
     calls = {"head-major (HND)": (k_cache, v_cache, "HND"), "token-major (NHD)": (k_tm, v_tm, "NHD")}
-    out = [f"pool of {needed + spare} blocks ({needed} named by the table):"]
+    out = [f"{model}: pool of {needed + spare} blocks ({needed} named by the table):"]
     for name, (k, v, layout) in calls.items():
-        est = estimate_call(lambda k=k, v=v, layout=layout: nki_lib.decode_attention(
-            q, k, v, lengths, block_table=table, sinks=sinks, kv_layout=layout), target)
-        out.append("  " + _line(name, est))
+        call = (lambda k=k, v=v, layout=layout: nki_lib.decode_attention(
+            q, k, v, lengths, block_table=table, sinks=sinks, kv_layout=layout))
+        out.append("  " + _line(name, call, target))
     pool_bytes = 2 * 2 * k_cache.numel() * k_cache.element_size()     # K and V, read and written
     out.append(f"  a whole-pool copy of K and V: {host_time_ns(2, pool_bytes, params(target)) * 1e-3:.1f} us "
                f"({pool_bytes / 2**20:.1f} MiB)")
@@ -50,12 +68,14 @@ def rows(spare: int, target: str = "trn2"):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--spare", type=int, nargs="+", default=[0, 1920], help="unused blocks in the pool")
     parser.add_argument("--target", default="trn2")
     args = parser.parse_args(argv)
-    for spare in args.spare:
-        for line in rows(spare, args.target):
-            print(line)
+    for model in args.models:
+        for spare in args.spare:
+            for line in rows(model, spare, args.target):
+                print(line)
     return 0
 
 

@@ -1,6 +1,7 @@
 """decode_attention on token-major caches (``kv_layout="NHD"``: the layout of flash-attn, vLLM and
 Hugging Face's continuous batching): the same answer, bit for bit, as the head-major call on both
-backends, and a paged pool's host copy grows with its block table, never with the pool."""
+backends; the kernel reads a token-major pool in place on its single-chunk path with one block per
+partition, and elsewhere the host copy grows with the block table, never with the pool."""
 
 from __future__ import annotations
 
@@ -43,14 +44,14 @@ def _case(**over):
     return base
 
 
-def _sample(case):
+def _sample(case, **kwargs):
     spare = case["spare"]
     num_blocks = None
     if case["block_size"] is not None:
         num_blocks = sum(-(-n // case["block_size"]) for n in case["lengths"]) + spare
     return make_sample(case["b"], case["hq"], case["hkv"], case["sq"], case["d"], case["lengths"], case["dtype"],
                        block_size=case["block_size"], num_blocks=num_blocks, capacity_=case["cap"],
-                       sinks=case["sinks"])
+                       sinks=case["sinks"], **kwargs)
 
 
 @settings(deadline=None, max_examples=25)
@@ -69,6 +70,67 @@ def test_token_major_equals_head_major(case):
             got = nki_lib.decode_attention(q, _token_major(k_cache), _token_major(v_cache), lengths,
                                            block_table=table, sinks=sinks, kv_layout="NHD", return_lse=True)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), path
+
+
+@st.composite
+def in_place_cases(draw):
+    """Calls whose token-major pool the kernel reads in place: one chunk of one block per partition
+    (capacity 128 x block_size), on one core."""
+    hkv = draw(st.integers(1, 4))
+    sq = draw(st.integers(1, 2))
+    b = draw(st.integers(1, 3))
+    block_size = draw(st.sampled_from([2, 4, 8]))
+    cap = 128 * block_size
+    lengths = draw(st.lists(st.integers(sq, cap), min_size=b, max_size=b))
+    return dict(b=b, hq=hkv * draw(st.integers(1, 3)), hkv=hkv, sq=sq, d=draw(st.sampled_from([16, 32, 64, 128])),
+                lengths=lengths, cap=cap, dtype=draw(st.sampled_from(DTYPES)), block_size=block_size,
+                spare=draw(st.integers(0, 3)), sinks=draw(st.booleans()),
+                window_left=draw(st.sampled_from([-1, -1, 5])), softcap=draw(st.sampled_from([0.0, 0.0, 5.0])))
+
+
+def _in_place(**over):
+    base = dict(b=1, hq=2, hkv=2, sq=1, d=64, lengths=[512], cap=512, dtype=torch.bfloat16, block_size=4,
+                spare=0, sinks=False, window_left=-1, softcap=0.0)
+    base.update(over)
+    return base
+
+
+@settings(deadline=None, max_examples=12)
+@given(in_place_cases())
+@example(_in_place())                                                          # full chunk, 2 slots a transpose
+@example(_in_place(b=2, hq=8, hkv=4, sq=2, lengths=[512, 37], sinks=True, window_left=5))   # edge chunk, window
+@example(_in_place(b=3, hq=3, hkv=3, d=128, lengths=[9, 512, 200], dtype=torch.float32,     # odd Hkv: groups
+                   spare=2, softcap=5.0))                                      # may split a sequence's heads
+@example(_in_place(b=2, hq=16, hkv=8, d=64, block_size=8, cap=1024, lengths=[1024, 700]))  # gpt-oss's Hkv, G
+@example(_in_place(b=5, hq=8, hkv=8, d=128, block_size=8, cap=1024, lengths=[1024, 1000, 77, 1024, 512],
+                   dtype=torch.float32, sinks=True, window_left=100))        # groups of 14 units split sequences:
+                                                                             # partial runs, strided gathers
+def test_token_major_pool_is_read_in_place(case):
+    """No host gather, and the same answer, bit for bit, as the head-major call."""
+    kwargs = {k: case[k] for k in ("window_left", "softcap") if case[k] not in (-1, 0.0)}
+    sample = _sample(case, **kwargs)
+    q, k_cache, v_cache, lengths, table, sinks, _ = sample.args
+    with nki_lib.use_backend("simulator"), nki_lib.strict():
+        want = SPEC.op(*sample.args, **sample.kwargs)
+        with record_host_ops() as ops:
+            got = nki_lib.decode_attention(q, _token_major(k_cache), _token_major(v_cache), lengths, block_table=table,
+                                           sinks=sinks, kv_layout="NHD", return_lse=True, **kwargs)
+    assert not [op for op in ops if op.name.startswith("aten.index_select")]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_token_major_on_two_cores_gathers_the_table_s_blocks(monkeypatch):
+    """LNC2 splits a sequence's kv heads between the cores (no whole blocks): the host gather, same answer."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    sample = _sample(_in_place(b=1, hq=4, hkv=2, lengths=[300]))
+    q, k_cache, v_cache, lengths, table, sinks, _ = sample.args
+    with nki_lib.use_backend("simulator"), nki_lib.strict():
+        want = SPEC.op(*sample.args)
+        with record_host_ops() as ops:
+            got = nki_lib.decode_attention(q, _token_major(k_cache), _token_major(v_cache), lengths, block_table=table,
+                                           kv_layout="NHD", return_lse=True)
+    assert len([op for op in ops if op.name.startswith("aten.index_select")]) == 2
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_a_token_major_pool_is_never_copied_whole():

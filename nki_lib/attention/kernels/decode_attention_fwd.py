@@ -111,7 +111,12 @@ every unit's V lands over its own K, each wave's V gathers issued right before i
 transpose makes K^T of 128/D consecutive slots at once (slot i on partitions i*D ..) and each slot's
 score matmul is a row tile over its own D partitions with q^T replicated there
 (``decode_attention_fwd_pairs``)); the V cleaning of an edge chunk runs
-in device loops of 0 or 1 trips too. Per group of units (as many as there are buffer pairs): K of
+in device loops of 0 or 1 trips too. A token-major pool (``token_major``: block rows of [token][kv
+head][D], vLLM's and Hugging Face's layout) is read in place on that path only: one gather per
+sequence's run of kv heads moves K (then V) of all its heads, a whole block row per partition,
+and each unit's chunk is its (128, M, D) view of the run's [token][run head][D] rows (slot stride
+run x D, ``slot_cols``); a run that is not all of a sequence's heads (a group that splits them)
+reads M pieces per partition. Per group of units (as many as there are buffer pairs): K of
 every unit, then V of every unit, then their compute in waves of up to ``LOCKSTEP_CHAINS`` chains,
 the instructions of the units' softmax, P @ V and merge chains interleaved phase by phase
 (``lockstep``), so the in-order engines pay each hop's latency once per wave, not once per unit --
@@ -182,8 +187,10 @@ from nki_lib.attention.kernels.decode_attention_fwd_gathers import (
     clean_heads,
     gather_chunk,
     gather_heads,
+    gather_runs_token_major,
     load_unit_ids,
     shared_gathers,
+    unit_views,
     v_gather_parts,
 )
 from nki_lib.attention.kernels.decode_attention_fwd_io import (
@@ -564,7 +571,7 @@ def reads_lengths(single, paged, first_is_zero, batch):
 @nki.jit
 def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens, cache_start, sink_rows,
                   n_kv_heads, head_offset, seq_units, unit_keys, keys_per_partition, n_split, n_cols,
-                  scale, softcap, window_left):
+                  scale, softcap, window_left, token_major=False):
     """Decode attention; see the module docstring for shapes and the algorithm."""
     pmax = nl.tile_size.pmax
     batch, n_q_heads, sq, d = q.shape
@@ -592,6 +599,9 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
     first_keys = window_left >= 0 or cache_start is not None     # first > 0 possible
     derive = not reads_lengths(single, seq_units is None, not first_keys, batch)
     shared = single and shared_gathers(seq_units, unit_keys, m)
+    if token_major and not shared:
+        raise ValueError("token_major: a token-major paged pool is read in place only on the single-chunk path "
+                         "with one block per partition (shared_gathers)")
     shard_units = len(units) % n_prog == 0          # LNC2: whole (b, hk) units per core ...
     mine = [u for u in range(len(units)) if not shard_units or u % n_prog == pid]
     unit_ids = {}                                   # shared gathers: each sequence's ids, skipping as soon
@@ -730,18 +740,26 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
             if shared:
                 group_units = [units[u] for _, u in group]
                 k_tile, v_tile = (tile[:, :len(group) * m * d] for tile in tiles)
+                k_views, v_views = (unit_views(t, group_units, m, d, token_major) for t in (k_tile, v_tile))
+                k_bufs = k_views
                 setups = [work.setups[0] for work in works]
                 per_wave = wave_jobs(len(row_spans), len(d_spans))
                 waves = [list(range(w0, min(w0 + per_wave, len(group)))) for w0 in range(0, len(group), per_wave)]
-                for wave in waves:             # K per wave: the first wave's scores start on its own K
-                    gather_heads(cache, k_units, group_units, unit_ids, k_tile, wave)
+                if token_major:                # whole blocks of all kv heads: K, then V, one gather a sequence
+                    gather_runs_token_major(k_units, group_units, unit_ids, k_tile, n_kv_heads, m, d)
+                for wave in waves if not token_major else ():   # K per wave: the first wave's scores
+                    gather_heads(cache, k_units, group_units, unit_ids, k_tile, wave)   # start on its own K
 
-                def load_v(w, waves=waves, group_units=group_units, v_tile=v_tile, setups=setups):
-                    parts = v_gather_parts(waves, w) if overlay else [waves[w]]
-                    for part in parts:
-                        if part:
-                            gather_heads(cache, v_units, group_units, unit_ids, v_tile, part)
-                    clean_heads(cache, group_units, v_tile, setups, waves[w])
+                def load_v(w, waves=waves, group_units=group_units, v_tile=v_tile, v_views=v_views, setups=setups):
+                    if token_major:
+                        if w == 0:
+                            gather_runs_token_major(v_units, group_units, unit_ids, v_tile, n_kv_heads, m, d)
+                    else:
+                        parts = v_gather_parts(waves, w) if overlay else [waves[w]]
+                        for part in parts:
+                            if part:
+                                gather_heads(cache, v_units, group_units, unit_ids, v_tile, part)
+                    clean_heads(cache, v_views, setups, waves[w])
 
                 if overlay:                    # each wave's V lands over its K, after its K^T transposes
                     before_pv = load_v
@@ -763,7 +781,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
             done = [(k, u, work.states) for (k, u), work in zip(group, works)]
             serial = shard_units and g0 + n_pairs < len(mine)   # a later group follows (no exchange)
             tails = [unit_merges(*unit) for unit in done] if serial else None
-            outs = run_chunks([(work.states[0], work.q_t, k_bufs[i], chunk_bufs[i][1]) for i, work in enumerate(works)],
+            v_bufs = v_views if shared else [pair[1] for pair in chunk_bufs[:len(group)]]
+            outs = run_chunks([(work.states[0], work.q_t, k_bufs[i], v_bufs[i]) for i, work in enumerate(works)],
                               plan, d_spans, m, ones_col, k_units.dtype, scale, softcap, dtype, fresh=True, tails=tails,
                               before_pv=before_pv, pack=key_pack)
             if plan[0] == m and g0 + n_pairs >= len(mine):   # folded merges need no exp: the log table

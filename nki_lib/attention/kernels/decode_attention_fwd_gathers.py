@@ -5,11 +5,15 @@ Algorithm: one indirect DMA (``vector_offset`` = unit ids, ``oob_mode.skip``) mo
 chunk into the chunk buffer, each partition one contiguous run (one descriptor); for a paged cache
 whose partitions hold one whole block each (``shared_gathers``), the consecutive kv heads of one
 sequence (``head_runs``) are one run of a block's cache row, so one gather serves them all
-(``gather_heads``), and when V loads over K its gathers go in the parts of ``v_gather_parts``.
+(``gather_heads``), and when V loads over K its gathers go in the parts of ``v_gather_parts``. A
+token-major pool (block rows [token][kv head][D]) gathers per run of heads too
+(``gather_runs_token_major``), landing [token][run head][D], each unit's chunk a (128, M, D) view
+(``unit_views``).
 No loops beyond one gather per run of heads and the 0-or-1-trip V cleaning of edge units.
 
-Shapes: cache units (rows, u*D) (paged: (NB, Hkv*bs*D)); unit ids (C/u, 1) int32 in SBUF; chunk
-buffers (128, M*D), shared tiles (128, units*M*D). Dimension legend as in ``decode_attention_fwd``.
+Shapes: cache units (rows, u*D) (paged: (NB, Hkv*bs*D), head-major or token-major rows); unit ids
+(C/u, 1) int32 in SBUF; chunk buffers (128, M*D), shared tiles (128, units*M*D). Dimension legend as
+in ``decode_attention_fwd``.
 
 Limits: those of ``decode_attention_fwd`` (power-of-two units, C/u <= 128).
 """
@@ -21,7 +25,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_io import clean_edge_rows
 from nki_lib.attention.kernels.decode_attention_fwd_meta import skip_unneeded_units
 
 __all__ = ["gather_chunk", "head_runs", "shared_gathers", "load_unit_ids", "gather_heads", "v_gather_parts",
-           "clean_heads"]
+           "clean_heads", "unit_views", "gather_runs_token_major"]
 
 
 def gather_chunk(cache_units, idx_sb, head_offset, unit_keys, chunk_sb, slots=None, heads=1):
@@ -113,9 +117,40 @@ def v_gather_parts(waves, w):
     return parts
 
 
-def clean_heads(cache, group_units, v_tile, setups, units):
-    """Each edge entry of ``units``: its V rows (view of ``v_tile``) outside [first, L_b) zeroed
+def clean_heads(cache, v_views, setups, units):
+    """Each edge entry of ``units``: its V rows (its view of ``v_views``) outside [first, L_b) zeroed
     (device loops of 0 or 1 trips over the edge ranges)."""
-    width = v_tile.shape[1] // len(group_units)
     for i in units:
-        clean_edge_rows(v_tile[:, i * width:(i + 1) * width], cache[3], setups[i])
+        clean_edge_rows(v_views[i], cache[3], setups[i])
+
+
+def unit_views(tile, group_units, m, d, token_major):
+    """Each entry's (128, M*D) view of ``tile`` (entry i at column i*M*D), or for a token-major pool
+    (``gather_runs_token_major``) its (128, M, D) view of its run's [token][run head][D] rows."""
+    pmax = nl.tile_size.pmax
+    if not token_major:
+        return [tile[:, i * m * d:(i + 1) * m * d] for i in range(len(group_units))]
+    views = []
+    for r0, n in head_runs(group_units):
+        run = tile[:, r0 * m * d:(r0 + n) * m * d].reshape((pmax, m, n, d))
+        views += [run[:, :, j, :] for j in range(n)]
+    return views
+
+
+def gather_runs_token_major(cache_units, group_units, ids, tile, n_kv_heads, m, d):
+    """A token-major pool (rows of [token][kv head][D] per block, one block per partition): one
+    gather per run of consecutive kv heads of one sequence (``head_runs``) into its columns of
+    ``tile`` as [token][run head][D]. A run of all ``n_kv_heads`` heads is the block's whole row:
+    one descriptor per partition, as for a head-major pool. A shorter run reads M pieces of
+    n*D elements per partition (M descriptors each, M times the GpSimd descriptor work)."""
+    row_stride = cache_units.shape[1]
+    for r0, n in head_runs(group_units):
+        b, hk = group_units[r0]
+        idx_sb = ids[b]
+        if n == n_kv_heads:
+            pattern = [[row_stride, idx_sb.shape[0]], [1, n * m * d]]
+        else:
+            pattern = [[row_stride, idx_sb.shape[0]], [n_kv_heads * d, m], [1, n * d]]
+        src = cache_units.ap(pattern, offset=hk * d, vector_offset=idx_sb, indirect_dim=0)
+        nisa.dma_copy(dst=tile[:, r0 * m * d:(r0 + n) * m * d], src=src, oob_mode=nisa.oob_mode.skip,
+                      dge_mode=nisa.dge_mode.swdge)

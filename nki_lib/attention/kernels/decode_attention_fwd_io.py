@@ -8,7 +8,7 @@ predicated copy (0 * NaN would poison P @ V); a stream's four chunk-range bounds
 registers (derived on chip, ``decode_attention_fwd_meta``). No loops beyond the per-row transposes of q.
 
 Shapes: q (B, Hq, Sq, D) read as (B*Hq*Sq, D) rows; q^T chunks (dc, rn); sink_rows (Hkv, R)
-float32 -> (rn, 1); V chunks (128, M*D); key slots (128, M) float32; key windows (128, 2) float32
+float32 -> (rn, 1); K/V chunks (128, M*D), or (128, M, D) views of token-major rows (``slot_cols``); key slots (128, M) float32; key windows (128, 2) float32
 ``[first, L_b)`` relative to the chunk; out rows (rn, D). Dimension legend as in
 ``decode_attention_fwd``.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nl
 from nki_lib.sizes import spans
 
-__all__ = ["StreamSetup", "load_q_t", "load_sink", "store_out", "stream_setup", "unit_table_width",
+__all__ = ["slot_cols", "slot_dim", "StreamSetup", "load_q_t", "load_sink", "store_out", "stream_setup", "unit_table_width",
            "zero_invisible_rows", "clean_edge_rows", "DMA_ENGINE_PARTITIONS", "RANGE_BOUNDS", "BOUND_COLUMNS", "DIRECT_PIECE_SLOTS", "Q_LOAD_ROW_BYTES", "OUT_STORE_LAG",
            "CHUNK_BUFFER_BUDGET"]
 
@@ -110,6 +110,22 @@ def store_out(out, out_sb, row0):
         nisa.dma_copy(dst=out.ap([[d, n], [1, d]], offset=(row0 + r0) * d), src=out_sb[r0:r0 + n])
 
 
+def slot_dim(chunk, m):
+    """D of a K or V chunk of ``m`` key slots: a (128, M*D) tile or a (128, M, D) view."""
+    return chunk.shape[2] if len(chunk.shape) == 3 else chunk.shape[1] // m
+
+
+def slot_cols(chunk, d, c, n=1, d0=0, dn=None):
+    """Columns ``d0 .. d0 + dn`` (default: all ``d``) of key slots ``c .. c + n`` of a K or V chunk:
+    of a (128, M*D) tile (slot c at columns c*D ..) a (128, n*dn) view (n > 1 only with whole
+    slots), of a (128, M, D) view (any slot stride: a token-major pool's rows hold [token][kv head]
+    [D], ``decode_attention_fwd_gathers``) a (128, dn) or (128, n, D) view."""
+    dn = d - d0 if dn is None else dn
+    if len(chunk.shape) == 3:
+        return chunk[:, c, d0:d0 + dn] if n == 1 else chunk[:, c:c + n, d0:d0 + dn]
+    return chunk[:, c * d + d0:c * d + d0 + dn] if n == 1 else chunk[:, c * d:(c + n) * d]
+
+
 def zero_invisible_rows(v_chunk, key_slots, window_sb):
     """V rows of keys outside [first, L) (relative to the chunk) -> 0: their probabilities are 0,
     but 0 * NaN (garbage past L_b, or stale rows of skipped units) would poison P @ V."""
@@ -118,7 +134,7 @@ def zero_invisible_rows(v_chunk, key_slots, window_sb):
     nisa.tensor_scalar(dst=outside, data=key_slots, op0=nl.greater_equal, operand0=window_sb[:, 1:2])
     nisa.scalar_tensor_tensor(dst=outside, data=key_slots, op0=nl.less, operand0=window_sb[:, 0:1],
                               op1=nl.maximum, operand1=outside)
-    d = v_chunk.shape[1] // m
+    d = slot_dim(v_chunk, m)
     nisa.tensor_copy_predicated(dst=v_chunk, src=0.0, predicate=outside.expand_dim(2).broadcast(2, d))
 
 

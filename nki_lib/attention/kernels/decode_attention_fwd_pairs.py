@@ -22,6 +22,7 @@ blocks and the chunk of a multiple of P slots.
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
+from nki_lib.attention.kernels.decode_attention_fwd_io import slot_cols
 
 __all__ = ["slots_per_transpose", "packed_keys_transposed"]
 
@@ -44,7 +45,7 @@ def packed_keys_transposed(k_chunk, block, d, pack, dtype, engine):
     k_t_psum = nl.ndarray((pack * d, groups * pmax), dtype=dtype, buffer=nl.psum)
     for g in range(groups):
         c = c0 + g * pack
-        nisa.nc_transpose(dst=k_t_psum[:, g * pmax:(g + 1) * pmax], data=k_chunk[:, c * d:(c + pack) * d])
+        nisa.nc_transpose(dst=k_t_psum[:, g * pmax:(g + 1) * pmax], data=slot_cols(k_chunk, d, c, n=pack))
     k_t_sb = nl.ndarray((pack * d, 1, groups, pmax), dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_copy(dst=k_t_sb.reshape((pack * d, groups * pmax)), src=k_t_psum, engine=engine)
     return [(k_t_sb, 0, d)]

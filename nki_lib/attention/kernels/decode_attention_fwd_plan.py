@@ -8,10 +8,12 @@ Host work here is views and static planning only:
 * the cache viewed as rows of gatherable *units* (a reshape, no copy for contiguous caches):
   paged -> one block of all kv heads per row (unit = block, ``u = block_size``); contiguous ->
   ``u = gcd(Smax, C, 128)`` keys of one head per row;
-* a paged pool that is not contiguous head-major (e.g. a token-major (num_blocks, block_size, Hkv,
-  D) pool passed as ``pool.transpose(1, 2)``, the layout of vLLM and of Hugging Face's continuous
-  batching): the blocks its table names are gathered once into head-major copies, with the table
-  renumbered to them (``_table_blocks``): a copy that grows with the table, never with the pool
+* a token-major (num_blocks, block_size, Hkv, D) pool passed as ``pool.transpose(1, 2)`` (the
+  layout of vLLM and of Hugging Face's continuous batching): read in place (``token_major``) when
+  the kernel takes its single-chunk path with one block per partition on one core
+  (``_reads_token_major``); otherwise, and for any other pool that is not contiguous head-major,
+  the blocks its table names are gathered once into head-major copies, with the table renumbered
+  to them (``_table_blocks``): a copy that grows with the table, never with the pool
   (docs/contract.md §3.2); a contiguous cache that is not contiguous is copied whole;
 * ``block_table`` (paged) and ``cache_seqlens``, ``cache_start`` as given when int32, else one
   cast each (int64 index tensors: the op casts the first two already); a block table whose width
@@ -33,7 +35,8 @@ import torch
 
 from nki_lib._nki import nl
 from nki_lib.attention.attention_args import resolve_scale
-from nki_lib.attention.kernels.decode_attention_fwd import decode_attention_fwd_kernel
+from nki_lib.attention.kernels.decode_attention_fwd import decode_attention_fwd_kernel, single_chunk_path
+from nki_lib.attention.kernels.decode_attention_fwd_gathers import shared_gathers
 from nki_lib.attention.kernels.tiles import MAX_INDEX
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch, Unsupported
@@ -85,6 +88,16 @@ def _table_blocks(k_cache, v_cache, block_table):
     ids = block_table.reshape(-1).clamp(0, k_cache.shape[0] - 1)
     table = torch.arange(ids.numel(), dtype=torch.int32, device=block_table.device).reshape(block_table.shape)
     return k_cache.index_select(0, ids), v_cache.index_select(0, ids), table
+
+
+def _reads_token_major(k_cache, v_cache, n_units, grid, n_split, capacity, chunk, unit_keys, m):
+    """Whether the kernel reads a token-major pool in place: both caches are ``transpose(1, 2)`` views
+    of contiguous (num_blocks, block_size, Hkv, D) pools, and the kernel takes the single-chunk path
+    with one block per partition (``single_chunk_path``, ``shared_gathers``: its gathers move whole
+    blocks of all kv heads) on one core (two cores each take every other kv head: partial blocks)."""
+    token_major = all(c.transpose(1, 2).is_contiguous() and not c.is_contiguous() for c in (k_cache, v_cache))
+    return (token_major and grid == 1 and shared_gathers(None, unit_keys, m)
+            and single_chunk_path(n_split, n_units, grid, capacity, chunk, None))
 
 
 def _unit_rows(cache, paged, unit_keys):
@@ -144,17 +157,26 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
     if cap + chunk >= MAX_INDEX:
         raise Unsupported(f"cache capacity {cap}: key positions must stay below {MAX_INDEX} (float32 bounds)")
 
-    if paged and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        k_cache, v_cache, block_table = _table_blocks(k_cache, v_cache, block_table)
-    k_units, head_offset, n_rows = _unit_rows(k_cache, paged, unit_keys)
-    v_units, _, _ = _unit_rows(v_cache, paged, unit_keys)
-    if n_rows >= MAX_INDEX:
-        raise Unsupported(f"{n_rows} cache units: unit ids must stay below {MAX_INDEX} (float32 arithmetic)")
-    n_cols = block_table.shape[1] if paged else n_rows // (b * hkv)
-    n_cols_pad = ceil_div(n_cols, units_per_chunk) * units_per_chunk
     grid = grid or lnc_degree()
+    n_cols = block_table.shape[1] if paged else None
+    n_cols_pad = ceil_div(n_cols, units_per_chunk) * units_per_chunk if paged else None
     n_split = (_cores_share(num_splits, b * hkv, grid) if num_splits
                else plan_splits(b, hkv, ceil_div(cap, chunk), grid))
+    token_major = paged and _reads_token_major(k_cache, v_cache, b * hkv, grid, n_split, n_cols_pad * unit_keys,
+                                               chunk, unit_keys, m)
+    if token_major:
+        k_units, v_units = (c.transpose(1, 2).reshape(c.shape[0], -1) for c in (k_cache, v_cache))
+        head_offset, n_rows = unit_keys * d, k_cache.shape[0]
+    else:
+        if paged and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            k_cache, v_cache, block_table = _table_blocks(k_cache, v_cache, block_table)
+        k_units, head_offset, n_rows = _unit_rows(k_cache, paged, unit_keys)
+        v_units, _, _ = _unit_rows(v_cache, paged, unit_keys)
+    if n_rows >= MAX_INDEX:
+        raise Unsupported(f"{n_rows} cache units: unit ids must stay below {MAX_INDEX} (float32 arithmetic)")
+    if not paged:
+        n_cols = n_rows // (b * hkv)
+        n_cols_pad = ceil_div(n_cols, units_per_chunk) * units_per_chunk
     table = None
     if paged:
         table = _as_int32(block_table)
@@ -164,5 +186,5 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
                         (q.contiguous(), k_units, v_units, table, _as_int32(cache_seqlens),
                          None if cache_start is None else _as_int32(cache_start), _sink_rows(sinks, hkv, sq),
                          hkv, head_offset, None if paged else n_rows // b, unit_keys, m, n_split, n_cols_pad,
-                         resolve_scale(scale, d), float(softcap), int(window_left)),
+                         resolve_scale(scale, d), float(softcap), int(window_left), token_major),
                         grid=grid)

@@ -33,6 +33,7 @@ from __future__ import annotations
 from functools import partial
 
 from nki_lib._nki import nisa, nl
+from nki_lib.attention.kernels.decode_attention_fwd_io import slot_cols, slot_dim
 from nki_lib.attention.kernels.decode_attention_fwd_pairs import packed_keys_transposed
 from nki_lib.attention.kernels.tiles import STAT_INIT, inf_max_rows
 from nki_lib.sizes import spans
@@ -53,14 +54,14 @@ def _block_keys_transposed(k_chunk, block, d_spans, m, dtype, engine):
     p*M + c0 + j of the chunk (evicted from PSUM by VectorE)."""
     pmax = nl.tile_size.pmax
     c0, n = block
-    d = k_chunk.shape[1] // m
+    d = slot_dim(k_chunk, m)
     k_t = []
     for d0, dn in d_spans:
         k_t_psum = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.psum)
         for j in range(n):
             c = c0 + j
             nisa.nc_transpose(dst=k_t_psum[:, j * pmax:(j + 1) * pmax],
-                              data=k_chunk[:, c * d + d0:c * d + d0 + dn])
+                              data=slot_cols(k_chunk, d, c, d0=d0, dn=dn))
         k_t_sb = nl.ndarray((dn, n * pmax), dtype=dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=k_t_sb, src=k_t_psum, engine=engine)
         k_t.append(k_t_sb)
@@ -108,7 +109,7 @@ class KtPipeline:
                 self.thunks.append(lambda c=c0 + k0: [(k_chunk, c, d)])
             return
         if pack > 1:
-            transpose = partial(packed_keys_transposed, k_chunk, d=k_chunk.shape[1] // m, pack=pack, dtype=kv_dtype)
+            transpose = partial(packed_keys_transposed, k_chunk, d=slot_dim(k_chunk, m), pack=pack, dtype=kv_dtype)
         else:
             transpose = partial(_block_keys_transposed, k_chunk, d_spans=d_spans, m=m, dtype=kv_dtype)
         for k0, kn in _kt_spans(n, plan):
@@ -464,7 +465,7 @@ def _pv_column_tiles(o_l, p_t, v_chunk, c0, ones_col, tiles, row_span, tile_sum)
                 t = j % tiles
                 c = c0 + j
                 nisa.nc_matmul(dst=part_psum[t * cols:t * cols + rn, lo:hi], stationary=p_t[:, :, j],
-                               moving=v_chunk[:, c * d:(c + 1) * d] if moving == "v" else ones_col,
+                               moving=slot_cols(v_chunk, d, c) if moving == "v" else ones_col,
                                accumulate=True, tile_position=(row0, t * cols), tile_size=(rows, cols))
     yield
     part_sb = nl.ndarray((pmax, d + 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -509,10 +510,10 @@ def step_pv_phases(state, p_t, neg_m_new, v_chunk, c0, ones_col, d_spans, direct
     for j in range(n if tiles == 1 else 0):
         c = c0 + j
         if direct:
-            nisa.nc_matmul(dst=o_l[:, 0:d], stationary=p_t[:, :, j], moving=v_chunk[:, c * d:(c + 1) * d],
+            nisa.nc_matmul(dst=o_l[:, 0:d], stationary=p_t[:, :, j], moving=slot_cols(v_chunk, d, c),
                            accumulate=(j > 0), **tiling)
         for h, (d0, dn) in enumerate(d_spans if not direct else ()):
-            nisa.nc_matmul(dst=o_t[h], stationary=v_chunk[:, c * d + d0:c * d + d0 + dn], moving=p_t[:, :, j],
+            nisa.nc_matmul(dst=o_t[h], stationary=slot_cols(v_chunk, d, c, d0=d0, dn=dn), moving=p_t[:, :, j],
                            accumulate=(j > 0), **tiling)
         nisa.nc_matmul(dst=o_l[:, d:d + 1], stationary=p_t[:, :, j], moving=ones_col, accumulate=(j > 0), **tiling)
     yield
