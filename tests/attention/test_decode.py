@@ -62,6 +62,8 @@ def _case(**over):
                sinks=True, window_left=17))                               # K^T of 2 slots per PE transpose
 @example(_case(b=2, hq=6, hkv=2, sq=1, d=32, lengths=[4, 509], cap=512, block_size=4, dtype=torch.float32,
                softcap=5.0))                                              # 4 slots per transpose, fp32
+@example(_case(b=2, hq=2, d=16, lengths=[1, 700], cap=1024, block_size=8))   # paged, M = block, D = 16: one slot
+                                                                          # a PE transpose (no 16-row PE tiles)
 def test_decode_parity_simulator(case):
     result = op_parity(SPEC, _sample(case), grads=False)
     assert result.ok, str(result)

@@ -15,8 +15,9 @@ Shapes: K chunk (128, M*D); packed K^T block (P*D, 1, nk/P, 128): element [i*D +
 element e of key p*M + c0 + g*P + i (the chunk's slot c0 + g*P + i), handed on as (tile, 0, D).
 Dimension legend as in ``decode_attention_fwd_steps``; P slots per transpose.
 
-Limits: D <= 64 dividing 128 (P >= 2; D = 32 takes 32-row tiles, NC-v3+), one head-dim chunk, K^T
-blocks and the chunk of a multiple of P slots.
+Limits: 32 <= D <= 64 dividing 128 (P >= 2; D = 32 takes 32-row tiles, NC-v3+; D = 16 would need
+16-row tiles, which nc_matmul does not take, so it transposes one slot at a time), one head-dim
+chunk, K^T blocks and the chunk of a multiple of P slots.
 """
 
 from __future__ import annotations
@@ -27,11 +28,15 @@ from nki_lib.attention.kernels.decode_attention_fwd_io import slot_cols
 __all__ = ["slots_per_transpose", "packed_keys_transposed"]
 
 
+MIN_ROW_TILE = 32     # the smallest nc_matmul row tile (tile_size entries 32, 64, 128; 32 needs NC-v3+)
+
+
 def slots_per_transpose(d, kt_slots, m):
-    """P = 128 / D key slots per PE transpose when D <= 64 divides 128 and P divides the K^T blocks
-    (``kt_slots``) and the chunk (M slots); else 1 (one slot per transpose)."""
+    """P = 128 / D key slots per PE transpose when 32 <= D <= 64 divides 128 (each slot's score matmul
+    is a row tile of D rows, and no row tile is smaller than ``MIN_ROW_TILE``) and P divides the K^T
+    blocks (``kt_slots``) and the chunk (M slots); else 1 (one slot per transpose)."""
     pmax = nl.tile_size.pmax
-    pack = pmax // d if pmax % d == 0 else 1
+    pack = pmax // d if pmax % d == 0 and d >= MIN_ROW_TILE else 1
     return pack if pack > 1 and kt_slots % pack == 0 and m % pack == 0 else 1
 
 
