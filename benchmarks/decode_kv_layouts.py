@@ -2,12 +2,13 @@
 (``kv_layout="NHD"``), for pools of several sizes (docs/perf-log.md §30.1, §30.2).
 
 The decode calls at an 8k cache with 64-token blocks of gpt-oss-120b (B=1, Hq=64, Hkv=8, D=64,
-sinks) and llama3-8b (B=1, Hq=32, Hkv=8, D=128). The last line of each pool prices the whole-pool
-copy a token-major pool cost before round 13. Run from the repository root (package installed or
-``PYTHONPATH=.``)::
+sinks) and llama3-8b (B=1, Hq=32, Hkv=8, D=128), with a block table of 128 columns (one chunk: the
+kernel's single-chunk path) and of 512 (a 32k capacity: the multi-chunk path). The last line of
+each pool prices the whole-pool copy a token-major pool cost before round 13. Run from the
+repository root (package installed or ``PYTHONPATH=.``)::
 
-    python benchmarks/decode_kv_layouts.py                 # both models, pools of 128 and 2048 blocks, ~1 min
-    python benchmarks/decode_kv_layouts.py --models gpt-oss-120b --spare 0 8064
+    python benchmarks/decode_kv_layouts.py                 # both models, both tables, 2 pools each, ~2 min
+    python benchmarks/decode_kv_layouts.py --models gpt-oss-120b --capacities 8192 --spare 0 8064
 """
 
 import argparse
@@ -46,16 +47,18 @@ def _line(name, call, target) -> str:
             f"{est.total_dependency_bound_us:6.1f} us")
 
 
-def rows(model: str, spare: int, target: str = "trn2"):
-    """Report lines for ``model``'s call over a pool of its blocks plus ``spare`` unused ones."""
+def rows(model: str, capacity: int, spare: int, target: str = "trn2"):
+    """Report lines for ``model``'s call with a block table of ``capacity`` keys (the table's width
+    times the block size) over a pool of its blocks plus ``spare`` unused ones."""
     s = SHAPES[model]
     needed = -(-s["length"] // s["block_size"]) * s["b"]
     sample = make_sample(s["b"], s["hq"], s["hkv"], s["sq"], s["d"], [s["length"]] * s["b"], torch.bfloat16,
-                         block_size=s["block_size"], num_blocks=needed + spare, sinks=s["sinks"])
+                         block_size=s["block_size"], num_blocks=needed + spare, capacity_=capacity, sinks=s["sinks"])
     q, k_cache, v_cache, lengths, table, sinks, _ = sample.args
     k_tm, v_tm = (c.transpose(1, 2).contiguous() for c in (k_cache, v_cache))
     calls = {"head-major (HND)": (k_cache, v_cache, "HND"), "token-major (NHD)": (k_tm, v_tm, "NHD")}
-    out = [f"{model}: pool of {needed + spare} blocks ({needed} named by the table):"]
+    out = [f"{model}, table of {capacity // s['block_size']} columns: pool of {needed + spare} blocks "
+           f"({needed} named by the table):"]
     for name, (k, v, layout) in calls.items():
         call = (lambda k=k, v=v, layout=layout: nki_lib.decode_attention(
             q, k, v, lengths, block_table=table, sinks=sinks, kv_layout=layout))
@@ -69,13 +72,16 @@ def rows(model: str, spare: int, target: str = "trn2"):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--capacities", type=int, nargs="+", default=[8192, 32768],
+                        help="block table capacities in keys (8192: one chunk, the single-chunk path)")
     parser.add_argument("--spare", type=int, nargs="+", default=[0, 1920], help="unused blocks in the pool")
     parser.add_argument("--target", default="trn2")
     args = parser.parse_args(argv)
     for model in args.models:
-        for spare in args.spare:
-            for line in rows(model, spare, args.target):
-                print(line)
+        for capacity in args.capacities:
+            for spare in args.spare:
+                for line in rows(model, capacity, spare, args.target):
+                    print(line)
     return 0
 
 

@@ -14,6 +14,8 @@ import nki_lib
 from nki_lib.attention import decode_attention_op
 from nki_lib.attention.decode_attention_op import make_sample
 from nki_lib.bench.whole_op import record_host_ops
+from nki_lib.numerics.oppar import op_parity
+from nki_lib.registry import Sample
 
 SPEC = decode_attention_op.SPEC
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -51,7 +53,7 @@ def _sample(case, **kwargs):
         num_blocks = sum(-(-n // case["block_size"]) for n in case["lengths"]) + spare
     return make_sample(case["b"], case["hq"], case["hkv"], case["sq"], case["d"], case["lengths"], case["dtype"],
                        block_size=case["block_size"], num_blocks=num_blocks, capacity_=case["cap"],
-                       sinks=case["sinks"], **kwargs)
+                       sinks=case["sinks"], starts=case.get("starts"), **kwargs)
 
 
 @settings(deadline=None, max_examples=25)
@@ -102,6 +104,7 @@ def _in_place(**over):
 @example(_in_place(b=3, hq=3, hkv=3, d=128, lengths=[9, 512, 200], dtype=torch.float32,     # odd Hkv: groups
                    spare=2, softcap=5.0))                                      # may split a sequence's heads
 @example(_in_place(b=2, hq=16, hkv=8, d=64, block_size=8, cap=1024, lengths=[1024, 700]))  # gpt-oss's Hkv, G
+@example(_in_place(b=2, hq=4, lengths=[512, 300], sinks=True, starts=[10, 250]))      # left-padded (cache_start)
 @example(_in_place(b=5, hq=8, hkv=8, d=128, block_size=8, cap=1024, lengths=[1024, 1000, 77, 1024, 512],
                    dtype=torch.float32, sinks=True, window_left=100))        # groups of 14 units split sequences:
                                                                              # partial runs, strided gathers
@@ -109,14 +112,52 @@ def test_token_major_pool_is_read_in_place(case):
     """No host gather, and the same answer, bit for bit, as the head-major call."""
     kwargs = {k: case[k] for k in ("window_left", "softcap") if case[k] not in (-1, 0.0)}
     sample = _sample(case, **kwargs)
-    q, k_cache, v_cache, lengths, table, sinks, _ = sample.args
+    q, k_cache, v_cache, lengths, table, sinks, starts = sample.args
     with nki_lib.use_backend("simulator"), nki_lib.strict():
         want = SPEC.op(*sample.args, **sample.kwargs)
         with record_host_ops() as ops:
             got = nki_lib.decode_attention(q, _token_major(k_cache), _token_major(v_cache), lengths, block_table=table,
-                                           sinks=sinks, kv_layout="NHD", return_lse=True, **kwargs)
+                                           sinks=sinks, cache_start=starts, kv_layout="NHD", return_lse=True, **kwargs)
     assert not [op for op in ops if op.name.startswith("aten.index_select")]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@st.composite
+def multi_chunk_cases(draw):
+    """Calls whose token-major pool the kernel reads in place on its multi-chunk path: tables wider
+    than one chunk (capacity > 128 x block_size, or chunks of all kv heads shallower than a block)."""
+    hkv = draw(st.integers(1, 4))
+    sq = draw(st.integers(1, 2))
+    b = draw(st.integers(1, 2))
+    block_size = draw(st.sampled_from([4, 8, 16, 32]))
+    cap = block_size * draw(st.integers(129, 300))
+    lengths = draw(st.lists(st.integers(sq, cap), min_size=b, max_size=b))
+    return dict(b=b, hq=hkv * draw(st.integers(1, 2)), hkv=hkv, sq=sq, d=draw(st.sampled_from([16, 64, 128])),
+                lengths=lengths, cap=cap, dtype=draw(st.sampled_from(DTYPES)), block_size=block_size,
+                spare=draw(st.integers(0, 3)), sinks=draw(st.booleans()),
+                window_left=draw(st.sampled_from([-1, -1, 200])), softcap=draw(st.sampled_from([0.0, 0.0, 5.0])))
+
+
+@settings(deadline=None, max_examples=10)
+@given(multi_chunk_cases())
+@example(_in_place(b=2, hq=4, hkv=2, d=64, block_size=16, cap=4096, lengths=[3000, 77], sinks=True))  # same M
+@example(_in_place(b=1, hq=8, hkv=8, d=128, block_size=64, cap=32768, lengths=[20000]))   # M 64 -> 16: all heads
+@example(_in_place(b=3, hq=6, hkv=3, sq=2, d=32, block_size=8, cap=2048, lengths=[1500, 2048, 9],  # 3 ranges,
+                   dtype=torch.float32, window_left=300))                       # a window
+@example(_in_place(b=2, hq=8, hkv=4, d=32, block_size=16, cap=4096, lengths=[3000, 900], sinks=True,
+                   starts=[1000, 0]))                                          # left-padded (cache_start)
+def test_token_major_pool_is_read_in_place_on_the_multi_chunk_path(case):
+    """No host gather, and parity with the fp64 oracle (the chunk depth may differ from the head-major
+    call's, so the summation order does too)."""
+    kwargs = {k: case[k] for k in ("window_left", "softcap") if case[k] not in (-1, 0.0)}
+    sample = _sample(case, **kwargs)
+    q, k_cache, v_cache, lengths, table, sinks, starts = sample.args
+    view = Sample((q, _token_major(k_cache).transpose(1, 2), _token_major(v_cache).transpose(1, 2), lengths, table,
+                   sinks, starts), sample.kwargs, sample.label + " token-major")
+    with record_host_ops() as ops:
+        result = op_parity(SPEC, view, grads=False)
+    assert result.ok, str(result)
+    assert not [op for op in ops if op.name.startswith("aten.index_select")]
 
 
 def test_token_major_on_two_cores_gathers_the_table_s_blocks(monkeypatch):

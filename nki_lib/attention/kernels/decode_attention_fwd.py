@@ -96,6 +96,14 @@ is issued before the stores and setup of later units that would otherwise hold t
     store the remaining out rows; lse = M + log(L) for all units at once (one ACT table switch),
     transposed to (units, rn) and stored by one DMA per row tile
 
+A token-major paged pool (``token_major``: block rows of [token][kv head][D], vLLM's and Hugging
+Face's layout) on the multi-chunk path runs the loop above per sequence b instead of per unit: its
+Hkv units are prepared together and each split is one stream of all of them (``_stream_heads``):
+per chunk one DMA of the unit ids, one gather of K per softmax step and one of V moving all kv
+heads (partition j of a block holds its keys j*M .. j*M + M - 1, one contiguous run of M*Hkv*D, so
+M is chosen by the launcher to fit that run in a chunk buffer), then each head's chunk on its
+(128, M, D) views.
+
 Single-chunk path (one split, a capacity of one chunk of at most ``SINGLE_CHUNK_KEYS`` keys, and
 for a contiguous cache exactly one chunk): every unit's only chunk is chunk 0, so its loads and
 compute are static code (contiguous: precomputed-descriptor DMAs per group of
@@ -116,7 +124,7 @@ head][D], vLLM's and Hugging Face's layout) is read in place on that path only: 
 sequence's run of kv heads moves K (then V) of all its heads, a whole block row per partition,
 and each unit's chunk is its (128, M, D) view of the run's [token][run head][D] rows (slot stride
 run x D, ``slot_cols``); a run that is not all of a sequence's heads (a group that splits them)
-reads M pieces per partition. Per group of units (as many as there are buffer pairs): K of
+reads M pieces per partition. (The multi-chunk path's token-major streams: after the loop structure.) Per group of units (as many as there are buffer pairs): K of
 every unit, then V of every unit, then their compute in waves of up to ``LOCKSTEP_CHAINS`` chains,
 the instructions of the units' softmax, P @ V and merge chains interleaved phase by phase
 (``lockstep``), so the in-order engines pay each hop's latency once per wave, not once per unit --
@@ -186,6 +194,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_chunks import chunk_plan, ru
 from nki_lib.attention.kernels.decode_attention_fwd_gathers import (
     clean_heads,
     gather_chunk,
+    gather_chunk_token_major,
     gather_heads,
     gather_runs_token_major,
     load_unit_ids,
@@ -330,6 +339,43 @@ def _stream(split_states, setup, q_t, k_units, v_units, table, key_slots,
                     zero_invisible_rows(v_chunk, key_slots, window_sb)
             _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, k_units.dtype, scale,
                    softcap, dtype)
+            nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
+
+
+def _stream_heads(heads, setup, k_units, v_units, table, key_slots, b, unit_keys, chunk_pair, plan, ones_col,
+                  d_spans, scale, softcap, dtype):
+    """The (b, split) streams of all kv heads of sequence ``b`` over a token-major pool (block rows of
+    [token][kv head][D]; ``heads``: per kv head, its (split states, q^T)), chunk by chunk as
+    ``_stream``, with the key window of ``setup`` shared by the heads: per chunk one DMA of its unit
+    ids, one gather of K per softmax step and one of V for all heads (each partition's M keys of a
+    block are one contiguous run of M*Hkv*D), the V cleaning of an edge chunk over all heads at once,
+    then each head's chunk on its (128, M, D) views (``slot_cols``)."""
+    pmax = nl.tile_size.pmax
+    m = key_slots.shape[1]
+    n_heads = len(heads)
+    d = heads[0][0][0].acc.shape[1]
+    units_per_chunk = m * pmax // unit_keys
+    k_chunk, v_chunk = chunk_pair
+    k_views, v_views = ([c.reshape((pmax, m, n_heads, d))[:, :, h, :] for h in range(n_heads)]
+                        for c in (k_chunk, v_chunk))
+    regs, window_sb = setup.regs, setup.window
+    block_table, meta, _ = table
+    for r in range(len(regs) - 1):
+        interior = r == INTERIOR_RANGE
+        for col in nl.dynamic_range(regs[r], regs[r + 1], units_per_chunk):
+            idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=idx_sb, src=block_table.ap([[1, units_per_chunk], [1, 1]], offset=b * block_table.shape[1],
+                                                         scalar_offset=col, indirect_dim=1))
+            if not interior:                        # units holding no key of [first, L_b) skipped
+                skip_unneeded_units(idx_sb, meta.unit_keys, window_sb, k_units.shape[0])
+            for step in spans(m, plan[0]):
+                gather_chunk_token_major(k_units, idx_sb, n_heads, unit_keys, k_chunk, step)
+            gather_chunk_token_major(v_units, idx_sb, n_heads, unit_keys, v_chunk)
+            if not interior:
+                zero_invisible_rows(v_chunk, key_slots, window_sb)
+            for h, (split_states, q_t) in enumerate(heads):
+                _chunk(split_states, q_t, k_views[h], v_views[h], plan, d_spans, m, ones_col, k_units.dtype, scale,
+                       softcap, dtype)
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
 
 
@@ -599,9 +645,10 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
     first_keys = window_left >= 0 or cache_start is not None     # first > 0 possible
     derive = not reads_lengths(single, seq_units is None, not first_keys, batch)
     shared = single and shared_gathers(seq_units, unit_keys, m)
-    if token_major and not shared:
-        raise ValueError("token_major: a token-major paged pool is read in place only on the single-chunk path "
-                         "with one block per partition (shared_gathers)")
+    if token_major and (n_prog > 1 or single and not shared):
+        raise ValueError("token_major: a token-major paged pool is read in place on one core, on the single-chunk "
+                         "path with one block per partition (shared_gathers) or on the multi-chunk path "
+                         "(decode_attention_fwd_plan._token_major_depth)")
     shard_units = len(units) % n_prog == 0          # LNC2: whole (b, hk) units per core ...
     mine = [u for u in range(len(units)) if not shard_units or u % n_prog == pid]
     unit_ids = {}                                   # shared gathers: each sequence's ids, skipping as soon
@@ -619,7 +666,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
     k_t_rows = None if single else K_T_DGE_ROWS    # partitions per K^T group: the multi-chunk path's hwdge form
     fold = 1 if single or not every_k_t else k_t_fold(d, m)   # multi-chunk K^T: slots per partition row
     k_row = pmax // fold if every_k_t else d        # K^T: 128 keys per slot on each of D partitions
-    pair_bytes = m * (k_row * k_units.itemsize + d * v_units.itemsize)
+    streams_heads = token_major and not single     # multi-chunk token-major: (b, split) streams of all kv heads
+    pair_bytes = m * (k_row * k_units.itemsize + d * v_units.itemsize) * (n_kv_heads if streams_heads else 1)
     budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
     n_pairs = max(1, min(batch * n_kv_heads * n_split, budget // pair_bytes))
     if single:                                      # groups of units (one per buffer pair) of equal size:
@@ -637,10 +685,11 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
         tiles.append(tiles[0] if overlay else nl.ndarray((pmax, n_pairs * m * d), dtype=v_units.dtype,
                                                          buffer=nl.sbuf))
         chunk_bufs = [tuple(tile[:, i * m * d:(i + 1) * m * d] for tile in tiles) for i in range(n_pairs)]
+    chunk_width = m * d * (n_kv_heads if streams_heads else 1)
     for _ in range(0 if shared else n_pairs):
-        pair = (k_t_tile(k_units.dtype, m, d, k_t_rows, fold) if every_k_t else nl.ndarray((pmax, m * d), dtype=k_units.dtype,
-                                                                                       buffer=nl.sbuf),
-                nl.ndarray((pmax, m * d), dtype=v_units.dtype, buffer=nl.sbuf))
+        pair = (k_t_tile(k_units.dtype, m, d, k_t_rows, fold) if every_k_t else nl.ndarray((pmax, chunk_width),
+                                                                                       dtype=k_units.dtype, buffer=nl.sbuf),
+                nl.ndarray((pmax, chunk_width), dtype=v_units.dtype, buffer=nl.sbuf))
         chunk_bufs.append(pair)
 
     my_splits = range(n_split) if shard_units else range(pid, n_split, n_prog)  # ... or splits
@@ -667,7 +716,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
         j = (u % units_per_q) * rows
         return [[q_t[:, j:j + rows] for q_t in q_groups[g]]]
 
-    def prepare(u):
+    def prepare(u, setups=True):
         b, hk = units[u]
         if sink_rows is not None:
             for t in my_tiles:
@@ -686,7 +735,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
                                               (sinks.get((hk, t)), neg_sinks.get((hk, t))) if fold else None)
                                   for t, (r0, rn) in enumerate(row_spans)] for s in my_splits],
                          setups=[stream_setup(meta, b * n_split + s, single, unit_table_width(m, unit_keys))
-                                 for s in my_splits])
+                                 for s in my_splits] if setups else None)
 
     pending_out = []                                # (out rows, first row) awaiting their store
 
@@ -789,6 +838,16 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
                 nisa.activation(dst=warm, op=nl.log, data=ones_col)   # loads behind P @ V and the merges
                 warm = None
             finish(done, outs)
+    elif streams_heads:                             # one core, units (b, hk) in order: Hkv per sequence
+        for k0 in range(0, len(mine), n_kv_heads):
+            seq = list(enumerate(mine))[k0:k0 + n_kv_heads]
+            works = [prepare(u, setups=i == 0) for i, (_, u) in enumerate(seq)]
+            for s_i, setup in enumerate(works[0].setups):
+                _stream_heads([(work.states[s_i], work.q_t) for work in works], setup, k_units, v_units,
+                              (block_table, meta, seq_units), key_slots, units[seq[0][1]][0], unit_keys,
+                              chunk_bufs[(k0 // n_kv_heads * len(works[0].setups) + s_i) % n_pairs], plan, ones_col,
+                              d_spans, scale, softcap, dtype)
+            finish([(k, u, work.states) for (k, u), work in zip(seq, works)])
     else:
         stream = 0                                  # this core's streams rotate over the buffer pairs
         work_next = prepare(mine[0])

@@ -8,7 +8,8 @@ sequence (``head_runs``) are one run of a block's cache row, so one gather serve
 (``gather_heads``), and when V loads over K its gathers go in the parts of ``v_gather_parts``. A
 token-major pool (block rows [token][kv head][D]) gathers per run of heads too
 (``gather_runs_token_major``), landing [token][run head][D], each unit's chunk a (128, M, D) view
-(``unit_views``).
+(``unit_views``); on the multi-chunk path a chunk of such a pool moves all kv heads of M keys per
+partition (``gather_chunk_token_major``).
 No loops beyond one gather per run of heads and the 0-or-1-trip V cleaning of edge units.
 
 Shapes: cache units (rows, u*D) (paged: (NB, Hkv*bs*D), head-major or token-major rows); unit ids
@@ -25,7 +26,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_io import clean_edge_rows
 from nki_lib.attention.kernels.decode_attention_fwd_meta import skip_unneeded_units
 
 __all__ = ["gather_chunk", "head_runs", "shared_gathers", "load_unit_ids", "gather_heads", "v_gather_parts",
-           "clean_heads", "unit_views", "gather_runs_token_major"]
+           "clean_heads", "unit_views", "gather_runs_token_major", "gather_chunk_token_major"]
 
 
 def gather_chunk(cache_units, idx_sb, head_offset, unit_keys, chunk_sb, slots=None, heads=1):
@@ -47,6 +48,22 @@ def gather_chunk(cache_units, idx_sb, head_offset, unit_keys, chunk_sb, slots=No
         src = cache_units.ap([[row_stride, n_units], [m * d, unit_keys // m], [1, n * d]],
                              offset=head_offset + c0 * d, vector_offset=idx_sb, indirect_dim=0)
     nisa.dma_copy(dst=chunk_sb[:, c0 * d:(c0 + n * heads) * d], src=src, oob_mode=nisa.oob_mode.skip,
+                  dge_mode=nisa.dge_mode.swdge)
+
+
+def gather_chunk_token_major(cache_units, idx_sb, n_heads, unit_keys, chunk_sb, slots=None):
+    """One indirect DMA of a token-major pool (rows of [token][kv head][D] per block): units
+    ``idx_sb`` -> chunk_sb (128, M*Hkv*D) as [slot][kv head][D], all ``n_heads`` kv heads, or only
+    the slots ``(c0, n)`` of every partition (each unit covers u/M whole partitions; partition j of
+    a unit holds its keys j*M .. j*M + M - 1, one contiguous run of its row)."""
+    n_units = idx_sb.shape[0]
+    row_stride = cache_units.shape[1]
+    m = unit_keys * n_units // nl.tile_size.pmax
+    run = chunk_sb.shape[1] // m                    # Hkv*D elements per key
+    c0, n = slots or (0, m)
+    src = cache_units.ap([[row_stride, n_units], [m * run, unit_keys // m], [1, n * run]], offset=c0 * run,
+                         vector_offset=idx_sb, indirect_dim=0)
+    nisa.dma_copy(dst=chunk_sb[:, c0 * run:(c0 + n) * run], src=src, oob_mode=nisa.oob_mode.skip,
                   dge_mode=nisa.dge_mode.swdge)
 
 

@@ -9,9 +9,10 @@ Host work here is views and static planning only:
   paged -> one block of all kv heads per row (unit = block, ``u = block_size``); contiguous ->
   ``u = gcd(Smax, C, 128)`` keys of one head per row;
 * a token-major (num_blocks, block_size, Hkv, D) pool passed as ``pool.transpose(1, 2)`` (the
-  layout of vLLM and of Hugging Face's continuous batching): read in place (``token_major``) when
-  the kernel takes its single-chunk path with one block per partition on one core
-  (``_reads_token_major``); otherwise, and for any other pool that is not contiguous head-major,
+  layout of vLLM and of Hugging Face's continuous batching): read in place (``token_major``) on one
+  core by the kernel's single-chunk path with one block per partition, or by its multi-chunk path
+  with chunks of all kv heads at a depth M whose M*Hkv*D run fits a chunk buffer
+  (``_token_major_depth``); otherwise, and for any other pool that is not contiguous head-major,
   the blocks its table names are gathered once into head-major copies, with the table renumbered
   to them (``_table_blocks``): a copy that grows with the table, never with the pool
   (docs/contract.md §3.2); a contiguous cache that is not contiguous is copied whole;
@@ -90,14 +91,37 @@ def _table_blocks(k_cache, v_cache, block_table):
     return k_cache.index_select(0, ids), v_cache.index_select(0, ids), table
 
 
-def _reads_token_major(k_cache, v_cache, n_units, grid, n_split, capacity, chunk, unit_keys, m):
-    """Whether the kernel reads a token-major pool in place: both caches are ``transpose(1, 2)`` views
-    of contiguous (num_blocks, block_size, Hkv, D) pools, and the kernel takes the single-chunk path
-    with one block per partition (``single_chunk_path``, ``shared_gathers``: its gathers move whole
-    blocks of all kv heads) on one core (two cores each take every other kv head: partial blocks)."""
+def _chunking(b, hkv, cap, m, unit_keys, n_cols, grid, num_splits):
+    """(chunk keys, unit columns a chunk, padded table width (paged) or None, splits) at depth ``m``."""
+    chunk = m * nl.tile_size.pmax
+    units_per_chunk = chunk // unit_keys
+    n_cols_pad = None if n_cols is None else ceil_div(n_cols, units_per_chunk) * units_per_chunk
+    n_split = (_cores_share(num_splits, b * hkv, grid) if num_splits
+               else plan_splits(b, hkv, ceil_div(cap, chunk), grid))
+    return chunk, units_per_chunk, n_cols_pad, n_split
+
+
+def _token_major_depth(k_cache, v_cache, plan_args, m, unit_keys, itemsize):
+    """The chunk depth M at which the kernel reads a token-major pool in place, or None: both caches
+    are ``transpose(1, 2)`` views of contiguous (num_blocks, block_size, Hkv, D) pools, on one core
+    (two cores each take every other kv head: no whole rows), and either the single-chunk path with
+    one block per partition (``shared_gathers``: its gathers move whole blocks of all kv heads) or
+    the multi-chunk path with chunks of all kv heads (``decode_attention_fwd._stream_heads``), whose
+    M keys per partition of every kv head fit one chunk buffer; not the single-chunk path with
+    several partitions per block."""
+    b, hkv, cap, n_cols, grid, num_splits = plan_args
     token_major = all(c.transpose(1, 2).is_contiguous() and not c.is_contiguous() for c in (k_cache, v_cache))
-    return (token_major and grid == 1 and shared_gathers(None, unit_keys, m)
-            and single_chunk_path(n_split, n_units, grid, capacity, chunk, None))
+    if not token_major or grid != 1:
+        return None
+    chunk, _, n_cols_pad, n_split = _chunking(b, hkv, cap, m, unit_keys, n_cols, grid, num_splits)
+    if single_chunk_path(n_split, b * hkv, grid, n_cols_pad * unit_keys, chunk, None):
+        return m if shared_gathers(None, unit_keys, m) else None
+    d = k_cache.shape[3]
+    depth = _floor_pow2(max(1, min(m, CHUNK_BUFFER_BYTES // (hkv * d * itemsize))))
+    if depth * nl.tile_size.pmax < unit_keys or hkv * depth * d * itemsize > CHUNK_BUFFER_BYTES:
+        return None                         # more than 128 blocks a chunk, or a partition's run too long
+    chunk, _, n_cols_pad, n_split = _chunking(b, hkv, cap, depth, unit_keys, n_cols, grid, num_splits)
+    return None if single_chunk_path(n_split, b * hkv, grid, n_cols_pad * unit_keys, chunk, None) else depth
 
 
 def _unit_rows(cache, paged, unit_keys):
@@ -152,18 +176,15 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
     else:
         unit_keys = math.gcd(k_cache.shape[2], m * pmax, CONTIGUOUS_UNIT_KEYS)
         m = min(m, unit_keys)
-    chunk = m * pmax
-    units_per_chunk = chunk // unit_keys
+    grid = grid or lnc_degree()
+    plan_args = (b, hkv, cap, block_table.shape[1] if paged else None, grid, num_splits)
+    depth = _token_major_depth(k_cache, v_cache, plan_args, m, unit_keys, q.element_size()) if paged else None
+    token_major = depth is not None
+    m = depth or m
+    chunk, units_per_chunk, n_cols_pad, n_split = _chunking(b, hkv, cap, m, unit_keys, plan_args[3], grid, num_splits)
     if cap + chunk >= MAX_INDEX:
         raise Unsupported(f"cache capacity {cap}: key positions must stay below {MAX_INDEX} (float32 bounds)")
 
-    grid = grid or lnc_degree()
-    n_cols = block_table.shape[1] if paged else None
-    n_cols_pad = ceil_div(n_cols, units_per_chunk) * units_per_chunk if paged else None
-    n_split = (_cores_share(num_splits, b * hkv, grid) if num_splits
-               else plan_splits(b, hkv, ceil_div(cap, chunk), grid))
-    token_major = paged and _reads_token_major(k_cache, v_cache, b * hkv, grid, n_split, n_cols_pad * unit_keys,
-                                               chunk, unit_keys, m)
     if token_major:
         k_units, v_units = (c.transpose(1, 2).reshape(c.shape[0], -1) for c in (k_cache, v_cache))
         head_offset, n_rows = unit_keys * d, k_cache.shape[0]
@@ -174,8 +195,8 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
         v_units, _, _ = _unit_rows(v_cache, paged, unit_keys)
     if n_rows >= MAX_INDEX:
         raise Unsupported(f"{n_rows} cache units: unit ids must stay below {MAX_INDEX} (float32 arithmetic)")
+    n_cols = block_table.shape[1] if paged else n_rows // (b * hkv)
     if not paged:
-        n_cols = n_rows // (b * hkv)
         n_cols_pad = ceil_div(n_cols, units_per_chunk) * units_per_chunk
     table = None
     if paged:
