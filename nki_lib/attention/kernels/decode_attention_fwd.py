@@ -124,7 +124,7 @@ head][D], vLLM's and Hugging Face's layout) is read in place on that path only: 
 sequence's run of kv heads moves K (then V) of all its heads, a whole block row per partition,
 and each unit's chunk is its (128, M, D) view of the run's [token][run head][D] rows (slot stride
 run x D, ``slot_cols``); a run that is not all of a sequence's heads (a group that splits them)
-reads M pieces per partition. (The multi-chunk path's token-major streams: after the loop structure.) Per group of units (as many as there are buffer pairs): K of
+reads M pieces per partition (multi-chunk token-major streams: after the loop structure). Per group of units (as many as there are buffer pairs): K of
 every unit, then V of every unit, then their compute in waves of up to ``LOCKSTEP_CHAINS`` chains,
 the instructions of the units' softmax, P @ V and merge chains interleaved phase by phase
 (``lockstep``), so the in-order engines pay each hop's latency once per wave, not once per unit --
@@ -669,7 +669,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
     streams_heads = token_major and not single     # multi-chunk token-major: (b, split) streams of all kv heads
     pair_bytes = m * (k_row * k_units.itemsize + d * v_units.itemsize) * (n_kv_heads if streams_heads else 1)
     budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
-    n_pairs = max(1, min(batch * n_kv_heads * n_split, budget // pair_bytes))
+    n_pairs = max(1, min(batch * n_split * (1 if streams_heads else n_kv_heads), budget // pair_bytes))
     if single:                                      # groups of units (one per buffer pair) of equal size:
         n_groups = ceil_div(len(units) // n_prog, n_pairs)   # the last group's tail no longer than the rest
         n_pairs = ceil_div(len(units) // n_prog, n_groups)
@@ -796,8 +796,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
                 waves = [list(range(w0, min(w0 + per_wave, len(group)))) for w0 in range(0, len(group), per_wave)]
                 if token_major:                # whole blocks of all kv heads: K, then V, one gather a sequence
                     gather_runs_token_major(k_units, group_units, unit_ids, k_tile, n_kv_heads, m, d)
-                for wave in waves if not token_major else ():   # K per wave: the first wave's scores
-                    gather_heads(cache, k_units, group_units, unit_ids, k_tile, wave)   # start on its own K
+                for wave in waves if not token_major else ():   # head-major: K per wave, so the first
+                    gather_heads(cache, k_units, group_units, unit_ids, k_tile, wave)   # wave's scores start early
 
                 def load_v(w, waves=waves, group_units=group_units, v_tile=v_tile, v_views=v_views, setups=setups):
                     if token_major:
