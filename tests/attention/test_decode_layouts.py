@@ -160,6 +160,26 @@ def test_token_major_pool_is_read_in_place_on_the_multi_chunk_path(case):
     assert not [op for op in ops if op.name.startswith("aten.index_select")]
 
 
+@settings(deadline=None, max_examples=10)
+@given(st.integers(1, 3), st.integers(1, 4), st.sampled_from([64, 128, 1000, 8192]), st.sampled_from([32, 64, 128]),
+       st.sampled_from(DTYPES), st.data())
+@example(2, 2, 8192, 64, torch.bfloat16, None)       # 128 blocks of 64: the single-chunk path, one block a partition
+@example(1, 4, 1000, 32, torch.float32, None)        # blocks of 4 keys (the largest power of two dividing 1000)
+def test_a_token_major_contiguous_cache_is_read_as_a_pool(b, hkv, smax, d, dtype, data):
+    """flash-attn's (B, Smax, Hkv, D) cache through ``kv_layout="NHD"``: read in place as a token-major
+    paged pool (no host op moves a cache's bytes), parity with the fp64 oracle."""
+    lengths = [smax] * b if data is None else data.draw(st.lists(st.integers(1, smax), min_size=b, max_size=b))
+    sample = make_sample(b, 2 * hkv, hkv, 1, d, lengths, dtype, capacity_=smax, sinks=True)
+    q, k_cache, v_cache, lengths, table, sinks, starts = sample.args
+    view = Sample((q, _token_major(k_cache).transpose(1, 2), _token_major(v_cache).transpose(1, 2), lengths, table,
+                   sinks, starts), sample.kwargs, sample.label + " token-major")
+    with record_host_ops() as ops:
+        result = op_parity(SPEC, view, grads=False)
+    assert result.ok, str(result)
+    cache_bytes = k_cache.numel() * k_cache.element_size()
+    assert all(op.hbm_bytes < cache_bytes for op in ops)
+
+
 def test_token_major_on_two_cores_gathers_the_table_s_blocks(monkeypatch):
     """LNC2 splits a sequence's kv heads between the cores (no whole blocks): the host gather, same answer."""
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")

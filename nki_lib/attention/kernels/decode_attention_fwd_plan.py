@@ -15,7 +15,9 @@ Host work here is views and static planning only:
   (``_token_major_depth``); otherwise, and for any other pool that is not contiguous head-major,
   the blocks its table names are gathered once into head-major copies, with the table renumbered
   to them (``_table_blocks``): a copy that grows with the table, never with the pool
-  (docs/contract.md §3.2); a contiguous cache that is not contiguous is copied whole;
+  (docs/contract.md §3.2); a token-major contiguous-layout cache (B, Smax, Hkv, D) is that same
+  memory as a token-major paged pool with an ``arange`` table (``_token_major_blocks``); any other
+  contiguous-layout cache that is not contiguous is copied whole;
 * ``block_table`` (paged) and ``cache_seqlens``, ``cache_start`` as given when int32, else one
   cast each (int64 index tensors: the op casts the first two already); a block table whose width
   is not a whole number of chunks (``C/u`` blocks) is padded once (the kernel reads the ids of a
@@ -124,6 +126,24 @@ def _token_major_depth(k_cache, v_cache, plan_args, m, unit_keys, itemsize):
     return None if single_chunk_path(n_split, b * hkv, grid, n_cols_pad * unit_keys, chunk, None) else depth
 
 
+def _token_major_blocks(k_cache, v_cache):
+    """A contiguous-layout token-major cache (``transpose(1, 2)`` views of contiguous (B, Smax, Hkv, D)
+    tensors, flash-attn's layout) as a token-major paged pool of the same memory: blocks of the
+    largest power of two dividing Smax and at most Smax / 128 keys (so that a cache of 128 such
+    blocks is one chunk of one block per partition), (B*Smax/bs, bs, Hkv, D) viewed as
+    ``transpose(1, 2)`` again, and the table ``arange`` that maps sequence b to its own blocks. Or
+    None for any other cache."""
+    if not all(c.transpose(1, 2).is_contiguous() and not c.is_contiguous() for c in (k_cache, v_cache)):
+        return None
+    b, hkv, smax, d = k_cache.shape
+    bs = _floor_pow2(max(1, smax // nl.tile_size.pmax))
+    while smax % bs:
+        bs //= 2
+    pools = [c.transpose(1, 2).reshape(b * smax // bs, bs, hkv, d).transpose(1, 2) for c in (k_cache, v_cache)]
+    table = torch.arange(b * smax // bs, dtype=torch.int32, device=k_cache.device).reshape(b, smax // bs)
+    return pools[0], pools[1], table
+
+
 def _unit_rows(cache, paged, unit_keys):
     """(cache rows of units, head offset in elements, #rows): a reshape, no copy."""
     cache = cache.contiguous()         # a no-op but for a non-contiguous contiguous-layout cache
@@ -159,6 +179,8 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
     block table is a whole number of chunks wide (see the module docstring)."""
     if q.dtype not in KERNEL_DTYPES:
         raise Unsupported(f"dtype {q.dtype}")
+    if block_table is None and (pool := _token_major_blocks(k_cache, v_cache)) is not None:
+        k_cache, v_cache, block_table = pool        # read in place as a paged pool, not copied whole
     b, hq, sq, d = q.shape
     hkv = k_cache.shape[1]
     pmax = nl.tile_size.pmax
