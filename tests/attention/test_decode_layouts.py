@@ -122,6 +122,18 @@ def test_token_major_pool_is_read_in_place(case):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def _token_major_parity(sample):
+    """``sample``'s call with its caches stored token-major and passed as ``transpose(1, 2)`` views:
+    asserts parity with the fp64 oracle (strict: the kernel ran) and returns the host ops."""
+    q, k_cache, v_cache, lengths, table, sinks, starts = sample.args
+    view = Sample((q, _token_major(k_cache).transpose(1, 2), _token_major(v_cache).transpose(1, 2), lengths, table,
+                   sinks, starts), sample.kwargs, sample.label + " token-major")
+    with record_host_ops() as ops:
+        result = op_parity(SPEC, view, grads=False)
+    assert result.ok, str(result)
+    return ops
+
+
 @st.composite
 def multi_chunk_cases(draw):
     """Calls whose token-major pool the kernel reads in place on its multi-chunk path: tables wider
@@ -151,12 +163,7 @@ def test_token_major_pool_is_read_in_place_on_the_multi_chunk_path(case):
     call's, so the summation order does too)."""
     kwargs = {k: case[k] for k in ("window_left", "softcap") if case[k] not in (-1, 0.0)}
     sample = _sample(case, **kwargs)
-    q, k_cache, v_cache, lengths, table, sinks, starts = sample.args
-    view = Sample((q, _token_major(k_cache).transpose(1, 2), _token_major(v_cache).transpose(1, 2), lengths, table,
-                   sinks, starts), sample.kwargs, sample.label + " token-major")
-    with record_host_ops() as ops:
-        result = op_parity(SPEC, view, grads=False)
-    assert result.ok, str(result)
+    ops = _token_major_parity(sample)
     assert not [op for op in ops if op.name.startswith("aten.index_select")]
 
 
@@ -170,12 +177,8 @@ def test_a_token_major_contiguous_cache_is_read_as_a_pool(b, hkv, smax, d, dtype
     paged pool (no host op moves a cache's bytes), parity with the fp64 oracle."""
     lengths = [smax] * b if data is None else data.draw(st.lists(st.integers(1, smax), min_size=b, max_size=b))
     sample = make_sample(b, 2 * hkv, hkv, 1, d, lengths, dtype, capacity_=smax, sinks=True)
-    q, k_cache, v_cache, lengths, table, sinks, starts = sample.args
-    view = Sample((q, _token_major(k_cache).transpose(1, 2), _token_major(v_cache).transpose(1, 2), lengths, table,
-                   sinks, starts), sample.kwargs, sample.label + " token-major")
-    with record_host_ops() as ops:
-        result = op_parity(SPEC, view, grads=False)
-    assert result.ok, str(result)
+    ops = _token_major_parity(sample)
+    k_cache = sample.args[1]
     cache_bytes = k_cache.numel() * k_cache.element_size()
     assert all(op.hbm_bytes < cache_bytes for op in ops)
 
