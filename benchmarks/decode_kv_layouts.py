@@ -18,31 +18,29 @@ import torch
 import nki_lib
 from nki_lib.attention.decode_attention_op import make_sample
 from nki_lib.bench.whole_op import estimate_call, host_time_ns
-from nki_lib.dispatch import collect_runs
 from nki_lib.simulator.profile import estimate, params
-from nki_lib.simulator.profile.sensitivity import corners
+from nki_lib.simulator.profile.sensitivity import corners, figure_range
 
 SHAPES = {"gpt-oss-120b": dict(b=1, hq=64, hkv=8, sq=1, d=64, length=8192, block_size=64, sinks=True),
           "llama3-8b": dict(b=1, hq=32, hkv=8, sq=1, d=128, length=8192, block_size=64, sinks=False)}
 
 
-def _worst_corner(call, target) -> str:
+def _worst_corner(est, target) -> str:
     """The kernel's worst in-order and dependency-bound estimates over the documented bounds of the
     low-confidence constants (``--sensitivity``)."""
-    with nki_lib.use_backend("simulator"), nki_lib.strict(), collect_runs() as runs:
-        call()
-    (_, run), = [r for r in runs if r[1] is not None]
-    worst = [(estimate(run, c.hw), c.label) for c in corners(target)]
-    in_order, dep = max(worst, key=lambda w: w[0].time_ns), max(worst, key=lambda w: w[0].dependency_bound_ns)
-    return (f"worst corner {in_order[0].time_us:6.1f} ({in_order[1]}) / {dep[0].dependency_bound_us:6.1f} "
-            f"({dep[1]}) us")
+    (_, run), = est.runs
+    nominal = estimate(run, target)
+    at = {c.label: estimate(run, c.hw) for c in corners(target)}
+    _, in_order, _, in_order_at = figure_range(nominal.time_us, {k: e.time_us for k, e in at.items()})
+    _, dep, _, dep_at = figure_range(nominal.dependency_bound_us, {k: e.dependency_bound_us for k, e in at.items()})
+    return f"worst corner {in_order:6.1f} ({in_order_at}) / {dep:6.1f} ({dep_at}) us"
 
 
 def _line(name, call, target) -> str:
     est = estimate_call(call, target)
     host = est.host
     return (f"{name:<18} kernel {est.kernel_us:6.1f} / {est.kernel_dependency_bound_us:6.1f} us, "
-            f"{_worst_corner(call, target)}; host {host['time_us']:6.1f} us ({host['launches']} launches, "
+            f"{_worst_corner(est, target)}; host {host['time_us']:6.1f} us ({host['launches']} launches, "
             f"{host['hbm_bytes'] / 2**20:5.2f} MiB); whole op {est.total_us:6.1f} / "
             f"{est.total_dependency_bound_us:6.1f} us")
 

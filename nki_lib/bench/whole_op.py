@@ -237,6 +237,7 @@ class WholeOpEstimate:
     kernel_us: float = 0.0
     kernel_dependency_bound_us: float = 0.0
     host: dict = field(default_factory=dict)         # host_cost(...)
+    runs: list = field(default_factory=list)         # (op name, RunReport) per kernel launch (re-estimable)
 
     @property
     def total_us(self) -> float:
@@ -265,4 +266,5 @@ def estimate_call(call: Callable[[], Any], target: str = "trn2") -> WholeOpEstim
         set_target(previous)
     kernels = [(op, estimate(r, target)) for op, r in runs if r is not None]
     return WholeOpEstimate(target, kernels, list(host_ops), sum(e.time_us for _, e in kernels),
-                           sum(e.dependency_bound_us for _, e in kernels), host_cost(host_ops, params(target)))
+                           sum(e.dependency_bound_us for _, e in kernels), host_cost(host_ops, params(target)),
+                           [(op, r) for op, r in runs if r is not None])

@@ -319,10 +319,7 @@ def _stream(split_states, setup, q_t, k_units, v_units, table, key_slots,
                 if block_table is None:                 # contiguous edge chunk: ids from its key window
                     idx_sb = contiguous_unit_ids(meta, window_sb, b, seq_units, unit_keys, units_per_chunk)
                 else:
-                    idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=idx_sb, src=block_table.ap([[1, units_per_chunk], [1, 1]],
-                                                                 offset=b * block_table.shape[1], scalar_offset=col,
-                                                                 indirect_dim=1))
+                    idx_sb = _paged_unit_ids(block_table, b, col, units_per_chunk)
                 if not interior:                        # units holding no key of [first, L_b) skipped
                     skip_unneeded_units(idx_sb, meta.unit_keys, window_sb, k_units.shape[0])
                 if k_t:                                 # edge K^T: the partition groups holding a needed key
@@ -340,6 +337,15 @@ def _stream(split_states, setup, q_t, k_units, v_units, table, key_slots,
             _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, k_units.dtype, scale,
                    softcap, dtype)
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
+
+
+def _paged_unit_ids(block_table, b, col, n):
+    """Unit ids (n, 1) int32 of one chunk of sequence ``b``: columns ``col .. col + n`` (``col`` a
+    loop register) of its block-table row, one DMA."""
+    idx_sb = nl.ndarray((n, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx_sb, src=block_table.ap([[1, n], [1, 1]], offset=b * block_table.shape[1], scalar_offset=col,
+                                                 indirect_dim=1))
+    return idx_sb
 
 
 def _stream_heads(heads, setup, k_units, v_units, table, key_slots, b, unit_keys, chunk_pair, plan, ones_col,
@@ -363,14 +369,12 @@ def _stream_heads(heads, setup, k_units, v_units, table, key_slots, b, unit_keys
     for r in range(len(regs) - 1):
         interior = r == INTERIOR_RANGE
         for col in nl.dynamic_range(regs[r], regs[r + 1], units_per_chunk):
-            idx_sb = nl.ndarray((units_per_chunk, 1), dtype=nl.int32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=idx_sb, src=block_table.ap([[1, units_per_chunk], [1, 1]], offset=b * block_table.shape[1],
-                                                         scalar_offset=col, indirect_dim=1))
+            idx_sb = _paged_unit_ids(block_table, b, col, units_per_chunk)
             if not interior:                        # units holding no key of [first, L_b) skipped
                 skip_unneeded_units(idx_sb, meta.unit_keys, window_sb, k_units.shape[0])
             for step in spans(m, plan[0]):
-                gather_chunk_token_major(k_units, idx_sb, n_heads, unit_keys, k_chunk, step)
-            gather_chunk_token_major(v_units, idx_sb, n_heads, unit_keys, v_chunk)
+                gather_chunk_token_major(k_units, idx_sb, unit_keys, k_chunk, step)
+            gather_chunk_token_major(v_units, idx_sb, unit_keys, v_chunk)
             if not interior:
                 zero_invisible_rows(v_chunk, key_slots, window_sb)
             for h, (split_states, q_t) in enumerate(heads):

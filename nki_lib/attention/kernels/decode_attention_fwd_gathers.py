@@ -51,11 +51,11 @@ def gather_chunk(cache_units, idx_sb, head_offset, unit_keys, chunk_sb, slots=No
                   dge_mode=nisa.dge_mode.swdge)
 
 
-def gather_chunk_token_major(cache_units, idx_sb, n_heads, unit_keys, chunk_sb, slots=None):
+def gather_chunk_token_major(cache_units, idx_sb, unit_keys, chunk_sb, slots=None):
     """One indirect DMA of a token-major pool (rows of [token][kv head][D] per block): units
-    ``idx_sb`` -> chunk_sb (128, M*Hkv*D) as [slot][kv head][D], all ``n_heads`` kv heads, or only
-    the slots ``(c0, n)`` of every partition (each unit covers u/M whole partitions; partition j of
-    a unit holds its keys j*M .. j*M + M - 1, one contiguous run of its row)."""
+    ``idx_sb`` -> chunk_sb (128, M*Hkv*D) as [slot][kv head][D], all kv heads, or only the slots
+    ``(c0, n)`` of every partition (each unit covers u/M whole partitions; partition j of a unit
+    holds its keys j*M .. j*M + M - 1, one contiguous run of its row)."""
     n_units = idx_sb.shape[0]
     row_stride = cache_units.shape[1]
     m = unit_keys * n_units // nl.tile_size.pmax
@@ -163,11 +163,10 @@ def gather_runs_token_major(cache_units, group_units, ids, tile, n_kv_heads, m, 
     row_stride = cache_units.shape[1]
     for r0, n in head_runs(group_units):
         b, hk = group_units[r0]
-        idx_sb = ids[b]
-        if n == n_kv_heads:
-            pattern = [[row_stride, idx_sb.shape[0]], [1, n * m * d]]
-        else:
-            pattern = [[row_stride, idx_sb.shape[0]], [n_kv_heads * d, m], [1, n * d]]
-        src = cache_units.ap(pattern, offset=hk * d, vector_offset=idx_sb, indirect_dim=0)
-        nisa.dma_copy(dst=tile[:, r0 * m * d:(r0 + n) * m * d], src=src, oob_mode=nisa.oob_mode.skip,
-                      dge_mode=nisa.dge_mode.swdge)
+        idx_sb, dst = ids[b], tile[:, r0 * m * d:(r0 + n) * m * d]
+        if n == n_kv_heads:                 # a whole block row: the multi-chunk gather at M = block size
+            gather_chunk_token_major(cache_units, idx_sb, m, dst)
+            continue
+        src = cache_units.ap([[row_stride, idx_sb.shape[0]], [n_kv_heads * d, m], [1, n * d]], offset=hk * d,
+                             vector_offset=idx_sb, indirect_dim=0)
+        nisa.dma_copy(dst=dst, src=src, oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)

@@ -8,9 +8,9 @@ predicated copy (0 * NaN would poison P @ V); a stream's four chunk-range bounds
 registers (derived on chip, ``decode_attention_fwd_meta``). No loops beyond the per-row transposes of q.
 
 Shapes: q (B, Hq, Sq, D) read as (B*Hq*Sq, D) rows; q^T chunks (dc, rn); sink_rows (Hkv, R)
-float32 -> (rn, 1); K/V chunks (128, M*D), or (128, M, D) views of token-major rows (``slot_cols``); key slots (128, M) float32; key windows (128, 2) float32
-``[first, L_b)`` relative to the chunk; out rows (rn, D). Dimension legend as in
-``decode_attention_fwd``.
+float32 -> (rn, 1); K/V chunks (128, M*D), or (128, M, D) views of token-major rows (``slot_cols``);
+key slots (128, M) float32; key windows (128, 2) float32 ``[first, L_b)`` relative to the chunk; out
+rows (rn, D). Dimension legend as in ``decode_attention_fwd``.
 
 Limits: q rows of at most ``Q_LOAD_ROW_BYTES`` per partition row of the load; those of
 ``decode_attention_fwd`` otherwise.
@@ -21,8 +21,8 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nl
 from nki_lib.sizes import spans
 
-__all__ = ["slot_cols", "slot_dim", "StreamSetup", "load_q_t", "load_sink", "store_out", "stream_setup", "unit_table_width",
-           "zero_invisible_rows", "clean_edge_rows", "DMA_ENGINE_PARTITIONS", "RANGE_BOUNDS", "BOUND_COLUMNS", "DIRECT_PIECE_SLOTS", "Q_LOAD_ROW_BYTES", "OUT_STORE_LAG",
+__all__ = ["slot_cols", "slot_dim", "StreamSetup", "load_q_t", "load_sink", "store_out", "stream_setup",
+           "unit_table_width", "zero_invisible_rows", "clean_edge_rows", "DMA_ENGINE_PARTITIONS", "RANGE_BOUNDS", "BOUND_COLUMNS", "DIRECT_PIECE_SLOTS", "Q_LOAD_ROW_BYTES", "OUT_STORE_LAG",
            "CHUNK_BUFFER_BUDGET"]
 
 RANGE_BOUNDS = 4                  # bounds per split: start, lo, hi, stop (3 ranges) ...

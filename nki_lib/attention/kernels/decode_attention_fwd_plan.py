@@ -103,6 +103,12 @@ def _chunking(b, hkv, cap, m, unit_keys, n_cols, grid, num_splits):
     return chunk, units_per_chunk, n_cols_pad, n_split
 
 
+def _token_major_views(k_cache, v_cache) -> bool:
+    """Whether both caches are ``transpose(1, 2)`` views of contiguous token-major tensors (and not
+    contiguous themselves: with Hkv = 1 or one key per block the two layouts are the same memory)."""
+    return all(c.transpose(1, 2).is_contiguous() and not c.is_contiguous() for c in (k_cache, v_cache))
+
+
 def _token_major_depth(k_cache, v_cache, plan_args, m, unit_keys, itemsize):
     """The chunk depth M at which the kernel reads a token-major pool in place, or None: both caches
     are ``transpose(1, 2)`` views of contiguous (num_blocks, block_size, Hkv, D) pools, on one core
@@ -112,18 +118,20 @@ def _token_major_depth(k_cache, v_cache, plan_args, m, unit_keys, itemsize):
     M keys per partition of every kv head fit one chunk buffer; not the single-chunk path with
     several partitions per block."""
     b, hkv, cap, n_cols, grid, num_splits = plan_args
-    token_major = all(c.transpose(1, 2).is_contiguous() and not c.is_contiguous() for c in (k_cache, v_cache))
-    if not token_major or grid != 1:
+    if not _token_major_views(k_cache, v_cache) or grid != 1:
         return None
-    chunk, _, n_cols_pad, n_split = _chunking(b, hkv, cap, m, unit_keys, n_cols, grid, num_splits)
-    if single_chunk_path(n_split, b * hkv, grid, n_cols_pad * unit_keys, chunk, None):
+
+    def single(depth):
+        chunk, _, n_cols_pad, n_split = _chunking(b, hkv, cap, depth, unit_keys, n_cols, grid, num_splits)
+        return single_chunk_path(n_split, b * hkv, grid, n_cols_pad * unit_keys, chunk, None)
+
+    if single(m):
         return m if shared_gathers(None, unit_keys, m) else None
     d = k_cache.shape[3]
     depth = _floor_pow2(max(1, min(m, CHUNK_BUFFER_BYTES // (hkv * d * itemsize))))
     if depth * nl.tile_size.pmax < unit_keys or hkv * depth * d * itemsize > CHUNK_BUFFER_BYTES:
         return None                         # more than 128 blocks a chunk, or a partition's run too long
-    chunk, _, n_cols_pad, n_split = _chunking(b, hkv, cap, depth, unit_keys, n_cols, grid, num_splits)
-    return None if single_chunk_path(n_split, b * hkv, grid, n_cols_pad * unit_keys, chunk, None) else depth
+    return None if single(depth) else depth
 
 
 def _token_major_blocks(k_cache, v_cache):
@@ -133,7 +141,7 @@ def _token_major_blocks(k_cache, v_cache):
     blocks is one chunk of one block per partition), (B*Smax/bs, bs, Hkv, D) viewed as
     ``transpose(1, 2)`` again, and the table ``arange`` that maps sequence b to its own blocks. Or
     None for any other cache."""
-    if not all(c.transpose(1, 2).is_contiguous() and not c.is_contiguous() for c in (k_cache, v_cache)):
+    if not _token_major_views(k_cache, v_cache):
         return None
     b, hkv, smax, d = k_cache.shape
     bs = _floor_pow2(max(1, smax // nl.tile_size.pmax))
