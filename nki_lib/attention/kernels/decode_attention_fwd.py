@@ -204,6 +204,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_gathers import (
 )
 from nki_lib.attention.kernels.decode_attention_fwd_io import (
     CHUNK_BUFFER_BUDGET,
+    CHUNK_BUFFER_BYTES,
     DIRECT_PIECE_SLOTS,
     OUT_STORE_LAG,
     clean_edge_rows,
@@ -283,7 +284,7 @@ def _init_state(meta, ws, r0, rn, d, step_slots, fresh=False, engine=None, fold=
 
 
 def _stream(split_states, setup, q_t, k_units, v_units, table, key_slots,
-            b, head_offset, seq_offset, unit_keys, chunk_pair, plan, ones_col, d_spans, scale, softcap, dtype):
+            b, head_offset, seq_offset, unit_keys, chunk_pair, plan, ones_col, d_spans, scale, softcap, dtype, pack=1):
     """One (b, hk, split) stream: three device loops over the split's chunks, in key order --
     edge chunks (gathered; V rows of keys outside [first, L_b) zeroed, so garbage or stale
     NaN/inf there cannot reach P @ V), interior chunks (one hardware-DGE DMA per K/V for a
@@ -335,7 +336,7 @@ def _stream(split_states, setup, q_t, k_units, v_units, table, key_slots,
                 if not interior:
                     zero_invisible_rows(v_chunk, key_slots, window_sb)
             _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, k_units.dtype, scale,
-                   softcap, dtype)
+                   softcap, dtype, pack)
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
 
 
@@ -348,22 +349,31 @@ def _paged_unit_ids(block_table, b, col, n):
     return idx_sb
 
 
-def _stream_heads(heads, setup, k_units, v_units, table, key_slots, b, unit_keys, chunk_pair, plan, ones_col,
-                  d_spans, scale, softcap, dtype):
-    """The (b, split) streams of all kv heads of sequence ``b`` over a token-major pool (block rows of
-    [token][kv head][D]; ``heads``: per kv head, its (split states, q^T)), chunk by chunk as
-    ``_stream``, with the key window of ``setup`` shared by the heads: per chunk one DMA of its unit
-    ids, one gather of K per softmax step and one of V for all heads (each partition's M keys of a
-    block are one contiguous run of M*Hkv*D), the V cleaning of an edge chunk over all heads at once,
-    then each head's chunk on its (128, M, D) views (``slot_cols``)."""
+def _stream_heads(heads, setup, k_units, v_units, table, key_slots, unit, unit_keys, chunk_pair, plan, ones_col,
+                  d_spans, scale, softcap, dtype, pack=1, token_major=True, head_offset=0, per_gather=1):
+    """The (b, split) stream of consecutive kv heads ``hk0 ..`` of sequence ``b`` (``unit`` = (b, hk0);
+    ``heads``: per kv head, its (split states, q^T)), chunk by chunk as ``_stream``, with the key window
+    of ``setup`` shared by the heads: per chunk one DMA of its unit ids, gathers moving all those heads
+    at once, the V cleaning of an edge chunk, then the heads' chunks as the jobs of one ``run_chunks``
+    (their chains interleaved in lockstep, their K^T evictions shared by VectorE and ScalarE).
+
+    Token-major pool (``token_major``, block rows of [token][kv head][D]): all kv heads, one gather of K
+    per softmax step and one of V (each partition's M keys of a block are one contiguous run of
+    M*Hkv*D, so M is chosen by the launcher to fit that run in a chunk buffer); each head's chunk is its
+    (128, M, D) view (``slot_cols``). Head-major pool with one block per partition (M = block size):
+    a run of the block's row holds the heads' [head][token][D], so one gather of K and one of V move
+    ``per_gather`` heads at once (``gather_chunk`` ``heads``: one descriptor per partition for all of
+    them), K then V of each such run in head order, so that the first heads' compute starts while the
+    later heads land; each head's chunk is the (128, M*D) slice at ``(hk - hk0)*M*D``."""
     pmax = nl.tile_size.pmax
     m = key_slots.shape[1]
+    b, hk0 = unit
     n_heads = len(heads)
     d = heads[0][0][0].acc.shape[1]
     units_per_chunk = m * pmax // unit_keys
     k_chunk, v_chunk = chunk_pair
-    k_views, v_views = ([c.reshape((pmax, m, n_heads, d))[:, :, h, :] for h in range(n_heads)]
-                        for c in (k_chunk, v_chunk))
+    group_units = [(b, hk0 + h) for h in range(n_heads)]
+    k_views, v_views = (unit_views(c, group_units, m, d, token_major) for c in (k_chunk, v_chunk))
     regs, window_sb = setup.regs, setup.window
     block_table, meta, _ = table
     for r in range(len(regs) - 1):
@@ -372,15 +382,40 @@ def _stream_heads(heads, setup, k_units, v_units, table, key_slots, b, unit_keys
             idx_sb = _paged_unit_ids(block_table, b, col, units_per_chunk)
             if not interior:                        # units holding no key of [first, L_b) skipped
                 skip_unneeded_units(idx_sb, meta.unit_keys, window_sb, k_units.shape[0])
-            for step in spans(m, plan[0]):
-                gather_chunk_token_major(k_units, idx_sb, unit_keys, k_chunk, step)
-            gather_chunk_token_major(v_units, idx_sb, unit_keys, v_chunk)
+            if token_major:
+                for step in spans(m, plan[0]):
+                    gather_chunk_token_major(k_units, idx_sb, unit_keys, k_chunk, step)
+                gather_chunk_token_major(v_units, idx_sb, unit_keys, v_chunk)
+            for cache, buf in ((k_units, k_chunk), (v_units, v_chunk)) if not token_major else ():
+                for j0 in range(0, n_heads, per_gather):
+                    cols = slice(j0 * m * d, (j0 + per_gather) * m * d)
+                    gather_chunk(cache, idx_sb, (hk0 + j0) * head_offset, unit_keys, buf[:, cols], heads=per_gather)
             if not interior:
-                zero_invisible_rows(v_chunk, key_slots, window_sb)
-            for h, (split_states, q_t) in enumerate(heads):
-                _chunk(split_states, q_t, k_views[h], v_views[h], plan, d_spans, m, ones_col, k_units.dtype, scale,
-                       softcap, dtype)
+                zero_invisible_rows(v_chunk, key_slots, window_sb, 1 if token_major else n_heads)
+            jobs = [(split_states, q_t, k_views[h], v_views[h]) for h, (split_states, q_t) in enumerate(heads)]
+            run_chunks(jobs, plan, d_spans, m, ones_col, k_units.dtype, scale, softcap, dtype, pack=pack)
+            for split_states, _ in heads:
+                _advance_bounds(split_states, m)
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
+
+
+def stream_head_groups(n_kv_heads, token_major, paged, unit_keys, m, d, itemsize, n_prog, budget):
+    """(kv heads per multi-chunk stream, kv heads per gather) of ``_stream_heads``: for a token-major
+    pool all of them, one gather; for a head-major paged pool with one block per partition on one
+    core, per gather the most heads dividing Hkv whose chunk (heads x M x D) fits
+    ``CHUNK_BUFFER_BYTES`` per partition (one descriptor per partition moves them all: the GpSimd
+    descriptor work falls by that factor), per stream the most multiples of that dividing Hkv whose K
+    and V chunks fit ``budget`` (one buffer pair: the gathers of a stream's next chunk then wait only
+    for the compute of their own heads); else (1, 1): one stream per kv head (``_stream``)."""
+    if token_major:
+        return n_kv_heads, n_kv_heads
+    if not paged or unit_keys != m or n_prog != 1:
+        return 1, 1
+    head_bytes = m * d * itemsize
+    per_gather = max(g for g in range(1, n_kv_heads + 1) if n_kv_heads % g == 0 and g * head_bytes <= CHUNK_BUFFER_BYTES)
+    per_stream = max([g for g in range(per_gather, n_kv_heads + 1, per_gather)
+                      if n_kv_heads % g == 0 and 2 * g * head_bytes <= budget], default=per_gather)
+    return (1, 1) if per_stream == 1 else (per_stream, per_gather)
 
 
 def _stream_k_t(k_units, k_t, base, col, d, key_regs=None):
@@ -566,10 +601,16 @@ def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
     clean_edge_rows(v_chunk, key_slots, setup)
 
 
-def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype):
+def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, pack=1):
     """Scores, mask, softmax and P @ V of one loaded chunk for every row tile (``run_chunks`` with one
     job); then the row bounds move to the next chunk (-128*M keys)."""
-    run_chunks([(split_states, q_t, k_chunk, v_chunk)], plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype)
+    run_chunks([(split_states, q_t, k_chunk, v_chunk)], plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype,
+               pack=pack)
+    _advance_bounds(split_states, m)
+
+
+def _advance_bounds(split_states, m):
+    """The row bounds of ``split_states`` moved to the next chunk (-128*M keys)."""
     chunk_keys = m * nl.tile_size.pmax
     for st in split_states:
         nisa.tensor_scalar(dst=st.bounds, data=st.bounds, op0=nl.add, operand0=-float(chunk_keys))
@@ -670,10 +711,13 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
     k_t_rows = None if single else K_T_DGE_ROWS    # partitions per K^T group: the multi-chunk path's hwdge form
     fold = 1 if single or not every_k_t else k_t_fold(d, m)   # multi-chunk K^T: slots per partition row
     k_row = pmax // fold if every_k_t else d        # K^T: 128 keys per slot on each of D partitions
-    streams_heads = token_major and not single     # multi-chunk token-major: (b, split) streams of all kv heads
-    pair_bytes = m * (k_row * k_units.itemsize + d * v_units.itemsize) * (n_kv_heads if streams_heads else 1)
     budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
-    n_pairs = max(1, min(batch * n_split * (1 if streams_heads else n_kv_heads), budget // pair_bytes))
+    head_group, per_gather = (1, 1) if single else stream_head_groups(
+        n_kv_heads, token_major, seq_units is None, unit_keys, m, d, max(k_units.itemsize, v_units.itemsize), n_prog,
+        budget)
+    streams_heads = head_group > 1                  # multi-chunk: (b, split) streams of several kv heads
+    pair_bytes = m * (k_row * k_units.itemsize + d * v_units.itemsize) * head_group
+    n_pairs = max(1, min(batch * n_split * n_kv_heads // head_group, budget // pair_bytes))
     if single:                                      # groups of units (one per buffer pair) of equal size:
         n_groups = ceil_div(len(units) // n_prog, n_pairs)   # the last group's tail no longer than the rest
         n_pairs = ceil_div(len(units) // n_prog, n_groups)
@@ -689,7 +733,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
         tiles.append(tiles[0] if overlay else nl.ndarray((pmax, n_pairs * m * d), dtype=v_units.dtype,
                                                          buffer=nl.sbuf))
         chunk_bufs = [tuple(tile[:, i * m * d:(i + 1) * m * d] for tile in tiles) for i in range(n_pairs)]
-    chunk_width = m * d * (n_kv_heads if streams_heads else 1)
+    chunk_width = m * d * head_group
     for _ in range(0 if shared else n_pairs):
         pair = (k_t_tile(k_units.dtype, m, d, k_t_rows, fold) if every_k_t else nl.ndarray((pmax, chunk_width),
                                                                                        dtype=k_units.dtype, buffer=nl.sbuf),
@@ -707,7 +751,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
     neg_sinks = {}                                  # single-chunk path, one step: their negation
     units_per_q = pmax // rows if len(row_spans) == 1 else 1
 
-    key_pack = slots_per_transpose(d, plan[2], m) if shared else 1   # K^T slots per PE transpose
+    key_pack = (slots_per_transpose(d, plan[2], m)   # K^T slots per PE transpose: the shared gathers'
+                if shared or not (single or every_k_t) else 1)   # chunks and the multi-chunk streams' PE-transposed K
     q_copies = max(fold, key_pack)                  # q^T copies, one per partition block of folded K^T slots
 
     def unit_q_t(u):
@@ -751,7 +796,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
                              nisa.engine.vector if shared else nisa.engine.gpsimd)
                 for t in my_tiles]
 
-    def finish(done, outs=None):
+    def finish(done, outs=None, lag=OUT_STORE_LAG):
         """Merge the split states of units ``done`` ((k, u, states): column k of the lse tiles), their
         chains in lockstep -- or take their merged rows ``outs`` (per unit, per row tile), merged
         inside ``run_chunks``; their out stores trail the loads."""
@@ -766,7 +811,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
             outs = [out_sb for unit_outs in outs for out_sb in unit_outs]
         rows0 = [u * rows + lse_tiles[t].r0 for _, u, _ in done for t in my_tiles]
         pending_out.extend(zip(outs, rows0))
-        while len(pending_out) > OUT_STORE_LAG * len(my_tiles):   # stores trail the loads they would block
+        while len(pending_out) > lag * len(my_tiles):   # stores trail the loads they would block
             store_out(out, *pending_out.pop(0))
 
     def seq_offset(b):
@@ -842,16 +887,20 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
                 nisa.activation(dst=warm, op=nl.log, data=ones_col)   # loads behind P @ V and the merges
                 warm = None
             finish(done, outs)
-    elif streams_heads:                             # one core, units (b, hk) in order: Hkv per sequence
-        for k0 in range(0, len(mine), n_kv_heads):
-            seq = list(enumerate(mine))[k0:k0 + n_kv_heads]
-            works = [prepare(u, setups=i == 0) for i, (_, u) in enumerate(seq)]
+    elif streams_heads:                             # one core, units (b, hk) in order: head groups of a sequence
+        groups = [list(enumerate(mine))[k0:k0 + head_group] for k0 in range(0, len(mine), head_group)]
+        works_next = [prepare(u, setups=i == 0) for i, (_, u) in enumerate(groups[0])]
+        for g, group in enumerate(groups):
+            k0 = g * head_group
+            works = works_next
+            if g + 1 < len(groups):                 # the next group's setup ahead of this group's loads
+                works_next = [prepare(u, setups=i == 0) for i, (_, u) in enumerate(groups[g + 1])]
             for s_i, setup in enumerate(works[0].setups):
                 _stream_heads([(work.states[s_i], work.q_t) for work in works], setup, k_units, v_units,
-                              (block_table, meta, seq_units), key_slots, units[seq[0][1]][0], unit_keys,
-                              chunk_bufs[(k0 // n_kv_heads * len(works[0].setups) + s_i) % n_pairs], plan, ones_col,
-                              d_spans, scale, softcap, dtype)
-            finish([(k, u, work.states) for (k, u), work in zip(seq, works)])
+                              (block_table, meta, seq_units), key_slots, units[group[0][1]], unit_keys,
+                              chunk_bufs[(k0 // head_group * len(works[0].setups) + s_i) % n_pairs], plan, ones_col,
+                              d_spans, scale, softcap, dtype, key_pack, token_major, head_offset, per_gather)
+            finish([(k, u, work.states) for (k, u), work in zip(group, works)], lag=head_group)
     else:
         stream = 0                                  # this core's streams rotate over the buffer pairs
         work_next = prepare(mine[0])
@@ -863,7 +912,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
             for split_states, setup in zip(work.states, work.setups):
                 _stream(split_states, setup, work.q_t, k_units, v_units, (block_table, meta, seq_units), key_slots, b,
                         hk * head_offset, seq_offset(b), unit_keys, chunk_bufs[stream % n_pairs], plan,
-                        ones_col, d_spans, scale, softcap, dtype)
+                        ones_col, d_spans, scale, softcap, dtype, key_pack)
                 stream += 1
             finish([(k, u, work.states)])
     if warm is not None:

@@ -23,7 +23,7 @@ from nki_lib.sizes import spans
 
 __all__ = ["slot_cols", "slot_dim", "StreamSetup", "load_q_t", "load_sink", "store_out", "stream_setup",
            "unit_table_width", "zero_invisible_rows", "clean_edge_rows", "DMA_ENGINE_PARTITIONS", "RANGE_BOUNDS", "BOUND_COLUMNS", "DIRECT_PIECE_SLOTS", "Q_LOAD_ROW_BYTES", "OUT_STORE_LAG",
-           "CHUNK_BUFFER_BUDGET"]
+           "CHUNK_BUFFER_BUDGET", "CHUNK_BUFFER_BYTES"]
 
 RANGE_BOUNDS = 4                  # bounds per split: start, lo, hi, stop (3 ranges) ...
 BOUND_COLUMNS = (0, 2, 3, 1)      # ... stored start | stop | lo | hi (the split edges land as one pair)
@@ -37,6 +37,9 @@ OUT_STORE_LAG = 2                 # units whose out stores wait behind later uni
                                   # engines serve in program order: an early store would hold them)
 DMA_ENGINE_PARTITIONS = 8         # a DMA engine serves 8 partitions of a tile (Neuron DMA overview): a
                                   # DMA of at most 8 partitions is one engine's, row after row
+CHUNK_BUFFER_BYTES = 32768        # per partition for one K or V chunk buffer: each gather descriptor moves
+                                  # one partition's row, and GpSimd pays ~50 ns per descriptor (cost model
+                                  # §7.3), so 32 KiB rows keep descriptor generation below the DMA time
 CHUNK_BUFFER_BUDGET = 128 * 1024  # SBUF bytes per partition for K/V chunk buffers (divided by the
                                   # number of row tiles, whose working sets grow); streams (one per
                                   # (b, hk, split)) rotate over the pairs that fit, so consecutive
@@ -126,16 +129,20 @@ def slot_cols(chunk, d, c, n=1, d0=0, dn=None):
     return chunk[:, c * d + d0:c * d + d0 + dn] if n == 1 else chunk[:, c * d:(c + n) * d]
 
 
-def zero_invisible_rows(v_chunk, key_slots, window_sb):
+def zero_invisible_rows(v_chunk, key_slots, window_sb, heads=1):
     """V rows of keys outside [first, L) (relative to the chunk) -> 0: their probabilities are 0,
-    but 0 * NaN (garbage past L_b, or stale rows of skipped units) would poison P @ V."""
+    but 0 * NaN (garbage past L_b, or stale rows of skipped units) would poison P @ V. ``heads`` > 1:
+    ``v_chunk`` (128, heads*M*D) holds that many head-major chunks side by side, each cleaned."""
     pmax, m = key_slots.shape
     outside = nl.ndarray((pmax, m), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=outside, data=key_slots, op0=nl.greater_equal, operand0=window_sb[:, 1:2])
     nisa.scalar_tensor_tensor(dst=outside, data=key_slots, op0=nl.less, operand0=window_sb[:, 0:1],
                               op1=nl.maximum, operand1=outside)
-    d = slot_dim(v_chunk, m)
-    nisa.tensor_copy_predicated(dst=v_chunk, src=0.0, predicate=outside.expand_dim(2).broadcast(2, d))
+    width = v_chunk.shape[1] // heads
+    for h in range(heads):
+        view = v_chunk if heads == 1 else v_chunk[:, h * width:(h + 1) * width]
+        d = slot_dim(view, m)
+        nisa.tensor_copy_predicated(dst=view, src=0.0, predicate=outside.expand_dim(2).broadcast(2, d))
 
 
 def clean_edge_rows(v_chunk, key_slots, setup):

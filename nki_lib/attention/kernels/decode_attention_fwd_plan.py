@@ -40,6 +40,7 @@ from nki_lib._nki import nl
 from nki_lib.attention.attention_args import resolve_scale
 from nki_lib.attention.kernels.decode_attention_fwd import decode_attention_fwd_kernel, single_chunk_path
 from nki_lib.attention.kernels.decode_attention_fwd_gathers import shared_gathers
+from nki_lib.attention.kernels.decode_attention_fwd_io import CHUNK_BUFFER_BYTES
 from nki_lib.attention.kernels.tiles import MAX_INDEX
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch, Unsupported
@@ -49,9 +50,6 @@ __all__ = ["launch_decode_attention_fwd", "plan_splits", "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STREAMS_PER_CORE = 16       # independent (sequence, kv head, split) streams wanted: one per DMA engine
-CHUNK_BUFFER_BYTES = 32768  # per partition for one K or V chunk buffer: each gather descriptor moves
-                            # one partition's row, and GpSimd pays ~50 ns per descriptor (cost model
-                            # §7.3), so 32 KiB rows keep descriptor generation below the DMA time
 MAX_KEYS_PER_PARTITION = 128  # chunk <= 16384 keys: bounds the masked-away compute of a sequence's
                             # last chunk (work follows L_b, not the chunk)
 CONTIGUOUS_UNIT_KEYS = 128   # gather granularity of a contiguous cache: reads stop within 127 keys

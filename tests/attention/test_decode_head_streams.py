@@ -1,0 +1,117 @@
+"""decode_attention's multi-chunk path over head-major paged pools with one block per partition
+(block tables wider than one chunk: vLLM-style tables sized to the model's context): one stream of
+several kv heads per (sequence, split), whose gathers move several heads per descriptor
+(``decode_attention_fwd.stream_head_groups``). Parity with the fp64 oracle, the gathers' width, and
+no garbage from unused blocks."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from nki_lib.attention import decode_attention_op
+from nki_lib.attention.decode_attention_op import make_sample
+from nki_lib.attention.kernels import decode_attention_fwd, decode_attention_fwd_plan
+from nki_lib.numerics.oppar import op_parity
+from nki_lib.registry import Sample
+from tests.attention.test_decode_kernel import _judge, _launch, _poison
+
+SPEC = decode_attention_op.SPEC
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _case(**over):
+    base = dict(b=1, hq=8, hkv=4, sq=1, d=64, block_size=16, n_cols=200, lengths=[3000], dtype=torch.bfloat16,
+                sinks=False, window_left=-1, softcap=0.0, starts=None)
+    base.update(over)
+    return base
+
+
+@st.composite
+def head_stream_cases(draw):
+    hkv = draw(st.sampled_from([2, 3, 4, 8]))
+    sq = draw(st.integers(1, 3))
+    b = draw(st.integers(1, 2))
+    block_size = draw(st.sampled_from([4, 8, 16, 32]))
+    n_cols = draw(st.integers(129, 300))         # wider than one chunk of 128 blocks
+    cap = block_size * n_cols
+    lengths = draw(st.lists(st.integers(sq, cap), min_size=b, max_size=b))
+    starts = draw(st.none() | st.lists(st.integers(0, 600), min_size=b, max_size=b))
+    if starts is not None:
+        starts = [min(s, n - sq) for s, n in zip(starts, lengths)]
+    return _case(b=b, hq=hkv * draw(st.integers(1, 2)), hkv=hkv, sq=sq, d=draw(st.sampled_from([16, 32, 64, 128])),
+                 block_size=block_size, n_cols=n_cols, lengths=lengths, dtype=draw(st.sampled_from(DTYPES)),
+                 sinks=draw(st.booleans()), window_left=draw(st.sampled_from([-1, -1, 300])),
+                 softcap=draw(st.sampled_from([0.0, 0.0, 5.0])), starts=starts)
+
+
+def _sample(case):
+    kwargs = {k: case[k] for k in ("window_left", "softcap") if case[k] not in (-1, 0.0)}
+    return make_sample(case["b"], case["hq"], case["hkv"], case["sq"], case["d"], case["lengths"], case["dtype"],
+                       block_size=case["block_size"], capacity_=case["block_size"] * case["n_cols"],
+                       sinks=case["sinks"], starts=case["starts"], **kwargs)
+
+
+def _heads_per_gather(sample):
+    """The kv heads each gather of the call moves, from the launch's plan (1: per-head streams)."""
+    q, k = sample.args[0], sample.args[1]
+    cap = sample.args[4].shape[1] * k.shape[2]
+    m = min(decode_attention_fwd_plan.keys_per_partition(cap, q.shape[3], q.element_size()), k.shape[2])
+    _, per_gather = decode_attention_fwd.stream_head_groups(k.shape[1], False, True, k.shape[2], m, q.shape[3],
+                                                            q.element_size(), 1, 128 * 1024)
+    return per_gather, m
+
+
+def _gathers(report):
+    return [e for e in report.trace if e.opcode == "dma_copy" and e.attrs.get("indirect") == "vector"]
+
+
+@settings(deadline=None, max_examples=12)
+@given(head_stream_cases())
+@example(_case())                                                            # 2 chunks, 2 splits, 4 heads a gather
+@example(_case(b=2, hq=6, hkv=3, sq=2, d=128, block_size=32, n_cols=300, lengths=[9000, 40],  # odd Hkv, 3 ranges
+               dtype=torch.float32, sinks=True, window_left=300))
+@example(_case(b=2, hq=16, hkv=8, d=64, block_size=8, n_cols=160, lengths=[1280, 700], softcap=5.0,
+               starts=[100, 0]))                                             # left-padded (cache_start)
+@example(_case(hq=64, hkv=8, d=64, block_size=64, n_cols=512, lengths=[8192], sinks=True))  # gpt-oss-120b 8k in a
+def test_head_major_pool_streams_several_heads(case):                       # 32k table: 4 heads a gather
+    """Parity with the fp64 oracle; every gather moves the planned number of kv heads (as many as fit
+    a chunk buffer: 4 at gpt-oss-120b's D = 64 and blocks of 64; fp32 at D = 128 and blocks of 32, one)
+    of one block per partition."""
+    sample = _sample(case)
+    outs, report = _launch(sample)
+    _judge(sample, outs)
+    per_gather, m = _heads_per_gather(sample)
+    widths = {e.shape for e in _gathers(report)}
+    assert widths <= {(128, per_gather * m * case["d"])}, widths
+
+
+def test_unused_blocks_never_reach_the_output():
+    """NaN in every block the table does not name for a needed key (spare blocks, the slots past L_b
+    of the last block, blocks before the window) never reaches out or lse."""
+    length, sq, window_left, bs = 3000, 2, 2200, 16
+    sample = make_sample(1, 8, 4, sq, 64, [length], torch.bfloat16, block_size=bs, num_blocks=260,
+                         capacity_=bs * 200, window_left=window_left, sinks=True)
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    first = length - sq - window_left
+    keep = torch.zeros(k.shape[0], 1, bs, 1, dtype=torch.bool)
+    for col in range(-(-length // bs)):
+        pos = col * bs + torch.arange(bs)
+        keep[int(table[0, col]), 0, :, 0] = (pos >= first) & (pos < length)
+    poisoned = Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
+                      sample.label + " poisoned")
+    outs, report = _launch(poisoned)
+    assert _heads_per_gather(poisoned)[0] == 4
+    assert not any(torch.isnan(o).any() for o in outs)
+    result = op_parity(SPEC, poisoned, grads=False)
+    assert result.ok, str(result)
+
+
+def test_two_cores_keep_per_head_streams():
+    """LNC2 shards (b, kv head) units over the cores: each stream stays one kv head's."""
+    sample = _sample(_case())
+    outs, report = _launch(sample, grid=2)
+    _judge(sample, outs)
+    widths = {e.shape for e in _gathers(report)}
+    assert widths == {(128, 16 * 64)}, widths
