@@ -390,13 +390,29 @@ def _stream_heads(heads, setup, k_units, v_units, table, key_slots, unit, unit_k
                 for j0 in range(0, n_heads, per_gather):
                     cols = slice(j0 * m * d, (j0 + per_gather) * m * d)
                     gather_chunk(cache, idx_sb, (hk0 + j0) * head_offset, unit_keys, buf[:, cols], heads=per_gather)
-            if not interior:
-                zero_invisible_rows(v_chunk, key_slots, window_sb, 1 if token_major else n_heads)
             jobs = [(split_states, q_t, k_views[h], v_views[h]) for h, (split_states, q_t) in enumerate(heads)]
-            run_chunks(jobs, plan, d_spans, m, ones_col, k_units.dtype, scale, softcap, dtype, pack=pack)
+            clean = None if interior else _wave_cleaning(v_views, key_slots, window_sb, plan, m, heads[0][0], d_spans)
+            run_chunks(jobs, plan, d_spans, m, ones_col, k_units.dtype, scale, softcap, dtype, before_pv=clean,
+                       pack=pack)
             for split_states, _ in heads:
                 _advance_bounds(split_states, m)
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
+
+
+def _wave_cleaning(v_views, key_slots, window_sb, plan, m, split_states, d_spans):
+    """``run_chunks``' ``before_pv`` for an edge chunk of several heads: right before the first P @ V of
+    each wave of heads, their V rows of keys outside [first, L_b) zeroed -- each head's cleaning
+    (VectorE, M*D elements a partition) then runs between the compute of the heads before it, not all of
+    them ahead of the first head's K^T evictions in VectorE's program order."""
+    n_steps = len(spans(m, plan[0]))
+    width = wave_jobs(len(split_states), len(d_spans))
+
+    def clean(w):
+        if w % n_steps == 0:
+            first = w // n_steps * width
+            for view in v_views[first:first + width]:
+                zero_invisible_rows(view, key_slots, window_sb)
+    return clean
 
 
 def stream_head_groups(n_kv_heads, token_major, paged, unit_keys, m, d, itemsize, n_prog, budget):
@@ -848,7 +864,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
                 for wave in waves if not token_major else ():   # head-major: K per wave, so the first
                     gather_heads(cache, k_units, group_units, unit_ids, k_tile, wave)   # wave's scores start early
 
-                def load_v(w, waves=waves, group_units=group_units, v_tile=v_tile, v_views=v_views, setups=setups):
+                def load_v(w, waves=waves, group_units=group_units, v_tile=v_tile):
                     if token_major:
                         if w == 0:
                             gather_runs_token_major(v_units, group_units, unit_ids, v_tile, n_kv_heads, m, d)
@@ -857,13 +873,21 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
                         for part in parts:
                             if part:
                                 gather_heads(cache, v_units, group_units, unit_ids, v_tile, part)
-                    clean_heads(cache, v_views, setups, waves[w])
+
+                def clean_v(w, waves=waves, v_views=v_views, setups=setups, steps=len(spans(m, plan[0]))):
+                    if w % steps == 0:         # right before the wave's first P @ V: VectorE cleans each
+                        clean_heads(cache, v_views, setups, waves[w // steps])   # wave's V between
+                                               # the compute of the waves before it, not ahead of all
+                def load_clean_v(w, load_v=load_v, clean_v=clean_v):
+                    load_v(w)
+                    clean_v(w)
 
                 if overlay:                    # each wave's V lands over its K, after its K^T transposes
-                    before_pv = load_v
+                    before_pv = load_clean_v
                 else:
                     for w in range(len(waves)):
                         load_v(w)
+                    before_pv = clean_v
             for i, ((_, u), work) in enumerate(zip(group, works)):
                 b, hk = units[u]
                 if shared:
