@@ -140,9 +140,19 @@ def zero_invisible_rows(v_chunk, key_slots, window_sb, heads=1):
                               op1=nl.maximum, operand1=outside)
     width = v_chunk.shape[1] // heads
     for h in range(heads):
-        view = v_chunk if heads == 1 else v_chunk[:, h * width:(h + 1) * width]
+        view = _word_view(v_chunk if heads == 1 else v_chunk[:, h * width:(h + 1) * width], m)
         d = slot_dim(view, m)
         nisa.tensor_copy_predicated(dst=view, src=0.0, predicate=outside.expand_dim(2).broadcast(2, d))
+
+
+def _word_view(v_chunk, m):
+    """A 16-bit V chunk with an even D reinterpreted as 32-bit words (``NkiTensor.view``): a word holds
+    two elements of one key's row, so zeroing it zeroes both (+0.0), and the predicated copy -- one
+    element a cycle whatever the dtype (docs/cost-model.md, VectorE generic ops) -- runs over half as
+    many elements. Any other chunk as it is."""
+    if v_chunk.itemsize != 2 or slot_dim(v_chunk, m) % 2:
+        return v_chunk
+    return v_chunk.view(nl.float32)
 
 
 def clean_edge_rows(v_chunk, key_slots, setup):
