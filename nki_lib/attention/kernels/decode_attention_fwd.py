@@ -96,13 +96,23 @@ is issued before the stores and setup of later units that would otherwise hold t
     store the remaining out rows; lse = M + log(L) for all units at once (one ACT table switch),
     transposed to (units, rn) and stored by one DMA per row tile
 
-A token-major paged pool (``token_major``: block rows of [token][kv head][D], vLLM's and Hugging
-Face's layout) on the multi-chunk path runs the loop above per sequence b instead of per unit: its
-Hkv units are prepared together and each split is one stream of all of them (``_stream_heads``):
-per chunk one DMA of the unit ids, one gather of K per softmax step and one of V moving all kv
-heads (partition j of a block holds its keys j*M .. j*M + M - 1, one contiguous run of M*Hkv*D, so
-M is chosen by the launcher to fit that run in a chunk buffer), then each head's chunk on its
-(128, M, D) views.
+Multi-chunk streams of several kv heads (``_stream_heads``, ``stream_head_groups``; one core): a
+paged pool runs the loop above per group of consecutive kv heads of a sequence instead of per unit;
+the group's units are prepared together (the next group's one group ahead) and each split is one
+stream of all of them: per chunk one DMA of the unit ids, gathers that move several heads at once,
+then the heads' chunks as the jobs of one ``run_chunks`` (chains in lockstep, K^T evictions shared by
+VectorE and ScalarE; an edge chunk's V cleaning issued per wave right before its first P @ V). A
+token-major pool (``token_major``: block rows of [token][kv head][D], vLLM's and Hugging Face's
+layout): all Hkv heads, one gather of K per softmax step and one of V (partition j of a block holds
+its keys j*M .. j*M + M - 1, one contiguous run of M*Hkv*D, so M is chosen by the launcher to fit
+that run in a chunk buffer), each head's chunk its (128, M, D) view. A head-major pool with one
+block per partition (M = block size): a block's heads are one run of its row, so each gather moves
+as many heads as fit a chunk buffer, one descriptor per partition (4 at gpt-oss-120b's D = 64 and
+blocks of 64: a quarter of the GpSimd descriptor work of per-head streams), K of every head before
+V, so that the first heads' scores start while the later heads land; as many heads per stream as
+fit one buffer pair (the gathers of a stream's next chunk then wait only for their own heads'
+compute). At D <= 64 the multi-chunk paths make K^T of 128/D slots per PE transpose
+(``decode_attention_fwd_pairs``), as the single-chunk path does.
 
 Single-chunk path (one split, a capacity of one chunk of at most ``SINGLE_CHUNK_KEYS`` keys, and
 for a contiguous cache exactly one chunk): every unit's only chunk is chunk 0, so its loads and
