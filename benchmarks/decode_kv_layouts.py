@@ -9,6 +9,11 @@ repository root (package installed or ``PYTHONPATH=.``)::
 
     python benchmarks/decode_kv_layouts.py                 # both models, both tables, 2 pools each, ~2 min
     python benchmarks/decode_kv_layouts.py --models gpt-oss-120b --capacities 8192 --spare 0 8064
+    python benchmarks/decode_kv_layouts.py --spare 0 --lengths 8192 8000   # a length off the chunk edge
+
+``--lengths`` sets the sequence length (default 8192: every chunk interior; a length that is not a
+whole number of chunks makes its last chunk an edge chunk, whose V rows past L_b are cleaned,
+docs/perf-log.md §32.2).
 """
 
 import argparse
@@ -45,18 +50,19 @@ def _line(name, call, target) -> str:
             f"{est.total_dependency_bound_us:6.1f} us")
 
 
-def rows(model: str, capacity: int, spare: int, target: str = "trn2"):
+def rows(model: str, capacity: int, spare: int, target: str = "trn2", length: int | None = None):
     """Report lines for ``model``'s call with a block table of ``capacity`` keys (the table's width
-    times the block size) over a pool of its blocks plus ``spare`` unused ones."""
-    s = SHAPES[model]
+    times the block size) over a pool of its blocks plus ``spare`` unused ones, at the model's length
+    or ``length``."""
+    s = dict(SHAPES[model], **({} if length is None else {"length": length}))
     needed = -(-s["length"] // s["block_size"]) * s["b"]
     sample = make_sample(s["b"], s["hq"], s["hkv"], s["sq"], s["d"], [s["length"]] * s["b"], torch.bfloat16,
                          block_size=s["block_size"], num_blocks=needed + spare, capacity_=capacity, sinks=s["sinks"])
     q, k_cache, v_cache, lengths, table, sinks, _ = sample.args
     k_tm, v_tm = (c.transpose(1, 2).contiguous() for c in (k_cache, v_cache))
     calls = {"head-major (HND)": (k_cache, v_cache, "HND"), "token-major (NHD)": (k_tm, v_tm, "NHD")}
-    out = [f"{model}, table of {capacity // s['block_size']} columns: pool of {needed + spare} blocks "
-           f"({needed} named by the table):"]
+    out = [f"{model}, L={s['length']}, table of {capacity // s['block_size']} columns: pool of "
+           f"{needed + spare} blocks ({needed} named by the table):"]
     for name, (k, v, layout) in calls.items():
         call = (lambda k=k, v=v, layout=layout: nki_lib.decode_attention(
             q, k, v, lengths, block_table=table, sinks=sinks, kv_layout=layout))
@@ -73,13 +79,16 @@ def main(argv=None) -> int:
     parser.add_argument("--capacities", type=int, nargs="+", default=[8192, 32768],
                         help="block table capacities in keys (8192: one chunk, the single-chunk path)")
     parser.add_argument("--spare", type=int, nargs="+", default=[0, 1920], help="unused blocks in the pool")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[None],
+                        help="sequence lengths (default: each model's, 8192)")
     parser.add_argument("--target", default="trn2")
     args = parser.parse_args(argv)
     for model in args.models:
         for capacity in args.capacities:
             for spare in args.spare:
-                for line in rows(model, capacity, spare, args.target):
-                    print(line)
+                for length in args.lengths:
+                    for line in rows(model, capacity, spare, args.target, length):
+                        print(line)
     return 0
 
 
