@@ -81,20 +81,27 @@ def test_contiguous_reads_stop_at_needed_units(window_left):
     assert not any(torch.isnan(o).any() for o in _launch(poisoned)[0])
 
 
+def poison_unneeded_keys(sample, length, sq, window_left):
+    """``sample`` (one sequence of ``length`` keys, a paged cache) with NaN in every key no new token
+    needs: spare blocks, the slots past L_b of the last block, the keys before the window."""
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    bs = k.shape[2]
+    first = length - sq - window_left
+    keep = torch.zeros(k.shape[0], 1, bs, 1, dtype=torch.bool)
+    for col in range(-(-length // bs)):
+        pos = col * bs + torch.arange(bs)
+        keep[int(table[0, col]), 0, :, 0] = (pos >= first) & (pos < length)
+    return Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
+                  sample.label + " poisoned")
+
+
 def test_paged_long_chunk_steps_skip_unused_data():
     """A 16384-key chunk of 2 softmax steps (K gathered per step): NaN in spare blocks, in the slots
     past L_b of the last block and before the window never reaches the output."""
     length, sq, window_left, bs = 9000, 2, 5000, 128
     sample = make_sample(1, 8, 1, sq, 16, [length], torch.bfloat16, block_size=bs, num_blocks=80,
                          capacity_=16384, window_left=window_left)
-    q, k, v, seqlens, table, sinks = sample.args[:6]
-    first = length - sq - window_left
-    keep = torch.zeros(k.shape[0], 1, bs, 1, dtype=torch.bool)
-    for col in range(-(-length // bs)):
-        pos = col * bs + torch.arange(bs)
-        keep[int(table[0, col]), 0, :, 0] = (pos >= first) & (pos < length)
-    poisoned = Sample((q, _poison(k, keep), _poison(v, keep), seqlens, table, sinks), sample.kwargs,
-                      sample.label + " poisoned")
+    poisoned = poison_unneeded_keys(sample, length, sq, window_left)
     outs, report = _launch(poisoned)
     assert sum(e.attrs.get("dge_mode") == "swdge" for e in report.trace if e.opcode == "dma_copy") == 3
     assert not any(torch.isnan(o).any() for o in outs)

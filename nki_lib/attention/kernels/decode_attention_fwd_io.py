@@ -129,20 +129,17 @@ def slot_cols(chunk, d, c, n=1, d0=0, dn=None):
     return chunk[:, c * d + d0:c * d + d0 + dn] if n == 1 else chunk[:, c * d:(c + n) * d]
 
 
-def zero_invisible_rows(v_chunk, key_slots, window_sb, heads=1):
+def zero_invisible_rows(v_chunk, key_slots, window_sb):
     """V rows of keys outside [first, L) (relative to the chunk) -> 0: their probabilities are 0,
-    but 0 * NaN (garbage past L_b, or stale rows of skipped units) would poison P @ V. ``heads`` > 1:
-    ``v_chunk`` (128, heads*M*D) holds that many head-major chunks side by side, each cleaned."""
+    but 0 * NaN (garbage past L_b, or stale rows of skipped units) would poison P @ V."""
     pmax, m = key_slots.shape
     outside = nl.ndarray((pmax, m), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=outside, data=key_slots, op0=nl.greater_equal, operand0=window_sb[:, 1:2])
     nisa.scalar_tensor_tensor(dst=outside, data=key_slots, op0=nl.less, operand0=window_sb[:, 0:1],
                               op1=nl.maximum, operand1=outside)
-    width = v_chunk.shape[1] // heads
-    for h in range(heads):
-        view = _word_view(v_chunk if heads == 1 else v_chunk[:, h * width:(h + 1) * width], m)
-        d = slot_dim(view, m)
-        nisa.tensor_copy_predicated(dst=view, src=0.0, predicate=outside.expand_dim(2).broadcast(2, d))
+    words = _word_view(v_chunk, m)
+    d = slot_dim(words, m)
+    nisa.tensor_copy_predicated(dst=words, src=0.0, predicate=outside.expand_dim(2).broadcast(2, d))
 
 
 def _word_view(v_chunk, m):
