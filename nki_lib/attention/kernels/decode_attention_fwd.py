@@ -202,7 +202,6 @@ from __future__ import annotations
 from nki_lib._nki import nisa, nki, nl
 from nki_lib.attention.kernels.decode_attention_fwd_chunks import chunk_plan, run_chunks, state_views, wave_jobs
 from nki_lib.attention.kernels.decode_attention_fwd_gathers import (
-    clean_heads,
     gather_chunk,
     gather_chunk_token_major,
     gather_heads,
@@ -615,8 +614,8 @@ def _single_chunk_k(cache, unit, seq_offset, k_chunk, setup):
 
 
 def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
-    """V of the only chunk (as ``_single_chunk_k``), then, when it is an edge chunk (a device loop of
-    0 or 1 trips over each edge range), its V rows outside [first, L_b) zeroed."""
+    """V of the only chunk (as ``_single_chunk_k``); an edge chunk's V rows outside [first, L_b) are
+    zeroed later, right before its wave's P @ V (``_wave_edge_cleaning``)."""
     _, v_units, _, key_slots, unit_keys, head_offset, _, _ = cache
     m = key_slots.shape[1]
     b, hk = unit
@@ -624,7 +623,21 @@ def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
         _load_needed_groups(v_units, v_chunk, seq_offset + hk * head_offset, m, _key_registers(setup))
     else:
         gather_chunk(v_units, idx_sb, hk * head_offset, unit_keys, v_chunk)
-    clean_edge_rows(v_chunk, key_slots, setup)
+
+
+def _wave_edge_cleaning(v_bufs, key_slots, setups, waves, steps, load_v=None):
+    """``run_chunks``' ``before_pv`` on the single-chunk path (``waves``: the units of each wave of
+    jobs, ``steps`` softmax steps a job): right before a wave's first P @ V, each of its units' V rows
+    outside [first, L_b) zeroed when its chunk is an edge chunk (device loops of 0 or 1 trips), so
+    VectorE cleans between the compute of the waves before it, not every unit's ahead of the first
+    K^T evictions; ``load_v`` (V over K, ``overlay``): that wave's V loaded first."""
+    def clean(w):
+        if load_v is not None:
+            load_v(w)
+        if w % steps == 0:
+            for i in waves[w // steps]:
+                clean_edge_rows(v_bufs[i], key_slots, setups[i])
+    return clean
 
 
 def _chunk(split_states, q_t, k_chunk, v_chunk, plan, d_spans, m, ones_col, kv_dtype, scale, softcap, dtype, pack=1):
@@ -860,15 +873,15 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
             cache = (k_units, v_units, block_table, key_slots, unit_keys, head_offset, plan, meta)
             k_bufs = [pair[0] for pair in chunk_bufs[:len(group)]]
             idx = []
-            before_pv = None
+            load_v = None
+            setups = [work.setups[0] for work in works]
+            per_wave = wave_jobs(len(row_spans), len(d_spans))
+            waves = [list(range(w0, min(w0 + per_wave, len(group)))) for w0 in range(0, len(group), per_wave)]
             if shared:
                 group_units = [units[u] for _, u in group]
                 k_tile, v_tile = (tile[:, :len(group) * m * d] for tile in tiles)
                 k_views, v_views = (unit_views(t, group_units, m, d, token_major) for t in (k_tile, v_tile))
                 k_bufs = k_views
-                setups = [work.setups[0] for work in works]
-                per_wave = wave_jobs(len(row_spans), len(d_spans))
-                waves = [list(range(w0, min(w0 + per_wave, len(group)))) for w0 in range(0, len(group), per_wave)]
                 if token_major:                # whole blocks of all kv heads: K, then V, one gather a sequence
                     gather_runs_token_major(k_units, group_units, unit_ids, k_tile, n_kv_heads, m, d)
                 for wave in waves if not token_major else ():   # head-major: K per wave, so the first
@@ -884,20 +897,10 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
                             if part:
                                 gather_heads(cache, v_units, group_units, unit_ids, v_tile, part)
 
-                def clean_v(w, waves=waves, v_views=v_views, setups=setups, steps=len(spans(m, plan[0]))):
-                    if w % steps == 0:         # right before the wave's first P @ V: VectorE cleans each
-                        clean_heads(cache, v_views, setups, waves[w // steps])   # wave's V between
-                                               # the compute of the waves before it, not ahead of all
-                def load_clean_v(w, load_v=load_v, clean_v=clean_v):
-                    load_v(w)
-                    clean_v(w)
-
-                if overlay:                    # each wave's V lands over its K, after its K^T transposes
-                    before_pv = load_clean_v
-                else:
+                if not overlay:                # else each wave's V lands over its K, after its K^T transposes
                     for w in range(len(waves)):
                         load_v(w)
-                    before_pv = clean_v
+                    load_v = None
             for i, ((_, u), work) in enumerate(zip(group, works)):
                 b, hk = units[u]
                 if shared:
@@ -914,6 +917,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
             serial = shard_units and g0 + n_pairs < len(mine)   # a later group follows (no exchange)
             tails = [unit_merges(*unit) for unit in done] if serial else None
             v_bufs = v_views if shared else [pair[1] for pair in chunk_bufs[:len(group)]]
+            before_pv = _wave_edge_cleaning(v_bufs, key_slots, setups, waves, len(spans(m, plan[0])), load_v)
             outs = run_chunks([(work.states[0], work.q_t, k_bufs[i], v_bufs[i]) for i, work in enumerate(works)],
                               plan, d_spans, m, ones_col, k_units.dtype, scale, softcap, dtype, fresh=True, tails=tails,
                               before_pv=before_pv, pack=key_pack)

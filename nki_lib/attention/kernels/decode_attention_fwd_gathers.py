@@ -10,7 +10,7 @@ token-major pool (block rows [token][kv head][D]) gathers per run of heads too
 (``gather_runs_token_major``), landing [token][run head][D], each unit's chunk a (128, M, D) view
 (``unit_views``); on the multi-chunk path a chunk of such a pool moves all kv heads of M keys per
 partition (``gather_chunk_token_major``).
-No loops beyond one gather per run of heads and the 0-or-1-trip V cleaning of edge units.
+No loops beyond one gather per run of heads (the V cleaning of edge units is the caller's).
 
 Shapes: cache units (rows, u*D) (paged: (NB, Hkv*bs*D), head-major or token-major rows); unit ids
 (C/u, 1) int32 in SBUF; chunk buffers (128, M*D), shared tiles (128, units*M*D). Dimension legend as
@@ -22,11 +22,10 @@ Limits: those of ``decode_attention_fwd`` (power-of-two units, C/u <= 128).
 from __future__ import annotations
 
 from nki_lib._nki import nisa, nl
-from nki_lib.attention.kernels.decode_attention_fwd_io import clean_edge_rows
 from nki_lib.attention.kernels.decode_attention_fwd_meta import skip_unneeded_units
 
 __all__ = ["gather_chunk", "head_runs", "shared_gathers", "load_unit_ids", "gather_heads", "v_gather_parts",
-           "clean_heads", "unit_views", "gather_runs_token_major", "gather_chunk_token_major"]
+           "unit_views", "gather_runs_token_major", "gather_chunk_token_major"]
 
 
 def gather_chunk(cache_units, idx_sb, head_offset, unit_keys, chunk_sb, slots=None, heads=1):
@@ -132,13 +131,6 @@ def v_gather_parts(waves, w):
     if w == len(waves) - 1 and len(parts[-1]) > 1:
         parts = parts[:-1] + [parts[-1][:-1], parts[-1][-1:]]
     return parts
-
-
-def clean_heads(cache, v_views, setups, units):
-    """Each edge entry of ``units``: its V rows (its view of ``v_views``) outside [first, L_b) zeroed
-    (device loops of 0 or 1 trips over the edge ranges)."""
-    for i in units:
-        clean_edge_rows(v_views[i], cache[3], setups[i])
 
 
 def unit_views(tile, group_units, m, d, token_major):
