@@ -6,6 +6,8 @@ no garbage from unused blocks."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -54,10 +56,13 @@ def _sample(case):
 
 
 def _heads_per_gather(sample):
-    """The kv heads each gather of the call moves, from the launch's plan (1: per-head streams)."""
-    q, k = sample.args[0], sample.args[1]
-    cap = sample.args[4].shape[1] * k.shape[2]
-    m = min(decode_attention_fwd_plan.keys_per_partition(cap, q.shape[3], q.element_size()), k.shape[2])
+    """(kv heads each gather of the call moves, chunk depth M), from the launch's own plan (1 head:
+    per-head streams)."""
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    launch = decode_attention_fwd_plan.launch_decode_attention_fwd(q, k, v, seqlens.to(torch.int32), table, sinks,
+                                                                  scale=None, window_left=-1, softcap=0.0)
+    plan = inspect.signature(launch.kernel).bind(*launch.args).arguments
+    m = plan["keys_per_partition"]
     _, per_gather = decode_attention_fwd.stream_head_groups(k.shape[1], False, True, k.shape[2], m, q.shape[3],
                                                             q.element_size(), 1, CHUNK_BUFFER_BUDGET)
     return per_gather, m

@@ -400,28 +400,14 @@ def _stream_heads(heads, setup, k_units, v_units, table, key_slots, unit, unit_k
                     cols = slice(j0 * m * d, (j0 + per_gather) * m * d)
                     gather_chunk(cache, idx_sb, (hk0 + j0) * head_offset, unit_keys, buf[:, cols], heads=per_gather)
             jobs = [(split_states, q_t, k_views[h], v_views[h]) for h, (split_states, q_t) in enumerate(heads)]
-            clean = None if interior else _wave_cleaning(v_views, key_slots, window_sb, plan, m, heads[0][0], d_spans)
+            clean = None if interior else wave_cleaning(
+                job_waves(n_heads, wave_jobs(len(heads[0][0]), len(d_spans))), len(spans(m, plan[0])),
+                lambda i: zero_invisible_rows(v_views[i], key_slots, window_sb))
             run_chunks(jobs, plan, d_spans, m, ones_col, k_units.dtype, scale, softcap, dtype, before_pv=clean,
                        pack=pack)
             for split_states, _ in heads:
                 _advance_bounds(split_states, m)
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
-
-
-def _wave_cleaning(v_views, key_slots, window_sb, plan, m, split_states, d_spans):
-    """``run_chunks``' ``before_pv`` for an edge chunk of several heads: right before the first P @ V of
-    each wave of heads, their V rows of keys outside [first, L_b) zeroed -- each head's cleaning
-    (VectorE, M*D elements a partition) then runs between the compute of the heads before it, not all of
-    them ahead of the first head's K^T evictions in VectorE's program order."""
-    n_steps = len(spans(m, plan[0]))
-    width = wave_jobs(len(split_states), len(d_spans))
-
-    def clean(w):
-        if w % n_steps == 0:
-            first = w // n_steps * width
-            for view in v_views[first:first + width]:
-                zero_invisible_rows(view, key_slots, window_sb)
-    return clean
 
 
 def stream_head_groups(n_kv_heads, token_major, paged, unit_keys, m, d, itemsize, n_prog, budget):
@@ -615,7 +601,7 @@ def _single_chunk_k(cache, unit, seq_offset, k_chunk, setup):
 
 def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
     """V of the only chunk (as ``_single_chunk_k``); an edge chunk's V rows outside [first, L_b) are
-    zeroed later, right before its wave's P @ V (``_wave_edge_cleaning``)."""
+    zeroed later, right before its wave's P @ V (``wave_cleaning``)."""
     _, v_units, _, key_slots, unit_keys, head_offset, _, _ = cache
     m = key_slots.shape[1]
     b, hk = unit
@@ -625,18 +611,23 @@ def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
         gather_chunk(v_units, idx_sb, hk * head_offset, unit_keys, v_chunk)
 
 
-def _wave_edge_cleaning(v_bufs, key_slots, setups, waves, steps, load_v=None):
-    """``run_chunks``' ``before_pv`` on the single-chunk path (``waves``: the units of each wave of
-    jobs, ``steps`` softmax steps a job): right before a wave's first P @ V, each of its units' V rows
-    outside [first, L_b) zeroed when its chunk is an edge chunk (device loops of 0 or 1 trips), so
-    VectorE cleans between the compute of the waves before it, not every unit's ahead of the first
-    K^T evictions; ``load_v`` (V over K, ``overlay``): that wave's V loaded first."""
+def job_waves(n_jobs, width):
+    """The jobs of each wave of ``run_chunks`` (``width`` = ``wave_jobs``): consecutive runs of ``width``."""
+    return [list(range(j0, min(j0 + width, n_jobs))) for j0 in range(0, n_jobs, width)]
+
+
+def wave_cleaning(waves, steps, clean_job, load_v=None):
+    """``run_chunks``' ``before_pv`` that cleans edge chunks' V rows outside [first, L_b) wave by wave
+    (``waves``: the jobs of each wave, ``job_waves``; ``steps``: softmax steps a job; ``clean_job(i)``
+    zeroes job i's rows): right before a wave's first P @ V, so VectorE cleans between the compute of
+    the waves before it, not every job's ahead of the first K^T evictions. ``load_v`` (V over K,
+    ``overlay``): that wave's V loaded first."""
     def clean(w):
         if load_v is not None:
             load_v(w)
         if w % steps == 0:
             for i in waves[w // steps]:
-                clean_edge_rows(v_bufs[i], key_slots, setups[i])
+                clean_job(i)
     return clean
 
 
@@ -876,7 +867,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
             load_v = None
             setups = [work.setups[0] for work in works]
             per_wave = wave_jobs(len(row_spans), len(d_spans))
-            waves = [list(range(w0, min(w0 + per_wave, len(group)))) for w0 in range(0, len(group), per_wave)]
+            waves = job_waves(len(group), per_wave)
             if shared:
                 group_units = [units[u] for _, u in group]
                 k_tile, v_tile = (tile[:, :len(group) * m * d] for tile in tiles)
@@ -917,7 +908,9 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
             serial = shard_units and g0 + n_pairs < len(mine)   # a later group follows (no exchange)
             tails = [unit_merges(*unit) for unit in done] if serial else None
             v_bufs = v_views if shared else [pair[1] for pair in chunk_bufs[:len(group)]]
-            before_pv = _wave_edge_cleaning(v_bufs, key_slots, setups, waves, len(spans(m, plan[0])), load_v)
+            before_pv = wave_cleaning(waves, len(spans(m, plan[0])),
+                                      lambda i, v_bufs=v_bufs, setups=setups: clean_edge_rows(v_bufs[i], key_slots,
+                                                                                             setups[i]), load_v)
             outs = run_chunks([(work.states[0], work.q_t, k_bufs[i], v_bufs[i]) for i, work in enumerate(works)],
                               plan, d_spans, m, ones_col, k_units.dtype, scale, softcap, dtype, fresh=True, tails=tails,
                               before_pv=before_pv, pack=key_pack)
