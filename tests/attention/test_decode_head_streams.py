@@ -55,17 +55,33 @@ def _sample(case):
                        sinks=case["sinks"], starts=case["starts"], **kwargs)
 
 
-def _heads_per_gather(sample):
-    """(kv heads each gather of the call moves, chunk depth M), from the launch's own plan (1 head:
-    per-head streams)."""
+def _launch_plan(sample):
+    """The kernel arguments of the launch of ``sample``, by name."""
     q, k, v, seqlens, table, sinks = sample.args[:6]
     launch = decode_attention_fwd_plan.launch_decode_attention_fwd(q, k, v, seqlens.to(torch.int32), table, sinks,
                                                                   scale=None, window_left=-1, softcap=0.0)
-    plan = inspect.signature(launch.kernel).bind(*launch.args).arguments
-    m = plan["keys_per_partition"]
+    return inspect.signature(launch.kernel).bind(*launch.args).arguments
+
+
+def _heads_per_gather(sample):
+    """(kv heads each gather of the call moves, chunk depth M), from the launch's own plan (1 head:
+    per-head streams)."""
+    q, k = sample.args[:2]
+    m = _launch_plan(sample)["keys_per_partition"]
     _, per_gather = decode_attention_fwd.stream_head_groups(k.shape[1], False, True, k.shape[2], m, q.shape[3],
                                                             q.element_size(), 1, CHUNK_BUFFER_BUDGET)
     return per_gather, m
+
+
+def _plan(sample):
+    """The launch's (splits, kv heads per multi-chunk stream) for ``sample``."""
+    q, k = sample.args[:2]
+    plan = _launch_plan(sample)
+    rows = q.shape[1] // k.shape[1] * q.shape[2]
+    heads, _ = decode_attention_fwd.stream_head_groups(k.shape[1], False, True, k.shape[2], plan["keys_per_partition"],
+                                                       q.shape[3], q.element_size(), 1,
+                                                       decode_attention_fwd.stream_budget(rows))
+    return plan["n_split"], heads
 
 
 def _gathers(report):
@@ -74,7 +90,8 @@ def _gathers(report):
 
 @settings(deadline=None, max_examples=12)
 @given(head_stream_cases())
-@example(_case())                                                            # 2 chunks, 2 splits, 4 heads a gather
+@example(_case())                                                            # 2 chunks, 1 split, 4 heads a gather
+@example(_case(hq=4, hkv=2, n_cols=300, lengths=[4000]))                     # 3 chunks, 3 splits, 2 heads a gather
 @example(_case(b=2, hq=6, hkv=3, sq=2, d=128, block_size=32, n_cols=300, lengths=[9000, 40],  # odd Hkv, 3 ranges
                dtype=torch.float32, sinks=True, window_left=300))
 @example(_case(b=2, hq=16, hkv=8, d=64, block_size=8, n_cols=160, lengths=[1280, 700], softcap=5.0,
@@ -113,3 +130,20 @@ def test_two_cores_keep_per_head_streams():
     _judge(sample, outs)
     widths = {e.shape for e in _gathers(report)}
     assert widths == {(128, 16 * 64)}, widths
+
+
+@example(hkv=8, d=64, n_split=1)        # gpt-oss-120b: one stream of 8 heads
+@example(hkv=8, d=128, n_split=1)       # llama3-8b: two streams of 4 heads
+@example(hkv=2, d=128, n_split=4)       # two heads a stream: four splits (one per chunk of the 32k table)
+@given(hkv=st.sampled_from([1, 2, 4, 8]), d=st.sampled_from([64, 128]), n_split=st.just(None))
+@settings(deadline=None, max_examples=8)
+def test_lockstep_head_streams_take_one_split(hkv, d, n_split):
+    """A B = 1 sequence in a 32k table of blocks of 64 (4 chunks): streams of >= LOCKSTEP_STREAM_HEADS kv
+    heads take one split, streams of fewer keep plan_splits's (enough (b, hk, split) streams for the
+    DMA engines, one chunk each at least)."""
+    sample = _sample(_case(hq=2 * hkv, hkv=hkv, d=d, block_size=64, n_cols=512, lengths=[8192]))
+    splits, heads = _plan(sample)
+    wanted = 1 if heads >= decode_attention_fwd_plan.LOCKSTEP_STREAM_HEADS else min(4, 16 // hkv)
+    assert splits == wanted, (splits, heads)
+    if n_split is not None:
+        assert splits == n_split, (splits, heads)

@@ -410,6 +410,12 @@ def _stream_heads(heads, setup, k_units, v_units, table, key_slots, unit, unit_k
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
 
 
+def stream_budget(rows):
+    """SBUF bytes per partition for a core's K/V chunk buffers with ``rows`` query rows per kv head:
+    ``CHUNK_BUFFER_BUDGET`` shared with each row tile's scores and P^T."""
+    return CHUNK_BUFFER_BUDGET // len(spans(rows, nl.tile_size.pmax))
+
+
 def stream_head_groups(n_kv_heads, token_major, paged, unit_keys, m, d, itemsize, n_prog, budget):
     """(kv heads per multi-chunk stream, kv heads per gather) of ``_stream_heads``: for a token-major
     pool all of them, one gather; for a head-major paged pool with one block per partition on one
@@ -741,7 +747,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
     k_t_rows = None if single else K_T_DGE_ROWS    # partitions per K^T group: the multi-chunk path's hwdge form
     fold = 1 if single or not every_k_t else k_t_fold(d, m)   # multi-chunk K^T: slots per partition row
     k_row = pmax // fold if every_k_t else d        # K^T: 128 keys per slot on each of D partitions
-    budget = CHUNK_BUFFER_BUDGET // len(row_spans)   # each row tile's scores and P^T need room too
+    budget = stream_budget(rows)
     head_group, per_gather = (1, 1) if single else stream_head_groups(
         n_kv_heads, token_major, seq_units is None, unit_keys, m, d, max(k_units.itemsize, v_units.itemsize), n_prog,
         budget)

@@ -38,7 +38,12 @@ import torch
 
 from nki_lib._nki import nl
 from nki_lib.attention.attention_args import resolve_scale
-from nki_lib.attention.kernels.decode_attention_fwd import decode_attention_fwd_kernel, single_chunk_path
+from nki_lib.attention.kernels.decode_attention_fwd import (
+    decode_attention_fwd_kernel,
+    single_chunk_path,
+    stream_budget,
+    stream_head_groups,
+)
 from nki_lib.attention.kernels.decode_attention_fwd_gathers import shared_gathers
 from nki_lib.attention.kernels.decode_attention_fwd_io import CHUNK_BUFFER_BYTES
 from nki_lib.attention.kernels.tiles import MAX_INDEX
@@ -50,6 +55,8 @@ __all__ = ["launch_decode_attention_fwd", "plan_splits", "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STREAMS_PER_CORE = 16       # independent (sequence, kv head, split) streams wanted: one per DMA engine
+LOCKSTEP_STREAM_HEADS = 4   # kv heads of one multi-chunk stream from which it takes no splits (measured,
+                            # docs/perf-log.md §34.1: 2 heads still gain from 4 splits, 4 and 8 lose)
 MAX_KEYS_PER_PARTITION = 128  # chunk <= 16384 keys: bounds the masked-away compute of a sequence's
                             # last chunk (work follows L_b, not the chunk)
 CONTIGUOUS_UNIT_KEYS = 128   # gather granularity of a contiguous cache: reads stop within 127 keys
@@ -69,9 +76,15 @@ def _floor_pow2(x: int) -> int:
     return 1 << (int(x).bit_length() - 1)
 
 
-def plan_splits(batch: int, n_kv_heads: int, max_chunks: int, grid: int = 1) -> int:
+def plan_splits(batch: int, n_kv_heads: int, max_chunks: int, grid: int = 1, stream_heads: int = 1) -> int:
     """Number of splits of each sequence: enough streams to occupy the cores, at least one chunk each;
-    a multiple of ``grid`` when the cores share the splits of each (b, hk) (B*Hkv not a multiple)."""
+    a multiple of ``grid`` when the cores share the splits of each (b, hk) (B*Hkv not a multiple).
+    One split when each multi-chunk stream of a head-major pool holds ``stream_heads`` >=
+    ``LOCKSTEP_STREAM_HEADS`` kv heads (``decode_attention_fwd.stream_head_groups``): their lockstep
+    chains already overlap, each of their gathers spans every DMA engine, and a split would add its
+    merge and a wait on its runtime bounds before its first ids load (docs/perf-log.md §34.1)."""
+    if stream_heads >= LOCKSTEP_STREAM_HEADS:
+        return 1
     wanted = ceil_div(STREAMS_PER_CORE * grid, batch * n_kv_heads)
     return _cores_share(max(1, min(wanted, max_chunks)), batch * n_kv_heads, grid)
 
@@ -91,13 +104,13 @@ def _table_blocks(k_cache, v_cache, block_table):
     return k_cache.index_select(0, ids), v_cache.index_select(0, ids), table
 
 
-def _chunking(b, hkv, cap, m, unit_keys, n_cols, grid, num_splits):
+def _chunking(b, hkv, cap, m, unit_keys, n_cols, grid, num_splits, stream_heads=1):
     """(chunk keys, unit columns a chunk, padded table width (paged) or None, splits) at depth ``m``."""
     chunk = m * nl.tile_size.pmax
     units_per_chunk = chunk // unit_keys
     n_cols_pad = None if n_cols is None else ceil_div(n_cols, units_per_chunk) * units_per_chunk
     n_split = (_cores_share(num_splits, b * hkv, grid) if num_splits
-               else plan_splits(b, hkv, ceil_div(cap, chunk), grid))
+               else plan_splits(b, hkv, ceil_div(cap, chunk), grid, stream_heads))
     return chunk, units_per_chunk, n_cols_pad, n_split
 
 
@@ -209,7 +222,11 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
     depth = _token_major_depth(k_cache, v_cache, plan_args, m, unit_keys, q.element_size()) if paged else None
     token_major = depth is not None
     m = depth or m
-    chunk, units_per_chunk, n_cols_pad, n_split = _chunking(b, hkv, cap, m, unit_keys, plan_args[3], grid, num_splits)
+    kv_itemsize = max(k_cache.element_size(), v_cache.element_size())
+    heads = 1 if token_major else stream_head_groups(hkv, False, paged, unit_keys, m, d, kv_itemsize, grid,
+                                                     stream_budget(hq // hkv * sq))[0]
+    chunk, units_per_chunk, n_cols_pad, n_split = _chunking(b, hkv, cap, m, unit_keys, plan_args[3], grid, num_splits,
+                                                            heads)
     if cap + chunk >= MAX_INDEX:
         raise Unsupported(f"cache capacity {cap}: key positions must stay below {MAX_INDEX} (float32 bounds)")
 
