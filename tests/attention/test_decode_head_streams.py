@@ -96,6 +96,9 @@ def _gathers(report):
                dtype=torch.float32, sinks=True, window_left=300))
 @example(_case(b=2, hq=16, hkv=8, d=64, block_size=8, n_cols=160, lengths=[1280, 700], softcap=5.0,
                starts=[100, 0]))                                             # left-padded (cache_start)
+@example(_case(hq=8, hkv=4, block_size=4, n_cols=700, lengths=[2700], sinks=True))  # 5 interior chunks: one trip
+@example(_case(b=2, hq=16, hkv=8, block_size=4, n_cols=1100, lengths=[4300, 3000], starts=[600, 0],  # of IDS_AHEAD
+               window_left=300))                                             # and more, off a window's start
 @example(_case(hq=64, hkv=8, d=64, block_size=64, n_cols=512, lengths=[8192], sinks=True))  # gpt-oss-120b 8k in a
 def test_head_major_pool_streams_several_heads(case):                       # 32k table: 4 heads a gather
     """Parity with the fp64 oracle; every gather moves the planned number of kv heads (as many as fit
@@ -147,3 +150,14 @@ def test_lockstep_head_streams_take_one_split(hkv, d, n_split):
     assert splits == wanted, (splits, heads)
     if n_split is not None:
         assert splits == n_split, (splits, heads)
+
+
+def test_interior_chunk_ids_load_ids_ahead_at_a_time():
+    """A head stream's interior chunks take their unit ids IDS_AHEAD chunks per DMA (then one per chunk
+    for the rest): gpt-oss-120b at L = 32768 in a 32k table, four interior chunks, one ids DMA."""
+    sample = _sample(_case(hq=64, hkv=8, d=64, block_size=64, n_cols=512, lengths=[32768], sinks=True))
+    outs, report = _launch(sample)
+    _judge(sample, outs)
+    ids = [e.shape for e in report.trace if e.opcode == "dma_copy" and e.shape[0] == 128 and
+           e.attrs.get("indirect") != "vector" and e.dtype == "int32"]
+    assert ids == [(128, decode_attention_fwd.IDS_AHEAD)], ids

@@ -99,7 +99,8 @@ is issued before the stores and setup of later units that would otherwise hold t
 Multi-chunk streams of several kv heads (``_stream_heads``, ``stream_head_groups``; one core): a
 paged pool runs the loop above per group of consecutive kv heads of a sequence instead of per unit;
 the group's units are prepared together (the next group's one group ahead) and each split is one
-stream of all of them: per chunk one DMA of the unit ids, gathers that move several heads at once,
+stream of all of them: per chunk one DMA of the unit ids (head-major interior chunks: one DMA per
+``IDS_AHEAD`` chunks), gathers that move several heads at once,
 then the heads' chunks as the jobs of one ``run_chunks`` (chains in lockstep, K^T evictions shared by
 VectorE and ScalarE; an edge chunk's V cleaning issued per wave right before its first P @ V). A
 token-major pool (``token_major``: block rows of [token][kv head][D], vLLM's and Hugging Face's
@@ -240,6 +241,8 @@ from nki_lib.sizes import ceil_div, spans
 __all__ = ["decode_attention_fwd_kernel", "k_by_transpose", "reads_lengths", "single_chunk_path"]
 
 INTERIOR_RANGE = 1                # a split's chunk ranges: edge, interior, edge
+IDS_AHEAD = 4                     # interior chunks per device-loop trip of a head-major head stream: their
+                                  # ids in one DMA, ahead of the earlier chunks' gathers (docs/perf-log.md §34.2)
 SINGLE_CHUNK_KEYS = 8192          # capacities up to this (one chunk, one split) load their chunk
                                   # statically, so the units' compute pipelines in program order
 LOAD_GROUP_PARTITIONS = 16        # single-chunk contiguous loads skip groups of this many partitions
@@ -349,20 +352,40 @@ def _stream(split_states, setup, q_t, k_units, v_units, table, key_slots,
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
 
 
-def _paged_unit_ids(block_table, b, col, n):
-    """Unit ids (n, 1) int32 of one chunk of sequence ``b``: columns ``col .. col + n`` (``col`` a
-    loop register) of its block-table row, one DMA."""
-    idx_sb = nl.ndarray((n, 1), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=idx_sb, src=block_table.ap([[1, n], [1, 1]], offset=b * block_table.shape[1], scalar_offset=col,
-                                                 indirect_dim=1))
+def _paged_unit_ids(block_table, b, col, n, chunks=1):
+    """Unit ids (n, chunks) int32 of ``chunks`` consecutive chunks of sequence ``b`` (column j: chunk j):
+    columns ``col .. col + chunks*n`` (``col`` a loop register) of its block-table row, one DMA."""
+    idx_sb = nl.ndarray((n, chunks), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx_sb, src=block_table.ap([[1, n], [n, chunks]], offset=b * block_table.shape[1],
+                                                 scalar_offset=col, indirect_dim=1))
     return idx_sb
+
+
+def _whole_trips_end(lo, hi, step):
+    """A register of lo + step * floor((hi - lo) / step) (``lo``, ``hi`` registers, ``step`` a power of
+    two): where a device loop from ``lo`` by ``step`` makes only whole trips before ``hi``."""
+    vals = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.register_store(vals[0:1, 0:1], lo)
+    nisa.register_store(vals[0:1, 1:2], hi)
+    end = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    shift = step.bit_length() - 1
+    nisa.tensor_tensor(dst=end, data1=vals[0:1, 1:2], data2=vals[0:1, 0:1], op=nl.subtract, engine=nisa.engine.gpsimd)
+    nisa.tensor_scalar(dst=end, data=end, op0=nl.right_shift, operand0=shift, op1=nl.left_shift, operand1=shift,
+                       engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=end, data1=end, data2=vals[0:1, 0:1], op=nl.add, engine=nisa.engine.gpsimd)
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, end)
+    return reg
 
 
 def _stream_heads(heads, setup, k_units, v_units, table, key_slots, unit, unit_keys, chunk_pair, plan, ones_col,
                   d_spans, scale, softcap, dtype, pack=1, token_major=True, head_offset=0, per_gather=1):
     """The (b, split) stream of consecutive kv heads ``hk0 ..`` of sequence ``b`` (``unit`` = (b, hk0);
     ``heads``: per kv head, its (split states, q^T)), chunk by chunk as ``_stream``, with the key window
-    of ``setup`` shared by the heads: per chunk one DMA of its unit ids, gathers moving all those heads
+    of ``setup`` shared by the heads: per chunk one DMA of its unit ids (head-major interior chunks:
+    one per ``IDS_AHEAD`` of them, a device loop of whole trips of that many chunks, then one chunk a
+    trip, so a later chunk's gathers never queue for their ids behind the earlier chunks' gathers),
+    gathers moving all those heads
     at once, the V cleaning of an edge chunk, then the heads' chunks as the jobs of one ``run_chunks``
     (their chains interleaved in lockstep, their K^T evictions shared by VectorE and ScalarE).
 
@@ -385,29 +408,40 @@ def _stream_heads(heads, setup, k_units, v_units, table, key_slots, unit, unit_k
     k_views, v_views = (unit_views(c, group_units, m, d, token_major) for c in (k_chunk, v_chunk))
     regs, window_sb = setup.regs, setup.window
     block_table, meta, _ = table
+
+    def chunk(idx_sb, interior):
+        if not interior:                            # units holding no key of [first, L_b) skipped
+            skip_unneeded_units(idx_sb, meta.unit_keys, window_sb, k_units.shape[0])
+        if token_major:
+            for step in spans(m, plan[0]):
+                gather_chunk_token_major(k_units, idx_sb, unit_keys, k_chunk, step)
+            gather_chunk_token_major(v_units, idx_sb, unit_keys, v_chunk)
+        for cache, buf in ((k_units, k_chunk), (v_units, v_chunk)) if not token_major else ():
+            for j0 in range(0, n_heads, per_gather):
+                cols = slice(j0 * m * d, (j0 + per_gather) * m * d)
+                gather_chunk(cache, idx_sb, (hk0 + j0) * head_offset, unit_keys, buf[:, cols], heads=per_gather)
+        jobs = [(split_states, q_t, k_views[h], v_views[h]) for h, (split_states, q_t) in enumerate(heads)]
+        clean = None if interior else wave_cleaning(
+            job_waves(n_heads, wave_jobs(len(heads[0][0]), len(d_spans))), len(spans(m, plan[0])),
+            lambda i: zero_invisible_rows(v_views[i], key_slots, window_sb))
+        run_chunks(jobs, plan, d_spans, m, ones_col, k_units.dtype, scale, softcap, dtype, before_pv=clean,
+                   pack=pack)
+        for split_states, _ in heads:
+            _advance_bounds(split_states, m)
+        nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
+
+    step = IDS_AHEAD * units_per_chunk
     for r in range(len(regs) - 1):
         interior = r == INTERIOR_RANGE
-        for col in nl.dynamic_range(regs[r], regs[r + 1], units_per_chunk):
-            idx_sb = _paged_unit_ids(block_table, b, col, units_per_chunk)
-            if not interior:                        # units holding no key of [first, L_b) skipped
-                skip_unneeded_units(idx_sb, meta.unit_keys, window_sb, k_units.shape[0])
-            if token_major:
-                for step in spans(m, plan[0]):
-                    gather_chunk_token_major(k_units, idx_sb, unit_keys, k_chunk, step)
-                gather_chunk_token_major(v_units, idx_sb, unit_keys, v_chunk)
-            for cache, buf in ((k_units, k_chunk), (v_units, v_chunk)) if not token_major else ():
-                for j0 in range(0, n_heads, per_gather):
-                    cols = slice(j0 * m * d, (j0 + per_gather) * m * d)
-                    gather_chunk(cache, idx_sb, (hk0 + j0) * head_offset, unit_keys, buf[:, cols], heads=per_gather)
-            jobs = [(split_states, q_t, k_views[h], v_views[h]) for h, (split_states, q_t) in enumerate(heads)]
-            clean = None if interior else wave_cleaning(
-                job_waves(n_heads, wave_jobs(len(heads[0][0]), len(d_spans))), len(spans(m, plan[0])),
-                lambda i: zero_invisible_rows(v_views[i], key_slots, window_sb))
-            run_chunks(jobs, plan, d_spans, m, ones_col, k_units.dtype, scale, softcap, dtype, before_pv=clean,
-                       pack=pack)
-            for split_states, _ in heads:
-                _advance_bounds(split_states, m)
-            nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
+        start = regs[r]
+        if interior and not token_major:            # IDS_AHEAD chunks per trip: their ids in one DMA, so
+            start = _whole_trips_end(regs[r], regs[r + 1], step)   # a later chunk's gathers never wait
+            for col in nl.dynamic_range(regs[r], start, step):     # for its ids behind the earlier gathers
+                ids_sb = _paged_unit_ids(block_table, b, col, units_per_chunk, IDS_AHEAD)
+                for j in range(IDS_AHEAD):
+                    chunk(ids_sb[:, j:j + 1], True)
+        for col in nl.dynamic_range(start, regs[r + 1], units_per_chunk):
+            chunk(_paged_unit_ids(block_table, b, col, units_per_chunk), interior)
 
 
 def stream_budget(rows):
