@@ -154,6 +154,8 @@ def multi_chunk_cases(draw):
 @given(multi_chunk_cases())
 @example(_in_place(b=2, hq=4, hkv=2, d=64, block_size=16, cap=4096, lengths=[3000, 77], sinks=True))  # same M
 @example(_in_place(b=1, hq=8, hkv=8, d=128, block_size=64, cap=32768, lengths=[20000]))   # M 64 -> 16: all heads
+@example(_in_place(b=1, hq=16, hkv=8, d=64, block_size=64, cap=32768, lengths=[13000], sinks=True))  # one split:
+                                                            # 3 interior chunks over two pairs, one edge chunk
 @example(_in_place(b=3, hq=6, hkv=3, sq=2, d=32, block_size=8, cap=2048, lengths=[1500, 2048, 9],  # 3 ranges,
                    dtype=torch.float32, window_left=300))                       # a window
 @example(_in_place(b=2, hq=8, hkv=4, d=32, block_size=16, cap=4096, lengths=[3000, 900], sinks=True,

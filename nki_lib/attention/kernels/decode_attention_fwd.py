@@ -99,8 +99,9 @@ is issued before the stores and setup of later units that would otherwise hold t
 Multi-chunk streams of several kv heads (``_stream_heads``, ``stream_head_groups``; one core): a
 paged pool runs the loop above per group of consecutive kv heads of a sequence instead of per unit;
 the group's units are prepared together (the next group's one group ahead) and each split is one
-stream of all of them: per chunk one DMA of the unit ids (head-major interior chunks: one DMA per
-``IDS_AHEAD`` chunks), gathers that move several heads at once,
+stream of all of them: per chunk one DMA of the unit ids (interior chunks: one DMA per trip of
+``IDS_AHEAD`` chunks, or of one chunk per buffer pair when a stream holds ``TRIP_PAIRS``, alternating
+them), gathers that move several heads at once,
 then the heads' chunks as the jobs of one ``run_chunks`` (chains in lockstep, K^T evictions shared by
 VectorE and ScalarE; an edge chunk's V cleaning issued per wave right before its first P @ V). A
 token-major pool (``token_major``: block rows of [token][kv head][D], vLLM's and Hugging Face's
@@ -241,7 +242,9 @@ from nki_lib.sizes import ceil_div, spans
 __all__ = ["decode_attention_fwd_kernel", "k_by_transpose", "reads_lengths", "single_chunk_path"]
 
 INTERIOR_RANGE = 1                # a split's chunk ranges: edge, interior, edge
-IDS_AHEAD = 4                     # interior chunks per device-loop trip of a head-major head stream: their
+TRIP_PAIRS = 2                    # K/V buffer pairs a head stream alternates over a trip's chunks, when the
+                                  # budget holds that many per stream (docs/perf-log.md §34.3)
+IDS_AHEAD = 4                     # interior chunks per device-loop trip of a one-pair head stream: their
                                   # ids in one DMA, ahead of the earlier chunks' gathers (docs/perf-log.md §34.2)
 SINGLE_CHUNK_KEYS = 8192          # capacities up to this (one chunk, one split) load their chunk
                                   # statically, so the units' compute pipelines in program order
@@ -361,6 +364,12 @@ def _paged_unit_ids(block_table, b, col, n, chunks=1):
     return idx_sb
 
 
+def stream_pairs(chunk_bufs, stream, per_stream):
+    """The ``per_stream`` K/V buffer pairs of head stream ``stream`` (the streams rotate over ``chunk_bufs``)."""
+    first = stream * per_stream % len(chunk_bufs)
+    return chunk_bufs[first:first + per_stream]
+
+
 def _whole_trips_end(lo, hi, step):
     """A register of lo + step * floor((hi - lo) / step) (``lo``, ``hi`` registers, ``step`` a power of
     two): where a device loop from ``lo`` by ``step`` makes only whole trips before ``hi``."""
@@ -378,14 +387,14 @@ def _whole_trips_end(lo, hi, step):
     return reg
 
 
-def _stream_heads(heads, setup, k_units, v_units, table, key_slots, unit, unit_keys, chunk_pair, plan, ones_col,
+def _stream_heads(heads, setup, k_units, v_units, table, key_slots, unit, unit_keys, chunk_pairs, plan, ones_col,
                   d_spans, scale, softcap, dtype, pack=1, token_major=True, head_offset=0, per_gather=1):
     """The (b, split) stream of consecutive kv heads ``hk0 ..`` of sequence ``b`` (``unit`` = (b, hk0);
     ``heads``: per kv head, its (split states, q^T)), chunk by chunk as ``_stream``, with the key window
-    of ``setup`` shared by the heads: per chunk one DMA of its unit ids (head-major interior chunks:
-    one per ``IDS_AHEAD`` of them, a device loop of whole trips of that many chunks, then one chunk a
-    trip, so a later chunk's gathers never queue for their ids behind the earlier chunks' gathers),
-    gathers moving all those heads
+    of ``setup`` shared by the heads: per chunk one DMA of its unit ids (interior chunks: one per trip
+    of a device loop of whole trips, then one chunk a trip, so a later chunk's gathers never queue for
+    their ids behind the earlier chunks' gathers; a trip is ``IDS_AHEAD`` chunks, or with
+    ``chunk_pairs`` of ``TRIP_PAIRS`` pairs one chunk per pair, alternating), gathers moving all those heads
     at once, the V cleaning of an edge chunk, then the heads' chunks as the jobs of one ``run_chunks``
     (their chains interleaved in lockstep, their K^T evictions shared by VectorE and ScalarE).
 
@@ -403,13 +412,13 @@ def _stream_heads(heads, setup, k_units, v_units, table, key_slots, unit, unit_k
     n_heads = len(heads)
     d = heads[0][0][0].acc.shape[1]
     units_per_chunk = m * pmax // unit_keys
-    k_chunk, v_chunk = chunk_pair
     group_units = [(b, hk0 + h) for h in range(n_heads)]
-    k_views, v_views = (unit_views(c, group_units, m, d, token_major) for c in (k_chunk, v_chunk))
     regs, window_sb = setup.regs, setup.window
     block_table, meta, _ = table
 
-    def chunk(idx_sb, interior):
+    def chunk(idx_sb, interior, pair=0):
+        k_chunk, v_chunk = chunk_pairs[pair]
+        k_views, v_views = (unit_views(c, group_units, m, d, token_major) for c in (k_chunk, v_chunk))
         if not interior:                            # units holding no key of [first, L_b) skipped
             skip_unneeded_units(idx_sb, meta.unit_keys, window_sb, k_units.shape[0])
         if token_major:
@@ -430,16 +439,17 @@ def _stream_heads(heads, setup, k_units, v_units, table, key_slots, unit, unit_k
             _advance_bounds(split_states, m)
         nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
 
-    step = IDS_AHEAD * units_per_chunk
+    ahead = len(chunk_pairs) if len(chunk_pairs) > 1 else IDS_AHEAD   # two pairs: a trip is a chunk per pair
+    step = ahead * units_per_chunk
     for r in range(len(regs) - 1):
         interior = r == INTERIOR_RANGE
         start = regs[r]
-        if interior and not token_major:            # IDS_AHEAD chunks per trip: their ids in one DMA, so
+        if interior:                                # IDS_AHEAD chunks per trip: their ids in one DMA, so
             start = _whole_trips_end(regs[r], regs[r + 1], step)   # a later chunk's gathers never wait
             for col in nl.dynamic_range(regs[r], start, step):     # for its ids behind the earlier gathers
-                ids_sb = _paged_unit_ids(block_table, b, col, units_per_chunk, IDS_AHEAD)
-                for j in range(IDS_AHEAD):
-                    chunk(ids_sb[:, j:j + 1], True)
+                ids_sb = _paged_unit_ids(block_table, b, col, units_per_chunk, ahead)
+                for j in range(ahead):
+                    chunk(ids_sb[:, j:j + 1], True, j % len(chunk_pairs))
         for col in nl.dynamic_range(start, regs[r + 1], units_per_chunk):
             chunk(_paged_unit_ids(block_table, b, col, units_per_chunk), interior)
 
@@ -787,7 +797,9 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
         budget)
     streams_heads = head_group > 1                  # multi-chunk: (b, split) streams of several kv heads
     pair_bytes = m * (k_row * k_units.itemsize + d * v_units.itemsize) * head_group
-    n_pairs = max(1, min(batch * n_split * n_kv_heads // head_group, budget // pair_bytes))
+    n_streams = batch * n_split * n_kv_heads // head_group
+    n_pairs = max(1, min(n_streams * (TRIP_PAIRS if streams_heads else 1), budget // pair_bytes))
+    stream_pair_count = TRIP_PAIRS if streams_heads and n_pairs >= TRIP_PAIRS * n_streams else 1
     if single:                                      # groups of units (one per buffer pair) of equal size:
         n_groups = ceil_div(len(units) // n_prog, n_pairs)   # the last group's tail no longer than the rest
         n_pairs = ceil_div(len(units) // n_prog, n_groups)
@@ -969,7 +981,8 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
             for s_i, setup in enumerate(works[0].setups):
                 _stream_heads([(work.states[s_i], work.q_t) for work in works], setup, k_units, v_units,
                               (block_table, meta, seq_units), key_slots, units[group[0][1]], unit_keys,
-                              chunk_bufs[(k0 // head_group * len(works[0].setups) + s_i) % n_pairs], plan, ones_col,
+                              stream_pairs(chunk_bufs, k0 // head_group * len(works[0].setups) + s_i,
+                                           stream_pair_count), plan, ones_col,
                               d_spans, scale, softcap, dtype, key_pack, token_major, head_offset, per_gather)
             finish([(k, u, work.states) for (k, u), work in zip(group, works)], lag=head_group)
     else:

@@ -56,7 +56,7 @@ __all__ = ["launch_decode_attention_fwd", "plan_splits", "KERNEL_DTYPES"]
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STREAMS_PER_CORE = 16       # independent (sequence, kv head, split) streams wanted: one per DMA engine
 LOCKSTEP_STREAM_HEADS = 4   # kv heads of one multi-chunk stream from which it takes no splits (measured,
-                            # docs/perf-log.md §34.1: 2 heads still gain from 4 splits, 4 and 8 lose)
+                            # docs/perf-log.md §34.1 and §34.3: 2 heads still gain from 4 splits, 4 and 8 lose)
 MAX_KEYS_PER_PARTITION = 128  # chunk <= 16384 keys: bounds the masked-away compute of a sequence's
                             # last chunk (work follows L_b, not the chunk)
 CONTIGUOUS_UNIT_KEYS = 128   # gather granularity of a contiguous cache: reads stop within 127 keys
@@ -79,10 +79,11 @@ def _floor_pow2(x: int) -> int:
 def plan_splits(batch: int, n_kv_heads: int, max_chunks: int, grid: int = 1, stream_heads: int = 1) -> int:
     """Number of splits of each sequence: enough streams to occupy the cores, at least one chunk each;
     a multiple of ``grid`` when the cores share the splits of each (b, hk) (B*Hkv not a multiple).
-    One split when each multi-chunk stream of a head-major pool holds ``stream_heads`` >=
-    ``LOCKSTEP_STREAM_HEADS`` kv heads (``decode_attention_fwd.stream_head_groups``): their lockstep
-    chains already overlap, each of their gathers spans every DMA engine, and a split would add its
-    merge and a wait on its runtime bounds before its first ids load (docs/perf-log.md §34.1)."""
+    One split when each multi-chunk stream holds ``stream_heads`` >= ``LOCKSTEP_STREAM_HEADS`` kv heads
+    (``decode_attention_fwd.stream_head_groups``): their lockstep chains already overlap, each of their
+    gathers spans every DMA engine, and a split would add its merge and a wait on its runtime bounds
+    before its first ids load (docs/perf-log.md §34.1; token-major streams since §34.3, whose one stream
+    then alternates two buffer pairs)."""
     if stream_heads >= LOCKSTEP_STREAM_HEADS:
         return 1
     wanted = ceil_div(STREAMS_PER_CORE * grid, batch * n_kv_heads)
@@ -223,8 +224,8 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
     token_major = depth is not None
     m = depth or m
     kv_itemsize = max(k_cache.element_size(), v_cache.element_size())
-    heads = 1 if token_major else stream_head_groups(hkv, False, paged, unit_keys, m, d, kv_itemsize, grid,
-                                                     stream_budget(hq // hkv * sq))[0]
+    heads = stream_head_groups(hkv, token_major, paged, unit_keys, m, d, kv_itemsize, grid,
+                               stream_budget(hq // hkv * sq))[0]
     chunk, units_per_chunk, n_cols_pad, n_split = _chunking(b, hkv, cap, m, unit_keys, plan_args[3], grid, num_splits,
                                                             heads)
     if cap + chunk >= MAX_INDEX:
