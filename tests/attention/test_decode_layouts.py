@@ -14,6 +14,7 @@ import nki_lib
 from nki_lib.attention import decode_attention_op
 from nki_lib.attention.decode_attention_op import make_sample
 from nki_lib.bench.whole_op import record_host_ops
+from nki_lib.dispatch import collect_runs
 from nki_lib.numerics.oppar import op_parity
 from nki_lib.registry import Sample
 
@@ -160,6 +161,8 @@ def multi_chunk_cases(draw):
                    dtype=torch.float32, window_left=300))                       # a window
 @example(_in_place(b=2, hq=8, hkv=4, d=32, block_size=16, cap=4096, lengths=[3000, 900], sinks=True,
                    starts=[1000, 0]))                                          # left-padded (cache_start)
+@example(_in_place(b=1, hq=16, hkv=8, d=128, block_size=64, cap=32768, lengths=[21000]))  # 5 two-pair trips
+                                                            # (next trip's ids prefetched), 1 more interior, 1 edge
 def test_token_major_pool_is_read_in_place_on_the_multi_chunk_path(case):
     """No host gather, and parity with the fp64 oracle (the chunk depth may differ from the head-major
     call's, so the summation order does too)."""
@@ -167,6 +170,21 @@ def test_token_major_pool_is_read_in_place_on_the_multi_chunk_path(case):
     sample = _sample(case, **kwargs)
     ops = _token_major_parity(sample)
     assert not [op for op in ops if op.name.startswith("aten.index_select")]
+
+
+
+def test_two_pair_trips_prefetch_the_next_trip_s_ids():
+    """llama3-8b's kv heads at L = 32768 in a 32k table, token-major: 16 interior chunks of 2048 keys
+    (M = 16: a 32 KiB run of 8 heads x D = 128), 8 trips of two chunks. Each trip's ids are read one trip
+    ahead (one DMA before the loop, one per trip), the last read runs past the table's end and is
+    skipped (oob_mode.skip), and the answer matches the fp64 oracle."""
+    sample = _sample(_in_place(b=1, hq=16, hkv=8, d=128, block_size=64, cap=32768, lengths=[32768]))
+    with collect_runs() as runs:
+        _token_major_parity(sample)
+    trace = runs[-1][1].trace
+    trip_ids = [e for e in trace if e.opcode == "dma_copy" and e.dtype == "int32" and e.shape == (32, 2)]
+    assert len(trip_ids) == 8 + 1, [e.shape for e in trip_ids]
+    assert [bool(e.attrs.get("skipped")) for e in trip_ids] == [False] * 8 + [True]
 
 
 @settings(deadline=None, max_examples=10)

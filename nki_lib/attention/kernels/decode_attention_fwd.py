@@ -101,7 +101,8 @@ paged pool runs the loop above per group of consecutive kv heads of a sequence i
 the group's units are prepared together (the next group's one group ahead) and each split is one
 stream of all of them: per chunk one DMA of the unit ids (interior chunks: one DMA per trip of
 ``IDS_AHEAD`` chunks, or of one chunk per buffer pair when a stream holds ``TRIP_PAIRS``, alternating
-them), gathers that move several heads at once,
+them; a token-major two-pair trip's ids are read during the trip before), gathers that move several
+heads at once,
 then the heads' chunks as the jobs of one ``run_chunks`` (chains in lockstep, K^T evictions shared by
 VectorE and ScalarE; an edge chunk's V cleaning issued per wave right before its first P @ V). A
 token-major pool (``token_major``: block rows of [token][kv head][D], vLLM's and Hugging Face's
@@ -355,13 +356,47 @@ def _stream(split_states, setup, q_t, k_units, v_units, table, key_slots,
             nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
 
 
-def _paged_unit_ids(block_table, b, col, n, chunks=1):
+def _paged_unit_ids(block_table, b, col, n, chunks=1, idx_sb=None, cols_ahead=0, ahead_of_use=False):
     """Unit ids (n, chunks) int32 of ``chunks`` consecutive chunks of sequence ``b`` (column j: chunk j):
-    columns ``col .. col + chunks*n`` (``col`` a loop register) of its block-table row, one DMA."""
-    idx_sb = nl.ndarray((n, chunks), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=idx_sb, src=block_table.ap([[1, n], [n, chunks]], offset=b * block_table.shape[1],
-                                                 scalar_offset=col, indirect_dim=1))
+    columns ``col + cols_ahead .. + chunks*n`` (``col`` a loop register) of its block-table row, one DMA
+    (into ``idx_sb`` when given). ``ahead_of_use``: a read of the next trip's ids, which after a stream's
+    last trip may run past the table's end; that read is then skipped (``oob_mode.skip``,
+    docs/nki-semantics.md §14.7), the ids it would have fetched never used."""
+    if idx_sb is None:
+        idx_sb = nl.ndarray((n, chunks), dtype=nl.int32, buffer=nl.sbuf)
+    src = block_table.ap([[1, n], [n, chunks]], offset=b * block_table.shape[1] + cols_ahead,
+                         scalar_offset=col, indirect_dim=1)
+    oob = nisa.oob_mode.skip if ahead_of_use else nisa.oob_mode.error
+    nisa.dma_copy(dst=idx_sb, src=src, oob_mode=oob)
     return idx_sb
+
+
+def _trip_ids(ids_next):
+    """This trip's ids, copied (GpSimd) out of the prefetch tile so the next trip's ids DMA may land there."""
+    ids_sb = nl.ndarray(ids_next.shape, dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=ids_sb, src=ids_next, engine=nisa.engine.gpsimd)
+    return ids_sb
+
+
+def _interior_trips(chunk, block_table, b, lo, hi, units_per_chunk, ahead, n_pairs, prefetch):
+    """The interior chunks of [lo, hi) as a device loop of whole trips of ``ahead`` chunks (returns
+    where the trips end): a trip's ids in one DMA ahead of its gathers. ``prefetch``: the next trip's
+    ids DMA issued right after this trip's first chunk, so a trip's first gathers never wait on its
+    ids DMA (docs/perf-log.md §36.1)."""
+    step = ahead * units_per_chunk
+    end = _whole_trips_end(lo, hi, step)
+    if prefetch:
+        ids_next = _paged_unit_ids(block_table, b, lo, units_per_chunk, ahead, ahead_of_use=True)
+    for col in nl.dynamic_range(lo, end, step):
+        if prefetch:
+            ids_sb = _trip_ids(ids_next)
+        else:
+            ids_sb = _paged_unit_ids(block_table, b, col, units_per_chunk, ahead)
+        for j in range(ahead):
+            chunk(ids_sb[:, j:j + 1], True, j % n_pairs)
+            if prefetch and j == 0:
+                _paged_unit_ids(block_table, b, col, units_per_chunk, ahead, ids_next, step, True)
+    return end
 
 
 def stream_pairs(chunk_bufs, stream, per_stream):
@@ -440,16 +475,13 @@ def _stream_heads(heads, setup, k_units, v_units, table, key_slots, unit, unit_k
         nisa.tensor_scalar(dst=window_sb, data=window_sb, op0=nl.add, operand0=-float(m * pmax))
 
     ahead = len(chunk_pairs) if len(chunk_pairs) > 1 else IDS_AHEAD   # two pairs: a trip is a chunk per pair
-    step = ahead * units_per_chunk
+    prefetch = token_major and len(chunk_pairs) > 1
     for r in range(len(regs) - 1):
         interior = r == INTERIOR_RANGE
         start = regs[r]
-        if interior:                                # IDS_AHEAD chunks per trip: their ids in one DMA, so
-            start = _whole_trips_end(regs[r], regs[r + 1], step)   # a later chunk's gathers never wait
-            for col in nl.dynamic_range(regs[r], start, step):     # for its ids behind the earlier gathers
-                ids_sb = _paged_unit_ids(block_table, b, col, units_per_chunk, ahead)
-                for j in range(ahead):
-                    chunk(ids_sb[:, j:j + 1], True, j % len(chunk_pairs))
+        if interior:                                # whole trips, then one chunk a trip
+            start = _interior_trips(chunk, block_table, b, regs[r], regs[r + 1], units_per_chunk, ahead,
+                                    len(chunk_pairs), prefetch)
         for col in nl.dynamic_range(start, regs[r + 1], units_per_chunk):
             chunk(_paged_unit_ids(block_table, b, col, units_per_chunk), interior)
 
