@@ -680,10 +680,10 @@ def test_paged_keys_transposed_in_slot_groups(d, dtype, bs, lengths, flags, pack
 
 
 @pytest.mark.parametrize("d, dtype, bs, lengths, flags", [
-    # D = 64 bf16, 32 slots a step: lengths at block edges, a window and sinks
+    # D = 64 bf16, 32 slots a step (the threshold): lengths at block edges, a window and sinks
     (64, torch.bfloat16, 32, [4096, 32, 33], dict(window_left=40, sinks=True)),
-    # D = 32 fp32, 16 slots a step (the threshold), softcap
-    (32, torch.float32, 16, [2000, 17, 16], dict(softcap=5.0)),
+    # D = 32 fp32, 64 slots a step, softcap
+    (32, torch.float32, 64, [6000, 65, 64], dict(softcap=5.0)),
 ])
 def test_pv_on_pe_column_tiles(d, dtype, bs, lengths, flags):
     """A direct P @ V step of >= PV_TILES_MIN_SLOTS slots and <= 32 rows spreads its slots over the

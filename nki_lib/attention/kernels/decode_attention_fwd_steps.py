@@ -45,7 +45,7 @@ PE_MIN_COLUMNS = 64               # a matmul streams at least min(64, M) columns
 KT_LOOKAHEAD = 3                  # K^T blocks transposed ahead of their score matmuls
 DVE_TRANSPOSE_MAX = 32            # VectorE nc_transpose handles tiles of up to 32 x 32 (nki.isa.nc_transpose docs)
 PV_TILE_COLUMNS = 32              # the smallest PE column tile (nki.isa.nc_matmul tiling mode, NC-v3+)
-PV_TILES_MIN_SLOTS = 16           # fewer slots in a step: one accumulator (the tiles' PSUM copy and sum
+PV_TILES_MIN_SLOTS = 32           # fewer slots in a step: one accumulator (the tiles' PSUM copy and sum
                                   # matmul cost more than the P @ V time they save; docs/perf-log.md §26.3)
 
 
