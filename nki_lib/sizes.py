@@ -2,13 +2,14 @@
 
 * :func:`ceil_div` -- the one ceiling division (ints, or integer tensors elementwise);
 * :func:`spans` -- ``((start, size), ...)`` tiles covering ``[0, length)``;
+* :func:`floor_pow2` -- the largest power of two not above a count (at least 1);
 * :data:`DTYPE_BYTES` / :func:`dtype_bytes` -- element sizes of the NKI data types
   (``FP32_BYTES``, ``HALF_BYTES`` for the float32 and bfloat16/float16 widths kernels budget with).
 """
 
 from __future__ import annotations
 
-__all__ = ["ceil_div", "spans", "DTYPE_BYTES", "dtype_bytes", "FP32_BYTES", "HALF_BYTES"]
+__all__ = ["ceil_div", "spans", "floor_pow2", "DTYPE_BYTES", "dtype_bytes", "FP32_BYTES", "HALF_BYTES"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 FP32_BYTES = DTYPE_BYTES["float32"]
@@ -24,6 +25,11 @@ def spans(length: int, width: int) -> tuple:
     """``((start, size), ...)`` covering ``[0, length)`` with sizes ``width`` (the last may be
     shorter): partial tiles at the end are handled in the kernel, never padded in HBM."""
     return tuple((start, min(width, length - start)) for start in range(0, length, width))
+
+
+def floor_pow2(x) -> int:
+    """The largest power of two ``<= max(1, x)`` (``x`` a count: tiles, slots, heads)."""
+    return 1 << (max(1, int(x)).bit_length() - 1)
 
 
 def dtype_bytes(dtype) -> int:

@@ -41,7 +41,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_steps import (
     step_scores,
     step_scores_columns,
 )
-from nki_lib.sizes import spans
+from nki_lib.sizes import floor_pow2, spans
 
 __all__ = ["SplitState", "block_slots", "chunk_plan", "run_chunks", "state_views", "wave_jobs", "LOCKSTEP_CHAINS"]
 
@@ -63,19 +63,15 @@ def block_slots(itemsize: int = 4) -> int:
     return nl.tile_size.psum_bank_fmax_bytes // (itemsize * nl.tile_size.pmax)
 
 
-def _floor_pow2(x):
-    return 1 << (max(1, int(x)).bit_length() - 1)
-
-
 def chunk_plan(m, rows_max, rows_total, itemsize):
     """(step slots, score-block slots, K^T-block slots) for a chunk of M slots, row tiles of at
     most ``rows_max`` rows (``rows_total`` rows in all) and K/V of ``itemsize`` bytes; all powers of
     two dividing M. A score block's fp32 S^T (128, n*rn) fills at most one PSUM bank, so does a K^T
     block; a softmax step covers at most ``STEP_SLOTS`` slots and ``STEP_SCORE_ELEMS`` fp32 scores
     per partition over all row tiles (their scores are live together)."""
-    blk = min(m, max(1, _floor_pow2(nl.tile_size.psum_bank_fmax // rows_max)))
+    blk = min(m, floor_pow2(nl.tile_size.psum_bank_fmax // rows_max))
     kt = min(blk, block_slots(itemsize))
-    step = max(blk, min(m, STEP_SLOTS, _floor_pow2(STEP_SCORE_ELEMS // rows_total)))
+    step = max(blk, min(m, STEP_SLOTS, floor_pow2(STEP_SCORE_ELEMS // rows_total)))
     return step, blk, kt
 
 

@@ -49,7 +49,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_io import CHUNK_BUFFER_BYTES
 from nki_lib.attention.kernels.tiles import MAX_INDEX
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch, Unsupported
-from nki_lib.sizes import ceil_div
+from nki_lib.sizes import ceil_div, floor_pow2
 
 __all__ = ["launch_decode_attention_fwd", "plan_splits", "KERNEL_DTYPES"]
 
@@ -69,11 +69,7 @@ def keys_per_partition(capacity: int, d: int, itemsize: int) -> int:
     whose chunk is no longer than the capacity (a chunk is computed whole)."""
     by_bytes = CHUNK_BUFFER_BYTES // (d * itemsize)
     by_capacity = capacity // nl.tile_size.pmax
-    return _floor_pow2(max(1, min(by_bytes, by_capacity, MAX_KEYS_PER_PARTITION)))
-
-
-def _floor_pow2(x: int) -> int:
-    return 1 << (int(x).bit_length() - 1)
+    return floor_pow2(min(by_bytes, by_capacity, MAX_KEYS_PER_PARTITION))
 
 
 def plan_splits(batch: int, n_kv_heads: int, max_chunks: int, grid: int = 1, stream_heads: int = 1) -> int:
@@ -140,7 +136,7 @@ def _token_major_depth(k_cache, v_cache, plan_args, m, unit_keys, itemsize):
     if single(m):
         return m if shared_gathers(None, unit_keys, m) else None
     d = k_cache.shape[3]
-    depth = _floor_pow2(max(1, min(m, CHUNK_BUFFER_BYTES // (hkv * d * itemsize))))
+    depth = floor_pow2(min(m, CHUNK_BUFFER_BYTES // (hkv * d * itemsize)))
     if depth * nl.tile_size.pmax < unit_keys or hkv * depth * d * itemsize > CHUNK_BUFFER_BYTES:
         return None                         # more than 128 blocks a chunk, or a partition's run too long
     return None if single(depth) else depth
@@ -156,7 +152,7 @@ def _token_major_blocks(k_cache, v_cache):
     if not _token_major_views(k_cache, v_cache):
         return None
     b, hkv, smax, d = k_cache.shape
-    bs = _floor_pow2(max(1, smax // nl.tile_size.pmax))
+    bs = floor_pow2(smax // nl.tile_size.pmax)
     while smax % bs:
         bs //= 2
     pools = [c.transpose(1, 2).reshape(b * smax // bs, bs, hkv, d).transpose(1, 2) for c in (k_cache, v_cache)]
