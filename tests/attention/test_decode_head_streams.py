@@ -6,8 +6,6 @@ no garbage from unused blocks."""
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -17,7 +15,7 @@ from nki_lib.attention.decode_attention_op import make_sample
 from nki_lib.attention.kernels import decode_attention_fwd, decode_attention_fwd_plan
 from nki_lib.attention.kernels.decode_attention_fwd_io import CHUNK_BUFFER_BUDGET
 from nki_lib.numerics.oppar import op_parity
-from tests.attention.test_decode_kernel import _judge, _launch, poison_unneeded_keys
+from tests.attention.test_decode_kernel import _judge, _launch, launch_plan, poison_unneeded_keys
 
 SPEC = decode_attention_op.SPEC
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -55,19 +53,11 @@ def _sample(case):
                        sinks=case["sinks"], starts=case["starts"], **kwargs)
 
 
-def _launch_plan(sample):
-    """The kernel arguments of the launch of ``sample``, by name."""
-    q, k, v, seqlens, table, sinks = sample.args[:6]
-    launch = decode_attention_fwd_plan.launch_decode_attention_fwd(q, k, v, seqlens.to(torch.int32), table, sinks,
-                                                                  scale=None, window_left=-1, softcap=0.0)
-    return inspect.signature(launch.kernel).bind(*launch.args).arguments
-
-
 def _heads_per_gather(sample):
     """(kv heads each gather of the call moves, chunk depth M), from the launch's own plan (1 head:
     per-head streams)."""
     q, k = sample.args[:2]
-    m = _launch_plan(sample)["keys_per_partition"]
+    m = launch_plan(sample)["keys_per_partition"]
     _, per_gather = decode_attention_fwd.stream_head_groups(k.shape[1], False, True, k.shape[2], m, q.shape[3],
                                                             q.element_size(), 1, CHUNK_BUFFER_BUDGET)
     return per_gather, m
@@ -76,7 +66,7 @@ def _heads_per_gather(sample):
 def _plan(sample):
     """The launch's (splits, kv heads per multi-chunk stream) for ``sample``."""
     q, k = sample.args[:2]
-    plan = _launch_plan(sample)
+    plan = launch_plan(sample)
     rows = q.shape[1] // k.shape[1] * q.shape[2]
     heads, _ = decode_attention_fwd.stream_head_groups(k.shape[1], False, True, k.shape[2], plan["keys_per_partition"],
                                                        q.shape[3], q.element_size(), 1,

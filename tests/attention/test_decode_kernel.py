@@ -4,6 +4,9 @@ head-dim tiling, and the Unsupported cases."""
 
 from __future__ import annotations
 
+import inspect
+from collections import Counter
+
 import pytest
 import torch
 
@@ -37,6 +40,14 @@ def _launch(sample, num_splits=None, grid=1):
                         launch=lambda: decode_attention_fwd_plan.launch_decode_attention_fwd(q, k, v, seqlens, table, sinks,
                                                               num_splits=num_splits, grid=grid, **flags))
     return outs, runs[-1][1]
+
+
+def launch_plan(sample, num_splits=None, grid=1):
+    """The kernel arguments of the launcher's launch for ``sample``, by name."""
+    q, k, v, seqlens, table, sinks = sample.args[:6]
+    launch = decode_attention_fwd_plan.launch_decode_attention_fwd(
+        q, k, v, seqlens, table, sinks, scale=None, window_left=-1, softcap=0.0, num_splits=num_splits, grid=grid)
+    return inspect.signature(launch.kernel).bind(*launch.args).arguments
 
 
 def _judge(sample, outs):
@@ -496,6 +507,44 @@ def test_every_k_by_dma_transpose_at_d64(b, hq, hkv, sq, d, cap, lengths, window
     assert len(k_t) == (0 if taken else b * hkv * m)
 
 
+@pytest.mark.parametrize("b, hq, hkv, sq, d, cap, lengths, window_left, dtype, grid", [
+    (1, 8, 1, 1, 64, 3072, [3072], -1, torch.bfloat16, 1),       # M = 32, 96 partitions: K^T groups of 32
+    (2, 8, 2, 2, 64, 3072, [3000, 700], 1000, torch.bfloat16, 1),  # a window; the second sequence 22 groups
+    (1, 8, 1, 1, 128, 1536, [1536], -1, torch.bfloat16, 1),      # D = 128, M = 16: the last K by transpose
+    (2, 4, 2, 1, 64, 1000, [999, 1], -1, torch.float32, 1),      # M = 8, 125 partitions: a group of 13
+    (1, 8, 1, 1, 32, 1000, [1000], 200, torch.bfloat16, 1),      # K^T groups of 16, the last of 13
+    (2, 8, 2, 1, 128, 3072, [2500, 3072], -1, torch.float16, 2),  # LNC2: each core two units
+])
+def test_single_chunk_below_the_capacity_of_its_chunk(b, hq, hkv, sq, d, cap, lengths, window_left, dtype, grid):
+    """A contiguous cache whose capacity is a whole number of partitions of M keys but below the chunk
+    (M rounded up to a power of two, ``keys_per_partition``: 3072 keys -> M = 32) takes the
+    single-chunk path, not two chunks on the multi-chunk one: no unit-id gathers, only the
+    ``chunk_partitions`` partitions holding keys of the head are read (never a byte past the cache:
+    at most its K and V bytes move), and the others -- never written, NaN on the simulator -- with
+    NaN at every cached position outside [first, L_b), stay out of the result. K^T groups tile those
+    partitions (``_k_t_groups``) unless fewer than 16 are left."""
+    pmax = nl.tile_size.pmax
+    sample = make_sample(b, hq, hkv, sq, d, lengths, dtype, capacity_=cap, sinks=True, window_left=window_left)
+    q, k, v = sample.args[:3]
+    m = launch_plan(sample, grid=grid)["keys_per_partition"]
+    n_part = decode_attention_fwd.chunk_partitions(cap, m)
+    assert m * pmax > cap and n_part * m == cap and n_part < pmax
+    assert decode_attention_fwd.single_chunk_path(1, b * hkv, grid, cap, m * pmax, cap)
+    poisoned, _ = _poisoned_outside_window(sample, cap, lengths, sq, window_left)
+    outs, report = _launch(poisoned, grid=grid)
+    assert not any(torch.isnan(o).any() for o in outs)
+    _judge(poisoned, outs)
+    assert _swdge_gathers(report) == 0
+    read = Counter()                                # bytes read from each HBM tensor (K, V, q, ...)
+    for e in report.trace:
+        if e.opcode in ("dma_copy", "dma_transpose") and e.reads and e.reads[0].memory.endswith("hbm"):
+            read[e.reads[0].buffer_id] += e.bytes
+    assert max(read.values()) <= k.numel() * k.element_size()
+    pg = decode_attention_fwd._k_t_groups(m, k.element_size(), n_part)
+    transposes = [e for e in report.trace if e.opcode == "dma_transpose"]
+    assert all(e.shape[2] == pg or pg * (n_part // pg) < n_part for e in transposes)
+
+
 @pytest.mark.parametrize("b, hq, hkv, sq, d, cap, lengths, window_left, num_splits, grid", [
     (2, 8, 1, 1, 64, 40960, [38000, 1000], -1, 2, 1),      # M = 128: 3 chunks, a partial last chunk
     (2, 8, 1, 2, 64, 40960, [38000, 16384], 22000, 3, 1),  # a window: the first chunk reads 1 of 8 groups
@@ -557,18 +606,19 @@ def _check_multi_chunk_k_t(b, hq, hkv, sq, d, cap, lengths, window_left, num_spl
 
 
 @pytest.mark.parametrize("d, cap, length, m", [
-    (64, 3000, 2900, 16),   # spans of 128 partitions (2048 keys) pass the capacity
-    (64, 200, 190, 1),      # M = 1: no two slots of a partition to fold into a 128-element row
-    (32, 300, 299, 2),      # D = 32, M = 2: not four slots
+    (64, 3000, 2900, 8),    # spans of 128 partitions (1024 keys) pass the capacity
+    (64, 100, 90, 1),       # M = 1: no two slots of a partition to fold into a 128-element row
+    (32, 200, 199, 2),      # D = 32, M = 2: not four slots
 ])
 def test_multi_chunk_k_by_pe_transposes_when_spans_pass_the_capacity(d, cap, length, m):
-    """A capacity that is not a whole number of K^T DMA spans (3000 keys: M = 16, spans of 128
-    partitions, 2048 keys), or an M that is not a multiple of the slots folded into one
+    """A capacity that is not a whole number of K^T DMA spans (3000 keys: M = 8, the largest number
+    of keys per partition whose units (8 keys, ``gcd(3000, 128)``) tile the chunk; spans of 128
+    partitions, 1024 keys), or an M that is not a multiple of the slots folded into one
     128-element hwdge source row (``k_t_fold``), keeps the gathers and PE transposes of K on the
     multi-chunk path (a span holding a needed key would read past the cache; the hardware DGE takes
     no other source shape; at D <= 64 a PE transpose may make K^T of 128/D slots at once)."""
     sample = make_sample(1, 8, 1, 1, d, [length], torch.bfloat16, capacity_=cap, sinks=True)
-    assert decode_attention_fwd_plan.keys_per_partition(cap, d, 2) == m
+    assert launch_plan(sample, num_splits=2)["keys_per_partition"] == m
     assert not decode_attention_fwd.stream_k_by_transpose(cap, m, 2, d)
     outs, report = _launch(sample, num_splits=2)
     _judge(sample, outs)
@@ -582,7 +632,6 @@ def test_merges_follow_each_unit_when_a_later_group_follows():
     merge of each unit of a group that a later group follows is issued right behind its own P @ V
     (unit after unit), so the first merge precedes the second unit's P @ V; the last group keeps
     the lockstep (every P @ V before the first of its merges)."""
-    import inspect
 
     from nki_lib.attention.kernels import decode_attention_fwd_steps as steps
 

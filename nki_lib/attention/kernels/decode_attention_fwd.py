@@ -541,11 +541,11 @@ def _stream_k_t(k_units, k_t, base, col, d, key_regs=None):
             _if_group_needed(p0, pn, m, key_regs, lambda p0=p0, pn=pn: load(p0, pn))
 
 
-def _load_needed_groups(cache_units, chunk_sb, base, m, key_regs):
+def _load_needed_groups(cache_units, chunk_sb, base, m, key_regs, n_part):
     """A contiguous chunk (keys p*M + c on partition p) by groups of ``LOAD_GROUP_PARTITIONS``
-    partitions, each with precomputed descriptors under ``_if_group_needed``: a group loads
-    only if it holds a key of [first, L_b), so traffic follows L_b; in ``DIRECT_PIECE_SLOTS``
-    pieces, so the first scores start while the rest lands."""
+    of its first ``n_part`` partitions (``chunk_partitions``), each with precomputed descriptors
+    under ``_if_group_needed``: a group loads only if it holds a key of [first, L_b), so traffic
+    follows L_b; in ``DIRECT_PIECE_SLOTS`` pieces, so the first scores start while the rest lands."""
     d = chunk_sb.shape[1] // m
 
     def load(p0, pn):
@@ -553,8 +553,17 @@ def _load_needed_groups(cache_units, chunk_sb, base, m, key_regs):
             nisa.dma_copy(dst=chunk_sb[p0:p0 + pn, c0 * d:(c0 + n) * d],
                           src=cache_units.ap([[m * d, pn], [1, n * d]], offset=base + (p0 * m + c0) * d))
 
-    for p0, pn in spans(nl.tile_size.pmax, LOAD_GROUP_PARTITIONS):
+    for p0, pn in spans(n_part, LOAD_GROUP_PARTITIONS):
         _if_group_needed(p0, pn, m, key_regs, lambda p0=p0, pn=pn: load(p0, pn))
+
+
+def chunk_partitions(head_keys, m):
+    """Partitions of a contiguous cache's only chunk (keys p*M + c on partition p) that hold keys of
+    the kv head: all 128, or ``head_keys / M`` when the capacity is below the chunk
+    (``keys_per_partition`` rounds M up to a power of two: 3072 keys -> M = 32, 96 partitions).
+    The others are never loaded: their keys lie at or past the capacity, so past L_b (scores masked by
+    selection, V rows zeroed as an edge chunk's, ``clean_edge_rows``)."""
+    return min(nl.tile_size.pmax, ceil_div(head_keys, m))
 
 
 def _if_group_needed(p0, pn, m, key_regs, body):
@@ -612,11 +621,18 @@ def k_t_fold(d, m):
     return fold if pmax % d == 0 and d >= K_T_FOLD_MIN_D and m % fold == 0 else None
 
 
-def _k_t_groups(m, itemsize):
+def _k_t_groups(m, itemsize, n_part=None):
     """Partitions per ``dma_transpose`` of a chunk's K^T: groups of ``LOAD_GROUP_PARTITIONS`` or more,
-    so that each K^T row of a group (M slots x group keys) is at least ``K_T_ROW_BYTES``."""
+    so that each K^T row of a group (M slots x group keys) is at least ``K_T_ROW_BYTES``; halved
+    (down to ``LOAD_GROUP_PARTITIONS``) until they tile the ``n_part`` partitions a chunk loads
+    (``chunk_partitions``): a group cut short would write its K^T rows in runs of its partition
+    count (64 B at 32 partitions: 28.2 us of DMA against 2.9 at B=1 Hq=8 D=64 L=3072,
+    docs/perf-log.md §38.1)."""
     pmax = nl.tile_size.pmax
-    return min(pmax, max(LOAD_GROUP_PARTITIONS, K_T_ROW_BYTES // (m * itemsize)))
+    pg = min(pmax, max(LOAD_GROUP_PARTITIONS, K_T_ROW_BYTES // (m * itemsize)))
+    while n_part is not None and n_part % pg and pg > LOAD_GROUP_PARTITIONS:
+        pg //= 2
+    return pg
 
 
 def k_t_tile(dtype, m, d, pg=None, fold=1):
@@ -628,28 +644,32 @@ def k_t_tile(dtype, m, d, pg=None, fold=1):
     return nl.ndarray((fold * d, pmax // pg, m // fold, pg), dtype=dtype, buffer=nl.sbuf)
 
 
-def _load_k_t(k_units, base, m, d, setup, k_t=None):
+def _load_k_t(k_units, base, m, d, setup, n_part, k_t=None):
     """K^T (D, 128/pg, M, pg) of a unit's only chunk by ``dma_transpose`` (the 3-d form, permutation
     (2, 1, 0)) of its keys viewed per group of ``pg`` partitions as (pg partitions, M slots, D):
     element [d, g, c, j] is key (g*pg + j)*M + c, the key of partition g*pg + j, slot c of the V
     chunk, so K^T slot c is the (D, 128) view [:, :, c, :]. One group (``_k_t_groups``): one DMA of the
     whole chunk, whatever L_b (keys outside [first, L_b) only give masked scores). Several: each
     group under ``_if_group_needed`` on the key-window registers of ``setup``, so only groups that
-    hold a key of [first, L_b) are read; the others keep stale data, masked by selection."""
+    hold a key of [first, L_b) are read; the others keep stale data, masked by selection. Only the
+    first ``n_part`` partitions (``chunk_partitions``) are read, the last group's first ones when
+    ``n_part`` is not a whole number of groups."""
     pmax = nl.tile_size.pmax
-    pg = _k_t_groups(m, k_units.itemsize)
+    pg = _k_t_groups(m, k_units.itemsize, n_part)
     if k_t is None:
-        k_t = k_t_tile(k_units.dtype, m, d)
+        k_t = k_t_tile(k_units.dtype, m, d, pg)
 
-    def load(g):
-        nisa.dma_transpose(dst=k_t[:, g], src=k_units.ap([[m * d, pg], [d, m], [1, d]], offset=base + g * pg * m * d))
+    def load(p0, pn):
+        g = p0 // pg
+        nisa.dma_transpose(dst=k_t[:, g] if pn == pg else k_t[:, g, :, 0:pn],
+                           src=k_units.ap([[m * d, pn], [d, m], [1, d]], offset=base + p0 * m * d))
 
     if pg == pmax:
-        load(0)
+        load(0, n_part)
         return k_t
     key_regs = _key_registers(setup)
-    for g in range(pmax // pg):
-        _if_group_needed(g * pg, pg, m, key_regs, lambda g=g: load(g))
+    for p0, pn in spans(n_part, pg):
+        _if_group_needed(p0, pn, m, key_regs, lambda p0=p0, pn=pn: load(p0, pn))
     return k_t
 
 
@@ -673,7 +693,8 @@ def _single_chunk_k(cache, unit, seq_offset, k_chunk, setup):
     m = key_slots.shape[1]
     b, hk = unit
     if seq_offset is not None:
-        _load_needed_groups(k_units, k_chunk, seq_offset + hk * head_offset, m, _key_registers(setup))
+        _load_needed_groups(k_units, k_chunk, seq_offset + hk * head_offset, m, _key_registers(setup),
+                            chunk_partitions(head_offset // (k_chunk.shape[1] // m), m))
         return None
     idx_sb = load_unit_ids(block_table, [b], meta.gate, meta.unit_keys, k_units.shape[0])[b]
     for step in spans(m, plan[0]):
@@ -688,7 +709,8 @@ def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
     m = key_slots.shape[1]
     b, hk = unit
     if seq_offset is not None:
-        _load_needed_groups(v_units, v_chunk, seq_offset + hk * head_offset, m, _key_registers(setup))
+        _load_needed_groups(v_units, v_chunk, seq_offset + hk * head_offset, m, _key_registers(setup),
+                            chunk_partitions(head_offset // (v_chunk.shape[1] // m), m))
     else:
         gather_chunk(v_units, idx_sb, hk * head_offset, unit_keys, v_chunk)
 
@@ -756,9 +778,10 @@ class _UnitWork(nl.NKIObject):
 def single_chunk_path(n_split, n_units, n_prog, capacity, chunk_keys, head_keys):
     """Whether the kernel takes the single-chunk path: one split, whole units per core, a capacity
     of at most one chunk of at most ``SINGLE_CHUNK_KEYS`` keys, and for a contiguous cache
-    (``head_keys``: keys per kv head, None for paged) at least one whole chunk per head. On that
-    path a contiguous cache is loaded directly, without unit ids."""
-    whole = head_keys is None or head_keys >= chunk_keys
+    (``head_keys``: keys per kv head, None for paged) whole partitions of a head's keys (M divides
+    them; fewer than 128 when the capacity is below the chunk, ``chunk_partitions``). On that path a
+    contiguous cache is loaded directly, without unit ids."""
+    whole = head_keys is None or head_keys % (chunk_keys // nl.tile_size.pmax) == 0
     return (n_split == 1 and n_units % n_prog == 0 and capacity <= chunk_keys
             and chunk_keys <= SINGLE_CHUNK_KEYS and whole)
 
@@ -820,7 +843,9 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
                      m * pmax, unit_keys, single, early)
     every_k_t = every_k_by_transpose(seq_units, k_units.itemsize, d) and (
         single or stream_k_by_transpose(head_offset // d, m, k_units.itemsize, d))   # multi-chunk: ``_stream_k_t``
-    k_t_rows = None if single else K_T_DGE_ROWS    # partitions per K^T group: the multi-chunk path's hwdge form
+    head_parts = pmax if seq_units is None else chunk_partitions(head_offset // d, m)   # single chunk: loaded
+    k_t_rows = (_k_t_groups(m, k_units.itemsize, head_parts) if single    # partitions per K^T group; the
+                else K_T_DGE_ROWS)                                        # multi-chunk path's hwdge form
     fold = 1 if single or not every_k_t else k_t_fold(d, m)   # multi-chunk K^T: slots per partition row
     k_row = pmax // fold if every_k_t else d        # K^T: 128 keys per slot on each of D partitions
     budget = stream_budget(rows)
@@ -982,6 +1007,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
                     idx.append(None)
                 elif every_k_t or (last_k_t and g0 + n_pairs >= len(mine) and i == len(group) - 1):
                     k_bufs[i] = _load_k_t(k_units, seq_offset(b) + hk * head_offset, m, d, work.setups[0],
+                                          head_parts,
                                           chunk_bufs[i][0] if every_k_t else None)
                     idx.append(None)
                 else:

@@ -39,6 +39,7 @@ import torch
 from nki_lib._nki import nl
 from nki_lib.attention.attention_args import resolve_scale
 from nki_lib.attention.kernels.decode_attention_fwd import (
+    SINGLE_CHUNK_KEYS,
     decode_attention_fwd_kernel,
     single_chunk_path,
     stream_budget,
@@ -49,7 +50,7 @@ from nki_lib.attention.kernels.decode_attention_fwd_io import CHUNK_BUFFER_BYTES
 from nki_lib.attention.kernels.tiles import MAX_INDEX
 from nki_lib.backend import lnc_degree
 from nki_lib.dispatch import KernelLaunch, Unsupported
-from nki_lib.sizes import ceil_div, floor_pow2
+from nki_lib.sizes import ceil_div, ceil_pow2, floor_pow2
 
 __all__ = ["launch_decode_attention_fwd", "plan_splits", "KERNEL_DTYPES"]
 
@@ -64,12 +65,18 @@ CONTIGUOUS_UNIT_KEYS = 128   # gather granularity of a contiguous cache: reads s
 
 
 def keys_per_partition(capacity: int, d: int, itemsize: int) -> int:
-    """Chunk depth M (keys per partition; a chunk holds 128*M keys): the largest power of two
-    <= MAX_KEYS_PER_PARTITION whose K (or V) chunk fits ``CHUNK_BUFFER_BYTES`` per partition and
-    whose chunk is no longer than the capacity (a chunk is computed whole)."""
-    by_bytes = CHUNK_BUFFER_BYTES // (d * itemsize)
-    by_capacity = capacity // nl.tile_size.pmax
-    return floor_pow2(min(by_bytes, by_capacity, MAX_KEYS_PER_PARTITION))
+    """Chunk depth M (keys per partition; a chunk holds 128*M keys), a power of two <= the deepest
+    whose K (or V) chunk fits ``CHUNK_BUFFER_BYTES`` per partition and <= MAX_KEYS_PER_PARTITION:
+    the smallest whose one chunk holds the whole capacity when that chunk fits the single-chunk path
+    (<= ``SINGLE_CHUNK_KEYS``; 3072 keys -> M = 32, not two chunks of 2048 on the multi-chunk path,
+    docs/perf-log.md §38.1), else the largest whose chunk is no longer than the capacity (a chunk is
+    computed whole; the splits of several chunks spread a long cache over streams)."""
+    pmax = nl.tile_size.pmax
+    deepest = floor_pow2(min(CHUNK_BUFFER_BYTES // (d * itemsize), MAX_KEYS_PER_PARTITION))
+    whole = ceil_pow2(ceil_div(capacity, pmax))
+    if whole <= deepest and whole * pmax <= SINGLE_CHUNK_KEYS:
+        return whole
+    return min(deepest, floor_pow2(capacity // pmax))
 
 
 def plan_splits(batch: int, n_kv_heads: int, max_chunks: int, grid: int = 1, stream_heads: int = 1) -> int:
