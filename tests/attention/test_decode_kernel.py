@@ -512,24 +512,32 @@ def test_every_k_by_dma_transpose_at_d64(b, hq, hkv, sq, d, cap, lengths, window
     (2, 8, 2, 2, 64, 3072, [3000, 700], 1000, torch.bfloat16, 1),  # a window; the second sequence 22 groups
     (1, 8, 1, 1, 128, 1536, [1536], -1, torch.bfloat16, 1),      # D = 128, M = 16: the last K by transpose
     (2, 4, 2, 1, 64, 1000, [999, 1], -1, torch.float32, 1),      # M = 8, 125 partitions: a group of 13
-    (1, 8, 1, 1, 32, 1000, [1000], 200, torch.bfloat16, 1),      # K^T groups of 16, the last of 13
+    (1, 8, 1, 1, 32, 1000, [1000], 200, torch.bfloat16, 1),      # one K^T group of 125 partitions, cut short
     (2, 8, 2, 1, 128, 3072, [2500, 3072], -1, torch.float16, 2),  # LNC2: each core two units
+    (1, 8, 1, 1, 64, 3000, [3000], -1, torch.bfloat16, 1),       # M = 32: 93 partitions and 24 keys on the 94th
+    (2, 8, 2, 2, 64, 3000, [2977, 2990], 40, torch.bfloat16, 1),  # windows inside the last two partitions
+    (2, 8, 2, 1, 128, 2500, [2500, 1], -1, torch.float16, 2),    # D = 128, LNC2: 78 partitions and 4 keys
+    (1, 8, 1, 1, 128, 1900, [1899], -1, torch.bfloat16, 1),      # M = 16: the last K by transpose, 12 keys
+    (1, 4, 1, 1, 32, 6000, [6000], -1, torch.bfloat16, 1),       # M = 64, D = 32: 93 partitions and 48 keys
+    (2, 4, 2, 3, 64, 2500, [2500, 2000], 700, torch.float32, 1),  # 4-byte K: PE transposes of a partial row
 ])
 def test_single_chunk_below_the_capacity_of_its_chunk(b, hq, hkv, sq, d, cap, lengths, window_left, dtype, grid):
-    """A contiguous cache whose capacity is a whole number of partitions of M keys but below the chunk
-    (M rounded up to a power of two, ``keys_per_partition``: 3072 keys -> M = 32) takes the
-    single-chunk path, not two chunks on the multi-chunk one: no unit-id gathers, only the
-    ``chunk_partitions`` partitions holding keys of the head are read (never a byte past the cache:
-    at most its K and V bytes move), and the others -- never written, NaN on the simulator -- with
-    NaN at every cached position outside [first, L_b), stay out of the result. K^T groups tile those
-    partitions (``_k_t_groups``) unless fewer than 16 are left."""
+    """A contiguous cache whose capacity is below the chunk (M rounded up to a power of two,
+    ``keys_per_partition``: 3072 keys -> M = 32; 3000 too, its last partition holding 24 keys) takes
+    the single-chunk path, not the multi-chunk one: no unit-id gathers, only the ``chunk_partitions``
+    partitions holding keys of the head are read, and of a last partly filled one only those keys
+    (``partition_rows``: never a byte past the head, so at most the cache's K and V bytes move). The
+    rest of the chunk -- never written, NaN on the simulator -- with NaN at every cached position
+    outside [first, L_b), stays out of the result. K^T groups tile those partitions (``_k_t_groups``)
+    when a power of two from 16 up does; a group cut short is transposed into its own tile, so no
+    ``dma_transpose`` writes runs shorter than the partial partition's keys."""
     pmax = nl.tile_size.pmax
     sample = make_sample(b, hq, hkv, sq, d, lengths, dtype, capacity_=cap, sinks=True, window_left=window_left)
     q, k, v = sample.args[:3]
     m = launch_plan(sample, grid=grid)["keys_per_partition"]
     n_part = decode_attention_fwd.chunk_partitions(cap, m)
-    assert m * pmax > cap and n_part * m == cap and n_part < pmax
-    assert decode_attention_fwd.single_chunk_path(1, b * hkv, grid, cap, m * pmax, cap)
+    assert m * pmax > cap and (n_part - 1) * m < cap <= n_part * m and n_part < pmax
+    assert decode_attention_fwd.single_chunk_path(1, b * hkv, grid, cap, m * pmax)
     poisoned, _ = _poisoned_outside_window(sample, cap, lengths, sq, window_left)
     outs, report = _launch(poisoned, grid=grid)
     assert not any(torch.isnan(o).any() for o in outs)
@@ -540,9 +548,12 @@ def test_single_chunk_below_the_capacity_of_its_chunk(b, hq, hkv, sq, d, cap, le
         if e.opcode in ("dma_copy", "dma_transpose") and e.reads and e.reads[0].memory.endswith("hbm"):
             read[e.reads[0].buffer_id] += e.bytes
     assert max(read.values()) <= k.numel() * k.element_size()
-    pg = decode_attention_fwd._k_t_groups(m, k.element_size(), n_part)
+    pg = decode_attention_fwd.k_t_head_groups(m, k.element_size(), cap)
+    whole, rest = divmod(cap, m)
+    short = {(d, m, whole % pg), (d, rest, 1)}      # the last group's whole partitions, its partial one
     transposes = [e for e in report.trace if e.opcode == "dma_transpose"]
-    assert all(e.shape[2] == pg or pg * (n_part // pg) < n_part for e in transposes)
+    assert all(e.shape == (d, m, pg) or e.shape in short for e in transposes)
+    assert all(e.attrs["contiguous_bytes"] >= (rest or m) * k.element_size() for e in transposes)
 
 
 @pytest.mark.parametrize("b, hq, hkv, sq, d, cap, lengths, window_left, num_splits, grid", [
@@ -588,7 +599,7 @@ def _check_multi_chunk_k_t(b, hq, hkv, sq, d, cap, lengths, window_left, num_spl
     outs, report = _launch(poisoned, num_splits=num_splits, grid=grid)
     assert decode_attention_fwd.every_k_by_transpose(cap, k.element_size(), d)
     m = decode_attention_fwd_plan.keys_per_partition(cap, d, k.element_size())
-    assert not decode_attention_fwd.single_chunk_path(num_splits, b * hkv, grid, cap, m * pmax, cap)
+    assert not decode_attention_fwd.single_chunk_path(num_splits, b * hkv, grid, cap, m * pmax)
     _judge(poisoned, outs)
     assert decode_attention_fwd.stream_k_by_transpose(cap, m, k.element_size(), d)
     fold = decode_attention_fwd.k_t_fold(d, m)

@@ -117,9 +117,10 @@ fit one buffer pair (the gathers of a stream's next chunk then wait only for the
 compute). At D <= 64 the multi-chunk paths make K^T of 128/D slots per PE transpose
 (``decode_attention_fwd_pairs``), as the single-chunk path does.
 
-Single-chunk path (one split, a capacity of one chunk of at most ``SINGLE_CHUNK_KEYS`` keys, and
-for a contiguous cache exactly one chunk): every unit's only chunk is chunk 0, so its loads and
-compute are static code (contiguous: precomputed-descriptor DMAs per group of
+Single-chunk path (one split, a capacity of one chunk of at most ``SINGLE_CHUNK_KEYS`` keys; a
+contiguous cache below the chunk fills its first ``chunk_partitions`` partitions, the last one
+partly when M does not divide the capacity, ``partition_rows``): every unit's only chunk is chunk
+0, so its loads and compute are static code (contiguous: precomputed-descriptor DMAs per group of
 ``LOAD_GROUP_PARTITIONS`` partitions, each inside device loops of 0 or 1 trips that skip a group
 holding no key of [first, L_b); paged: the gathers as above, except that with one block per
 partition (M = block size, ``shared_gathers``) the units' K (and V) chunks are consecutive
@@ -541,28 +542,46 @@ def _stream_k_t(k_units, k_t, base, col, d, key_regs=None):
             _if_group_needed(p0, pn, m, key_regs, lambda p0=p0, pn=pn: load(p0, pn))
 
 
-def _load_needed_groups(cache_units, chunk_sb, base, m, key_regs, n_part):
+def _load_needed_groups(cache_units, chunk_sb, base, m, key_regs, head_keys):
     """A contiguous chunk (keys p*M + c on partition p) by groups of ``LOAD_GROUP_PARTITIONS``
-    of its first ``n_part`` partitions (``chunk_partitions``), each with precomputed descriptors
-    under ``_if_group_needed``: a group loads only if it holds a key of [first, L_b), so traffic
-    follows L_b; in ``DIRECT_PIECE_SLOTS`` pieces, so the first scores start while the rest lands."""
+    of the ``chunk_partitions`` partitions holding the kv head's ``head_keys`` keys (a last one partly,
+    ``partition_rows``), each with precomputed descriptors under ``_if_group_needed``: a group loads
+    only if it holds a key of [first, L_b), so traffic follows L_b; in ``DIRECT_PIECE_SLOTS`` pieces,
+    so the first scores start while the rest lands."""
     d = chunk_sb.shape[1] // m
 
     def load(p0, pn):
         for c0, n in spans(m, DIRECT_PIECE_SLOTS):
-            nisa.dma_copy(dst=chunk_sb[p0:p0 + pn, c0 * d:(c0 + n) * d],
-                          src=cache_units.ap([[m * d, pn], [1, n * d]], offset=base + (p0 * m + c0) * d))
+            for p, n_p, slots in partition_rows(p0, pn, m, head_keys):
+                if c0 < slots:
+                    width = min(n, slots - c0) * d
+                    nisa.dma_copy(dst=chunk_sb[p:p + n_p, c0 * d:c0 * d + width],
+                                  src=cache_units.ap([[m * d, n_p], [1, width]], offset=base + (p * m + c0) * d))
 
-    for p0, pn in spans(n_part, LOAD_GROUP_PARTITIONS):
+    for p0, pn in spans(chunk_partitions(head_keys, m), LOAD_GROUP_PARTITIONS):
         _if_group_needed(p0, pn, m, key_regs, lambda p0=p0, pn=pn: load(p0, pn))
+
+
+def partition_rows(p0, pn, m, head_keys):
+    """The loads of partitions [p0, p0 + pn) of a contiguous cache's only chunk (keys p*M + c on
+    partition p) as ``(first partition, partitions, slots)``: its whole partitions (M slots each), then
+    the one holding the head's last ``head_keys % M`` keys (a capacity that is not a whole number of
+    partitions: 3000 keys at M = 32 -> 93 whole partitions and 24 keys on the 94th, docs/perf-log.md
+    §39.1); its other slots, like the partitions past it, are never loaded."""
+    whole, rest = divmod(head_keys, m)
+    rows = [(p0, min(p0 + pn, whole) - p0, m)] if p0 < whole else []
+    if rest and p0 <= whole < p0 + pn:
+        rows.append((whole, 1, rest))
+    return rows
 
 
 def chunk_partitions(head_keys, m):
     """Partitions of a contiguous cache's only chunk (keys p*M + c on partition p) that hold keys of
-    the kv head: all 128, or ``head_keys / M`` when the capacity is below the chunk
-    (``keys_per_partition`` rounds M up to a power of two: 3072 keys -> M = 32, 96 partitions).
-    The others are never loaded: their keys lie at or past the capacity, so past L_b (scores masked by
-    selection, V rows zeroed as an edge chunk's, ``clean_edge_rows``)."""
+    the kv head: all 128, or ``ceil(head_keys / M)`` when the capacity is below the chunk
+    (``keys_per_partition`` rounds M up to a power of two: 3072 keys -> M = 32, 96 partitions; 3000 ->
+    94, the last holding 24 keys, ``partition_rows``). The other partitions and slots are never loaded:
+    their keys lie at or past the capacity, so past L_b (scores masked by selection, V rows zeroed as an
+    edge chunk's, ``clean_edge_rows``)."""
     return min(nl.tile_size.pmax, ceil_div(head_keys, m))
 
 
@@ -624,15 +643,16 @@ def k_t_fold(d, m):
 def _k_t_groups(m, itemsize, n_part=None):
     """Partitions per ``dma_transpose`` of a chunk's K^T: groups of ``LOAD_GROUP_PARTITIONS`` or more,
     so that each K^T row of a group (M slots x group keys) is at least ``K_T_ROW_BYTES``; halved
-    (down to ``LOAD_GROUP_PARTITIONS``) until they tile the ``n_part`` partitions a chunk loads
-    (``chunk_partitions``): a group cut short would write its K^T rows in runs of its partition
-    count (64 B at 32 partitions: 28.2 us of DMA against 2.9 at B=1 Hq=8 D=64 L=3072,
-    docs/perf-log.md §38.1)."""
+    (down to ``LOAD_GROUP_PARTITIONS``) when that makes them tile the ``n_part`` partitions a chunk
+    loads (``chunk_partitions``), else kept: a group cut short goes through a tile of its own and a
+    GpSimd copy (``_load_k_t``), which costs less than more groups when the halving cannot end in a
+    tiling (measured, docs/perf-log.md §38.1 and §39.1)."""
     pmax = nl.tile_size.pmax
     pg = min(pmax, max(LOAD_GROUP_PARTITIONS, K_T_ROW_BYTES // (m * itemsize)))
-    while n_part is not None and n_part % pg and pg > LOAD_GROUP_PARTITIONS:
-        pg //= 2
-    return pg
+    tiling = pg
+    while n_part is not None and n_part % tiling and tiling > LOAD_GROUP_PARTITIONS:
+        tiling //= 2
+    return tiling if n_part is None or n_part % tiling == 0 else pg
 
 
 def k_t_tile(dtype, m, d, pg=None, fold=1):
@@ -644,26 +664,37 @@ def k_t_tile(dtype, m, d, pg=None, fold=1):
     return nl.ndarray((fold * d, pmax // pg, m // fold, pg), dtype=dtype, buffer=nl.sbuf)
 
 
-def _load_k_t(k_units, base, m, d, setup, n_part, k_t=None):
+def _load_k_t(k_units, base, m, d, setup, head_keys, k_t=None):
     """K^T (D, 128/pg, M, pg) of a unit's only chunk by ``dma_transpose`` (the 3-d form, permutation
     (2, 1, 0)) of its keys viewed per group of ``pg`` partitions as (pg partitions, M slots, D):
     element [d, g, c, j] is key (g*pg + j)*M + c, the key of partition g*pg + j, slot c of the V
-    chunk, so K^T slot c is the (D, 128) view [:, :, c, :]. One group (``_k_t_groups``): one DMA of the
-    whole chunk, whatever L_b (keys outside [first, L_b) only give masked scores). Several: each
+    chunk, so K^T slot c is the (D, 128) view [:, :, c, :]. One group (``k_t_head_groups``): one DMA of
+    the whole chunk, whatever L_b (keys outside [first, L_b) only give masked scores). Several: each
     group under ``_if_group_needed`` on the key-window registers of ``setup``, so only groups that
     hold a key of [first, L_b) are read; the others keep stale data, masked by selection. Only the
-    first ``n_part`` partitions (``chunk_partitions``) are read, the last group's first ones when
-    ``n_part`` is not a whole number of groups."""
+    partitions holding the head's ``head_keys`` keys are read (``partition_rows``). A group cut short
+    (its whole partitions, then a partly filled last partition on its own) is transposed into a
+    tile of its own, (D, slots, partitions): written straight into K^T its rows would be runs of
+    one element per partition (2 B for the partial one), and one GpSimd copy (idle on this path)
+    puts it in place (docs/perf-log.md §39.1)."""
     pmax = nl.tile_size.pmax
-    pg = _k_t_groups(m, k_units.itemsize, n_part)
+    pg = k_t_head_groups(m, k_units.itemsize, head_keys)
     if k_t is None:
         k_t = k_t_tile(k_units.dtype, m, d, pg)
 
     def load(p0, pn):
         g = p0 // pg
-        nisa.dma_transpose(dst=k_t[:, g] if pn == pg else k_t[:, g, :, 0:pn],
-                           src=k_units.ap([[m * d, pn], [d, m], [1, d]], offset=base + p0 * m * d))
+        for p, n_p, slots in partition_rows(p0, pn, m, head_keys):
+            src = k_units.ap([[m * d, n_p], [d, slots], [1, d]], offset=base + p * m * d)
+            if n_p == pg and slots == m:
+                nisa.dma_transpose(dst=k_t[:, g], src=src)
+                continue
+            part_t = nl.ndarray((d, slots, n_p), dtype=k_units.dtype, buffer=nl.sbuf)
+            nisa.dma_transpose(dst=part_t, src=src)
+            j = p - g * pg
+            nisa.tensor_copy(dst=k_t[:, g, 0:slots, j:j + n_p], src=part_t, engine=nisa.engine.gpsimd)
 
+    n_part = chunk_partitions(head_keys, m)
     if pg == pmax:
         load(0, n_part)
         return k_t
@@ -671,6 +702,12 @@ def _load_k_t(k_units, base, m, d, setup, n_part, k_t=None):
     for p0, pn in spans(n_part, pg):
         _if_group_needed(p0, pn, m, key_regs, lambda p0=p0, pn=pn: load(p0, pn))
     return k_t
+
+
+def k_t_head_groups(m, itemsize, head_keys):
+    """Partitions per K^T group of a contiguous cache's only chunk holding ``head_keys`` keys per kv
+    head: ``_k_t_groups`` tiling its ``chunk_partitions``."""
+    return _k_t_groups(m, itemsize, chunk_partitions(head_keys, m))
 
 
 def _key_registers(setup):
@@ -694,7 +731,7 @@ def _single_chunk_k(cache, unit, seq_offset, k_chunk, setup):
     b, hk = unit
     if seq_offset is not None:
         _load_needed_groups(k_units, k_chunk, seq_offset + hk * head_offset, m, _key_registers(setup),
-                            chunk_partitions(head_offset // (k_chunk.shape[1] // m), m))
+                            head_offset // (k_chunk.shape[1] // m))
         return None
     idx_sb = load_unit_ids(block_table, [b], meta.gate, meta.unit_keys, k_units.shape[0])[b]
     for step in spans(m, plan[0]):
@@ -710,7 +747,7 @@ def _single_chunk_v(cache, unit, seq_offset, v_chunk, idx_sb, setup):
     b, hk = unit
     if seq_offset is not None:
         _load_needed_groups(v_units, v_chunk, seq_offset + hk * head_offset, m, _key_registers(setup),
-                            chunk_partitions(head_offset // (v_chunk.shape[1] // m), m))
+                            head_offset // (v_chunk.shape[1] // m))
     else:
         gather_chunk(v_units, idx_sb, hk * head_offset, unit_keys, v_chunk)
 
@@ -775,15 +812,12 @@ class _UnitWork(nl.NKIObject):
     setups: object    # per split of this core: its StreamSetup
 
 
-def single_chunk_path(n_split, n_units, n_prog, capacity, chunk_keys, head_keys):
-    """Whether the kernel takes the single-chunk path: one split, whole units per core, a capacity
-    of at most one chunk of at most ``SINGLE_CHUNK_KEYS`` keys, and for a contiguous cache
-    (``head_keys``: keys per kv head, None for paged) whole partitions of a head's keys (M divides
-    them; fewer than 128 when the capacity is below the chunk, ``chunk_partitions``). On that path a
-    contiguous cache is loaded directly, without unit ids."""
-    whole = head_keys is None or head_keys % (chunk_keys // nl.tile_size.pmax) == 0
-    return (n_split == 1 and n_units % n_prog == 0 and capacity <= chunk_keys
-            and chunk_keys <= SINGLE_CHUNK_KEYS and whole)
+def single_chunk_path(n_split, n_units, n_prog, capacity, chunk_keys):
+    """Whether the kernel takes the single-chunk path: one split, whole units per core, and a capacity
+    of at most one chunk of at most ``SINGLE_CHUNK_KEYS`` keys (a contiguous cache's below the chunk
+    fills only its first ``chunk_partitions`` partitions). On that path a contiguous cache is loaded
+    directly, without unit ids."""
+    return n_split == 1 and n_units % n_prog == 0 and capacity <= chunk_keys <= SINGLE_CHUNK_KEYS
 
 
 def reads_lengths(single, paged, first_is_zero, batch):
@@ -820,8 +854,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
     n_prog = nl.num_programs(0)
     pid = nl.program_id(0)
     units = tuple((b, hk) for b in range(batch) for hk in range(n_kv_heads))
-    single = single_chunk_path(n_split, len(units), n_prog, n_cols * unit_keys, m * pmax,
-                               None if seq_units is None else head_offset // d)
+    single = single_chunk_path(n_split, len(units), n_prog, n_cols * unit_keys, m * pmax)
     first_keys = window_left >= 0 or cache_start is not None     # first > 0 possible
     derive = not reads_lengths(single, seq_units is None, not first_keys, batch)
     shared = single and shared_gathers(seq_units, unit_keys, m)
@@ -843,9 +876,9 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
                      m * pmax, unit_keys, single, early)
     every_k_t = every_k_by_transpose(seq_units, k_units.itemsize, d) and (
         single or stream_k_by_transpose(head_offset // d, m, k_units.itemsize, d))   # multi-chunk: ``_stream_k_t``
-    head_parts = pmax if seq_units is None else chunk_partitions(head_offset // d, m)   # single chunk: loaded
-    k_t_rows = (_k_t_groups(m, k_units.itemsize, head_parts) if single    # partitions per K^T group; the
-                else K_T_DGE_ROWS)                                        # multi-chunk path's hwdge form
+    head_keys = pmax * m if seq_units is None else head_offset // d   # single chunk: the keys it loads
+    k_t_rows = (k_t_head_groups(m, k_units.itemsize, head_keys) if single   # partitions per K^T group; the
+                else K_T_DGE_ROWS)                                         # multi-chunk path's hwdge form
     fold = 1 if single or not every_k_t else k_t_fold(d, m)   # multi-chunk K^T: slots per partition row
     k_row = pmax // fold if every_k_t else d        # K^T: 128 keys per slot on each of D partitions
     budget = stream_budget(rows)
@@ -1007,7 +1040,7 @@ def decode_attention_fwd_kernel(q, k_units, v_units, block_table, cache_seqlens,
                     idx.append(None)
                 elif every_k_t or (last_k_t and g0 + n_pairs >= len(mine) and i == len(group) - 1):
                     k_bufs[i] = _load_k_t(k_units, seq_offset(b) + hk * head_offset, m, d, work.setups[0],
-                                          head_parts,
+                                          head_keys,
                                           chunk_bufs[i][0] if every_k_t else None)
                     idx.append(None)
                 else:

@@ -22,8 +22,9 @@ Host work here is views and static planning only:
   cast each (int64 index tensors: the op casts the first two already); a block table whose width
   is not a whole number of chunks (``C/u`` blocks) is padded once (the kernel reads the ids of a
   whole chunk at a time; the padding lies past the capacity, and the kernel skips it);
-* the static plan: chunk depth ``M`` (``keys_per_partition``), splits ``S`` (``plan_splits``), the
-  padded unit columns;
+* the static plan: chunk depth ``M`` (``keys_per_partition``; a contiguous cache on the
+  multi-chunk path at most its unit ``u``, on the single-chunk path whole, its last partition then
+  partly filled), splits ``S`` (``plan_splits``), the padded unit columns;
 * ``sink_rows`` float32: the sinks as (Hkv, G) (a view) when the R rows fit one tile, else the sink
   logit of each query row (Hkv, R) (an expand of ``sinks``, one copy).
 
@@ -138,7 +139,7 @@ def _token_major_depth(k_cache, v_cache, plan_args, m, unit_keys, itemsize):
 
     def single(depth):
         chunk, _, n_cols_pad, n_split = _chunking(b, hkv, cap, depth, unit_keys, n_cols, grid, num_splits)
-        return single_chunk_path(n_split, b * hkv, grid, n_cols_pad * unit_keys, chunk, None)
+        return single_chunk_path(n_split, b * hkv, grid, n_cols_pad * unit_keys, chunk)
 
     if single(m):
         return m if shared_gathers(None, unit_keys, m) else None
@@ -218,10 +219,13 @@ def launch_decode_attention_fwd(q, k_cache, v_cache, cache_seqlens, block_table,
         if m * d * q.element_size() > CHUNK_BUFFER_BYTES:
             raise Unsupported(f"block_size {unit_keys} with D={d}: a whole block per chunk exceeds the "
                               f"{CHUNK_BUFFER_BYTES} B chunk buffer")
-    else:
-        unit_keys = math.gcd(k_cache.shape[2], m * pmax, CONTIGUOUS_UNIT_KEYS)
-        m = min(m, unit_keys)
     grid = grid or lnc_degree()
+    if not paged:
+        unit_keys = math.gcd(k_cache.shape[2], m * pmax, CONTIGUOUS_UNIT_KEYS)
+        n_split = _chunking(b, hkv, cap, m, unit_keys, None, grid, num_splits)[3]
+        if not single_chunk_path(n_split, b * hkv, grid, cap, m * pmax):
+            m = min(m, unit_keys)       # the multi-chunk path gathers whole units; the single-chunk
+                                        # path loads partitions of M keys, a last one partly filled
     plan_args = (b, hkv, cap, block_table.shape[1] if paged else None, grid, num_splits)
     depth = _token_major_depth(k_cache, v_cache, plan_args, m, unit_keys, q.element_size()) if paged else None
     token_major = depth is not None
