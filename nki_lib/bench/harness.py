@@ -9,7 +9,8 @@ For a :class:`~nki_lib.bench.shapes.Case` the harness
    * attention (flash and decode): the (batch x kv-head) groups are independent; one group
      (``Hq / Hkv`` query heads sharing one kv head, real sequence lengths and head dim) is
      simulated and ``time = launch + groups x simulated makespan``; not for a paged decode
-     cache (``block_size``), whose blocks hold every kv head (one gather may serve them all);
+     cache (``block_size``), whose blocks hold every kv head (one gather may serve them all),
+     nor for a token-major one (``layout="NHD"``: one kv head would make its layout head-major);
    * ``moe_experts`` (E > 2n, ``n = max(2, k)``): experts are independent blocks of work, but the
      kernel's prologue (the first group's row gathers) and its tail (the last scatters and the
      k-sum) are not per expert, so the case is measured at steady state: two calls are
@@ -83,7 +84,7 @@ def plan(case: Case) -> SimPlan:
     d = dict(case.dims)
     if not case.extrapolate:
         return SimPlan(d, 1.0, None)
-    if case.op in ("flash_attention", "decode_attention") and "block_size" not in d:
+    if case.op in ("flash_attention", "decode_attention") and "block_size" not in d and d.get("layout") != "NHD":
         groups = d["B"] * d["Hkv"]
         if groups == 1:
             return SimPlan(d, 1.0, None)

@@ -36,17 +36,31 @@ def _plan(topk_ids: torch.Tensor, num_experts: int, block_size: int):
 
 
 def _decode_cache(gen, dims: dict, dtype: torch.dtype):
-    """Contiguous (B, Hkv, L, D) caches, or, with ``block_size``, paged (NB, Hkv, block_size, D)
-    caches whose blocks a sequence owns in a random order (a pool after many allocations)."""
+    """Contiguous (B, Hkv, C, D) caches, or, with ``block_size``, paged (NB, Hkv, block_size, D)
+    caches whose blocks a sequence owns in a random order (a pool after many allocations). ``C``
+    (default ``L``) is the capacity: a static cache's ``max_cache_len``, or a block table ``C /
+    block_size`` columns wide whose columns past ``L`` are unused (0, as a serving engine leaves
+    them). ``layout="NHD"``: token-major memory, (B, C, Hkv, D) or (NB, block_size, Hkv, D), passed as
+    its ``transpose(1, 2)`` (the tensors of vLLM, flash-attn and Hugging Face's continuous batching)."""
     b, hkv, length, d = (dims[k] for k in ("B", "Hkv", "L", "D"))
+    cap = dims.get("C", length)
+    if cap < length:
+        raise ValueError(f"dims: capacity C={cap} below the length L={length}")
     bs = dims.get("block_size")
+    token_major = dims.get("layout", "HND") == "NHD"
+
+    def cache(n, keys):
+        if token_major:
+            return _rand(gen, n, keys, hkv, d, dtype=dtype).transpose(1, 2)
+        return _rand(gen, n, hkv, keys, d, dtype=dtype)
+
     if bs is None:
-        return _rand(gen, b, hkv, length, d, dtype=dtype), _rand(gen, b, hkv, length, d, dtype=dtype), None
+        return cache(b, cap), cache(b, cap), None
     per_seq = ceil_div(length, bs)
-    k_cache = _rand(gen, b * per_seq, hkv, bs, d, dtype=dtype)
-    v_cache = _rand(gen, b * per_seq, hkv, bs, d, dtype=dtype)
+    k_cache, v_cache = cache(b * per_seq, bs), cache(b * per_seq, bs)
     block_table = torch.randperm(b * per_seq, generator=gen).to(torch.int32).reshape(b, per_seq)
-    return k_cache, v_cache, block_table
+    unused = ceil_div(cap, bs) - per_seq
+    return k_cache, v_cache, torch.nn.functional.pad(block_table, (0, unused)) if unused else block_table
 
 
 def make_call(op: str, dims: dict, dtype: torch.dtype, requires_grad: bool = False) -> tuple[tuple, dict]:

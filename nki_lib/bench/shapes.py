@@ -102,6 +102,22 @@ def _decode_cases(m: ModelConfig, caches, batch: int, sq: int) -> list[Case]:
                  dict(B=batch, Hq=m.heads, Hkv=m.kv_heads, Sq=sq, L=cache, D=m.head_dim)) for cache in caches]
 
 
+def _serving_decode_cases() -> list[Case]:
+    """Decode caches as serving stacks size them: a Hugging Face ``StaticCache`` of
+    ``max_cache_len`` 3000 holding 2900 tokens (a capacity not a multiple of 128 keys,
+    docs/perf-log.md §39.1), and a token-major paged pool behind a block table sized to a 32k
+    context holding an 8k sequence (vLLM's and Hugging Face continuous batching's layout: the
+    kernel's multi-chunk path, docs/perf-log.md §32.1, §36.1)."""
+    llama, gpt_oss = MODELS["llama3-8b"], MODELS["gpt-oss-120b"]
+    return [
+        Case("decode_attention", "decode", llama.name, dict(B=1, Hq=llama.heads, Hkv=llama.kv_heads, Sq=1, L=2900,
+                                                            D=llama.head_dim, C=3000)),
+        Case("decode_attention", "decode", gpt_oss.name, dict(B=1, Hq=gpt_oss.heads, Hkv=gpt_oss.kv_heads, Sq=1,
+                                                              L=8192, D=gpt_oss.head_dim, C=32768, block_size=64,
+                                                              layout="NHD", sinks=True)),
+    ]
+
+
 def _moe_cases(m: ModelConfig, mode: str, tokens) -> list[Case]:
     if not m.is_moe:
         return []
@@ -121,14 +137,15 @@ def sweep(name: str) -> list[Case]:
 
 
 def _default() -> list[Case]:
-    """Runnable in a few minutes on this CPU: one prefill length, short decode caches, a
-    moderate token count, one training case per family; large dims are extrapolated (see
-    harness) rather than simulated."""
+    """Runnable in a few minutes on this CPU: one prefill length, short decode caches and two
+    serving-stack caches (``_serving_decode_cases``), a moderate token count, one training case per
+    family; large dims are extrapolated (see harness) rather than simulated."""
     cases: list[Case] = []
     for m in MODELS.values():
         cases += _attention_cases(m, "prefill", (1024,), 1)
         cases += _decode_cases(m, (2048,), 1, 1)
         cases += _moe_cases(m, "prefill", (1024,))
+    cases += _serving_decode_cases()
     cases += _attention_cases(MODELS["llama3-8b"], "train", (1024,), 1)
     cases += _moe_cases(MODELS["qwen3-30b-a3b"], "train", (1024,))
     return cases

@@ -145,3 +145,45 @@ def test_paged_decode_inputs_hold_the_contiguous_problem():
     with nki_lib.use_backend("reference"):
         out = torch.ops.nki.decode_attention(*args, **kwargs)[0]
     torch.testing.assert_close(out, baseline("decode_attention", args, kwargs))
+
+
+@pytest.mark.parametrize("dims", [
+    dict(B=2, Hq=4, Hkv=2, Sq=1, L=90, D=16, C=100),                            # a static cache, 10 slots unused
+    dict(B=2, Hq=4, Hkv=2, Sq=1, L=70, D=16, C=128, block_size=16, layout="NHD"),  # a wide table, token-major pool
+    dict(B=1, Hq=4, Hkv=2, Sq=2, L=60, D=16, C=60, layout="NHD"),               # flash-attn's (B, S, Hkv, D) cache
+])
+def test_serving_decode_inputs(dims):
+    """A decode case's capacity ``C`` and ``layout``: the caches (or the block table) hold ``C`` keys,
+    the unused table columns are 0, a token-major cache is the ``transpose(1, 2)`` of contiguous
+    token-major memory, and the op's reference agrees with the baseline on the first ``L`` keys."""
+    import torch
+
+    import nki_lib
+    from nki_lib.bench.inputs import baseline, make_call
+
+    args, kwargs = make_call("decode_attention", dims, torch.float32)
+    q, k_cache, v_cache, seqlens, block_table, _ = args
+    bs = dims.get("block_size")
+    assert seqlens.tolist() == [dims["L"]] * dims["B"]
+    if bs is None:
+        assert block_table is None and k_cache.shape == (dims["B"], dims["Hkv"], dims["C"], dims["D"])
+    else:
+        used = -(-dims["L"] // bs)
+        assert block_table.shape == (dims["B"], dims["C"] // bs) and not block_table[:, used:].any()
+        assert sorted(block_table[:, :used].flatten().tolist()) == list(range(dims["B"] * used))
+    for cache in (k_cache, v_cache):
+        assert cache.transpose(1, 2).is_contiguous() == (dims.get("layout") == "NHD")
+    with nki_lib.use_backend("reference"):
+        out = torch.ops.nki.decode_attention(*args, **kwargs)[0]
+    torch.testing.assert_close(out, baseline("decode_attention", args, kwargs))
+    with pytest.raises(ValueError, match="capacity"):
+        make_call("decode_attention", {**dims, "C": dims["L"] - 1}, torch.float32)
+
+
+def test_token_major_decode_cases_are_simulated_whole():
+    """A token-major decode case is never cut to one (batch x kv-head) group: with one kv head its
+    layout would be head-major (the same memory), not the case's."""
+    nhd = Case("decode_attention", "decode", "m", dict(B=1, Hq=8, Hkv=2, Sq=1, L=256, D=64, layout="NHD"))
+    hnd = Case("decode_attention", "decode", "m", dict(B=1, Hq=8, Hkv=2, Sq=1, L=256, D=64, C=300))
+    assert plan(nhd).extrapolation is None and plan(nhd).dims == nhd.dims
+    assert plan(hnd).scale == 2 and plan(hnd).dims["C"] == 300
