@@ -29,6 +29,12 @@ How HF's masks map onto the op (static shapes throughout: compile and export wor
   causal/window flags: correct, served by the kernels when every row's keys are one interval
   (e.g. packed ``position_ids``: block-diagonal causal), else counted as a fallback in
   ``nki_lib.coverage()``.
+* **Continuous batching** (``generate_batch``) runs only on ``"sdpa"``, ``"paged|eager"`` or a flash
+  implementation, so ``serve_continuous_batching()`` puts nki's attention function behind the first
+  two. Each call packs the batch's requests on one row with ``cu_seq_lens_q`` / ``cu_seq_lens_k``
+  and passes their block mask (``finfo.min`` where blocked) with ``is_causal=False``: when that
+  mask is exactly the documents' bottom-right causal (or windowed, or full) mask, the documents'
+  flags are used (kernels); any other mask is passed as it is.
 * ``softcap`` (Gemma 2), ``s_aux`` sinks (gpt-oss, any float dtype), GQA and ``scaling`` map
   directly. Attention dropout (``dropout > 0`` in training) is not in the op: the call runs
   PyTorch's SDPA and is recorded as a fallback (softcap or sinks with dropout raise).
@@ -41,9 +47,11 @@ import torch
 from nki_lib.attention import flash_attention
 from nki_lib.coverage import LEDGER
 
-__all__ = ["register", "attention_forward", "mask_forward", "NAME"]
+__all__ = ["register", "serve_continuous_batching", "attention_forward", "mask_forward", "NAME",
+           "CONTINUOUS_BATCHING_NAMES"]
 
 NAME = "nki"
+CONTINUOUS_BATCHING_NAMES = ("sdpa", "paged|eager")   # what transformers 5.25 continuous batching runs on
 
 
 # --------------------------------------------------------------------------- mask builder
@@ -115,22 +123,63 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     flags = dict(scale=scaling, softcap=0.0 if softcap is None else float(softcap))
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    dense = attention_mask is not None and attention_mask.dim() == 4
+    window_left = -1 if sliding_window is None else int(sliding_window) - 1
     mask = None
-    if cu_q is not None:
+    if cu_q is not None and dense:              # continuous batching: the mask is the truth (is_causal False)
+        causal = _documents_form(attention_mask, cu_q, cu_k, window_left)
+        dense = causal is None
+    if cu_q is not None and not dense:
         flags.update(causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
-    elif attention_mask is not None and attention_mask.dim() == 4:
+    elif dense:
         flags.update(causal=False)              # dense mask: it already holds causal/window
         mask = attention_mask
     else:
         flags.update(causal=causal)
         if attention_mask is not None:
             mask = attention_mask[:, None, None, :].to(torch.bool)
-    if sliding_window is not None and flags["causal"]:    # HF: q - W < k <= q
-        flags["window"] = (int(sliding_window) - 1, -1)
+    if window_left >= 0 and flags["causal"]:    # HF: q - W < k <= q
+        flags["window"] = (window_left, -1)
     if dropout and dropout > 0:
         return _dropout_fallback(query, key, value, mask, dropout, flags, s_aux), None
     out = flash_attention(query, key, value, sinks=s_aux, attn_mask=mask, **flags)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _documents_form(mask, cu_q, cu_k, window_left):
+    """The flags of a dense (1, 1, Sq, Sk) mask given together with ``cu_seq_lens_q`` /
+    ``cu_seq_lens_k``, as continuous batching passes them (with ``is_causal=False``: the mask holds
+    causality, blocked keys at ``finfo.min``): True when it is exactly the packed documents'
+    bottom-right causal mask (with ``window_left`` if >= 0), False when it is exactly their
+    full (non-causal) mask, else None (the mask is passed as it is). One pass over the mask on the
+    host; None under torch.compile (a data-dependent check), and when the documents do not cover
+    the whole query and key lengths (padding) or a row allows no key."""
+    sq, sk = mask.shape[-2:]
+    if torch.compiler.is_compiling() or mask.shape[:2] != (1, 1) or cu_k is None:
+        return None
+    cu_q, cu_k = (c.to(device=mask.device, dtype=torch.long) for c in (cu_q, cu_k))
+    if int(cu_q[-1]) != sq or int(cu_k[-1]) != sk or cu_q.numel() != cu_k.numel():
+        return None
+    if mask.dtype == torch.bool:
+        allowed = mask[0, 0]
+    else:
+        allowed = mask[0, 0] == 0
+        if not (allowed | (mask[0, 0] <= torch.finfo(mask.dtype).min)).all():
+            return None                         # other additive values: the mask is needed
+    rows, cols = torch.arange(sq, device=mask.device), torch.arange(sk, device=mask.device)
+    doc_q = torch.searchsorted(cu_q[1:], rows, right=True)
+    doc_k = torch.searchsorted(cu_k[1:], cols, right=True)
+    diag = (rows - cu_q[doc_q] + (cu_k[doc_q + 1] - cu_k[doc_q]) - (cu_q[doc_q + 1] - cu_q[doc_q]))[:, None]
+    key = (cols - cu_k[doc_k])[None, :]
+    same = doc_q[:, None] == doc_k[None, :]
+    seen = same & (key <= diag)
+    if window_left >= 0:
+        seen &= key >= diag - window_left
+    if seen.any(dim=1).all() and torch.equal(allowed, seen):
+        return True
+    if window_left < 0 and torch.equal(allowed, same):
+        return False
+    return None
 
 
 def _dropout_fallback(query, key, value, mask, dropout, flags, sinks):
@@ -164,6 +213,30 @@ def register(name: str = NAME) -> None:
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, mask_forward)
     _register_experts(name)
+
+
+def serve_continuous_batching():
+    """Serve the attention implementations transformers' continuous batching runs on
+    (``CONTINUOUS_BATCHING_NAMES``) with nki's attention function; returns a function that puts
+    transformers' own back. Continuous batching (``generate_batch``, ``init_continuous_batching``)
+    runs only on ``"sdpa"``, ``"paged|eager"`` or a flash implementation (transformers 5.25
+    ``switch_to_cb_friendly_attn``; a name containing "flash" must import a flash-attn kernel), so it
+    refuses ``attn_implementation="nki"``. Its calls pass the packed requests' ``cu_seq_lens_q`` /
+    ``cu_seq_lens_k`` with their block mask and ``is_causal=False``; the attention function takes the
+    documents' flags when the mask is exactly theirs (``_documents_form``), so prefill and decode
+    steps run on the kernels. The replacement is process-wide: a model loaded with ``"sdpa"`` outside
+    continuous batching runs nki's attention too (on transformers' own masks)."""
+    from transformers import AttentionInterface
+
+    saved = {name: AttentionInterface._global_mapping.get(name) for name in CONTINUOUS_BATCHING_NAMES}
+    for name in CONTINUOUS_BATCHING_NAMES:
+        AttentionInterface.register(name, attention_forward)
+
+    def restore():
+        for name, fn in saved.items():
+            AttentionInterface.register(name, fn)
+
+    return restore
 
 
 def _register_experts(name: str) -> None:
