@@ -107,14 +107,15 @@ def _serving_decode_cases() -> list[Case]:
     ``max_cache_len`` 3000 holding 2900 tokens (a capacity not a multiple of 128 keys,
     docs/perf-log.md §39.1), and a token-major paged pool behind a block table sized to a 32k
     context holding an 8k sequence (vLLM's and Hugging Face continuous batching's layout: the
-    kernel's multi-chunk path, docs/perf-log.md §32.1, §36.1)."""
+    kernel's multi-chunk path, docs/perf-log.md §32.1, §36.1). Both simulated at their real shape
+    (they follow the kernel's paths, which one (batch x kv-head) group would change)."""
     llama, gpt_oss = MODELS["llama3-8b"], MODELS["gpt-oss-120b"]
     return [
         Case("decode_attention", "decode", llama.name, dict(B=1, Hq=llama.heads, Hkv=llama.kv_heads, Sq=1, L=2900,
-                                                            D=llama.head_dim, C=3000)),
+                                                            D=llama.head_dim, C=3000), extrapolate=False),
         Case("decode_attention", "decode", gpt_oss.name, dict(B=1, Hq=gpt_oss.heads, Hkv=gpt_oss.kv_heads, Sq=1,
                                                               L=8192, D=gpt_oss.head_dim, C=32768, block_size=64,
-                                                              layout="NHD", sinks=True)),
+                                                              layout="NHD", sinks=True), extrapolate=False),
     ]
 
 
