@@ -185,7 +185,9 @@ def test_two_pair_trips_prefetch_the_next_trip_s_ids():
     """llama3-8b's kv heads at L = 32768 in a 32k table, token-major: 16 interior chunks of 2048 keys
     (M = 16: a 32 KiB run of 8 heads x D = 128), 8 trips of two chunks. Each trip's ids are read one trip
     ahead (one DMA before the loop, one per trip), the last read runs past the table's end and is
-    skipped (oob_mode.skip), and the answer matches the fp64 oracle."""
+    skipped (oob_mode.skip), and the answer matches the fp64 oracle. Each partition reads its trip's
+    two columns as one run (chunk j takes units 2p + j, ``_paged_unit_ids``), not one 4-byte run per
+    id."""
     sample = _sample(_in_place(b=1, hq=16, hkv=8, d=128, block_size=64, cap=32768, lengths=[32768]))
     with collect_runs() as runs:
         _token_major_parity(sample)
@@ -193,6 +195,7 @@ def test_two_pair_trips_prefetch_the_next_trip_s_ids():
     trip_ids = [e for e in trace if e.opcode == "dma_copy" and e.dtype == "int32" and e.shape == (32, 2)]
     assert len(trip_ids) == 8 + 1, [e.shape for e in trip_ids]
     assert [bool(e.attrs.get("skipped")) for e in trip_ids] == [False] * 8 + [True]
+    assert all(e.attrs["contiguous_bytes"] == 2 * 4 for e in trip_ids)
 
 
 @settings(deadline=None, max_examples=10)
